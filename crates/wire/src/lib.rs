@@ -1,0 +1,24 @@
+//! NVMe and NVMe/TCP wire formats for nvpool.
+//!
+//! Pure encode and decode: no I/O and no `unsafe`. Every structure is laid out as the
+//! specifications define it:
+//! - NVM Express Base Specification 2.0 (commands, completions, Identify, log pages,
+//!   features),
+//! - NVM Command Set Specification 1.0 (Read, Write, Flush, Write Zeroes, Dataset
+//!   Management, the I/O Command Set specific Identify structures),
+//! - NVMe over Fabrics 1.1 (Connect, Property Get/Set, Disconnect, discovery log),
+//! - NVMe/TCP Transport Specification 1.0 (PDUs and digests).
+//!
+//! Decoders never panic on wire input: they return an error that names what was wrong.
+#![forbid(unsafe_code)]
+
+pub mod bytes;
+pub mod command;
+pub mod fabrics;
+pub mod identify;
+pub mod log;
+pub mod status;
+pub mod tcp;
+
+pub use command::{Command, Completion};
+pub use status::Status;
