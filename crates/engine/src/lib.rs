@@ -1,1 +1,348 @@
+//! The nvpool engine: a userspace NVMe-oF target speaking NVMe/TCP.
+//!
+//! [`Engine::start`] builds the target from an [`config::EngineConfig`], starts one
+//! reactor thread per configured core, and binds the listeners. Management changes
+//! (subsystems, namespaces, hosts, listeners) go through the `Engine` methods, which
+//! the Unix-socket API in [`mgmt`] exposes.
 
+pub mod bdev;
+pub mod bufpool;
+pub mod config;
+pub mod mgmt;
+pub mod reactor;
+pub mod target;
+
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, TcpListener};
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use serde::Serialize;
+
+use bdev::Bdev;
+use config::{BackendSpec, EngineConfig, NamespaceConfig, SubsystemConfig};
+use reactor::{Msg, ReactorLink};
+use target::subsystem::HostPolicy;
+use target::{ListenerInfo, Namespace, Subsystem, Target, lock};
+
+/// A running engine.
+pub struct Engine {
+    target: Arc<Target>,
+    links: Arc<Vec<ReactorLink>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    listeners: Mutex<BTreeMap<u16, SocketAddr>>,
+    next_port_id: AtomicU16,
+}
+
+/// A namespace as the management API reports it.
+#[derive(Debug, Serialize)]
+pub struct NamespaceInfo {
+    /// Namespace ID.
+    pub nsid: u32,
+    /// Backend kind.
+    pub kind: bdev::BdevKind,
+    /// Backend description (path, or kind and size).
+    pub backend: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Block size in bytes.
+    pub block_size: u32,
+    /// UUID.
+    pub uuid: String,
+    /// NGUID, as 32 hex digits.
+    pub nguid: String,
+    /// Whether I/O bypasses the page cache.
+    pub direct_io: bool,
+    /// I/O counters.
+    pub stats: NamespaceStatsInfo,
+}
+
+/// I/O counters of a namespace.
+#[derive(Debug, Serialize, Default)]
+pub struct NamespaceStatsInfo {
+    /// Read commands.
+    pub reads: u64,
+    /// Write commands.
+    pub writes: u64,
+    /// Bytes read.
+    pub read_bytes: u64,
+    /// Bytes written.
+    pub write_bytes: u64,
+    /// Flush, Write Zeroes and Dataset Management commands.
+    pub others: u64,
+    /// Failed commands.
+    pub errors: u64,
+}
+
+/// A subsystem as the management API reports it.
+#[derive(Debug, Serialize)]
+pub struct SubsystemInfo {
+    /// NQN.
+    pub nqn: String,
+    /// Serial number.
+    pub serial: String,
+    /// Model number.
+    pub model: String,
+    /// Whether any host may connect.
+    pub allow_any_host: bool,
+    /// Allowed hosts.
+    pub hosts: Vec<String>,
+    /// Live controllers.
+    pub controllers: usize,
+    /// Namespaces.
+    pub namespaces: Vec<NamespaceInfo>,
+}
+
+impl Engine {
+    /// Starts reactors, listeners and everything the configuration describes.
+    pub fn start(cfg: &EngineConfig) -> Result<Arc<Engine>, String> {
+        cfg.validate()?;
+        let target = Target::new(cfg.limits.clone());
+        let cores = cfg.reactor_cores();
+        let mut links = Vec::new();
+        let mut ends = Vec::new();
+        for _ in &cores {
+            let (link, rx, wake) =
+                reactor::mailbox().map_err(|e| format!("cannot create a reactor mailbox: {e}"))?;
+            links.push(link);
+            ends.push((rx, wake));
+        }
+        let links = Arc::new(links);
+        let mut threads = Vec::new();
+        for (id, (core, (rx, wake))) in cores.iter().zip(ends).enumerate() {
+            let t = reactor::spawn(id, *core, target.clone(), links.clone(), rx, wake)
+                .map_err(|e| format!("cannot start reactor {id} (io_uring setup failed: {e}); is io_uring disabled by the kernel or a seccomp policy?"))?;
+            threads.push(t);
+        }
+        let engine = Arc::new(Engine {
+            target,
+            links,
+            threads: Mutex::new(threads),
+            listeners: Mutex::new(BTreeMap::new()),
+            next_port_id: AtomicU16::new(1),
+        });
+        let setup = || -> Result<(), String> {
+            for s in &cfg.subsystems {
+                engine.add_subsystem(s)?;
+            }
+            for l in &cfg.listeners {
+                engine.add_listener(l.address)?;
+            }
+            Ok(())
+        };
+        if let Err(e) = setup() {
+            engine.stop();
+            return Err(e);
+        }
+        Ok(engine)
+    }
+
+    /// The target state.
+    pub fn target(&self) -> &Arc<Target> {
+        &self.target
+    }
+
+    fn kick(&self) {
+        for l in self.links.iter() {
+            l.send(Msg::Kick);
+        }
+    }
+
+    /// Binds and serves a listener; returns it with the port the system chose for 0.
+    pub fn add_listener(&self, addr: SocketAddr) -> Result<ListenerInfo, String> {
+        let listener = TcpListener::bind(addr).map_err(|e| {
+            format!("cannot listen on {addr}: {e} (is another engine or nvmet using the port? pick another with --listen)")
+        })?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| format!("listener {addr}: {e}"))?;
+        let port_id = self.next_port_id.fetch_add(1, Ordering::Relaxed);
+        lock(&self.listeners).insert(port_id, local);
+        let info = ListenerInfo {
+            port_id,
+            addr: local.ip(),
+            port: local.port(),
+        };
+        self.target.add_listener_info(info.clone());
+        // Reactor 0 accepts and spreads connections over all reactors.
+        self.links[0].send(Msg::Listen { port_id, listener });
+        self.kick();
+        Ok(info)
+    }
+
+    /// Stops a listener. Connections it accepted stay up.
+    pub fn remove_listener(&self, addr: SocketAddr) -> Result<(), String> {
+        let port_id = {
+            let mut map = lock(&self.listeners);
+            let id = map.iter().find(|(_, a)| **a == addr).map(|(id, _)| *id);
+            let id = id.ok_or_else(|| {
+                format!("no listener on {addr}: `nvpool listener list` shows them")
+            })?;
+            map.remove(&id);
+            id
+        };
+        self.target.remove_listener_info(port_id);
+        self.links[0].send(Msg::Unlisten(port_id));
+        self.kick();
+        Ok(())
+    }
+
+    /// The listeners.
+    pub fn listeners(&self) -> Vec<ListenerInfo> {
+        self.target.listeners()
+    }
+
+    /// Creates a subsystem with its hosts and namespaces.
+    pub fn add_subsystem(&self, c: &SubsystemConfig) -> Result<(), String> {
+        let serial = c
+            .serial
+            .clone()
+            .unwrap_or_else(|| config::derived_serial(&c.nqn));
+        let policy = HostPolicy {
+            allow_any: c.allow_any_host,
+            hosts: Default::default(),
+        };
+        let s = Subsystem::new(&c.nqn, &serial, &c.model, policy)?;
+        for h in &c.hosts {
+            s.add_host(h)?;
+        }
+        for n in &c.namespaces {
+            add_namespace_to(&s, n)?;
+        }
+        self.target.add_subsystem(s)?;
+        self.kick();
+        Ok(())
+    }
+
+    /// Removes a subsystem; its controllers end.
+    pub fn remove_subsystem(&self, nqn: &str) -> Result<(), String> {
+        self.target.remove_subsystem(nqn)?;
+        self.kick();
+        Ok(())
+    }
+
+    fn subsystem(&self, nqn: &str) -> Result<Arc<Subsystem>, String> {
+        self.target
+            .subsystem(nqn)
+            .filter(|s| !s.is_discovery())
+            .ok_or_else(|| format!("no subsystem {nqn}: `nvpool subsystem list` shows the NQNs"))
+    }
+
+    /// Adds a namespace to a subsystem at runtime; connected hosts get an event.
+    /// Returns the NSID.
+    pub fn add_namespace(&self, nqn: &str, n: &NamespaceConfig) -> Result<u32, String> {
+        let s = self.subsystem(nqn)?;
+        let nsid = add_namespace_to(&s, n)?;
+        self.kick();
+        Ok(nsid)
+    }
+
+    /// Removes a namespace; connected hosts get an event.
+    pub fn remove_namespace(&self, nqn: &str, nsid: u32) -> Result<(), String> {
+        self.subsystem(nqn)?.remove_namespace(nsid)?;
+        self.kick();
+        Ok(())
+    }
+
+    /// Allows a host on a subsystem.
+    pub fn add_host(&self, nqn: &str, host: &str) -> Result<(), String> {
+        self.subsystem(nqn)?.add_host(host)?;
+        self.target.discovery_changed();
+        self.kick();
+        Ok(())
+    }
+
+    /// Disallows a host; its controllers on that subsystem end.
+    pub fn remove_host(&self, nqn: &str, host: &str) -> Result<(), String> {
+        self.subsystem(nqn)?.remove_host(host)?;
+        self.target.discovery_changed();
+        self.kick();
+        Ok(())
+    }
+
+    /// Sets whether any host may connect to a subsystem.
+    pub fn set_allow_any_host(&self, nqn: &str, allow: bool) -> Result<(), String> {
+        self.subsystem(nqn)?.set_allow_any(allow);
+        self.target.discovery_changed();
+        self.kick();
+        Ok(())
+    }
+
+    /// Every NVM subsystem with its namespaces and counters.
+    pub fn subsystems(&self) -> Vec<SubsystemInfo> {
+        self.target
+            .subsystems()
+            .into_iter()
+            .filter(|s| !s.is_discovery())
+            .map(|s| {
+                let policy = s.host_policy();
+                SubsystemInfo {
+                    nqn: s.nqn.clone(),
+                    serial: s.serial.clone(),
+                    model: s.model.clone(),
+                    allow_any_host: policy.allow_any,
+                    hosts: policy.hosts.into_iter().collect(),
+                    controllers: s.controllers().len(),
+                    namespaces: s
+                        .namespaces()
+                        .values()
+                        .map(|ns| namespace_info(ns))
+                        .collect(),
+                }
+            })
+            .collect()
+    }
+
+    /// Stops every reactor and waits for them; connections are closed.
+    pub fn stop(&self) {
+        for l in self.links.iter() {
+            l.send(Msg::Stop);
+        }
+        for t in lock(&self.threads).drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn add_namespace_to(s: &Subsystem, n: &NamespaceConfig) -> Result<u32, String> {
+    let nsid = match n.nsid {
+        Some(id) => id,
+        None => (1..=target::MAX_NSID)
+            .find(|id| !s.namespaces().contains_key(id))
+            .ok_or("every namespace ID is in use")?,
+    };
+    let bdev = match BackendSpec::parse(&n.backend)? {
+        BackendSpec::Null(size) => Bdev::null(size),
+        BackendSpec::Memory(size) => Bdev::memory(size).map_err(|e| e.to_string())?,
+        BackendSpec::File(path, size) => Bdev::file(&path, size).map_err(|e| e.to_string())?,
+    };
+    let uuid = n.uuid.unwrap_or_else(|| config::derived_uuid(&s.nqn, nsid));
+    let nguid = config::derived_nguid(&uuid);
+    let ns = Namespace::new(nsid, Arc::new(bdev), n.block_size, *uuid.as_bytes(), nguid)?;
+    s.add_namespace(ns)?;
+    Ok(nsid)
+}
+
+fn namespace_info(ns: &Namespace) -> NamespaceInfo {
+    let st = &ns.stats;
+    let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    NamespaceInfo {
+        nsid: ns.nsid,
+        kind: ns.bdev.kind(),
+        backend: ns.bdev.description().to_string(),
+        size: ns.blocks << ns.block_shift,
+        block_size: ns.block_size(),
+        uuid: uuid::Uuid::from_bytes(ns.uuid).to_string(),
+        nguid: ns.nguid.iter().map(|b| format!("{b:02x}")).collect(),
+        direct_io: ns.bdev.direct(),
+        stats: NamespaceStatsInfo {
+            reads: get(&st.reads),
+            writes: get(&st.writes),
+            read_bytes: get(&st.read_bytes),
+            write_bytes: get(&st.write_bytes),
+            others: get(&st.others),
+            errors: get(&st.errors),
+        },
+    }
+}

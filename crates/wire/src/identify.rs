@@ -147,8 +147,6 @@ pub const LPA_EXTENDED_DATA: u8 = 1 << 2;
 pub const SGLS_SUPPORTED: u32 = 1;
 /// SGLS bit 20: SGL offsets supported (needed for in-capsule data).
 pub const SGLS_OFFSET: u32 = 1 << 20;
-/// SGLS bit 2: Transport SGL Data Block descriptor supported.
-pub const SGLS_TRANSPORT_DATA_BLOCK: u32 = 1 << 2;
 /// Controller type: I/O controller.
 pub const CNTRLTYPE_IO: u8 = 1;
 /// Controller type: discovery controller.

@@ -1,0 +1,371 @@
+//! Engine configuration: a TOML file, or the quick flags form.
+//!
+//! ```toml
+//! reactors = 2                     # or: cores = [0, 1]
+//! management_socket = "/run/nvpool/engine.sock"
+//!
+//! [limits]
+//! max_queue_depth = 128            # entries per I/O queue (MQES + 1)
+//! max_io_queues = 64               # I/O queues per controller
+//!
+//! [[listener]]
+//! address = "127.0.0.1:4420"
+//! [[listener]]
+//! address = "127.0.0.1:8009"       # discovery; every listener serves every NQN
+//!
+//! [[subsystem]]
+//! nqn = "nqn.2024-01.io.nvpool:vol1"
+//! serial = "NVPOOL0001"            # optional: derived from the NQN
+//! model = "nvpool"                 # optional
+//! allow_any_host = false
+//! hosts = ["nqn.2014-08.org.nvmexpress:uuid:..."]
+//!
+//! [[subsystem.namespace]]
+//! nsid = 1                         # optional: the next free ID
+//! backend = "file:/var/lib/nvpool/vol1.img:10GiB"   # or memory:256MiB, null:1GiB
+//! block_size = 512                 # optional: 512 (default) or 4096
+//! uuid = "..."                     # optional: derived from the NQN and NSID
+//! ```
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// Limits the target enforces.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Entries per I/O queue the host may ask for (CAP.MQES + 1).
+    pub max_queue_depth: u32,
+    /// I/O queues per controller.
+    pub max_io_queues: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_queue_depth: 128,
+            max_io_queues: 64,
+        }
+    }
+}
+
+impl Limits {
+    fn validate(&self) -> Result<(), String> {
+        if !(2..=4096).contains(&self.max_queue_depth) {
+            return Err(format!(
+                "limits.max_queue_depth = {} must be 2 to 4096",
+                self.max_queue_depth
+            ));
+        }
+        if !(1..=1024).contains(&self.max_io_queues) {
+            return Err(format!(
+                "limits.max_io_queues = {} must be 1 to 1024",
+                self.max_io_queues
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A listener.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ListenerConfig {
+    /// IP address and port.
+    pub address: SocketAddr,
+}
+
+/// A namespace.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct NamespaceConfig {
+    /// Namespace ID; the next free one when absent.
+    pub nsid: Option<u32>,
+    /// `null:SIZE`, `memory:SIZE`, `file:PATH` or `file:PATH:SIZE`.
+    pub backend: String,
+    /// Block size: 512 or 4096.
+    #[serde(default = "default_block_size")]
+    pub block_size: u32,
+    /// UUID; derived from the subsystem NQN and NSID when absent, so it is stable.
+    pub uuid: Option<uuid::Uuid>,
+}
+
+fn default_block_size() -> u32 {
+    512
+}
+
+/// A subsystem.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct SubsystemConfig {
+    /// NQN.
+    pub nqn: String,
+    /// Serial number; derived from the NQN when absent.
+    pub serial: Option<String>,
+    /// Model number.
+    #[serde(default = "default_model")]
+    pub model: String,
+    /// Whether any host may connect.
+    #[serde(default)]
+    pub allow_any_host: bool,
+    /// Hosts allowed to connect.
+    #[serde(default)]
+    pub hosts: Vec<String>,
+    /// Namespaces.
+    #[serde(default, rename = "namespace")]
+    pub namespaces: Vec<NamespaceConfig>,
+}
+
+fn default_model() -> String {
+    "nvpool".into()
+}
+
+/// The whole engine configuration.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct EngineConfig {
+    /// Number of reactor threads, pinned to the first CPUs the process may use.
+    pub reactors: Option<usize>,
+    /// Explicit CPUs to pin reactors to (one reactor each); overrides `reactors`.
+    pub cores: Option<Vec<usize>>,
+    /// Unix socket of the management API.
+    #[serde(default = "default_socket")]
+    pub management_socket: PathBuf,
+    /// Limits.
+    #[serde(default)]
+    pub limits: Limits,
+    /// Listeners.
+    #[serde(default, rename = "listener")]
+    pub listeners: Vec<ListenerConfig>,
+    /// Subsystems.
+    #[serde(default, rename = "subsystem")]
+    pub subsystems: Vec<SubsystemConfig>,
+}
+
+/// Where the management socket lives unless configured.
+pub fn default_socket() -> PathBuf {
+    PathBuf::from("/run/nvpool/engine.sock")
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            reactors: None,
+            cores: None,
+            management_socket: default_socket(),
+            limits: Limits::default(),
+            listeners: Vec::new(),
+            subsystems: Vec::new(),
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Parses a TOML configuration; errors name the field.
+    pub fn from_toml(text: &str) -> Result<EngineConfig, String> {
+        let c: EngineConfig =
+            toml::from_str(text).map_err(|e| format!("invalid engine configuration: {e}"))?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Checks what parsing cannot.
+    pub fn validate(&self) -> Result<(), String> {
+        self.limits.validate()?;
+        if self.reactors == Some(0) {
+            return Err("reactors = 0: at least one reactor is needed".into());
+        }
+        if self.cores.as_ref().is_some_and(Vec::is_empty) {
+            return Err("cores = []: list at least one CPU".into());
+        }
+        for s in &self.subsystems {
+            crate::target::subsystem::validate_nqn(&s.nqn)
+                .map_err(|e| format!("subsystem.nqn: {e}"))?;
+            for h in &s.hosts {
+                crate::target::subsystem::validate_nqn(h)
+                    .map_err(|e| format!("subsystem {} hosts: {e}", s.nqn))?;
+            }
+            for n in &s.namespaces {
+                BackendSpec::parse(&n.backend)
+                    .map_err(|e| format!("subsystem {} namespace.backend: {e}", s.nqn))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The CPUs reactors run on: `cores`, or the first `reactors` CPUs this process
+    /// may use (one reactor when neither is set).
+    pub fn reactor_cores(&self) -> Vec<Option<usize>> {
+        if let Some(c) = &self.cores {
+            return c.iter().map(|&x| Some(x)).collect();
+        }
+        let n = self.reactors.unwrap_or(1);
+        let allowed = crate::reactor::allowed_cpus();
+        (0..n).map(|i| allowed.get(i).copied()).collect()
+    }
+}
+
+/// A parsed backend specification.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BackendSpec {
+    /// `null:SIZE`.
+    Null(u64),
+    /// `memory:SIZE`.
+    Memory(u64),
+    /// `file:PATH[:SIZE]`.
+    File(PathBuf, Option<u64>),
+}
+
+impl BackendSpec {
+    /// Parses `null:1GiB`, `memory:256MiB`, `file:/path` or `file:/path:10GiB`.
+    pub fn parse(s: &str) -> Result<BackendSpec, String> {
+        let usage = "use null:SIZE, memory:SIZE, file:PATH or file:PATH:SIZE (e.g. memory:256MiB)";
+        let (kind, rest) = s
+            .split_once(':')
+            .ok_or_else(|| format!("backend {s:?} has no kind: {usage}"))?;
+        match kind {
+            "null" => Ok(BackendSpec::Null(parse_size(rest)?)),
+            "memory" => Ok(BackendSpec::Memory(parse_size(rest)?)),
+            "file" => {
+                if rest.is_empty() {
+                    return Err(format!("backend {s:?} has no path: {usage}"));
+                }
+                // A trailing ":SIZE" is a size only if it parses as one.
+                match rest.rsplit_once(':') {
+                    Some((path, size)) if parse_size(size).is_ok() => Ok(BackendSpec::File(
+                        PathBuf::from(path),
+                        Some(parse_size(size)?),
+                    )),
+                    _ => Ok(BackendSpec::File(PathBuf::from(rest), None)),
+                }
+            }
+            _ => Err(format!("backend kind {kind:?} is unknown: {usage}")),
+        }
+    }
+}
+
+/// Parses a size such as `4096`, `256MiB`, `1G` or `2TiB` (binary units).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(digits);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("size {s:?} must start with a number, e.g. 256MiB"))?;
+    let shift = match unit {
+        "" | "B" => 0,
+        "k" | "K" | "KiB" | "KB" => 10,
+        "M" | "MiB" | "MB" => 20,
+        "G" | "GiB" | "GB" => 30,
+        "T" | "TiB" | "TB" => 40,
+        _ => {
+            return Err(format!(
+                "size unit {unit:?} is unknown: use B, KiB, MiB, GiB or TiB"
+            ));
+        }
+    };
+    let v = n
+        .checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("size {s:?} is too large"))?;
+    if v == 0 {
+        return Err(format!("size {s:?} must be greater than zero"));
+    }
+    Ok(v)
+}
+
+/// The stable UUID of namespace `nsid` of subsystem `nqn`, for namespaces configured
+/// without one: the same configuration gives the same identity after a restart.
+pub fn derived_uuid(nqn: &str, nsid: u32) -> uuid::Uuid {
+    uuid::Uuid::new_v5(
+        &NVPOOL_UUID_NAMESPACE,
+        format!("{nqn}/ns/{nsid}").as_bytes(),
+    )
+}
+
+/// The NGUID of a namespace with this UUID: derived, so it is stable too.
+pub fn derived_nguid(uuid: &uuid::Uuid) -> [u8; 16] {
+    *uuid::Uuid::new_v5(&NVPOOL_UUID_NAMESPACE, format!("nguid/{uuid}").as_bytes()).as_bytes()
+}
+
+/// A serial number derived from the NQN: 20 hex characters of its hash.
+pub fn derived_serial(nqn: &str) -> String {
+    uuid::Uuid::new_v5(&NVPOOL_UUID_NAMESPACE, nqn.as_bytes())
+        .simple()
+        .to_string()[..20]
+        .to_string()
+}
+
+/// The UUID namespace of nvpool's derived identifiers.
+const NVPOOL_UUID_NAMESPACE: uuid::Uuid =
+    uuid::Uuid::from_u128(0x6e76_706f_6f6c_4e53_8000_0000_0000_0001);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("256MiB"), Ok(256 << 20));
+        assert_eq!(parse_size("1G"), Ok(1 << 30));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("12XB").unwrap_err().contains("unit"));
+        assert!(parse_size("lots").is_err());
+    }
+
+    #[test]
+    fn backends_parse() {
+        assert_eq!(
+            BackendSpec::parse("null:1GiB"),
+            Ok(BackendSpec::Null(1 << 30))
+        );
+        assert_eq!(
+            BackendSpec::parse("file:/a/b"),
+            Ok(BackendSpec::File("/a/b".into(), None))
+        );
+        assert_eq!(
+            BackendSpec::parse("file:/a/b:1M"),
+            Ok(BackendSpec::File("/a/b".into(), Some(1 << 20)))
+        );
+        assert!(
+            BackendSpec::parse("disk:/x")
+                .unwrap_err()
+                .contains("unknown")
+        );
+        assert!(BackendSpec::parse("file:").is_err());
+    }
+
+    #[test]
+    fn toml_config_parses_and_errors_name_the_field() {
+        let c = EngineConfig::from_toml(
+            r#"
+            reactors = 2
+            [[listener]]
+            address = "127.0.0.1:4420"
+            [[subsystem]]
+            nqn = "nqn.2024-01.io.nvpool:a"
+            allow_any_host = true
+            [[subsystem.namespace]]
+            backend = "memory:64MiB"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(c.subsystems[0].namespaces[0].block_size, 512);
+        assert_eq!(c.listeners[0].address.port(), 4420);
+        let e = EngineConfig::from_toml("reactorz = 1").unwrap_err();
+        assert!(e.contains("reactorz"), "{e}");
+        let e = EngineConfig::from_toml("[limits]\nmax_queue_depth = 1").unwrap_err();
+        assert!(e.contains("max_queue_depth"), "{e}");
+        let e = EngineConfig::from_toml("[[subsystem]]\nnqn = \"x\"").unwrap_err();
+        assert!(e.contains("subsystem.nqn"), "{e}");
+    }
+
+    #[test]
+    fn derived_identities_are_stable() {
+        assert_eq!(derived_uuid("nqn.a", 1), derived_uuid("nqn.a", 1));
+        assert_ne!(derived_uuid("nqn.a", 1), derived_uuid("nqn.a", 2));
+        assert_eq!(derived_serial("nqn.a").len(), 20);
+    }
+}

@@ -1,0 +1,905 @@
+//! One NVMe/TCP connection (one queue): PDU framing, command dispatch, R2T data
+//! collection, disk submission and the output queue.
+//!
+//! Output is queued as items (a PDU header, optional data, optional data digest) and
+//! sent in batches with one `sendmsg` per batch, so many responses that became ready
+//! in one reactor pass leave in one system call.
+
+use std::collections::VecDeque;
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Arc;
+
+use io_uring::{opcode, types};
+use nvpool_wire::Status;
+use nvpool_wire::command::{Command, Completion, admin_opcode, sgl};
+use nvpool_wire::fabrics::fctype;
+use nvpool_wire::tcp::{self, DataHeader, Digests, FatalError, IcResp, Pdu, fes};
+
+use super::{Op, Reactor};
+use crate::bufpool::{Buf, BufPool};
+use crate::target::admin::{self, AdminOutcome};
+use crate::target::io::{self, IoPlan};
+use crate::target::subsystem::NamespaceMap;
+use crate::target::{
+    ADMIN_IN_CAPSULE_DATA, AER_LIMIT, Controller, IO_IN_CAPSULE_DATA, MAX_H2C_DATA, Namespace,
+    Target, fabrics,
+};
+
+/// Receive buffer: one whole PDU of the largest kind (an H2CData of MAXH2CDATA) with
+/// headers and digests, plus room to read ahead.
+const RECV_BUF: usize = MAX_H2C_DATA as usize + 16 * 1024;
+/// Most output items sent in one `sendmsg`.
+const MAX_SEND_ITEMS: usize = 64;
+/// Largest header an output item carries inline (a termination request).
+const MAX_OUT_HEADER: usize = tcp::TERM_REQ_MAX;
+/// A connection must finish ICReq within this long, or it is closed.
+const HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
+/// Connect CATTR bit 2: the host disabled SQ flow control.
+const CATTR_DISABLE_SQ_FLOW_CONTROL: u8 = 1 << 2;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Waiting for ICReq.
+    Handshake,
+    /// Serving commands.
+    Ready,
+    /// Sending what is queued (a termination request, a Disconnect response), then
+    /// closing. Input is ignored.
+    Draining,
+    /// Shut down; waiting for in-flight operations before the connection is freed.
+    Closed,
+}
+
+/// Data an output item sends after its header.
+enum Payload {
+    None,
+    Pool(Buf, usize),
+    Owned(Vec<u8>),
+    Zeroes(usize),
+}
+
+struct OutItem {
+    header: [u8; MAX_OUT_HEADER],
+    header_len: usize,
+    payload: Payload,
+    digest: [u8; 4],
+    digest_len: usize,
+}
+
+impl OutItem {
+    fn payload_len(&self) -> usize {
+        match &self.payload {
+            Payload::None => 0,
+            Payload::Pool(_, n) | Payload::Zeroes(n) => *n,
+            Payload::Owned(v) => v.len(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.header_len + self.payload_len() + self.digest_len
+    }
+}
+
+/// The queue this connection serves, once Connect succeeded.
+struct Queue {
+    controller: Arc<Controller>,
+    qid: u16,
+    sqsize: u16,
+    sqhd: u16,
+    flow_control_disabled: bool,
+    namespaces: Arc<NamespaceMap>,
+    generation: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SlotState {
+    Free,
+    /// Waiting for H2CData after an R2T.
+    AwaitingData,
+    /// Disk operations in flight.
+    Disk,
+}
+
+/// A command that outlives the PDU that carried it (R2T or disk work).
+struct Slot {
+    state: SlotState,
+    cid: u16,
+    ns: Option<Arc<Namespace>>,
+    plan: IoPlan,
+    buf: Option<Buf>,
+    received: u32,
+    disk_pending: u32,
+    status: Status,
+}
+
+impl Slot {
+    fn free() -> Slot {
+        Slot {
+            state: SlotState::Free,
+            cid: 0,
+            ns: None,
+            plan: IoPlan::Flush,
+            buf: None,
+            received: 0,
+            disk_pending: 0,
+            status: Status::SUCCESS,
+        }
+    }
+}
+
+pub(super) struct Conn {
+    socket: TcpStream,
+    phase: Phase,
+    accepted_ms: u64,
+    digests: Digests,
+    recv_buf: Vec<u8>,
+    recv_start: usize,
+    recv_end: usize,
+    recv_posted: bool,
+    pending_out: VecDeque<OutItem>,
+    inflight_out: Vec<OutItem>,
+    inflight_sent: usize,
+    iov: Vec<libc::iovec>,
+    msg: libc::msghdr,
+    send_posted: bool,
+    ops_in_flight: u32,
+    queue: Option<Queue>,
+    slots: Vec<Slot>,
+    free_slots: Vec<u16>,
+    aers: Vec<u16>,
+}
+
+impl Conn {
+    pub(super) fn new(socket: TcpStream, now_ms: u64) -> Conn {
+        Conn {
+            socket,
+            phase: Phase::Handshake,
+            accepted_ms: now_ms,
+            digests: Digests::default(),
+            recv_buf: vec![0; RECV_BUF],
+            recv_start: 0,
+            recv_end: 0,
+            recv_posted: false,
+            pending_out: VecDeque::with_capacity(256),
+            inflight_out: Vec::with_capacity(MAX_SEND_ITEMS),
+            inflight_sent: 0,
+            iov: Vec::with_capacity(MAX_SEND_ITEMS * 3),
+            // SAFETY: msghdr is plain data; all-zero is a valid empty header.
+            msg: unsafe { std::mem::zeroed() },
+            send_posted: false,
+            ops_in_flight: 0,
+            queue: None,
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            aers: Vec::new(),
+        }
+    }
+
+    fn fd(&self) -> RawFd {
+        self.socket.as_raw_fd()
+    }
+
+    /// Whether the connection is closed and nothing references its memory any more.
+    pub(super) fn can_free(&self) -> bool {
+        self.phase == Phase::Closed && self.ops_in_flight == 0
+    }
+
+    /// Shuts the socket down; outstanding operations complete with errors, after which
+    /// the connection is freed.
+    pub(super) fn begin_close(&mut self, _r: &mut Reactor) {
+        if self.phase != Phase::Closed {
+            self.phase = Phase::Closed;
+            let _ = self.socket.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Gives every buffer back and ends the queue's part in its controller.
+    pub(super) fn release(&mut self, target: &Target, pool: &mut BufPool) {
+        for s in &mut self.slots {
+            if let Some(b) = s.buf.take() {
+                pool.put(b);
+            }
+        }
+        for item in self
+            .pending_out
+            .drain(..)
+            .chain(self.inflight_out.drain(..))
+        {
+            if let Payload::Pool(b, _) = item.payload {
+                pool.put(b);
+            }
+        }
+        if let Some(q) = self.queue.take() {
+            q.controller.release_queue(q.qid);
+            if q.qid == 0 {
+                // The admin queue is the association: without it the controller ends.
+                q.controller.fail("admin queue closed");
+                target.unregister_controller(q.controller.cntlid);
+            }
+        }
+    }
+
+    // ----- receive path -------------------------------------------------------------
+
+    pub(super) fn post_recv(&mut self, r: &mut Reactor, idx: u32) {
+        if self.recv_posted || !matches!(self.phase, Phase::Handshake | Phase::Ready) {
+            return;
+        }
+        if self.recv_start == self.recv_end {
+            self.recv_start = 0;
+            self.recv_end = 0;
+        } else if self.recv_start > 0 {
+            // Keep the partial PDU at the front so the whole PDU always fits.
+            self.recv_buf.copy_within(self.recv_start..self.recv_end, 0);
+            self.recv_end -= self.recv_start;
+            self.recv_start = 0;
+        }
+        let room = self.recv_buf.len() - self.recv_end;
+        let ptr = self.recv_buf[self.recv_end..].as_mut_ptr();
+        let sqe = opcode::Recv::new(types::Fd(self.fd()), ptr, room as u32)
+            .build()
+            .user_data(Op::Recv(idx).encode());
+        r.push(sqe);
+        self.recv_posted = true;
+        self.ops_in_flight += 1;
+    }
+
+    pub(super) fn on_recv(&mut self, r: &mut Reactor, idx: u32, res: i32) {
+        self.ops_in_flight -= 1;
+        self.recv_posted = false;
+        if res <= 0 {
+            // 0: the host closed; negative: the socket failed or was shut down.
+            self.begin_close(r);
+            return;
+        }
+        self.recv_end += res as usize;
+        // The buffer is taken out so PDUs can borrow it while the connection changes.
+        let buf = std::mem::take(&mut self.recv_buf);
+        while matches!(self.phase, Phase::Handshake | Phase::Ready) {
+            match tcp::parse(
+                &buf[self.recv_start..self.recv_end],
+                self.digests,
+                MAX_H2C_DATA,
+            ) {
+                Ok(None) => break,
+                Ok(Some(p)) => {
+                    self.recv_start += p.len;
+                    self.on_pdu(r, idx, p.pdu, p.data_digest_ok);
+                }
+                Err(e) => {
+                    let start = self.recv_start;
+                    let hdr_end = (start + usize::from(buf.get(start + 2).copied().unwrap_or(8)))
+                        .min(self.recv_end);
+                    self.fatal(r, idx, e, &buf[start..hdr_end.max(start)]);
+                }
+            }
+        }
+        self.recv_buf = buf;
+        r.mark_dirty(idx);
+        self.post_recv(r, idx);
+    }
+
+    /// Sends a C2HTermReq and closes once it is out.
+    fn fatal(&mut self, r: &mut Reactor, idx: u32, e: FatalError, offending: &[u8]) {
+        let mut item = new_item();
+        item.header_len = tcp::encode_term_req(true, e.fes, e.fei, offending, &mut item.header);
+        self.pending_out.push_back(item);
+        self.phase = Phase::Draining;
+        r.mark_dirty(idx);
+    }
+
+    fn sequence_error(&mut self, r: &mut Reactor, idx: u32, reason: &'static str) {
+        self.fatal(
+            r,
+            idx,
+            FatalError {
+                fes: fes::PDU_SEQUENCE_ERROR,
+                fei: 0,
+                reason,
+            },
+            &[],
+        );
+    }
+
+    fn on_pdu(&mut self, r: &mut Reactor, idx: u32, pdu: Pdu<'_>, digest_ok: bool) {
+        match (self.phase, pdu) {
+            (Phase::Handshake, Pdu::IcReq(req)) => {
+                if req.pfv != 0 {
+                    let e = FatalError {
+                        fes: fes::UNSUPPORTED_PARAMETER,
+                        fei: 8,
+                        reason: "unsupported PDU format version",
+                    };
+                    return self.fatal(r, idx, e, &[]);
+                }
+                if req.hpda > 31 {
+                    let e = FatalError {
+                        fes: fes::INVALID_HEADER_FIELD,
+                        fei: 10,
+                        reason: "HPDA out of range",
+                    };
+                    return self.fatal(r, idx, e, &[]);
+                }
+                // Echo the host's digest choice: the Linux host refuses anything else.
+                let resp = IcResp {
+                    pfv: 0,
+                    cpda: 0,
+                    digests: req.digests,
+                    maxdata: MAX_H2C_DATA,
+                };
+                let mut item = new_item();
+                let mut b = [0u8; tcp::IC_SIZE];
+                tcp::encode_ic_resp(&resp, &mut b);
+                item.header[..tcp::IC_SIZE].copy_from_slice(&b);
+                item.header_len = tcp::IC_SIZE;
+                self.pending_out.push_back(item);
+                self.digests = req.digests;
+                self.phase = Phase::Ready;
+            }
+            (Phase::Handshake, _) => self.sequence_error(r, idx, "PDU before ICReq"),
+            (_, Pdu::IcReq(_)) => self.sequence_error(r, idx, "second ICReq"),
+            (_, Pdu::CapsuleCmd { command, data }) => {
+                self.on_command(r, idx, &command, data, digest_ok)
+            }
+            (_, Pdu::H2CData { header, last, data }) => {
+                self.on_h2c_data(r, idx, header, last, data, digest_ok)
+            }
+            (
+                _,
+                Pdu::TermReq {
+                    from_controller: false,
+                    ..
+                },
+            ) => self.begin_close(r),
+            (_, _) => {
+                let e = FatalError {
+                    fes: fes::INVALID_HEADER_FIELD,
+                    fei: 0,
+                    reason: "PDU type not valid from a host",
+                };
+                self.fatal(r, idx, e, &[]);
+            }
+        }
+    }
+
+    // ----- commands -----------------------------------------------------------------
+
+    fn on_command(
+        &mut self,
+        r: &mut Reactor,
+        idx: u32,
+        cmd: &Command,
+        data: &[u8],
+        digest_ok: bool,
+    ) {
+        let fabrics = cmd.opcode == admin_opcode::FABRICS;
+        let on_admin = self.queue.as_ref().is_none_or(|q| q.qid == 0);
+        let limit = if fabrics || on_admin {
+            ADMIN_IN_CAPSULE_DATA
+        } else {
+            IO_IN_CAPSULE_DATA
+        };
+        if data.len() > limit {
+            let e = FatalError {
+                fes: fes::DATA_LIMIT_EXCEEDED,
+                fei: 0,
+                reason: "in-capsule data exceeds the capsule size",
+            };
+            return self.fatal(r, idx, e, &[]);
+        }
+        if let Some(q) = &mut self.queue {
+            q.sqhd = if q.sqhd >= q.sqsize { 0 } else { q.sqhd + 1 };
+        }
+        if !digest_ok {
+            return self.respond(r, idx, cmd.cid, Status::TRANSIENT_TRANSPORT_ERROR, 0);
+        }
+        if self.queue.is_none() {
+            if fabrics && cmd.fctype() == fctype::CONNECT {
+                return self.on_connect(r, idx, cmd, data);
+            }
+            return self.respond(
+                r,
+                idx,
+                cmd.cid,
+                Status::COMMAND_SEQUENCE_ERROR.with_dnr(),
+                0,
+            );
+        }
+        let qid = self.queue.as_ref().map_or(0, |q| q.qid);
+        if qid == 0 {
+            self.on_admin(r, idx, cmd);
+        } else if fabrics {
+            match cmd.fctype() {
+                fctype::DISCONNECT => {
+                    self.respond(r, idx, cmd.cid, Status::SUCCESS, 0);
+                    self.phase = Phase::Draining;
+                }
+                fctype::CONNECT => self.respond(
+                    r,
+                    idx,
+                    cmd.cid,
+                    Status::COMMAND_SEQUENCE_ERROR.with_dnr(),
+                    0,
+                ),
+                _ => self.respond(r, idx, cmd.cid, Status::INVALID_FIELD.with_dnr(), 0),
+            }
+        } else {
+            self.on_io(r, idx, cmd, data);
+        }
+    }
+
+    fn on_connect(&mut self, r: &mut Reactor, idx: u32, cmd: &Command, data: &[u8]) {
+        match fabrics::connect(&r.target, cmd, data) {
+            Ok(c) => {
+                let cntlid = c.controller.cntlid;
+                let cattr = nvpool_wire::fabrics::ConnectCommand::from_command(cmd).cattr;
+                let namespaces = c.controller.subsystem.namespaces();
+                let generation = c.controller.subsystem.generation();
+                let depth = usize::from(c.sqsize) + 1 + if c.qid == 0 { AER_LIMIT } else { 0 };
+                self.slots = (0..depth).map(|_| Slot::free()).collect();
+                self.free_slots = (0..depth as u16).rev().collect();
+                self.queue = Some(Queue {
+                    controller: c.controller,
+                    qid: c.qid,
+                    sqsize: c.sqsize,
+                    sqhd: 1,
+                    flow_control_disabled: cattr & CATTR_DISABLE_SQ_FLOW_CONTROL != 0,
+                    namespaces,
+                    generation,
+                });
+                self.respond(r, idx, cmd.cid, Status::SUCCESS, u64::from(cntlid));
+            }
+            Err(refused) => {
+                self.respond(r, idx, cmd.cid, refused.status, u64::from(refused.result))
+            }
+        }
+    }
+
+    fn on_admin(&mut self, r: &mut Reactor, idx: u32, cmd: &Command) {
+        let Some(q) = &self.queue else { return };
+        let controller = q.controller.clone();
+        match admin::handle(&r.target, &controller, cmd, self.aers.len()) {
+            AdminOutcome::ParkAsyncEvent => {
+                self.aers.push(cmd.cid);
+                self.deliver_events(r, idx);
+            }
+            AdminOutcome::Complete {
+                status,
+                result,
+                data,
+            } => {
+                if let Some(mut d) = data {
+                    // Send no more than the host's buffer holds.
+                    d.truncate(cmd.dptr.length as usize);
+                    if cmd.dptr.id == sgl::TRANSPORT && !d.is_empty() {
+                        self.queue_c2h(&[], cmd.cid, Payload::Owned(d), false);
+                    }
+                }
+                self.respond(r, idx, cmd.cid, status, result);
+            }
+        }
+    }
+
+    /// Completes outstanding Asynchronous Event Requests with pending events.
+    fn deliver_events(&mut self, r: &mut Reactor, idx: u32) {
+        let Some(q) = &self.queue else { return };
+        let controller = q.controller.clone();
+        while !self.aers.is_empty() {
+            let Some(event) = controller.take_event() else {
+                break;
+            };
+            let cid = self.aers.remove(0);
+            self.respond(r, idx, cid, Status::SUCCESS, u64::from(event));
+        }
+    }
+
+    fn namespace(&mut self, nsid: u32) -> Option<Arc<Namespace>> {
+        let q = self.queue.as_mut()?;
+        let subsystem = &q.controller.subsystem;
+        // One atomic load per command; the map is re-read only after a change.
+        let g = subsystem.generation();
+        if g != q.generation {
+            q.namespaces = subsystem.namespaces();
+            q.generation = g;
+        }
+        q.namespaces.get(&nsid).cloned()
+    }
+
+    fn on_io(&mut self, r: &mut Reactor, idx: u32, cmd: &Command, data: &[u8]) {
+        let Some(ns) = self.namespace(cmd.nsid) else {
+            return self.respond(r, idx, cmd.cid, Status::INVALID_NAMESPACE.with_dnr(), 0);
+        };
+        let plan = match io::plan(&ns, cmd) {
+            Ok(p) => p,
+            Err(s) => {
+                ns.stats.count(&ns.stats.errors, None);
+                return self.respond(r, idx, cmd.cid, s, 0);
+            }
+        };
+        let host_len = plan.host_data_len() as usize;
+        if host_len > 0
+            && cmd.dptr.id == sgl::IN_CAPSULE
+            && (cmd.dptr.address != 0 || data.len() < host_len)
+        {
+            return self.respond(r, idx, cmd.cid, Status::SGL_LENGTH_INVALID.with_dnr(), 0);
+        }
+        if matches!(plan, IoPlan::Read { .. }) && cmd.dptr.id != sgl::TRANSPORT {
+            return self.respond(r, idx, cmd.cid, Status::SGL_TYPE_INVALID.with_dnr(), 0);
+        }
+        let Some(tag) = self.free_slots.pop() else {
+            // More commands than the queue size the host connected with.
+            return self.respond(r, idx, cmd.cid, Status::COMMAND_ID_CONFLICT.with_dnr(), 0);
+        };
+        let slot = &mut self.slots[usize::from(tag)];
+        slot.cid = cmd.cid;
+        slot.plan = plan;
+        slot.received = 0;
+        slot.status = Status::SUCCESS;
+        slot.ns = Some(ns);
+        if host_len == 0 {
+            return self.start_disk(r, idx, tag);
+        }
+        let mut buf = r.pool.get(host_len);
+        if cmd.dptr.id == sgl::IN_CAPSULE {
+            buf.as_mut_slice()[..host_len].copy_from_slice(&data[..host_len]);
+            slot.buf = Some(buf);
+            slot.received = host_len as u32;
+            return self.start_disk(r, idx, tag);
+        }
+        slot.buf = Some(buf);
+        slot.state = SlotState::AwaitingData;
+        let h = DataHeader {
+            cccid: cmd.cid,
+            ttag: tag,
+            offset: 0,
+            length: host_len as u32,
+        };
+        let mut item = new_item();
+        item.header_len = tcp::encode_r2t(&h, self.digests, &mut item.header);
+        self.pending_out.push_back(item);
+    }
+
+    fn on_h2c_data(
+        &mut self,
+        r: &mut Reactor,
+        idx: u32,
+        h: DataHeader,
+        last: bool,
+        data: &[u8],
+        digest_ok: bool,
+    ) {
+        let Some(slot) = self
+            .slots
+            .get_mut(usize::from(h.ttag))
+            .filter(|s| s.state == SlotState::AwaitingData && s.cid == h.cccid)
+        else {
+            return self.sequence_error(r, idx, "H2CData for no outstanding R2T");
+        };
+        let total = slot.plan.host_data_len();
+        if h.offset != slot.received || h.offset + h.length > total {
+            let e = FatalError {
+                fes: fes::DATA_OUT_OF_RANGE,
+                fei: 0,
+                reason: "H2CData outside the R2T",
+            };
+            return self.fatal(r, idx, e, &[]);
+        }
+        if let Some(b) = slot.buf.as_mut() {
+            b.as_mut_slice()[h.offset as usize..(h.offset + h.length) as usize]
+                .copy_from_slice(data);
+        }
+        slot.received += h.length;
+        if !digest_ok {
+            slot.status = Status::TRANSIENT_TRANSPORT_ERROR;
+        }
+        if slot.received == total {
+            if slot.status.is_success() {
+                self.start_disk(r, idx, h.ttag);
+            } else {
+                self.finish(r, idx, h.ttag);
+            }
+        } else if last {
+            let e = FatalError {
+                fes: fes::DATA_OUT_OF_RANGE,
+                fei: 0,
+                reason: "last H2CData before the whole transfer",
+            };
+            self.fatal(r, idx, e, &[]);
+        }
+    }
+
+    /// Starts the disk work of slot `tag`; backends without storage finish at once.
+    fn start_disk(&mut self, r: &mut Reactor, idx: u32, tag: u16) {
+        let slot = &mut self.slots[usize::from(tag)];
+        let Some(ns) = slot.ns.clone() else { return };
+        let bdev = &ns.bdev;
+        let fd = bdev.raw_fd();
+        slot.state = SlotState::Disk;
+        let ud = Op::Disk(idx, tag).encode();
+        // Null namespaces have no descriptor: nothing to do on disk.
+        let mut sqes = Vec::new();
+        if let Some(fd) = fd {
+            let fd = types::Fd(fd);
+            match slot.plan {
+                IoPlan::Read { offset, len } => {
+                    let mut buf = r.pool.get(len as usize);
+                    let ptr = buf.as_mut_ptr();
+                    slot.buf = Some(buf);
+                    sqes.push(opcode::Read::new(fd, ptr, len).offset(offset).build());
+                }
+                IoPlan::Write { offset, len, fua } => {
+                    let ptr = slot
+                        .buf
+                        .as_mut()
+                        .map_or(std::ptr::null_mut(), Buf::as_mut_ptr);
+                    let flags = if fua { libc::RWF_DSYNC } else { 0 };
+                    sqes.push(
+                        opcode::Write::new(fd, ptr, len)
+                            .offset(offset)
+                            .rw_flags(flags)
+                            .build(),
+                    );
+                }
+                IoPlan::Flush => sqes.push(
+                    opcode::Fsync::new(fd)
+                        .flags(types::FsyncFlags::DATASYNC)
+                        .build(),
+                ),
+                IoPlan::WriteZeroes { offset, len } => {
+                    sqes.push(
+                        opcode::Fallocate::new(fd, len)
+                            .offset(offset)
+                            .mode(bdev.zero_range_mode())
+                            .build(),
+                    );
+                }
+                IoPlan::DatasetManagement { ranges, deallocate } => {
+                    let data = slot
+                        .buf
+                        .as_ref()
+                        .map_or(&[][..], |b| &b.as_slice()[..ranges as usize * 16]);
+                    match io::dsm_byte_ranges(&ns, data, ranges) {
+                        Ok(list) if deallocate => {
+                            for (off, len) in list {
+                                sqes.push(
+                                    opcode::Fallocate::new(fd, len)
+                                        .offset(off)
+                                        .mode(bdev.deallocate_mode())
+                                        .build(),
+                                );
+                            }
+                        }
+                        Ok(_) => {}
+                        Err(s) => slot.status = s,
+                    }
+                }
+            }
+        }
+        slot.disk_pending = sqes.len() as u32;
+        self.ops_in_flight += sqes.len() as u32;
+        if sqes.is_empty() {
+            return self.finish(r, idx, tag);
+        }
+        for sqe in sqes {
+            r.push(sqe.user_data(ud));
+        }
+    }
+
+    pub(super) fn on_disk(&mut self, r: &mut Reactor, idx: u32, tag: u16, res: i32) {
+        self.ops_in_flight -= 1;
+        let Some(slot) = self.slots.get_mut(usize::from(tag)) else {
+            return;
+        };
+        slot.disk_pending = slot.disk_pending.saturating_sub(1);
+        let expected = match slot.plan {
+            IoPlan::Read { len, .. } | IoPlan::Write { len, .. } => Some(len as i32),
+            _ => None,
+        };
+        let deallocating = matches!(slot.plan, IoPlan::DatasetManagement { .. });
+        let failed = res < 0 && !(deallocating && res == -libc::EOPNOTSUPP);
+        if failed || expected.is_some_and(|e| res != e) {
+            slot.status = Status::INTERNAL_ERROR;
+        }
+        if slot.disk_pending == 0 && self.phase != Phase::Closed {
+            self.finish(r, idx, tag);
+        }
+    }
+
+    /// Completes slot `tag`: counts it, sends the data or the response, frees the slot.
+    fn finish(&mut self, r: &mut Reactor, idx: u32, tag: u16) {
+        let slot = &mut self.slots[usize::from(tag)];
+        let (cid, status, plan) = (slot.cid, slot.status, slot.plan);
+        let buf = slot.buf.take();
+        if let Some(ns) = slot.ns.take() {
+            let st = &ns.stats;
+            match plan {
+                _ if !status.is_success() => st.count(&st.errors, None),
+                IoPlan::Read { len, .. } => {
+                    st.count(&st.reads, Some((&st.read_bytes, u64::from(len))))
+                }
+                IoPlan::Write { len, .. } => {
+                    st.count(&st.writes, Some((&st.write_bytes, u64::from(len))))
+                }
+                _ => st.count(&st.others, None),
+            }
+        }
+        slot.state = SlotState::Free;
+        self.free_slots.push(tag);
+        match (plan, status.is_success()) {
+            (IoPlan::Read { len, .. }, true) => {
+                let payload = match buf {
+                    Some(b) => Payload::Pool(b, len as usize),
+                    None => Payload::Zeroes(len as usize),
+                };
+                let success = self.queue.as_ref().is_some_and(|q| q.flow_control_disabled);
+                self.queue_c2h(&r.zeroes, cid, payload, success);
+                if !success {
+                    self.respond(r, idx, cid, Status::SUCCESS, 0);
+                }
+            }
+            _ => {
+                if let Some(b) = buf {
+                    r.pool.put(b);
+                }
+                self.respond(r, idx, cid, status, 0);
+            }
+        }
+        r.mark_dirty(idx);
+    }
+
+    // ----- send path ----------------------------------------------------------------
+
+    fn respond(&mut self, r: &mut Reactor, idx: u32, cid: u16, status: Status, result: u64) {
+        let (sqhd, sqid) = self.queue.as_ref().map_or((0, 0), |q| (q.sqhd, q.qid));
+        let c = Completion {
+            result: result as u32,
+            result_hi: (result >> 32) as u32,
+            sqhd,
+            sqid,
+            cid,
+            status,
+        };
+        let mut item = new_item();
+        item.header_len = tcp::encode_capsule_resp(&c, self.digests, &mut item.header);
+        self.pending_out.push_back(item);
+        r.mark_dirty(idx);
+    }
+
+    fn queue_c2h(&mut self, zeroes: &[u8], cid: u16, payload: Payload, success: bool) {
+        let mut item = new_item();
+        item.payload = payload;
+        let len = item.payload_len();
+        let h = DataHeader {
+            cccid: cid,
+            ttag: 0,
+            offset: 0,
+            length: len as u32,
+        };
+        item.header_len = tcp::encode_c2h_data(&h, true, success, self.digests, &mut item.header);
+        if self.digests.data {
+            item.digest = tcp::crc32c(payload_bytes(&item.payload, zeroes)).to_le_bytes();
+            item.digest_len = 4;
+        }
+        self.pending_out.push_back(item);
+    }
+
+    pub(super) fn post_send(&mut self, r: &mut Reactor, idx: u32) {
+        if self.send_posted || self.phase == Phase::Closed {
+            return;
+        }
+        if self.inflight_out.is_empty() {
+            if self.pending_out.is_empty() {
+                if self.phase == Phase::Draining {
+                    self.begin_close(r);
+                }
+                return;
+            }
+            while self.inflight_out.len() < MAX_SEND_ITEMS {
+                let Some(item) = self.pending_out.pop_front() else {
+                    break;
+                };
+                self.inflight_out.push(item);
+            }
+            self.inflight_sent = 0;
+        }
+        self.iov.clear();
+        let mut skip = self.inflight_sent;
+        for item in &self.inflight_out {
+            let parts: [&[u8]; 3] = [
+                &item.header[..item.header_len],
+                payload_bytes(&item.payload, &r.zeroes),
+                &item.digest[..item.digest_len],
+            ];
+            for part in parts {
+                if skip >= part.len() {
+                    skip -= part.len();
+                    continue;
+                }
+                let rest = &part[skip..];
+                skip = 0;
+                self.iov.push(libc::iovec {
+                    iov_base: rest.as_ptr() as *mut libc::c_void,
+                    iov_len: rest.len(),
+                });
+            }
+        }
+        self.msg.msg_iov = self.iov.as_mut_ptr();
+        self.msg.msg_iovlen = self.iov.len();
+        let sqe = opcode::SendMsg::new(types::Fd(self.fd()), &self.msg)
+            .flags(libc::MSG_NOSIGNAL as u32)
+            .build()
+            .user_data(Op::Send(idx).encode());
+        r.push(sqe);
+        self.send_posted = true;
+        self.ops_in_flight += 1;
+    }
+
+    pub(super) fn on_send(&mut self, r: &mut Reactor, idx: u32, res: i32) {
+        self.ops_in_flight -= 1;
+        self.send_posted = false;
+        if res < 0 {
+            self.begin_close(r);
+            return;
+        }
+        self.inflight_sent += res as usize;
+        let mut done = 0;
+        for item in &self.inflight_out {
+            if self.inflight_sent < item.len() {
+                break;
+            }
+            self.inflight_sent -= item.len();
+            done += 1;
+        }
+        for item in self.inflight_out.drain(..done) {
+            if let Payload::Pool(b, _) = item.payload {
+                r.pool.put(b);
+            }
+        }
+        self.post_send(r, idx);
+    }
+
+    /// Periodic and on-demand checks: keep-alive, ended associations, handshakes that
+    /// never finish, and events waiting for an Asynchronous Event Request.
+    pub(super) fn check(&mut self, r: &mut Reactor, idx: u32, timers: bool) {
+        if self.phase == Phase::Closed {
+            return;
+        }
+        let now = r.target.now_ms();
+        match &self.queue {
+            None if timers && now.saturating_sub(self.accepted_ms) > HANDSHAKE_TIMEOUT_MS => {
+                self.begin_close(r)
+            }
+            None => {}
+            Some(q) => {
+                if q.qid == 0 && timers && q.controller.keep_alive_expired(now) {
+                    q.controller.fail("keep alive timeout");
+                }
+                if q.controller.is_dead() {
+                    self.begin_close(r);
+                } else if q.qid == 0 {
+                    self.deliver_events(r, idx);
+                }
+            }
+        }
+    }
+}
+
+fn new_item() -> OutItem {
+    OutItem {
+        header: [0; MAX_OUT_HEADER],
+        header_len: 0,
+        payload: Payload::None,
+        digest: [0; 4],
+        digest_len: 0,
+    }
+}
+
+fn payload_bytes<'a>(p: &'a Payload, zeroes: &'a [u8]) -> &'a [u8] {
+    match p {
+        Payload::None => &[],
+        Payload::Pool(b, n) => &b.as_slice()[..*n],
+        Payload::Owned(v) => v,
+        Payload::Zeroes(n) => &zeroes[..*n],
+    }
+}

@@ -1,0 +1,446 @@
+//! Reactors: one thread per configured core, each owning one io_uring used for both
+//! socket and disk I/O.
+//!
+//! A reactor runs to completion. Each pass of its loop makes one `io_uring_enter`
+//! (submitting everything queued and waiting for at least one completion), reaps
+//! every completion, parses what arrived, queues the disk and socket work, and then
+//! flushes each connection's output as one `sendmsg`. Nothing on the I/O path takes a
+//! lock or allocates once buffers are warm. Other threads talk to a reactor through
+//! its mailbox (a channel plus an eventfd that wakes the ring).
+//!
+//! Buffer lifetime contract for every submission made here: the memory an SQE points
+//! at belongs to a heap allocation owned by the reactor or one of its connections
+//! (boxed, never reallocated while an operation is in flight), and a connection is
+//! freed only after its count of in-flight operations drops to zero.
+#![allow(unsafe_code)]
+
+mod conn;
+
+use std::collections::BTreeMap;
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::mpsc::{Receiver, Sender};
+use std::sync::{Arc, mpsc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use io_uring::{IoUring, cqueue, opcode, squeue, types};
+
+use crate::bufpool::BufPool;
+use crate::target::{MAX_TRANSFER, Target};
+use conn::Conn;
+
+/// How often timers (keep-alive, dead controllers, idle handshakes) are checked.
+const TICK: Duration = Duration::from_millis(100);
+/// Submission queue entries; completions get four times as many.
+const RING_ENTRIES: u32 = 1024;
+
+/// A message to a reactor.
+pub enum Msg {
+    /// Serve a connection accepted elsewhere.
+    Adopt(TcpStream),
+    /// Start accepting on a listener.
+    Listen {
+        /// Port ID (the discovery log's).
+        port_id: u16,
+        /// The bound, listening socket.
+        listener: TcpListener,
+    },
+    /// Stop accepting on a listener.
+    Unlisten(u16),
+    /// Something changed (namespaces, hosts, events): check connections now.
+    Kick,
+    /// Close everything and exit.
+    Stop,
+}
+
+/// A handle to send messages to a reactor and wake it.
+pub struct ReactorLink {
+    tx: Sender<Msg>,
+    wake: OwnedFd,
+}
+
+impl ReactorLink {
+    /// Sends a message and wakes the reactor.
+    pub fn send(&self, m: Msg) {
+        if self.tx.send(m).is_ok() {
+            let one: u64 = 1;
+            // SAFETY: writes 8 bytes from a local u64 to an eventfd this link owns.
+            unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        }
+    }
+}
+
+/// Creates the mailbox of a reactor: the link other threads use, and the receiving
+/// end the reactor keeps.
+pub fn mailbox() -> std::io::Result<(ReactorLink, Receiver<Msg>, OwnedFd)> {
+    // SAFETY: eventfd returns a new descriptor or -1.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fd is new and owned by nobody else.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    let reactor_side = owned.try_clone()?;
+    let (tx, rx) = mpsc::channel();
+    Ok((ReactorLink { tx, wake: owned }, rx, reactor_side))
+}
+
+/// The CPUs this process may run on.
+pub fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: cpu_set_t is plain data; zeroed is a valid empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: sched_getaffinity fills `set`, whose size we pass.
+    let rc = unsafe { libc::sched_getaffinity(0, size_of::<libc::cpu_set_t>(), &mut set) };
+    if rc != 0 {
+        return vec![0];
+    }
+    // SAFETY: CPU_ISSET reads the set filled above.
+    (0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect()
+}
+
+fn pin_to(cpu: usize) -> std::io::Result<()> {
+    // SAFETY: as above, a zeroed cpu_set_t is empty; CPU_SET writes inside it.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a valid cpu_set_t and cpu < CPU_SETSIZE is checked by the caller's
+    // configuration; CPU_SET ignores out-of-range values.
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    // SAFETY: sched_setaffinity reads `set`, whose size we pass.
+    let rc = unsafe { libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set) };
+    if rc != 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// Starts a reactor thread.
+pub fn spawn(
+    id: usize,
+    core: Option<usize>,
+    target: Arc<Target>,
+    links: Arc<Vec<ReactorLink>>,
+    rx: Receiver<Msg>,
+    wake: OwnedFd,
+) -> std::io::Result<JoinHandle<()>> {
+    let ring = IoUring::builder()
+        .setup_cqsize(RING_ENTRIES * 4)
+        .build(RING_ENTRIES)?;
+    std::thread::Builder::new()
+        .name(format!("nvpool-reactor-{id}"))
+        .spawn(move || {
+            if let Some(c) = core
+                && let Err(e) = pin_to(c)
+            {
+                eprintln!("nvpool: reactor {id}: cannot pin to CPU {c}: {e}");
+            }
+            let mut r = Reactor::new(id, ring, target, links, rx, wake);
+            r.run();
+        })
+}
+
+/// What a completion belongs to, packed into the 64-bit user data:
+/// kind in bits 63:56, connection slot in bits 55:32, extra in bits 31:0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    Accept(u16),
+    Recv(u32),
+    Send(u32),
+    Disk(u32, u16),
+    Wake,
+}
+
+impl Op {
+    fn encode(self) -> u64 {
+        let (kind, conn, extra) = match self {
+            Op::Accept(port) => (1u64, 0u32, u32::from(port)),
+            Op::Recv(c) => (2, c, 0),
+            Op::Send(c) => (3, c, 0),
+            Op::Disk(c, tag) => (4, c, u32::from(tag)),
+            Op::Wake => (5, 0, 0),
+        };
+        kind << 56 | u64::from(conn & 0xFF_FFFF) << 32 | u64::from(extra)
+    }
+
+    fn decode(v: u64) -> Option<Op> {
+        let conn = ((v >> 32) & 0xFF_FFFF) as u32;
+        let extra = v as u32;
+        Some(match v >> 56 {
+            1 => Op::Accept(extra as u16),
+            2 => Op::Recv(conn),
+            3 => Op::Send(conn),
+            4 => Op::Disk(conn, extra as u16),
+            5 => Op::Wake,
+            _ => return None,
+        })
+    }
+}
+
+struct Reactor {
+    ring: IoUring,
+    id: usize,
+    target: Arc<Target>,
+    links: Arc<Vec<ReactorLink>>,
+    rx: Receiver<Msg>,
+    wake_fd: OwnedFd,
+    /// The eventfd read lands here. Leaked on purpose: the kernel may still write it
+    /// while the ring is torn down after the thread exits.
+    wake_buf: &'static mut u64,
+    pool: BufPool,
+    /// Zeroes sent for reads of null namespaces: no copy, and no stale data leaks.
+    zeroes: Box<[u8]>,
+    conns: Vec<Option<Box<Conn>>>,
+    free_conns: Vec<u32>,
+    listeners: BTreeMap<u16, TcpListener>,
+    next_owner: usize,
+    /// Connections with output to flush at the end of this pass.
+    dirty: Vec<u32>,
+    stopping: bool,
+    last_tick: Instant,
+}
+
+impl Reactor {
+    fn new(
+        id: usize,
+        ring: IoUring,
+        target: Arc<Target>,
+        links: Arc<Vec<ReactorLink>>,
+        rx: Receiver<Msg>,
+        wake_fd: OwnedFd,
+    ) -> Reactor {
+        Reactor {
+            ring,
+            id,
+            target,
+            links,
+            rx,
+            wake_fd,
+            wake_buf: Box::leak(Box::new(0u64)),
+            pool: BufPool::new(MAX_TRANSFER),
+            zeroes: vec![0u8; MAX_TRANSFER].into_boxed_slice(),
+            conns: Vec::new(),
+            free_conns: Vec::new(),
+            listeners: BTreeMap::new(),
+            next_owner: 0,
+            dirty: Vec::with_capacity(256),
+            stopping: false,
+            last_tick: Instant::now(),
+        }
+    }
+
+    /// Queues an SQE, submitting first if the submission queue is full.
+    fn push(&mut self, sqe: squeue::Entry) {
+        loop {
+            // SAFETY: every SQE built in this module points at memory that outlives the
+            // operation (see the module's buffer lifetime contract).
+            if unsafe { self.ring.submission().push(&sqe) }.is_ok() {
+                return;
+            }
+            if let Err(e) = self.ring.submit() {
+                eprintln!("nvpool: reactor {}: io_uring submit failed: {e}", self.id);
+            }
+        }
+    }
+
+    fn post_wake(&mut self) {
+        let ptr: *mut u64 = self.wake_buf;
+        let sqe = opcode::Read::new(types::Fd(self.wake_fd.as_raw_fd()), ptr.cast(), 8)
+            .build()
+            .user_data(Op::Wake.encode());
+        self.push(sqe);
+    }
+
+    fn post_accept(&mut self, port_id: u16) {
+        if let Some(l) = self.listeners.get(&port_id) {
+            let sqe = opcode::AcceptMulti::new(types::Fd(l.as_raw_fd()))
+                .build()
+                .user_data(Op::Accept(port_id).encode());
+            self.push(sqe);
+        }
+    }
+
+    fn run(&mut self) {
+        self.post_wake();
+        let ts = types::Timespec::new().nsec(TICK.as_nanos() as u32);
+        let mut completions: Vec<(u64, i32, u32)> = Vec::with_capacity(RING_ENTRIES as usize * 4);
+        loop {
+            let args = types::SubmitArgs::new().timespec(&ts);
+            match self.ring.submitter().submit_with_args(1, &args) {
+                Ok(_) => {}
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)
+                    ) => {}
+                Err(e) => {
+                    eprintln!("nvpool: reactor {}: io_uring_enter failed: {e}", self.id);
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+            completions.clear();
+            completions.extend(
+                self.ring
+                    .completion()
+                    .map(|c| (c.user_data(), c.result(), c.flags())),
+            );
+            for &(ud, res, flags) in &completions {
+                match Op::decode(ud) {
+                    Some(Op::Wake) => self.on_wake(),
+                    Some(Op::Accept(port)) => self.on_accept(port, res, flags),
+                    Some(Op::Recv(c)) => self.with_conn(c, |r, conn| conn.on_recv(r, c, res)),
+                    Some(Op::Send(c)) => self.with_conn(c, |r, conn| conn.on_send(r, c, res)),
+                    Some(Op::Disk(c, tag)) => {
+                        self.with_conn(c, |r, conn| conn.on_disk(r, c, tag, res))
+                    }
+                    None => {}
+                }
+            }
+            if self.last_tick.elapsed() >= TICK {
+                self.last_tick = Instant::now();
+                self.tick();
+            }
+            self.flush_dirty();
+            if self.stopping && self.conns.iter().all(Option::is_none) {
+                return;
+            }
+        }
+    }
+
+    /// Runs `f` on connection `c` with the connection taken out of the table, so `f`
+    /// can use the rest of the reactor. The box keeps the connection's memory in place.
+    fn with_conn(&mut self, c: u32, f: impl FnOnce(&mut Reactor, &mut Conn)) {
+        let Some(mut conn) = self.conns.get_mut(c as usize).and_then(Option::take) else {
+            return;
+        };
+        f(self, &mut conn);
+        if conn.can_free() {
+            self.free_conn(c, conn);
+        } else {
+            self.conns[c as usize] = Some(conn);
+        }
+    }
+
+    fn on_wake(&mut self) {
+        while let Ok(m) = self.rx.try_recv() {
+            match m {
+                Msg::Adopt(stream) => self.add_conn(stream),
+                Msg::Listen { port_id, listener } => {
+                    self.listeners.insert(port_id, listener);
+                    self.post_accept(port_id);
+                }
+                Msg::Unlisten(port_id) => self.unlisten(port_id),
+                Msg::Kick => self.kick(),
+                Msg::Stop => {
+                    self.stopping = true;
+                    let ports: Vec<u16> = self.listeners.keys().copied().collect();
+                    for p in ports {
+                        self.unlisten(p);
+                    }
+                    for c in 0..self.conns.len() as u32 {
+                        self.with_conn(c, |r, conn| conn.begin_close(r));
+                    }
+                }
+            }
+        }
+        if !self.stopping {
+            self.post_wake();
+        }
+    }
+
+    fn unlisten(&mut self, port_id: u16) {
+        if self.listeners.remove(&port_id).is_some() {
+            // The ring holds its own reference to the socket: cancel the armed accept
+            // so the socket really closes.
+            let sqe = opcode::AsyncCancel::new(Op::Accept(port_id).encode())
+                .build()
+                .user_data(0);
+            self.push(sqe);
+        }
+    }
+
+    fn on_accept(&mut self, port_id: u16, res: i32, flags: u32) {
+        if res >= 0 {
+            // SAFETY: a successful accept returns a new descriptor we now own.
+            let stream = unsafe { TcpStream::from_raw_fd(res as RawFd) };
+            let owner = self.next_owner % self.links.len();
+            self.next_owner += 1;
+            if owner == self.id {
+                self.add_conn(stream);
+            } else {
+                self.links[owner].send(Msg::Adopt(stream));
+            }
+        } else if res != -libc::ECANCELED {
+            eprintln!(
+                "nvpool: accept on port {port_id} failed: {}",
+                std::io::Error::from_raw_os_error(-res)
+            );
+        }
+        if !cqueue::more(flags) && !self.stopping {
+            self.post_accept(port_id);
+        }
+    }
+
+    fn add_conn(&mut self, stream: TcpStream) {
+        if self.stopping {
+            return;
+        }
+        // Small PDUs must leave at once; the reactor batches writes itself.
+        let _ = stream.set_nodelay(true);
+        let idx = self.free_conns.pop().unwrap_or_else(|| {
+            self.conns.push(None);
+            (self.conns.len() - 1) as u32
+        });
+        let conn = Box::new(Conn::new(stream, self.target.now_ms()));
+        self.conns[idx as usize] = Some(conn);
+        self.with_conn(idx, |r, conn| conn.post_recv(r, idx));
+    }
+
+    fn free_conn(&mut self, idx: u32, mut conn: Box<Conn>) {
+        conn.release(&self.target, &mut self.pool);
+        drop(conn);
+        self.free_conns.push(idx);
+    }
+
+    fn kick(&mut self) {
+        for c in 0..self.conns.len() as u32 {
+            self.with_conn(c, |r, conn| conn.check(r, c, false));
+        }
+    }
+
+    fn tick(&mut self) {
+        for c in 0..self.conns.len() as u32 {
+            self.with_conn(c, |r, conn| conn.check(r, c, true));
+        }
+    }
+
+    fn mark_dirty(&mut self, c: u32) {
+        self.dirty.push(c);
+    }
+
+    fn flush_dirty(&mut self) {
+        while let Some(c) = self.dirty.pop() {
+            self.with_conn(c, |r, conn| conn.post_send(r, c));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn user_data_round_trips() {
+        for op in [
+            Op::Accept(7),
+            Op::Recv(0xABCDE),
+            Op::Send(1),
+            Op::Disk(0xFF_FFFF, 0xFFFF),
+            Op::Wake,
+        ] {
+            assert_eq!(Op::decode(op.encode()), Some(op));
+        }
+        assert_eq!(Op::decode(0), None);
+    }
+}

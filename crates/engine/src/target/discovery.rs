@@ -1,0 +1,107 @@
+//! The discovery log page (NVMe-oF 1.1 §5.3): one entry per listener for the
+//! discovery subsystem itself, and one per listener for every NVM subsystem the
+//! asking host may connect to.
+
+use nvpool_wire::bytes::nul;
+use nvpool_wire::fabrics::DISCOVERY_NQN;
+use nvpool_wire::log::{
+    ADRFAM_IPV4, ADRFAM_IPV6, DiscoveryLogEntry, DiscoveryLogHeader, SUBTYPE_CURRENT_DISCOVERY,
+    SUBTYPE_NVME, TREQ_NOT_REQUIRED, TRTYPE_TCP,
+};
+
+use super::{ADMIN_QUEUE_DEPTH, ListenerInfo, Target};
+
+fn entry(l: &ListenerInfo, subtype: u8, subnqn: &str) -> DiscoveryLogEntry {
+    DiscoveryLogEntry {
+        trtype: TRTYPE_TCP,
+        adrfam: if l.addr.is_ipv4() {
+            ADRFAM_IPV4
+        } else {
+            ADRFAM_IPV6
+        },
+        subtype,
+        treq: TREQ_NOT_REQUIRED,
+        portid: l.port_id,
+        cntlid: nvpool_wire::fabrics::CNTLID_DYNAMIC,
+        asqsz: ADMIN_QUEUE_DEPTH,
+        trsvcid: nul(&l.port.to_string()),
+        subnqn: nul(subnqn),
+        traddr: nul(&l.addr.to_string()),
+        ..DiscoveryLogEntry::default()
+    }
+}
+
+/// The whole discovery log page as `hostnqn` sees it.
+pub fn log_page(target: &Target, hostnqn: &str) -> Vec<u8> {
+    let listeners = target.listeners();
+    let mut entries = Vec::new();
+    for l in &listeners {
+        entries.push(entry(l, SUBTYPE_CURRENT_DISCOVERY, DISCOVERY_NQN));
+    }
+    for s in target.subsystems() {
+        if s.is_discovery() || !s.host_allowed(hostnqn) {
+            continue;
+        }
+        for l in &listeners {
+            entries.push(entry(l, SUBTYPE_NVME, &s.nqn));
+        }
+    }
+    let header = DiscoveryLogHeader {
+        genctr: target.discovery_generation(),
+        numrec: entries.len() as u64,
+        recfmt: 0,
+    };
+    let mut page = header.to_vec();
+    for e in entries {
+        page.extend_from_slice(&e.to_vec());
+    }
+    page
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Limits;
+    use crate::target::subsystem::{HostPolicy, Subsystem};
+    use nvpool_wire::bytes::get_nul_padded;
+
+    #[test]
+    fn lists_only_allowed_subsystems() {
+        let t = Target::new(Limits::default());
+        t.add_listener_info(ListenerInfo {
+            port_id: 1,
+            addr: "127.0.0.1".parse().unwrap(),
+            port: 4420,
+        });
+        let open = Subsystem::new(
+            "nqn.2024-01.io.nvpool:open",
+            "S1",
+            "m",
+            HostPolicy {
+                allow_any: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let closed = Subsystem::new(
+            "nqn.2024-01.io.nvpool:closed",
+            "S2",
+            "m",
+            HostPolicy::default(),
+        )
+        .unwrap();
+        t.add_subsystem(open).unwrap();
+        t.add_subsystem(closed).unwrap();
+        let page = log_page(&t, "nqn.someone");
+        let h = DiscoveryLogHeader::decode(&page).unwrap();
+        assert_eq!(h.numrec, 2);
+        assert_eq!(page.len(), 1024 * 3);
+        let e = DiscoveryLogEntry::decode(&page[2048..]).unwrap();
+        assert_eq!(
+            get_nul_padded(&e.subnqn, 0, 256),
+            "nqn.2024-01.io.nvpool:open"
+        );
+        assert_eq!(get_nul_padded(&e.trsvcid, 0, 32), "4420");
+        assert_eq!(e.subtype, SUBTYPE_NVME);
+    }
+}

@@ -1,0 +1,180 @@
+//! Fabrics commands: Connect, Property Get and Property Set (NVMe-oF 1.1 §3.3).
+
+use std::sync::Arc;
+
+use nvpool_wire::Status;
+use nvpool_wire::command::Command;
+use nvpool_wire::fabrics::{
+    CNTLID_DYNAMIC, CONNECT_DATA_SIZE, CONNECT_HOSTNQN_OFFSET, CONNECT_SUBNQN_OFFSET, Capabilities,
+    ConnectCommand, ConnectData, PropertyAccess, VERSION_2_0, connect_invalid_param, property,
+};
+
+use super::controller::Association;
+use super::{ADMIN_QUEUE_DEPTH, Controller, Target};
+
+/// Byte offset of SQSIZE in the Connect SQE, for error reporting.
+const SQE_SQSIZE_OFFSET: u16 = 44;
+/// Byte offset of QID in the Connect SQE.
+const SQE_QID_OFFSET: u16 = 42;
+/// Byte offset of CNTLID in the Connect data.
+const DATA_CNTLID_OFFSET: u16 = 16;
+
+/// A successful Connect: the queue now belongs to `controller`.
+pub struct Connected {
+    /// The controller.
+    pub controller: Arc<Controller>,
+    /// Queue ID: 0 for the admin queue.
+    pub qid: u16,
+    /// Queue size, 0's based.
+    pub sqsize: u16,
+}
+
+/// A refused Connect: the status and CQE DW0 to report.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Refused {
+    /// The status (with Do Not Retry when retrying cannot help).
+    pub status: Status,
+    /// CQE DW0: which parameter was wrong, for invalid parameters.
+    pub result: u32,
+}
+
+fn refuse(status: Status, result: u32) -> Refused {
+    Refused {
+        status: status.with_dnr(),
+        result,
+    }
+}
+
+/// Handles a Connect command with its in-capsule data.
+pub fn connect(target: &Target, cmd: &Command, data: &[u8]) -> Result<Connected, Refused> {
+    let c = ConnectCommand::from_command(cmd);
+    if c.recfmt != 0 {
+        return Err(refuse(Status::CONNECT_INCOMPATIBLE_FORMAT, 0));
+    }
+    let d = ConnectData::decode(data).ok_or_else(|| refuse(Status::SGL_LENGTH_INVALID, 0))?;
+    if cmd.dptr.length < CONNECT_DATA_SIZE as u32 {
+        return Err(refuse(Status::SGL_LENGTH_INVALID, 0));
+    }
+    let subsystem = target.subsystem(&d.subnqn).ok_or_else(|| {
+        refuse(
+            Status::CONNECT_INVALID_PARAMETERS,
+            connect_invalid_param(true, CONNECT_SUBNQN_OFFSET),
+        )
+    })?;
+    if !subsystem.host_allowed(&d.hostnqn) {
+        return Err(refuse(
+            Status::CONNECT_INVALID_HOST,
+            connect_invalid_param(true, CONNECT_HOSTNQN_OFFSET),
+        ));
+    }
+    if c.sqsize == 0 {
+        return Err(refuse(
+            Status::CONNECT_INVALID_PARAMETERS,
+            connect_invalid_param(false, SQE_SQSIZE_OFFSET),
+        ));
+    }
+    if c.qid == 0 {
+        if d.cntlid != CNTLID_DYNAMIC {
+            return Err(refuse(
+                Status::CONNECT_INVALID_PARAMETERS,
+                connect_invalid_param(true, DATA_CNTLID_OFFSET),
+            ));
+        }
+        if c.sqsize >= ADMIN_QUEUE_DEPTH {
+            return Err(refuse(
+                Status::CONNECT_INVALID_PARAMETERS,
+                connect_invalid_param(false, SQE_SQSIZE_OFFSET),
+            ));
+        }
+        let now = target.now_ms();
+        let max_io_queues = if subsystem.is_discovery() {
+            0
+        } else {
+            target.limits.max_io_queues
+        };
+        let controller = target
+            .register_controller(|id| {
+                let a = Association {
+                    subsystem: subsystem.clone(),
+                    hostnqn: d.hostnqn.clone(),
+                    hostid: d.hostid,
+                    kato_ms: c.kato,
+                    max_io_queues,
+                };
+                Arc::new(Controller::new(id, a, now))
+            })
+            .ok_or_else(|| refuse(Status::CONNECT_CONTROLLER_BUSY, 0))?;
+        controller.claim_queue(0);
+        subsystem.attach_controller(&controller);
+        return Ok(Connected {
+            controller,
+            qid: 0,
+            sqsize: c.sqsize,
+        });
+    }
+    let controller = target
+        .controller(d.cntlid)
+        .filter(|ctl| {
+            !ctl.is_dead() && Arc::ptr_eq(&ctl.subsystem, &subsystem) && ctl.hostnqn == d.hostnqn
+        })
+        .ok_or_else(|| {
+            refuse(
+                Status::CONNECT_INVALID_PARAMETERS,
+                connect_invalid_param(true, DATA_CNTLID_OFFSET),
+            )
+        })?;
+    if controller.hostid != d.hostid {
+        return Err(refuse(Status::HOST_ID_INCONSISTENT, 0));
+    }
+    if !controller.ready() {
+        return Err(refuse(Status::COMMAND_SEQUENCE_ERROR, 0));
+    }
+    if u32::from(c.sqsize) >= target.limits.max_queue_depth {
+        return Err(refuse(
+            Status::CONNECT_INVALID_PARAMETERS,
+            connect_invalid_param(false, SQE_SQSIZE_OFFSET),
+        ));
+    }
+    if u32::from(c.qid) > controller.io_queues_granted() {
+        return Err(refuse(
+            Status::CONNECT_INVALID_PARAMETERS,
+            connect_invalid_param(false, SQE_QID_OFFSET),
+        ));
+    }
+    if !controller.claim_queue(c.qid) {
+        return Err(refuse(Status::COMMAND_SEQUENCE_ERROR, 0));
+    }
+    Ok(Connected {
+        controller,
+        qid: c.qid,
+        sqsize: c.sqsize,
+    })
+}
+
+/// Handles Property Get: returns the 8-byte value split into CQE DW0 and DW1.
+pub fn property_get(target: &Target, ctrl: &Controller, cmd: &Command) -> Result<u64, Status> {
+    let p = PropertyAccess::from_command(cmd);
+    let value = match (p.offset, p.eight_bytes) {
+        (property::CAP, true) => Capabilities {
+            mqes: (target.limits.max_queue_depth - 1) as u16,
+            // CAP.TO in 500 ms units: the controller is ready at once; 7.5 s is ample.
+            timeout: 15,
+            css: 1,
+        }
+        .to_u64(),
+        (property::VS, false) => u64::from(VERSION_2_0),
+        (property::CC, false) => u64::from(ctrl.cc()),
+        (property::CSTS, false) => u64::from(ctrl.csts()),
+        _ => return Err(Status::INVALID_FIELD.with_dnr()),
+    };
+    Ok(value)
+}
+
+/// Handles Property Set (only CC is writable).
+pub fn property_set(ctrl: &Controller, cmd: &Command) -> Result<(), Status> {
+    let p = PropertyAccess::from_command(cmd);
+    if p.offset != property::CC || p.eight_bytes || !ctrl.set_cc(p.value as u32) {
+        return Err(Status::INVALID_FIELD.with_dnr());
+    }
+    Ok(())
+}

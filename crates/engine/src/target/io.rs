@@ -1,0 +1,217 @@
+//! NVM I/O commands (NVM Command Set 1.0 §3): validation and the disk work they need.
+
+use nvpool_wire::Status;
+use nvpool_wire::command::{Command, DSM_ATTR_DEALLOCATE, io_opcode};
+
+use super::{MAX_TRANSFER, Namespace};
+
+/// The disk work one NVM command needs, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IoPlan {
+    /// Read `len` bytes at `offset` and send them.
+    Read {
+        /// Byte offset.
+        offset: u64,
+        /// Byte length.
+        len: u32,
+    },
+    /// Receive `len` bytes and write them at `offset`, durably if `fua`.
+    Write {
+        /// Byte offset.
+        offset: u64,
+        /// Byte length.
+        len: u32,
+        /// Force Unit Access: durable before completion.
+        fua: bool,
+    },
+    /// Make every completed write durable.
+    Flush,
+    /// Zero `len` bytes at `offset`.
+    WriteZeroes {
+        /// Byte offset.
+        offset: u64,
+        /// Byte length.
+        len: u64,
+    },
+    /// Receive `ranges` Dataset Management ranges; deallocate them if `deallocate`.
+    DatasetManagement {
+        /// Number of ranges.
+        ranges: u32,
+        /// Whether the host asked to deallocate.
+        deallocate: bool,
+    },
+}
+
+impl IoPlan {
+    /// Bytes the host sends with this command.
+    pub fn host_data_len(&self) -> u32 {
+        match *self {
+            IoPlan::Write { len, .. } => len,
+            IoPlan::DatasetManagement { ranges, .. } => {
+                ranges * nvpool_wire::command::DSM_RANGE_SIZE as u32
+            }
+            _ => 0,
+        }
+    }
+}
+
+fn range(ns: &Namespace, slba: u64, nlb: u64) -> Result<(u64, u64), Status> {
+    match slba.checked_add(nlb) {
+        Some(end) if end <= ns.blocks => Ok((slba << ns.block_shift, nlb << ns.block_shift)),
+        _ => Err(Status::LBA_OUT_OF_RANGE.with_dnr()),
+    }
+}
+
+/// Validates an NVM command against its namespace and says what disk work it needs.
+pub fn plan(ns: &Namespace, cmd: &Command) -> Result<IoPlan, Status> {
+    match cmd.opcode {
+        io_opcode::READ | io_opcode::WRITE => {
+            let (offset, len) = range(ns, cmd.slba(), u64::from(cmd.nlb()))?;
+            if len > MAX_TRANSFER as u64 {
+                return Err(Status::INVALID_FIELD.with_dnr());
+            }
+            if u64::from(cmd.dptr.length) != len {
+                return Err(Status::SGL_LENGTH_INVALID.with_dnr());
+            }
+            let len = len as u32;
+            Ok(if cmd.opcode == io_opcode::READ {
+                IoPlan::Read { offset, len }
+            } else {
+                IoPlan::Write {
+                    offset,
+                    len,
+                    fua: cmd.fua(),
+                }
+            })
+        }
+        io_opcode::FLUSH => Ok(IoPlan::Flush),
+        io_opcode::WRITE_ZEROES => {
+            let (offset, len) = range(ns, cmd.slba(), u64::from(cmd.nlb()))?;
+            Ok(IoPlan::WriteZeroes { offset, len })
+        }
+        io_opcode::DATASET_MANAGEMENT => {
+            let ranges = (cmd.cdw10() & 0xFF) + 1;
+            if u64::from(cmd.dptr.length) < u64::from(ranges) * 16 {
+                return Err(Status::SGL_LENGTH_INVALID.with_dnr());
+            }
+            Ok(IoPlan::DatasetManagement {
+                ranges,
+                deallocate: cmd.cdw11() & DSM_ATTR_DEALLOCATE != 0,
+            })
+        }
+        _ => Err(Status::INVALID_OPCODE.with_dnr()),
+    }
+}
+
+/// Converts Dataset Management ranges (from the command's data) into byte ranges,
+/// checking each against the namespace.
+pub fn dsm_byte_ranges(
+    ns: &Namespace,
+    data: &[u8],
+    ranges: u32,
+) -> Result<Vec<(u64, u64)>, Status> {
+    data.chunks_exact(nvpool_wire::command::DSM_RANGE_SIZE)
+        .take(ranges as usize)
+        .map(nvpool_wire::command::DsmRange::decode)
+        .filter(|r| r.nlb > 0)
+        .map(|r| range(ns, r.slba, u64::from(r.nlb)))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bdev::Bdev;
+    use nvpool_wire::command::{DsmRange, SglDescriptor};
+    use std::sync::Arc;
+
+    fn ns() -> Namespace {
+        Namespace::new(1, Arc::new(Bdev::null(1 << 20)), 512, [1; 16], [1; 16]).unwrap()
+    }
+
+    #[test]
+    fn reads_and_writes_are_checked() {
+        let ns = ns();
+        let c = Command::read_write(io_opcode::READ, 1, 1, 8, 8, 4096);
+        assert_eq!(
+            plan(&ns, &c),
+            Ok(IoPlan::Read {
+                offset: 4096,
+                len: 4096
+            })
+        );
+        let past_end = Command::read_write(io_opcode::WRITE, 1, 1, 2047, 2, 1024);
+        assert_eq!(
+            plan(&ns, &past_end).unwrap_err().base(),
+            Status::LBA_OUT_OF_RANGE
+        );
+        let overflow = Command::read_write(io_opcode::READ, 1, 1, u64::MAX, 2, 1024);
+        assert_eq!(
+            plan(&ns, &overflow).unwrap_err().base(),
+            Status::LBA_OUT_OF_RANGE
+        );
+        let too_big = Command::read_write(io_opcode::READ, 1, 1, 0, 512, 512 * 512);
+        assert_eq!(
+            plan(&ns, &too_big).unwrap_err().base(),
+            Status::INVALID_FIELD
+        );
+        let wrong_sgl = Command::read_write(io_opcode::READ, 1, 1, 0, 1, 4096);
+        assert_eq!(
+            plan(&ns, &wrong_sgl).unwrap_err().base(),
+            Status::SGL_LENGTH_INVALID
+        );
+        let unknown = Command { opcode: 0x7E, ..c };
+        assert_eq!(
+            plan(&ns, &unknown).unwrap_err().base(),
+            Status::INVALID_OPCODE
+        );
+    }
+
+    #[test]
+    fn dsm_ranges_are_checked() {
+        let ns = ns();
+        let c = Command {
+            opcode: io_opcode::DATASET_MANAGEMENT,
+            dptr: SglDescriptor {
+                length: 32,
+                ..SglDescriptor::default()
+            },
+            cdw: [1, DSM_ATTR_DEALLOCATE, 0, 0, 0, 0],
+            ..Command::default()
+        };
+        assert_eq!(
+            plan(&ns, &c),
+            Ok(IoPlan::DatasetManagement {
+                ranges: 2,
+                deallocate: true
+            })
+        );
+        let mut d = [0u8; 32];
+        DsmRange {
+            attributes: 0,
+            nlb: 8,
+            slba: 0,
+        }
+        .encode(&mut d[..16]);
+        DsmRange {
+            attributes: 0,
+            nlb: 8,
+            slba: 2048,
+        }
+        .encode(&mut d[16..]);
+        assert_eq!(
+            dsm_byte_ranges(&ns, &d, 2).unwrap_err().base(),
+            Status::LBA_OUT_OF_RANGE
+        );
+        DsmRange {
+            attributes: 0,
+            nlb: 8,
+            slba: 16,
+        }
+        .encode(&mut d[16..]);
+        assert_eq!(
+            dsm_byte_ranges(&ns, &d, 2).unwrap(),
+            vec![(0, 4096), (8192, 4096)]
+        );
+    }
+}

@@ -1,0 +1,215 @@
+//! Target logic: subsystems, namespaces, controllers and the command handlers.
+//!
+//! Nothing here does I/O. The transport hands decoded commands in and gets back
+//! completions, data and, for NVM commands, a plan of the disk work to do.
+
+pub mod admin;
+pub mod controller;
+pub mod discovery;
+pub mod fabrics;
+pub mod io;
+pub mod subsystem;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
+
+pub use controller::Controller;
+pub use subsystem::{Namespace, NamespaceStats, Subsystem};
+
+use crate::config::Limits;
+
+/// Largest data transfer of one command (MDTS): 128 KiB, as SPDK's default I/O unit.
+/// Larger host I/Os are split by the host.
+pub const MAX_TRANSFER: usize = 128 * 1024;
+/// MDTS as Identify reports it: log2 of the transfer in 4 KiB pages.
+pub const MDTS: u8 = (MAX_TRANSFER / 4096).trailing_zeros() as u8;
+/// In-capsule data accepted on I/O queues. Writes up to this size need no R2T round
+/// trip. The Connect data (1 KiB) and admin capsules (8 KiB) are always accepted.
+pub const IO_IN_CAPSULE_DATA: usize = 8192;
+/// In-capsule data the Linux host may send on the admin queue and with fabrics
+/// commands on any queue.
+pub const ADMIN_IN_CAPSULE_DATA: usize = 8192;
+/// Largest H2CData PDU the host may send (MAXH2CDATA): one whole transfer.
+pub const MAX_H2C_DATA: u32 = MAX_TRANSFER as u32;
+/// Asynchronous Event Requests a host may leave outstanding.
+pub const AER_LIMIT: usize = 4;
+/// Keep Alive granularity advertised in KAS, in 100 ms units.
+pub const KEEP_ALIVE_GRANULARITY: u16 = 10;
+/// Highest namespace ID (NN): namespaces may be numbered 1..=MAX_NSID.
+pub const MAX_NSID: u32 = 1024;
+/// Admin queue depth the target accepts (the Linux host asks for 32).
+pub const ADMIN_QUEUE_DEPTH: u16 = 128;
+
+/// The whole target: every subsystem, controller and listener of this engine.
+pub struct Target {
+    subsystems: RwLock<BTreeMap<String, Arc<Subsystem>>>,
+    controllers: Mutex<BTreeMap<u16, Arc<Controller>>>,
+    next_cntlid: AtomicU16,
+    listeners: RwLock<Vec<ListenerInfo>>,
+    discovery_generation: AtomicU64,
+    started: Instant,
+    /// Limits from the configuration.
+    pub limits: Limits,
+}
+
+/// A listener, as the discovery log reports it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct ListenerInfo {
+    /// Port ID reported in the discovery log.
+    pub port_id: u16,
+    /// IP address.
+    pub addr: std::net::IpAddr,
+    /// TCP port.
+    pub port: u16,
+}
+
+impl Target {
+    /// An empty target with the given limits, and the discovery subsystem.
+    pub fn new(limits: Limits) -> Arc<Target> {
+        let t = Arc::new(Target {
+            subsystems: RwLock::new(BTreeMap::new()),
+            controllers: Mutex::new(BTreeMap::new()),
+            next_cntlid: AtomicU16::new(1),
+            listeners: RwLock::new(Vec::new()),
+            discovery_generation: AtomicU64::new(1),
+            started: Instant::now(),
+            limits,
+        });
+        let d = Subsystem::discovery();
+        t.subsystems
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(d.nqn.clone(), d);
+        t
+    }
+
+    /// Milliseconds since the target started: the clock keep-alive deadlines use.
+    pub fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    /// The subsystem with this NQN.
+    pub fn subsystem(&self, nqn: &str) -> Option<Arc<Subsystem>> {
+        read(&self.subsystems).get(nqn).cloned()
+    }
+
+    /// Every subsystem, the discovery subsystem included.
+    pub fn subsystems(&self) -> Vec<Arc<Subsystem>> {
+        read(&self.subsystems).values().cloned().collect()
+    }
+
+    /// Adds a subsystem; fails if the NQN is taken.
+    pub fn add_subsystem(&self, s: Arc<Subsystem>) -> Result<(), String> {
+        let mut map = write(&self.subsystems);
+        if map.contains_key(&s.nqn) {
+            return Err(format!(
+                "subsystem {} already exists: remove it first or pick another NQN",
+                s.nqn
+            ));
+        }
+        map.insert(s.nqn.clone(), s);
+        drop(map);
+        self.discovery_changed();
+        Ok(())
+    }
+
+    /// Removes a subsystem and ends every controller connected to it.
+    pub fn remove_subsystem(&self, nqn: &str) -> Result<(), String> {
+        let removed = {
+            let mut map = write(&self.subsystems);
+            match map.get(nqn) {
+                Some(s) if s.is_discovery() => {
+                    return Err("the discovery subsystem cannot be removed".into());
+                }
+                Some(_) => map.remove(nqn),
+                None => None,
+            }
+        };
+        let s = removed
+            .ok_or_else(|| format!("no subsystem {nqn}: `nvpool subsystem list` shows the NQNs"))?;
+        for c in s.controllers() {
+            c.fail("subsystem removed");
+        }
+        self.discovery_changed();
+        Ok(())
+    }
+
+    /// Registers a new controller for a Connect on an admin queue.
+    pub fn register_controller(
+        &self,
+        make: impl FnOnce(u16) -> Arc<Controller>,
+    ) -> Option<Arc<Controller>> {
+        let mut map = lock(&self.controllers);
+        // Controller IDs 1..=0xFFEF are valid; skip IDs still in use after wrapping.
+        for _ in 0..0xFFEF {
+            let id = self.next_cntlid.fetch_add(1, Ordering::Relaxed);
+            let id = (id % 0xFFEF).max(1);
+            if let std::collections::btree_map::Entry::Vacant(v) = map.entry(id) {
+                let c = make(id);
+                v.insert(c.clone());
+                return Some(c);
+            }
+        }
+        None
+    }
+
+    /// The live controller with this ID.
+    pub fn controller(&self, cntlid: u16) -> Option<Arc<Controller>> {
+        lock(&self.controllers).get(&cntlid).cloned()
+    }
+
+    /// Forgets a controller whose association ended.
+    pub fn unregister_controller(&self, cntlid: u16) {
+        lock(&self.controllers).remove(&cntlid);
+    }
+
+    /// Number of live controllers.
+    pub fn controller_count(&self) -> usize {
+        lock(&self.controllers).len()
+    }
+
+    /// Records a listener for the discovery log.
+    pub fn add_listener_info(&self, l: ListenerInfo) {
+        write(&self.listeners).push(l);
+        self.discovery_changed();
+    }
+
+    /// Forgets a listener.
+    pub fn remove_listener_info(&self, port_id: u16) {
+        write(&self.listeners).retain(|l| l.port_id != port_id);
+        self.discovery_changed();
+    }
+
+    /// The listeners.
+    pub fn listeners(&self) -> Vec<ListenerInfo> {
+        read(&self.listeners).clone()
+    }
+
+    /// The discovery log generation counter.
+    pub fn discovery_generation(&self) -> u64 {
+        self.discovery_generation.load(Ordering::Acquire)
+    }
+
+    /// Bumps the discovery generation and tells discovery controllers.
+    pub fn discovery_changed(&self) {
+        self.discovery_generation.fetch_add(1, Ordering::AcqRel);
+        if let Some(d) = self.subsystem(nvpool_wire::fabrics::DISCOVERY_NQN) {
+            for c in d.controllers() {
+                c.post_discovery_change();
+            }
+        }
+    }
+}
+
+/// Poison-tolerant lock helpers: a panic elsewhere must not take the target down.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+pub(crate) fn read<T>(m: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    m.read().unwrap_or_else(|e| e.into_inner())
+}
+pub(crate) fn write<T>(m: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    m.write().unwrap_or_else(|e| e.into_inner())
+}

@@ -1,0 +1,377 @@
+//! NVM subsystems and their namespaces.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+
+use nvpool_wire::fabrics::DISCOVERY_NQN;
+
+use super::{Controller, MAX_NSID, lock, read, write};
+use crate::bdev::Bdev;
+
+/// Per-namespace I/O counters. Relaxed atomics: they are statistics, not
+/// synchronisation.
+#[derive(Debug, Default)]
+pub struct NamespaceStats {
+    /// Read commands completed.
+    pub reads: AtomicU64,
+    /// Write commands completed.
+    pub writes: AtomicU64,
+    /// Bytes read.
+    pub read_bytes: AtomicU64,
+    /// Bytes written.
+    pub write_bytes: AtomicU64,
+    /// Other commands (flush, write zeroes, dataset management).
+    pub others: AtomicU64,
+    /// Commands that failed.
+    pub errors: AtomicU64,
+}
+
+impl NamespaceStats {
+    /// Counts a command.
+    pub fn count(&self, counter: &AtomicU64, bytes: Option<(&AtomicU64, u64)>) {
+        counter.fetch_add(1, Ordering::Relaxed);
+        if let Some((b, n)) = bytes {
+            b.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A namespace: a bdev exported under an NSID with stable identifiers.
+#[derive(Debug)]
+pub struct Namespace {
+    /// Namespace ID.
+    pub nsid: u32,
+    /// The storage.
+    pub bdev: Arc<Bdev>,
+    /// log2 of the block size (9 or 12).
+    pub block_shift: u32,
+    /// Size in blocks.
+    pub blocks: u64,
+    /// Namespace globally unique identifier.
+    pub nguid: [u8; 16],
+    /// Namespace UUID.
+    pub uuid: [u8; 16],
+    /// I/O counters.
+    pub stats: NamespaceStats,
+}
+
+impl Namespace {
+    /// A namespace over `bdev` with `block_size`-byte blocks (512 or 4096).
+    pub fn new(
+        nsid: u32,
+        bdev: Arc<Bdev>,
+        block_size: u32,
+        uuid: [u8; 16],
+        nguid: [u8; 16],
+    ) -> Result<Namespace, String> {
+        if nsid == 0 || nsid > MAX_NSID {
+            return Err(format!(
+                "namespace ID {nsid} is out of range: use 1 to {MAX_NSID}"
+            ));
+        }
+        if block_size != 512 && block_size != 4096 {
+            return Err(format!(
+                "block size {block_size} is not supported: use 512 or 4096"
+            ));
+        }
+        let blocks = bdev.size() / u64::from(block_size);
+        if blocks == 0 {
+            return Err(format!(
+                "the backend ({} bytes) is smaller than one {block_size}-byte block",
+                bdev.size()
+            ));
+        }
+        Ok(Namespace {
+            nsid,
+            bdev,
+            block_shift: block_size.trailing_zeros(),
+            blocks,
+            nguid,
+            uuid,
+            stats: NamespaceStats::default(),
+        })
+    }
+
+    /// Block size in bytes.
+    pub fn block_size(&self) -> u32 {
+        1 << self.block_shift
+    }
+}
+
+/// The namespaces of a subsystem, by NSID. Replaced as a whole when it changes, so I/O
+/// queues can hold a snapshot without locking.
+pub type NamespaceMap = BTreeMap<u32, Arc<Namespace>>;
+
+/// Which hosts may connect.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HostPolicy {
+    /// Any host may connect.
+    pub allow_any: bool,
+    /// Host NQNs allowed when `allow_any` is false.
+    pub hosts: BTreeSet<String>,
+}
+
+/// An NVM subsystem (or the discovery subsystem).
+pub struct Subsystem {
+    /// Subsystem NQN.
+    pub nqn: String,
+    /// Serial number reported in Identify Controller.
+    pub serial: String,
+    /// Model number reported in Identify Controller.
+    pub model: String,
+    hosts: RwLock<HostPolicy>,
+    namespaces: RwLock<Arc<NamespaceMap>>,
+    generation: AtomicU64,
+    controllers: Mutex<Vec<Weak<Controller>>>,
+}
+
+impl std::fmt::Debug for Subsystem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Subsystem")
+            .field("nqn", &self.nqn)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Subsystem {
+    /// A new NVM subsystem with no namespaces.
+    pub fn new(
+        nqn: &str,
+        serial: &str,
+        model: &str,
+        hosts: HostPolicy,
+    ) -> Result<Arc<Subsystem>, String> {
+        validate_nqn(nqn)?;
+        if nqn == DISCOVERY_NQN {
+            return Err("the discovery NQN is reserved: pick another subsystem NQN".into());
+        }
+        if serial.is_empty() || serial.len() > 20 || !serial.is_ascii() {
+            return Err(format!(
+                "serial {serial:?} must be 1 to 20 ASCII characters"
+            ));
+        }
+        if model.len() > 40 || !model.is_ascii() {
+            return Err(format!(
+                "model {model:?} must be at most 40 ASCII characters"
+            ));
+        }
+        Ok(Arc::new(Subsystem::build(nqn, serial, model, hosts)))
+    }
+
+    fn build(nqn: &str, serial: &str, model: &str, hosts: HostPolicy) -> Subsystem {
+        Subsystem {
+            nqn: nqn.into(),
+            serial: serial.into(),
+            model: model.into(),
+            hosts: RwLock::new(hosts),
+            namespaces: RwLock::new(Arc::new(BTreeMap::new())),
+            generation: AtomicU64::new(0),
+            controllers: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The discovery subsystem: any host may use it.
+    pub fn discovery() -> Arc<Subsystem> {
+        Arc::new(Subsystem::build(
+            DISCOVERY_NQN,
+            "nvpool-discovery",
+            "nvpool discovery",
+            HostPolicy {
+                allow_any: true,
+                hosts: BTreeSet::new(),
+            },
+        ))
+    }
+
+    /// Whether this is the discovery subsystem.
+    pub fn is_discovery(&self) -> bool {
+        self.nqn == DISCOVERY_NQN
+    }
+
+    /// Whether `hostnqn` may connect.
+    pub fn host_allowed(&self, hostnqn: &str) -> bool {
+        let p = read(&self.hosts);
+        p.allow_any || p.hosts.contains(hostnqn)
+    }
+
+    /// The host policy.
+    pub fn host_policy(&self) -> HostPolicy {
+        read(&self.hosts).clone()
+    }
+
+    /// Allows a host. Existing connections are unaffected.
+    pub fn add_host(&self, hostnqn: &str) -> Result<(), String> {
+        validate_nqn(hostnqn)?;
+        write(&self.hosts).hosts.insert(hostnqn.into());
+        Ok(())
+    }
+
+    /// Disallows a host; its controllers end.
+    pub fn remove_host(&self, hostnqn: &str) -> Result<(), String> {
+        if !write(&self.hosts).hosts.remove(hostnqn) {
+            return Err(format!(
+                "host {hostnqn} is not on the allow-list of {}",
+                self.nqn
+            ));
+        }
+        if !self.host_allowed(hostnqn) {
+            for c in self.controllers() {
+                if c.hostnqn == hostnqn {
+                    c.fail("host removed from the allow-list");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sets whether any host may connect.
+    pub fn set_allow_any(&self, allow: bool) {
+        write(&self.hosts).allow_any = allow;
+    }
+
+    /// A snapshot of the namespaces.
+    pub fn namespaces(&self) -> Arc<NamespaceMap> {
+        read(&self.namespaces).clone()
+    }
+
+    /// A counter that changes whenever the namespaces change; I/O queues compare it to
+    /// decide whether their snapshot is stale.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Adds a namespace and notifies connected controllers (namespace attribute
+    /// changed).
+    pub fn add_namespace(&self, ns: Namespace) -> Result<(), String> {
+        let nsid = ns.nsid;
+        {
+            let mut guard = write(&self.namespaces);
+            if guard.contains_key(&nsid) {
+                return Err(format!(
+                    "namespace {nsid} already exists in {}: remove it first",
+                    self.nqn
+                ));
+            }
+            if let Some(other) = guard
+                .values()
+                .find(|n| n.uuid == ns.uuid || n.nguid == ns.nguid)
+            {
+                return Err(format!(
+                    "namespace {} already uses that UUID or NGUID",
+                    other.nsid
+                ));
+            }
+            let mut map = (**guard).clone();
+            map.insert(nsid, Arc::new(ns));
+            *guard = Arc::new(map);
+            self.generation.fetch_add(1, Ordering::AcqRel);
+        }
+        self.namespace_changed(nsid);
+        Ok(())
+    }
+
+    /// Removes a namespace and notifies connected controllers.
+    pub fn remove_namespace(&self, nsid: u32) -> Result<Arc<Namespace>, String> {
+        let removed = {
+            let mut guard = write(&self.namespaces);
+            let mut map = (**guard).clone();
+            let removed = map.remove(&nsid);
+            if removed.is_some() {
+                *guard = Arc::new(map);
+                self.generation.fetch_add(1, Ordering::AcqRel);
+            }
+            removed
+        };
+        let ns = removed.ok_or_else(|| format!("no namespace {nsid} in {}", self.nqn))?;
+        self.namespace_changed(nsid);
+        Ok(ns)
+    }
+
+    fn namespace_changed(&self, nsid: u32) {
+        for c in self.controllers() {
+            c.post_namespace_change(nsid);
+        }
+    }
+
+    /// Tracks a new controller of this subsystem.
+    pub fn attach_controller(&self, c: &Arc<Controller>) {
+        let mut list = lock(&self.controllers);
+        list.retain(|w| w.strong_count() > 0);
+        list.push(Arc::downgrade(c));
+    }
+
+    /// The live controllers.
+    pub fn controllers(&self) -> Vec<Arc<Controller>> {
+        lock(&self.controllers)
+            .iter()
+            .filter_map(Weak::upgrade)
+            .filter(|c| !c.is_dead())
+            .collect()
+    }
+}
+
+/// Checks an NQN's form: 1 to 223 bytes of printable ASCII, `nqn.` prefix.
+pub fn validate_nqn(nqn: &str) -> Result<(), String> {
+    if nqn.is_empty() || nqn.len() > nvpool_wire::fabrics::NQN_MAX_LEN {
+        return Err(format!("NQN {nqn:?} must be 1 to 223 bytes long"));
+    }
+    if !nqn.starts_with("nqn.") || !nqn.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(format!(
+            "NQN {nqn:?} is malformed: it must start with \"nqn.\" and contain no spaces, e.g. nqn.2024-01.io.nvpool:vol1"
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ns(nsid: u32, id: u8) -> Namespace {
+        Namespace::new(nsid, Arc::new(Bdev::null(1 << 20)), 512, [id; 16], [id; 16]).unwrap()
+    }
+
+    #[test]
+    fn namespaces_are_snapshotted_and_versioned() {
+        let s =
+            Subsystem::new("nqn.2024-01.io.nvpool:t", "SN1", "m", HostPolicy::default()).unwrap();
+        let before = s.namespaces();
+        let g = s.generation();
+        s.add_namespace(ns(1, 1)).unwrap();
+        assert!(before.is_empty());
+        assert_eq!(s.namespaces().len(), 1);
+        assert_ne!(s.generation(), g);
+        assert!(s.add_namespace(ns(1, 2)).is_err());
+        assert!(
+            s.add_namespace(ns(2, 1)).is_err(),
+            "duplicate UUID must be refused"
+        );
+        s.remove_namespace(1).unwrap();
+        assert!(s.remove_namespace(1).is_err());
+    }
+
+    #[test]
+    fn host_policy_is_enforced() {
+        let s =
+            Subsystem::new("nqn.2024-01.io.nvpool:t", "SN1", "m", HostPolicy::default()).unwrap();
+        assert!(!s.host_allowed("nqn.h1"));
+        s.add_host("nqn.h1").unwrap();
+        assert!(s.host_allowed("nqn.h1"));
+        assert!(!s.host_allowed("nqn.h2"));
+        s.set_allow_any(true);
+        assert!(s.host_allowed("nqn.h2"));
+    }
+
+    #[test]
+    fn bad_names_are_refused_with_a_reason() {
+        assert!(
+            Subsystem::new("bad nqn", "S", "m", HostPolicy::default())
+                .unwrap_err()
+                .contains("nqn.")
+        );
+        assert!(Subsystem::new(DISCOVERY_NQN, "S", "m", HostPolicy::default()).is_err());
+        assert!(Namespace::new(0, Arc::new(Bdev::null(4096)), 512, [0; 16], [0; 16]).is_err());
+        assert!(Namespace::new(1, Arc::new(Bdev::null(4096)), 1024, [0; 16], [0; 16]).is_err());
+    }
+}

@@ -1,0 +1,528 @@
+//! Command-line interface.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use nvpool_engine::Engine;
+use nvpool_engine::config::{
+    EngineConfig, ListenerConfig, NamespaceConfig, SubsystemConfig, default_socket,
+};
+use nvpool_engine::mgmt;
+use serde_json::{Value, json};
+
+/// nvpool: pool every node's NVMe SSDs and serve volumes over NVMe/TCP.
+#[derive(Parser)]
+#[command(version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the engine: an NVMe/TCP target.
+    Engine(EngineArgs),
+    /// Manage subsystems of a running engine.
+    Subsystem {
+        #[command(subcommand)]
+        verb: SubsystemVerb,
+        #[command(flatten)]
+        api: Api,
+    },
+    /// Manage namespaces of a running engine.
+    Namespace {
+        #[command(subcommand)]
+        verb: NamespaceVerb,
+        #[command(flatten)]
+        api: Api,
+    },
+    /// Manage the hosts allowed on a subsystem.
+    Host {
+        #[command(subcommand)]
+        verb: HostVerb,
+        #[command(flatten)]
+        api: Api,
+    },
+    /// Manage the listeners of a running engine.
+    Listener {
+        #[command(subcommand)]
+        verb: ListenerVerb,
+        #[command(flatten)]
+        api: Api,
+    },
+    /// Show per-namespace I/O statistics.
+    Stats {
+        #[command(flatten)]
+        api: Api,
+    },
+}
+
+#[derive(Args)]
+struct Api {
+    /// The engine's management socket.
+    #[arg(long, global = true, default_value_os_t = default_socket())]
+    socket: PathBuf,
+    /// Print JSON instead of a table.
+    #[arg(long, global = true)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct EngineArgs {
+    /// A TOML configuration file (see the README); the quick flags below are then
+    /// not allowed.
+    #[arg(long, conflicts_with_all = ["listen", "subsystem", "namespace", "host"])]
+    config: Option<PathBuf>,
+    /// Address to serve NVMe/TCP on (repeatable).
+    #[arg(long)]
+    listen: Vec<SocketAddr>,
+    /// NQN of the subsystem to serve.
+    #[arg(long, requires = "namespace")]
+    subsystem: Option<String>,
+    /// A namespace: memory:SIZE, null:SIZE, file:PATH or file:PATH:SIZE (repeatable).
+    #[arg(long)]
+    namespace: Vec<String>,
+    /// Block size of the namespaces.
+    #[arg(long, default_value_t = 512)]
+    block_size: u32,
+    /// Allow only these hosts (repeatable); without it any host may connect.
+    #[arg(long)]
+    host: Vec<String>,
+    /// Number of reactor threads.
+    #[arg(long)]
+    reactors: Option<usize>,
+    /// CPUs to pin reactors to, e.g. 0,1 (overrides --reactors).
+    #[arg(long, value_delimiter = ',')]
+    cores: Option<Vec<usize>>,
+    /// Also listen for discovery on this port at the first --listen address (0: no).
+    #[arg(long, default_value_t = 8009)]
+    discovery_port: u16,
+    /// Path of the management socket.
+    #[arg(long)]
+    mgmt_socket: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum SubsystemVerb {
+    /// List subsystems and their namespaces.
+    List,
+    /// Create a subsystem.
+    Add {
+        /// NQN.
+        nqn: String,
+        /// Serial number (derived from the NQN by default).
+        #[arg(long)]
+        serial: Option<String>,
+        /// Model number.
+        #[arg(long, default_value = "nvpool")]
+        model: String,
+        /// Let any host connect.
+        #[arg(long)]
+        allow_any_host: bool,
+    },
+    /// Remove a subsystem (its controllers are disconnected).
+    Remove {
+        /// NQN.
+        nqn: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum NamespaceVerb {
+    /// Add a namespace; connected hosts see it appear.
+    Add {
+        /// Subsystem NQN.
+        nqn: String,
+        /// Backend: memory:SIZE, null:SIZE, file:PATH or file:PATH:SIZE.
+        backend: String,
+        /// Namespace ID (the next free one by default).
+        #[arg(long)]
+        nsid: Option<u32>,
+        /// Block size.
+        #[arg(long, default_value_t = 512)]
+        block_size: u32,
+        /// UUID (derived from the NQN and NSID by default).
+        #[arg(long)]
+        uuid: Option<String>,
+    },
+    /// Remove a namespace.
+    Remove {
+        /// Subsystem NQN.
+        nqn: String,
+        /// Namespace ID.
+        nsid: u32,
+    },
+}
+
+#[derive(Subcommand)]
+enum HostVerb {
+    /// Allow a host.
+    Add {
+        /// Subsystem NQN.
+        nqn: String,
+        /// Host NQN.
+        host: String,
+    },
+    /// Disallow a host (its controllers are disconnected).
+    Remove {
+        /// Subsystem NQN.
+        nqn: String,
+        /// Host NQN.
+        host: String,
+    },
+    /// Let any host connect (on) or only allowed ones (off).
+    AllowAny {
+        /// Subsystem NQN.
+        nqn: String,
+        /// on or off.
+        #[arg(value_parser = ["on", "off"])]
+        state: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum ListenerVerb {
+    /// List listeners.
+    List,
+    /// Listen on an address.
+    Add {
+        /// IP:PORT.
+        address: SocketAddr,
+    },
+    /// Stop listening on an address.
+    Remove {
+        /// IP:PORT.
+        address: SocketAddr,
+    },
+}
+
+/// Runs a parsed command line.
+pub fn run(cli: Cli) -> Result<(), String> {
+    match cli.command {
+        Command::Engine(a) => run_engine(a),
+        Command::Subsystem { verb, api } => match verb {
+            SubsystemVerb::List => show(&api, "subsystem_list", json!({}), subsystem_table),
+            SubsystemVerb::Add {
+                nqn,
+                serial,
+                model,
+                allow_any_host,
+            } => {
+                let p = json!({ "nqn": nqn, "serial": serial, "model": model, "allow_any_host": allow_any_host });
+                done(&api, "subsystem_add", p, &format!("subsystem {nqn} added"))
+            }
+            SubsystemVerb::Remove { nqn } => done(
+                &api,
+                "subsystem_remove",
+                json!({ "nqn": nqn }),
+                &format!("subsystem {nqn} removed"),
+            ),
+        },
+        Command::Namespace { verb, api } => match verb {
+            NamespaceVerb::Add {
+                nqn,
+                backend,
+                nsid,
+                block_size,
+                uuid,
+            } => {
+                let p = json!({ "nqn": nqn, "namespace": { "nsid": nsid, "backend": backend, "block_size": block_size, "uuid": uuid } });
+                let r = mgmt::call(&api.socket, "namespace_add", p)?;
+                print_or(&api, &r, || {
+                    format!("namespace {} added to {nqn}", r["nsid"])
+                });
+                Ok(())
+            }
+            NamespaceVerb::Remove { nqn, nsid } => done(
+                &api,
+                "namespace_remove",
+                json!({ "nqn": nqn, "nsid": nsid }),
+                &format!("namespace {nsid} removed from {nqn}"),
+            ),
+        },
+        Command::Host { verb, api } => match verb {
+            HostVerb::Add { nqn, host } => done(
+                &api,
+                "host_add",
+                json!({ "nqn": nqn, "host": host }),
+                &format!("host {host} allowed on {nqn}"),
+            ),
+            HostVerb::Remove { nqn, host } => done(
+                &api,
+                "host_remove",
+                json!({ "nqn": nqn, "host": host }),
+                &format!("host {host} removed from {nqn}"),
+            ),
+            HostVerb::AllowAny { nqn, state } => {
+                let allow = state == "on";
+                done(
+                    &api,
+                    "allow_any_host",
+                    json!({ "nqn": nqn, "allow": allow }),
+                    &format!("allow any host on {nqn}: {state}"),
+                )
+            }
+        },
+        Command::Listener { verb, api } => match verb {
+            ListenerVerb::List => show(&api, "listener_list", json!({}), listener_table),
+            ListenerVerb::Add { address } => done(
+                &api,
+                "listener_add",
+                json!({ "address": address }),
+                &format!("listening on {address}"),
+            ),
+            ListenerVerb::Remove { address } => done(
+                &api,
+                "listener_remove",
+                json!({ "address": address }),
+                &format!("stopped listening on {address}"),
+            ),
+        },
+        Command::Stats { api } => show(&api, "subsystem_list", json!({}), stats_table),
+    }
+}
+
+fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
+    let mut cfg = match &a.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+            EngineConfig::from_toml(&text).map_err(|e| format!("{}: {e}", path.display()))?
+        }
+        None => {
+            if a.listen.is_empty() {
+                return Err(
+                    "give --listen ADDR (e.g. --listen 127.0.0.1:4420) or --config FILE".into(),
+                );
+            }
+            let mut cfg = EngineConfig {
+                listeners: a
+                    .listen
+                    .iter()
+                    .map(|&address| ListenerConfig { address })
+                    .collect(),
+                ..EngineConfig::default()
+            };
+            if a.discovery_port != 0 && !a.listen.iter().any(|l| l.port() == a.discovery_port) {
+                let address = SocketAddr::new(a.listen[0].ip(), a.discovery_port);
+                cfg.listeners.push(ListenerConfig { address });
+            }
+            if let Some(nqn) = &a.subsystem {
+                cfg.subsystems.push(SubsystemConfig {
+                    nqn: nqn.clone(),
+                    serial: None,
+                    model: "nvpool".into(),
+                    allow_any_host: a.host.is_empty(),
+                    hosts: a.host.clone(),
+                    namespaces: a
+                        .namespace
+                        .iter()
+                        .map(|b| NamespaceConfig {
+                            nsid: None,
+                            backend: b.clone(),
+                            block_size: a.block_size,
+                            uuid: None,
+                        })
+                        .collect(),
+                });
+            } else if !a.namespace.is_empty() {
+                return Err("--namespace needs --subsystem NQN".into());
+            }
+            cfg
+        }
+    };
+    if let Some(r) = a.reactors {
+        cfg.reactors = Some(r);
+    }
+    if let Some(c) = &a.cores {
+        cfg.cores = Some(c.clone());
+    }
+    if let Some(s) = &a.mgmt_socket {
+        cfg.management_socket = s.clone();
+    }
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+fn run_engine(a: EngineArgs) -> Result<(), String> {
+    let cfg = engine_config(&a)?;
+    let engine = Engine::start(&cfg)?;
+    if let Err(e) = mgmt::serve(engine.clone(), &cfg.management_socket) {
+        engine.stop();
+        return Err(e);
+    }
+    println!(
+        "nvpool engine {} running; management socket {}",
+        env!("CARGO_PKG_VERSION"),
+        cfg.management_socket.display()
+    );
+    for l in engine.listeners() {
+        println!("  listening on {}:{}", l.addr, l.port);
+    }
+    for s in engine.subsystems() {
+        for l in engine.listeners().iter().filter(|l| {
+            cfg.listeners
+                .first()
+                .is_some_and(|f| f.address.port() == l.port)
+        }) {
+            println!(
+                "connect a host with:\n  nvme connect -t tcp -a {} -s {} -n {}",
+                l.addr, l.port, s.nqn
+            );
+        }
+    }
+    crate::signals::wait_for_stop();
+    println!("nvpool engine stopping");
+    engine.stop();
+    let _ = std::fs::remove_file(&cfg.management_socket);
+    Ok(())
+}
+
+fn print_or(api: &Api, v: &Value, text: impl FnOnce() -> String) {
+    if api.json {
+        println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+    } else {
+        println!("{}", text());
+    }
+}
+
+fn done(api: &Api, method: &str, params: Value, message: &str) -> Result<(), String> {
+    let r = mgmt::call(&api.socket, method, params)?;
+    print_or(api, &r, || message.to_string());
+    Ok(())
+}
+
+fn show(
+    api: &Api,
+    method: &str,
+    params: Value,
+    table: fn(&Value) -> Vec<Vec<String>>,
+) -> Result<(), String> {
+    let r = mgmt::call(&api.socket, method, params)?;
+    print_or(api, &r, || render(&table(&r)));
+    Ok(())
+}
+
+fn s(v: &Value) -> String {
+    match v {
+        Value::String(x) => x.clone(),
+        Value::Null => "-".into(),
+        other => other.to_string(),
+    }
+}
+
+fn subsystem_table(v: &Value) -> Vec<Vec<String>> {
+    let mut rows = vec![
+        ["NQN", "NSID", "BACKEND", "SIZE", "BLOCK", "UUID", "HOSTS"]
+            .map(String::from)
+            .to_vec(),
+    ];
+    for sub in v.as_array().into_iter().flatten() {
+        let hosts = if sub["allow_any_host"].as_bool() == Some(true) {
+            "any".to_string()
+        } else {
+            sub["hosts"]
+                .as_array()
+                .map(|h| h.iter().map(s).collect::<Vec<_>>().join(","))
+                .unwrap_or_default()
+        };
+        let nss = sub["namespaces"].as_array().cloned().unwrap_or_default();
+        if nss.is_empty() {
+            rows.push(vec![
+                s(&sub["nqn"]),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                hosts.clone(),
+            ]);
+        }
+        for ns in nss {
+            rows.push(vec![
+                s(&sub["nqn"]),
+                s(&ns["nsid"]),
+                s(&ns["backend"]),
+                human(ns["size"].as_u64().unwrap_or(0)),
+                s(&ns["block_size"]),
+                s(&ns["uuid"]),
+                hosts.clone(),
+            ]);
+        }
+    }
+    rows
+}
+
+fn stats_table(v: &Value) -> Vec<Vec<String>> {
+    let mut rows = vec![
+        [
+            "NQN", "NSID", "READS", "WRITES", "READ", "WRITTEN", "OTHER", "ERRORS",
+        ]
+        .map(String::from)
+        .to_vec(),
+    ];
+    for sub in v.as_array().into_iter().flatten() {
+        for ns in sub["namespaces"].as_array().into_iter().flatten() {
+            let st = &ns["stats"];
+            rows.push(vec![
+                s(&sub["nqn"]),
+                s(&ns["nsid"]),
+                s(&st["reads"]),
+                s(&st["writes"]),
+                human(st["read_bytes"].as_u64().unwrap_or(0)),
+                human(st["write_bytes"].as_u64().unwrap_or(0)),
+                s(&st["others"]),
+                s(&st["errors"]),
+            ]);
+        }
+    }
+    rows
+}
+
+fn listener_table(v: &Value) -> Vec<Vec<String>> {
+    let mut rows = vec![["PORT ID", "ADDRESS", "PORT"].map(String::from).to_vec()];
+    for l in v.as_array().into_iter().flatten() {
+        rows.push(vec![s(&l["port_id"]), s(&l["addr"]), s(&l["port"])]);
+    }
+    rows
+}
+
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{bytes}B")
+    } else {
+        format!("{v:.1}{}", UNITS[u])
+    }
+}
+
+fn render(rows: &[Vec<String>]) -> String {
+    let cols = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..cols)
+        .map(|c| {
+            rows.iter()
+                .map(|r| r.get(c).map_or(0, String::len))
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    rows.iter()
+        .map(|r| {
+            r.iter()
+                .enumerate()
+                .map(|(i, cell)| format!("{cell:<w$}", w = widths[i]))
+                .collect::<Vec<_>>()
+                .join("  ")
+                .trim_end()
+                .to_string()
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
