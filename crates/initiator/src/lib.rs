@@ -382,8 +382,12 @@ impl Queue {
     /// Reads the next PDU from the target.
     pub fn recv_pdu(&mut self) -> Result<TargetPdu, Error> {
         loop {
-            let parsed = tcp::parse(&self.buf[self.start..self.end], self.digests, 1 << 20)
-                .map_err(|e| Error::Protocol(format!("malformed PDU from the target: {e}")))?;
+            let parsed = tcp::parse(
+                &self.buf[self.start..self.end],
+                self.digests,
+                tcp::DataLimits::uniform(1 << 20),
+            )
+            .map_err(|e| Error::Protocol(format!("malformed PDU from the target: {e}")))?;
             if let Some(p) = parsed {
                 if !p.data_digest_ok {
                     return Err(Error::Protocol(

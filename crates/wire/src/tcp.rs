@@ -262,15 +262,34 @@ fn expected_hlen(pdu_type: u8) -> Option<usize> {
     }
 }
 
+/// The most data a receiver accepts in one PDU, checked as soon as the header is in,
+/// so a hostile length cannot make the receiver buffer without limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DataLimits {
+    /// In-capsule data of a command capsule.
+    pub capsule: u32,
+    /// Data of one H2CData or C2HData PDU.
+    pub data_pdu: u32,
+}
+
+impl DataLimits {
+    /// The same limit for every PDU type.
+    pub const fn uniform(max: u32) -> DataLimits {
+        DataLimits {
+            capsule: max,
+            data_pdu: max,
+        }
+    }
+}
+
 /// Parses the PDU at the start of `buf`.
 ///
 /// `digests` are the connection's negotiated digests (none before ICReq/ICResp);
-/// `max_data` bounds the data a PDU may carry, so a hostile length cannot make the
-/// receiver buffer without limit.
+/// `limits` bound the data a PDU may carry.
 pub fn parse(
     buf: &[u8],
     digests: Digests,
-    max_data: u32,
+    limits: DataLimits,
 ) -> Result<Option<Parsed<'_>>, FatalError> {
     if buf.len() < CH_SIZE {
         return Ok(None);
@@ -349,6 +368,11 @@ pub fn parse(
             ));
         }
         (plen, 0, 0)
+    };
+    let max_data = if ty == pdu_type::CAPSULE_CMD {
+        limits.capsule
+    } else {
+        limits.data_pdu
     };
     if data_len > max_data as usize {
         return Err(FatalError {
@@ -680,7 +704,7 @@ mod tests {
             let r = IcReq { pfv: 0, hpda, digests: d, maxr2t };
             let mut b = [0u8; IC_SIZE];
             encode_ic_req(&r, &mut b);
-            let p = parse(&b, Digests::default(), 0).unwrap().unwrap();
+            let p = parse(&b, Digests::default(), DataLimits::uniform(0)).unwrap().unwrap();
             prop_assert_eq!(p.pdu, Pdu::IcReq(r));
             prop_assert_eq!(p.len, IC_SIZE);
         }
@@ -690,7 +714,7 @@ mod tests {
             let r = IcResp { pfv: 0, cpda: 0, digests: d, maxdata };
             let mut b = [0u8; IC_SIZE];
             encode_ic_resp(&r, &mut b);
-            prop_assert_eq!(parse(&b, Digests::default(), 0).unwrap().unwrap().pdu, Pdu::IcResp(r));
+            prop_assert_eq!(parse(&b, Digests::default(), DataLimits::uniform(0)).unwrap().unwrap().pdu, Pdu::IcResp(r));
         }
 
         #[test]
@@ -701,13 +725,13 @@ mod tests {
             let mut h = [0u8; MAX_HEADER_SIZE];
             let n = encode_capsule_cmd(&c, data.len(), d, &mut h);
             let wire = with_data(&h[..n], &data, d);
-            let p = parse(&wire, d, 16384).unwrap().unwrap();
+            let p = parse(&wire, d, DataLimits::uniform(16384)).unwrap().unwrap();
             prop_assert!(p.data_digest_ok);
             prop_assert_eq!(p.len, wire.len());
             prop_assert_eq!(p.pdu, Pdu::CapsuleCmd { command: c, data: &data });
             // Every strict prefix asks for more bytes rather than failing.
             for cut in [0, 1, 7, n - 1, wire.len() - 1] {
-                prop_assert_eq!(parse(&wire[..cut], d, 16384).unwrap(), None);
+                prop_assert_eq!(parse(&wire[..cut], d, DataLimits::uniform(16384)).unwrap(), None);
             }
         }
 
@@ -716,7 +740,7 @@ mod tests {
             let c = Completion { result, sqhd, cid, status: Status(st), ..Completion::default() };
             let mut b = [0u8; 32];
             let n = encode_capsule_resp(&c, d, &mut b);
-            let p = parse(&b[..n], d, 0).unwrap().unwrap();
+            let p = parse(&b[..n], d, DataLimits::uniform(0)).unwrap().unwrap();
             prop_assert_eq!(p.pdu, Pdu::CapsuleResp(c));
             prop_assert_eq!(p.len, n);
         }
@@ -728,7 +752,7 @@ mod tests {
             let mut b = [0u8; 32];
             let n = encode_c2h_data(&h, last, success, d, &mut b);
             let wire = with_data(&b[..n], &data, d);
-            let p = parse(&wire, d, 1 << 20).unwrap().unwrap();
+            let p = parse(&wire, d, DataLimits::uniform(1 << 20)).unwrap().unwrap();
             prop_assert_eq!(p.pdu, Pdu::C2HData { header: h, last, success, data: &data });
         }
 
@@ -739,7 +763,7 @@ mod tests {
             let mut b = [0u8; 32];
             let n = encode_h2c_data(&h, last, d, &mut b);
             let wire = with_data(&b[..n], &data, d);
-            prop_assert_eq!(parse(&wire, d, 1 << 20).unwrap().unwrap().pdu, Pdu::H2CData { header: h, last, data: &data });
+            prop_assert_eq!(parse(&wire, d, DataLimits::uniform(1 << 20)).unwrap().unwrap().pdu, Pdu::H2CData { header: h, last, data: &data });
         }
 
         #[test]
@@ -747,7 +771,7 @@ mod tests {
             let h = DataHeader { cccid, ttag, offset, length };
             let mut b = [0u8; 32];
             let n = encode_r2t(&h, d, &mut b);
-            prop_assert_eq!(parse(&b[..n], d, 0).unwrap().unwrap().pdu, Pdu::R2T(h));
+            prop_assert_eq!(parse(&b[..n], d, DataLimits::uniform(0)).unwrap().unwrap().pdu, Pdu::R2T(h));
         }
 
         #[test]
@@ -755,14 +779,14 @@ mod tests {
             let mut b = [0u8; TERM_REQ_MAX];
             let n = encode_term_req(from_controller, fes, fei, &offending, &mut b);
             prop_assert!(n <= TERM_REQ_MAX);
-            let p = parse(&b[..n], Digests { header: true, data: true }, 0).unwrap().unwrap();
+            let p = parse(&b[..n], Digests { header: true, data: true }, DataLimits::uniform(0)).unwrap().unwrap();
             prop_assert_eq!(p.pdu, Pdu::TermReq { from_controller, fes, fei });
         }
 
         // Arbitrary bytes never panic the parser, whatever it decides.
         #[test]
         fn parser_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..300), d in any_digests()) {
-            let _ = parse(&bytes, d, 8192);
+            let _ = parse(&bytes, d, DataLimits::uniform(8192));
         }
     }
 
@@ -775,7 +799,7 @@ mod tests {
         let mut b = [0u8; 32];
         let n = encode_capsule_resp(&Completion::default(), d, &mut b);
         b[10] ^= 1;
-        let e = parse(&b[..n], d, 0).unwrap_err();
+        let e = parse(&b[..n], d, DataLimits::uniform(0)).unwrap_err();
         assert_eq!(e.fes, fes::HEADER_DIGEST_ERROR);
     }
 
@@ -791,7 +815,12 @@ mod tests {
         let mut wire = with_data(&h[..n], &[1, 2, 3, 4], d);
         let last = wire.len() - 1;
         wire[last] ^= 0xFF;
-        assert!(!parse(&wire, d, 4096).unwrap().unwrap().data_digest_ok);
+        assert!(
+            !parse(&wire, d, DataLimits::uniform(4096))
+                .unwrap()
+                .unwrap()
+                .data_digest_ok
+        );
     }
 
     #[test]
@@ -799,10 +828,20 @@ mod tests {
         let mut b = [0u8; IC_SIZE];
         encode_ic_req(&IcReq::default(), &mut b);
         b[2] = 100;
-        assert_eq!(parse(&b, Digests::default(), 0).unwrap_err().fei, 2);
+        assert_eq!(
+            parse(&b, Digests::default(), DataLimits::uniform(0))
+                .unwrap_err()
+                .fei,
+            2
+        );
         b[2] = 128;
         b[0] = 0x42;
-        assert_eq!(parse(&b, Digests::default(), 0).unwrap_err().fei, 0);
+        assert_eq!(
+            parse(&b, Digests::default(), DataLimits::uniform(0))
+                .unwrap_err()
+                .fei,
+            0
+        );
         // A digest flag the connection did not negotiate.
         let mut r = [0u8; 32];
         let n = encode_capsule_resp(
@@ -813,7 +852,12 @@ mod tests {
             },
             &mut r,
         );
-        assert_eq!(parse(&r[..n], Digests::default(), 0).unwrap_err().fei, 1);
+        assert_eq!(
+            parse(&r[..n], Digests::default(), DataLimits::uniform(0))
+                .unwrap_err()
+                .fei,
+            1
+        );
     }
 
     #[test]
@@ -821,7 +865,7 @@ mod tests {
         let c = Command::default();
         let mut h = [0u8; MAX_HEADER_SIZE];
         let n = encode_capsule_cmd(&c, 1 << 20, Digests::default(), &mut h);
-        let e = parse(&h[..n], Digests::default(), 8192).unwrap_err();
+        let e = parse(&h[..n], Digests::default(), DataLimits::uniform(8192)).unwrap_err();
         assert_eq!(e.fes, fes::DATA_LIMIT_EXCEEDED);
     }
 }

@@ -29,6 +29,16 @@ use crate::target::{
 /// Receive buffer: one whole PDU of the largest kind (an H2CData of MAXH2CDATA) with
 /// headers and digests, plus room to read ahead.
 const RECV_BUF: usize = MAX_H2C_DATA as usize + 16 * 1024;
+/// What one PDU from a host may carry: a capsule with the largest in-capsule data, or
+/// one H2CData of MAXH2CDATA.
+const RECV_LIMITS: tcp::DataLimits = tcp::DataLimits {
+    capsule: if ADMIN_IN_CAPSULE_DATA > IO_IN_CAPSULE_DATA {
+        ADMIN_IN_CAPSULE_DATA as u32
+    } else {
+        IO_IN_CAPSULE_DATA as u32
+    },
+    data_pdu: MAX_H2C_DATA,
+};
 /// Most output items sent in one `sendmsg`.
 const MAX_SEND_ITEMS: usize = 64;
 /// Largest header an output item carries inline (a termination request).
@@ -260,7 +270,7 @@ impl Conn {
             match tcp::parse(
                 &buf[self.recv_start..self.recv_end],
                 self.digests,
-                MAX_H2C_DATA,
+                RECV_LIMITS,
             ) {
                 Ok(None) => break,
                 Ok(Some(p)) => {
@@ -406,7 +416,15 @@ impl Conn {
                 0,
             );
         }
-        let qid = self.queue.as_ref().map_or(0, |q| q.qid);
+        let (qid, dead) = self
+            .queue
+            .as_ref()
+            .map_or((0, false), |q| (q.qid, q.controller.is_dead()));
+        if dead {
+            // The association ended (keep-alive, admin queue gone, removal): this queue
+            // must not serve another command.
+            return self.begin_close(r);
+        }
         if qid == 0 {
             self.on_admin(r, idx, cmd);
         } else if fabrics {
