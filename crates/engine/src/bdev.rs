@@ -81,17 +81,11 @@ impl Bdev {
         // SAFETY: memfd_create reads a NUL-terminated name and returns a new fd or -1.
         let fd = unsafe { libc::memfd_create(c"nvpool-memory-bdev".as_ptr(), libc::MFD_CLOEXEC) };
         if fd < 0 {
-            return Err(BdevError::Sys {
-                what: "memfd_create",
-                source: std::io::Error::last_os_error(),
-            });
+            return Err(BdevError::Sys { what: "memfd_create", source: std::io::Error::last_os_error() });
         }
         // SAFETY: fd was just returned by memfd_create and nothing else owns it.
         let file = unsafe { File::from_raw_fd(fd) };
-        file.set_len(size).map_err(|e| BdevError::Sys {
-            what: "sizing the memory backend",
-            source: e,
-        })?;
+        file.set_len(size).map_err(|e| BdevError::Sys { what: "sizing the memory backend", source: e })?;
         Ok(Bdev {
             kind: BdevKind::Memory,
             fd: Some(file.into()),
@@ -120,35 +114,18 @@ impl Bdev {
         // buffered I/O, which still honours fdatasync and RWF_DSYNC.
         let (file, direct) = match open(true) {
             Ok(f) => (f, true),
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (
-                open(false).map_err(|source| BdevError::Open {
-                    path: path.into(),
-                    source,
-                })?,
-                false,
-            ),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                (open(false).map_err(|source| BdevError::Open { path: path.into(), source })?, false)
+            }
             Err(source) => {
-                return Err(BdevError::Open {
-                    path: path.into(),
-                    source,
-                });
+                return Err(BdevError::Open { path: path.into(), source });
             }
         };
-        let meta = file.metadata().map_err(|source| BdevError::Open {
-            path: path.into(),
-            source,
-        })?;
+        let meta = file.metadata().map_err(|source| BdevError::Open { path: path.into(), source })?;
         let block_device = meta.file_type().is_block_device();
-        let mut size = if block_device {
-            block_device_size(&file)?
-        } else {
-            meta.len()
-        };
+        let mut size = if block_device { block_device_size(&file)? } else { meta.len() };
         if let (0, false, Some(want)) = (size, block_device, create_size) {
-            file.set_len(want).map_err(|e| BdevError::Sys {
-                what: "sizing the backing file",
-                source: e,
-            })?;
+            file.set_len(want).map_err(|e| BdevError::Sys { what: "sizing the backing file", source: e })?;
             size = want;
         }
         if size == 0 {
@@ -221,10 +198,7 @@ fn block_device_size(file: &File) -> Result<u64, BdevError> {
     // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which points at `size`.
     let rc = unsafe { libc::ioctl(file.as_raw_fd(), BLKGETSIZE64, &mut size as *mut u64) };
     if rc < 0 {
-        return Err(BdevError::Sys {
-            what: "BLKGETSIZE64",
-            source: std::io::Error::last_os_error(),
-        });
+        return Err(BdevError::Sys { what: "BLKGETSIZE64", source: std::io::Error::last_os_error() });
     }
     Ok(size)
 }

@@ -19,13 +19,22 @@ pub const PAGE_SIZE: usize = 4096;
 /// An aligned I/O buffer of a power-of-two number of pages.
 pub struct Buf {
     pages: Vec<Page>,
+    registered: Option<u16>,
 }
 
 impl Buf {
     fn new(pages: usize) -> Buf {
-        Buf {
-            pages: vec![Page([0; PAGE_SIZE]); pages],
-        }
+        Buf { pages: vec![Page([0; PAGE_SIZE]); pages], registered: None }
+    }
+
+    /// The buffer's index in the io_uring registered-buffer table, if it has one.
+    pub fn registered_index(&self) -> Option<u16> {
+        self.registered
+    }
+
+    /// Records that the buffer was registered with io_uring at `index`.
+    pub fn set_registered_index(&mut self, index: u16) {
+        self.registered = Some(index);
     }
 
     /// Capacity in bytes.
@@ -44,9 +53,7 @@ impl Buf {
     /// The whole buffer, mutably.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_slice`, and `&mut self` makes the borrow exclusive.
-        unsafe {
-            std::slice::from_raw_parts_mut(self.pages.as_mut_ptr().cast::<u8>(), self.capacity())
-        }
+        unsafe { std::slice::from_raw_parts_mut(self.pages.as_mut_ptr().cast::<u8>(), self.capacity()) }
     }
 
     /// Raw pointer for io_uring; valid while the buffer lives.
@@ -65,12 +72,7 @@ impl BufPool {
     /// A pool serving buffers of up to `max_bytes`.
     pub fn new(max_bytes: usize) -> BufPool {
         let max_pages = max_bytes.div_ceil(PAGE_SIZE).next_power_of_two();
-        BufPool {
-            classes: (0..=max_pages.trailing_zeros())
-                .map(|_| Vec::new())
-                .collect(),
-            max_bytes,
-        }
+        BufPool { classes: (0..=max_pages.trailing_zeros()).map(|_| Vec::new()).collect(), max_bytes }
     }
 
     /// A buffer of at least `len` bytes (`len` at most the pool's maximum). Contents

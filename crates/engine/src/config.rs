@@ -44,26 +44,17 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits {
-            max_queue_depth: 128,
-            max_io_queues: 64,
-        }
+        Limits { max_queue_depth: 128, max_io_queues: 64 }
     }
 }
 
 impl Limits {
     fn validate(&self) -> Result<(), String> {
         if !(2..=4096).contains(&self.max_queue_depth) {
-            return Err(format!(
-                "limits.max_queue_depth = {} must be 2 to 4096",
-                self.max_queue_depth
-            ));
+            return Err(format!("limits.max_queue_depth = {} must be 2 to 4096", self.max_queue_depth));
         }
         if !(1..=1024).contains(&self.max_io_queues) {
-            return Err(format!(
-                "limits.max_io_queues = {} must be 1 to 1024",
-                self.max_io_queues
-            ));
+            return Err(format!("limits.max_io_queues = {} must be 1 to 1024", self.max_io_queues));
         }
         Ok(())
     }
@@ -165,8 +156,7 @@ impl Default for EngineConfig {
 impl EngineConfig {
     /// Parses a TOML configuration; errors name the field.
     pub fn from_toml(text: &str) -> Result<EngineConfig, String> {
-        let c: EngineConfig =
-            toml::from_str(text).map_err(|e| format!("invalid engine configuration: {e}"))?;
+        let c: EngineConfig = toml::from_str(text).map_err(|e| format!("invalid engine configuration: {e}"))?;
         c.validate()?;
         Ok(c)
     }
@@ -181,15 +171,12 @@ impl EngineConfig {
             return Err("cores = []: list at least one CPU".into());
         }
         for s in &self.subsystems {
-            crate::target::subsystem::validate_nqn(&s.nqn)
-                .map_err(|e| format!("subsystem.nqn: {e}"))?;
+            crate::target::subsystem::validate_nqn(&s.nqn).map_err(|e| format!("subsystem.nqn: {e}"))?;
             for h in &s.hosts {
-                crate::target::subsystem::validate_nqn(h)
-                    .map_err(|e| format!("subsystem {} hosts: {e}", s.nqn))?;
+                crate::target::subsystem::validate_nqn(h).map_err(|e| format!("subsystem {} hosts: {e}", s.nqn))?;
             }
             for n in &s.namespaces {
-                BackendSpec::parse(&n.backend)
-                    .map_err(|e| format!("subsystem {} namespace.backend: {e}", s.nqn))?;
+                BackendSpec::parse(&n.backend).map_err(|e| format!("subsystem {} namespace.backend: {e}", s.nqn))?;
             }
         }
         Ok(())
@@ -222,9 +209,7 @@ impl BackendSpec {
     /// Parses `null:1GiB`, `memory:256MiB`, `file:/path` or `file:/path:10GiB`.
     pub fn parse(s: &str) -> Result<BackendSpec, String> {
         let usage = "use null:SIZE, memory:SIZE, file:PATH or file:PATH:SIZE (e.g. memory:256MiB)";
-        let (kind, rest) = s
-            .split_once(':')
-            .ok_or_else(|| format!("backend {s:?} has no kind: {usage}"))?;
+        let (kind, rest) = s.split_once(':').ok_or_else(|| format!("backend {s:?} has no kind: {usage}"))?;
         match kind {
             "null" => Ok(BackendSpec::Null(parse_size(rest)?)),
             "memory" => Ok(BackendSpec::Memory(parse_size(rest)?)),
@@ -234,10 +219,9 @@ impl BackendSpec {
                 }
                 // A trailing ":SIZE" is a size only if it parses as one.
                 match rest.rsplit_once(':') {
-                    Some((path, size)) if parse_size(size).is_ok() => Ok(BackendSpec::File(
-                        PathBuf::from(path),
-                        Some(parse_size(size)?),
-                    )),
+                    Some((path, size)) if parse_size(size).is_ok() => {
+                        Ok(BackendSpec::File(PathBuf::from(path), Some(parse_size(size)?)))
+                    }
                     _ => Ok(BackendSpec::File(PathBuf::from(rest), None)),
                 }
             }
@@ -251,9 +235,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (num, unit) = s.split_at(digits);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("size {s:?} must start with a number, e.g. 256MiB"))?;
+    let n: u64 = num.parse().map_err(|_| format!("size {s:?} must start with a number, e.g. 256MiB"))?;
     let shift = match unit {
         "" | "B" => 0,
         "k" | "K" | "KiB" | "KB" => 10,
@@ -261,14 +243,10 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "G" | "GiB" | "GB" => 30,
         "T" | "TiB" | "TB" => 40,
         _ => {
-            return Err(format!(
-                "size unit {unit:?} is unknown: use B, KiB, MiB, GiB or TiB"
-            ));
+            return Err(format!("size unit {unit:?} is unknown: use B, KiB, MiB, GiB or TiB"));
         }
     };
-    let v = n
-        .checked_mul(1u64 << shift)
-        .ok_or_else(|| format!("size {s:?} is too large"))?;
+    let v = n.checked_mul(1u64 << shift).ok_or_else(|| format!("size {s:?} is too large"))?;
     if v == 0 {
         return Err(format!("size {s:?} must be greater than zero"));
     }
@@ -278,10 +256,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 /// The stable UUID of namespace `nsid` of subsystem `nqn`, for namespaces configured
 /// without one: the same configuration gives the same identity after a restart.
 pub fn derived_uuid(nqn: &str, nsid: u32) -> uuid::Uuid {
-    uuid::Uuid::new_v5(
-        &NVPOOL_UUID_NAMESPACE,
-        format!("{nqn}/ns/{nsid}").as_bytes(),
-    )
+    uuid::Uuid::new_v5(&NVPOOL_UUID_NAMESPACE, format!("{nqn}/ns/{nsid}").as_bytes())
 }
 
 /// The NGUID of a namespace with this UUID: derived, so it is stable too.
@@ -291,15 +266,11 @@ pub fn derived_nguid(uuid: &uuid::Uuid) -> [u8; 16] {
 
 /// A serial number derived from the NQN: 20 hex characters of its hash.
 pub fn derived_serial(nqn: &str) -> String {
-    uuid::Uuid::new_v5(&NVPOOL_UUID_NAMESPACE, nqn.as_bytes())
-        .simple()
-        .to_string()[..20]
-        .to_string()
+    uuid::Uuid::new_v5(&NVPOOL_UUID_NAMESPACE, nqn.as_bytes()).simple().to_string()[..20].to_string()
 }
 
 /// The UUID namespace of nvpool's derived identifiers.
-const NVPOOL_UUID_NAMESPACE: uuid::Uuid =
-    uuid::Uuid::from_u128(0x6e76_706f_6f6c_4e53_8000_0000_0000_0001);
+const NVPOOL_UUID_NAMESPACE: uuid::Uuid = uuid::Uuid::from_u128(0x6e76_706f_6f6c_4e53_8000_0000_0000_0001);
 
 #[cfg(test)]
 mod tests {
@@ -317,23 +288,10 @@ mod tests {
 
     #[test]
     fn backends_parse() {
-        assert_eq!(
-            BackendSpec::parse("null:1GiB"),
-            Ok(BackendSpec::Null(1 << 30))
-        );
-        assert_eq!(
-            BackendSpec::parse("file:/a/b"),
-            Ok(BackendSpec::File("/a/b".into(), None))
-        );
-        assert_eq!(
-            BackendSpec::parse("file:/a/b:1M"),
-            Ok(BackendSpec::File("/a/b".into(), Some(1 << 20)))
-        );
-        assert!(
-            BackendSpec::parse("disk:/x")
-                .unwrap_err()
-                .contains("unknown")
-        );
+        assert_eq!(BackendSpec::parse("null:1GiB"), Ok(BackendSpec::Null(1 << 30)));
+        assert_eq!(BackendSpec::parse("file:/a/b"), Ok(BackendSpec::File("/a/b".into(), None)));
+        assert_eq!(BackendSpec::parse("file:/a/b:1M"), Ok(BackendSpec::File("/a/b".into(), Some(1 << 20))));
+        assert!(BackendSpec::parse("disk:/x").unwrap_err().contains("unknown"));
         assert!(BackendSpec::parse("file:").is_err());
     }
 

@@ -103,8 +103,7 @@ impl Engine {
         let mut links = Vec::new();
         let mut ends = Vec::new();
         for _ in &cores {
-            let (link, rx, wake) =
-                reactor::mailbox().map_err(|e| format!("cannot create a reactor mailbox: {e}"))?;
+            let (link, rx, wake) = reactor::mailbox().map_err(|e| format!("cannot create a reactor mailbox: {e}"))?;
             links.push(link);
             ends.push((rx, wake));
         }
@@ -152,18 +151,14 @@ impl Engine {
     /// Binds and serves a listener; returns it with the port the system chose for 0.
     pub fn add_listener(&self, addr: SocketAddr) -> Result<ListenerInfo, String> {
         let listener = TcpListener::bind(addr).map_err(|e| {
-            format!("cannot listen on {addr}: {e} (is another engine or nvmet using the port? pick another with --listen)")
+            format!(
+                "cannot listen on {addr}: {e} (is another engine or nvmet using the port? pick another with --listen)"
+            )
         })?;
-        let local = listener
-            .local_addr()
-            .map_err(|e| format!("listener {addr}: {e}"))?;
+        let local = listener.local_addr().map_err(|e| format!("listener {addr}: {e}"))?;
         let port_id = self.next_port_id.fetch_add(1, Ordering::Relaxed);
         lock(&self.listeners).insert(port_id, local);
-        let info = ListenerInfo {
-            port_id,
-            addr: local.ip(),
-            port: local.port(),
-        };
+        let info = ListenerInfo { port_id, addr: local.ip(), port: local.port() };
         self.target.add_listener_info(info.clone());
         // Reactor 0 accepts and spreads connections over all reactors.
         self.links[0].send(Msg::Listen { port_id, listener });
@@ -176,9 +171,7 @@ impl Engine {
         let port_id = {
             let mut map = lock(&self.listeners);
             let id = map.iter().find(|(_, a)| **a == addr).map(|(id, _)| *id);
-            let id = id.ok_or_else(|| {
-                format!("no listener on {addr}: `nvpool listener list` shows them")
-            })?;
+            let id = id.ok_or_else(|| format!("no listener on {addr}: `nvpool listener list` shows them"))?;
             map.remove(&id);
             id
         };
@@ -195,14 +188,8 @@ impl Engine {
 
     /// Creates a subsystem with its hosts and namespaces.
     pub fn add_subsystem(&self, c: &SubsystemConfig) -> Result<(), String> {
-        let serial = c
-            .serial
-            .clone()
-            .unwrap_or_else(|| config::derived_serial(&c.nqn));
-        let policy = HostPolicy {
-            allow_any: c.allow_any_host,
-            hosts: Default::default(),
-        };
+        let serial = c.serial.clone().unwrap_or_else(|| config::derived_serial(&c.nqn));
+        let policy = HostPolicy { allow_any: c.allow_any_host, hosts: Default::default() };
         let s = Subsystem::new(&c.nqn, &serial, &c.model, policy)?;
         for h in &c.hosts {
             s.add_host(h)?;
@@ -284,11 +271,7 @@ impl Engine {
                     allow_any_host: policy.allow_any,
                     hosts: policy.hosts.into_iter().collect(),
                     controllers: s.controllers().len(),
-                    namespaces: s
-                        .namespaces()
-                        .values()
-                        .map(|ns| namespace_info(ns))
-                        .collect(),
+                    namespaces: s.namespaces().values().map(|ns| namespace_info(ns)).collect(),
                 }
             })
             .collect()
@@ -308,9 +291,9 @@ impl Engine {
 fn add_namespace_to(s: &Subsystem, n: &NamespaceConfig) -> Result<u32, String> {
     let nsid = match n.nsid {
         Some(id) => id,
-        None => (1..=target::MAX_NSID)
-            .find(|id| !s.namespaces().contains_key(id))
-            .ok_or("every namespace ID is in use")?,
+        None => {
+            (1..=target::MAX_NSID).find(|id| !s.namespaces().contains_key(id)).ok_or("every namespace ID is in use")?
+        }
     };
     let bdev = match BackendSpec::parse(&n.backend)? {
         BackendSpec::Null(size) => Bdev::null(size),

@@ -30,8 +30,7 @@ use crate::config::{NamespaceConfig, SubsystemConfig};
 /// Binds the management socket and serves it on a background thread.
 pub fn serve(engine: Arc<Engine>, path: &Path) -> Result<PathBuf, String> {
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     }
     if UnixStream::connect(path).is_ok() {
         return Err(format!(
@@ -40,8 +39,8 @@ pub fn serve(engine: Arc<Engine>, path: &Path) -> Result<PathBuf, String> {
         ));
     }
     let _ = std::fs::remove_file(path);
-    let listener = UnixListener::bind(path)
-        .map_err(|e| format!("cannot bind the management socket {}: {e}", path.display()))?;
+    let listener =
+        UnixListener::bind(path).map_err(|e| format!("cannot bind the management socket {}: {e}", path.display()))?;
     std::thread::Builder::new()
         .name("nvpool-mgmt".into())
         .spawn(move || {
@@ -128,9 +127,8 @@ struct Address {
 
 /// Handles one request line; public so tests can drive the API without a socket.
 pub fn handle(engine: &Engine, line: &str) -> Result<Value, String> {
-    let req: Request = serde_json::from_str(line).map_err(|e| {
-        format!("request is not valid JSON of the form {{\"method\": ..., \"params\": ...}}: {e}")
-    })?;
+    let req: Request = serde_json::from_str(line)
+        .map_err(|e| format!("request is not valid JSON of the form {{\"method\": ..., \"params\": ...}}: {e}"))?;
     let m = req.method.as_str();
     let p = req.params;
     let ok = |r: Result<(), String>| r.map(|()| json!({}));
@@ -145,9 +143,7 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value, String> {
         "subsystem_remove" => ok(engine.remove_subsystem(&params::<Nqn>(m, p)?.nqn)),
         "namespace_add" => {
             let a: NsAdd = params(m, p)?;
-            engine
-                .add_namespace(&a.nqn, &a.namespace)
-                .map(|nsid| json!({ "nsid": nsid }))
+            engine.add_namespace(&a.nqn, &a.namespace).map(|nsid| json!({ "nsid": nsid }))
         }
         "namespace_remove" => {
             let a: NsRemove = params(m, p)?;
@@ -166,9 +162,7 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value, String> {
             ok(engine.set_allow_any_host(&a.nqn, a.allow))
         }
         "listener_list" => Ok(json!(engine.listeners())),
-        "listener_add" => engine
-            .add_listener(params::<Address>(m, p)?.address)
-            .map(|l| json!(l)),
+        "listener_add" => engine.add_listener(params::<Address>(m, p)?.address).map(|l| json!(l)),
         "listener_remove" => ok(engine.remove_listener(params::<Address>(m, p)?.address)),
         _ => Err(format!(
             "unknown method {m:?}: use engine_info, subsystem_list, subsystem_add, subsystem_remove, namespace_add, \
@@ -180,16 +174,16 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value, String> {
 /// Sends one request to an engine's management socket and returns its result.
 pub fn call(socket: &Path, method: &str, params: Value) -> Result<Value, String> {
     let mut s = UnixStream::connect(socket).map_err(|e| {
-        format!("cannot reach the engine at {}: {e} (is `nvpool engine` running? pass --socket if it uses another path)", socket.display())
+        format!(
+            "cannot reach the engine at {}: {e} (is `nvpool engine` running? pass --socket if it uses another path)",
+            socket.display()
+        )
     })?;
     let req = json!({ "method": method, "params": params });
     writeln!(s, "{req}").map_err(|e| format!("sending to {}: {e}", socket.display()))?;
     let mut line = String::new();
-    BufReader::new(s)
-        .read_line(&mut line)
-        .map_err(|e| format!("reading from {}: {e}", socket.display()))?;
-    let reply: Value = serde_json::from_str(&line)
-        .map_err(|e| format!("the engine sent a malformed reply: {e}"))?;
+    BufReader::new(s).read_line(&mut line).map_err(|e| format!("reading from {}: {e}", socket.display()))?;
+    let reply: Value = serde_json::from_str(&line).map_err(|e| format!("the engine sent a malformed reply: {e}"))?;
     if let Some(e) = reply.get("error") {
         return Err(e.as_str().unwrap_or("unknown error").to_string());
     }

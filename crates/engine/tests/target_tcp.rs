@@ -31,24 +31,13 @@ impl Drop for TestEngine {
 }
 
 fn namespace(backend: &str, block_size: u32) -> NamespaceConfig {
-    NamespaceConfig {
-        nsid: None,
-        backend: backend.into(),
-        block_size,
-        uuid: None,
-    }
+    NamespaceConfig { nsid: None, backend: backend.into(), block_size, uuid: None }
 }
 
-fn start_with(
-    namespaces: Vec<NamespaceConfig>,
-    allow_any_host: bool,
-    reactors: usize,
-) -> TestEngine {
+fn start_with(namespaces: Vec<NamespaceConfig>, allow_any_host: bool, reactors: usize) -> TestEngine {
     let cfg = EngineConfig {
         reactors: Some(reactors),
-        listeners: vec![ListenerConfig {
-            address: "127.0.0.1:0".parse().unwrap(),
-        }],
+        listeners: vec![ListenerConfig { address: "127.0.0.1:0".parse().unwrap() }],
         subsystems: vec![SubsystemConfig {
             nqn: NQN.into(),
             serial: None,
@@ -77,9 +66,7 @@ fn admin_opts() -> ConnectOptions {
 fn controller(addr: SocketAddr, o: &ConnectOptions, n: u16) -> (Queue, Vec<Queue>) {
     let mut admin = connect_admin(addr, o).expect("admin connect");
     assert_eq!(admin.set_queue_count(n).unwrap(), n);
-    let io = (1..=n)
-        .map(|qid| Queue::connect(addr, &o.io(qid, admin.cntlid, 127)).expect("I/O connect"))
-        .collect();
+    let io = (1..=n).map(|qid| Queue::connect(addr, &o.io(qid, admin.cntlid, 127)).expect("I/O connect")).collect();
     (admin, io)
 }
 
@@ -117,23 +104,15 @@ fn identify_matches_connect() {
 
 fn read_write_round_trip(digests: Digests, block_size: u32) {
     let t = start_with(vec![namespace("memory:64MiB", block_size)], false, 2);
-    let o = ConnectOptions {
-        digests,
-        ..admin_opts()
-    };
+    let o = ConnectOptions { digests, ..admin_opts() };
     let (_admin, mut io) = controller(t.addr, &o, 1);
     let q = &mut io[0];
     // In-capsule sizes, the R2T path, and the largest transfer.
-    for (i, len) in [block_size as usize, 4096, IN_CAPSULE, 12288, 65536, 131072]
-        .into_iter()
-        .enumerate()
-    {
+    for (i, len) in [block_size as usize, 4096, IN_CAPSULE, 12288, 65536, 131072].into_iter().enumerate() {
         let data = pattern(i as u64, len);
         let slba = (i as u64) * 1024;
         q.write(1, slba, &data, block_size, IN_CAPSULE).unwrap();
-        let back = q
-            .read(1, slba, (len / block_size as usize) as u32, block_size)
-            .unwrap();
+        let back = q.read(1, slba, (len / block_size as usize) as u32, block_size).unwrap();
         assert!(back == data, "data mismatch at length {len}");
     }
 }
@@ -145,33 +124,19 @@ fn read_write_without_digests() {
 
 #[test]
 fn read_write_with_digests() {
-    read_write_round_trip(
-        Digests {
-            header: true,
-            data: true,
-        },
-        4096,
-    );
+    read_write_round_trip(Digests { header: true, data: true }, 4096);
 }
 
 #[test]
 fn success_flag_is_used_only_without_sq_flow_control() {
     let t = start("memory:16MiB");
     for disable in [false, true] {
-        let o = ConnectOptions {
-            disable_sq_flow_control: disable,
-            ..admin_opts()
-        };
+        let o = ConnectOptions { disable_sq_flow_control: disable, ..admin_opts() };
         let (_admin, mut io) = controller(t.addr, &o, 1);
         let q = &mut io[0];
         q.write(1, 0, &pattern(1, 4096), 512, IN_CAPSULE).unwrap();
         let cid = q.alloc_cid();
-        q.submit(
-            Command::read_write(io_opcode::READ, cid, 1, 0, 8, 4096),
-            &[],
-            false,
-        )
-        .unwrap();
+        q.submit(Command::read_write(io_opcode::READ, cid, 1, 0, 8, 4096), &[], false).unwrap();
         let mut saw_resp = false;
         loop {
             match q.recv_pdu().unwrap() {
@@ -211,14 +176,7 @@ fn many_queues_in_parallel_with_deep_queues() {
                     let data = pattern(base + i, len);
                     let slba = base + i * 128;
                     let cid = q.alloc_cid();
-                    let c = Command::read_write(
-                        io_opcode::WRITE,
-                        cid,
-                        1,
-                        slba,
-                        (len / 512) as u32,
-                        len as u32,
-                    );
+                    let c = Command::read_write(io_opcode::WRITE, cid, 1, slba, (len / 512) as u32, len as u32);
                     q.submit(c, &data, len <= IN_CAPSULE).unwrap();
                     expected.push((slba, data));
                 }
@@ -259,43 +217,14 @@ fn errors_get_the_right_status() {
     let (mut admin, mut io) = controller(t.addr, &admin_opts(), 1);
     let q = &mut io[0];
     let blocks = (1 << 20) / 512;
-    assert_eq!(
-        status_of(q.read(2, 0, 1, 512).unwrap_err()),
-        Status::INVALID_NAMESPACE
-    );
-    assert_eq!(
-        status_of(q.read(1, blocks - 1, 2, 512).unwrap_err()),
-        Status::LBA_OUT_OF_RANGE
-    );
-    assert_eq!(
-        status_of(q.read(1, 0, 512, 512).unwrap_err()),
-        Status::INVALID_FIELD,
-        "256 KiB exceeds MDTS"
-    );
+    assert_eq!(status_of(q.read(2, 0, 1, 512).unwrap_err()), Status::INVALID_NAMESPACE);
+    assert_eq!(status_of(q.read(1, blocks - 1, 2, 512).unwrap_err()), Status::LBA_OUT_OF_RANGE);
+    assert_eq!(status_of(q.read(1, 0, 512, 512).unwrap_err()), Status::INVALID_FIELD, "256 KiB exceeds MDTS");
     let cid = q.alloc_cid();
-    let r = q
-        .execute_raw(
-            Command {
-                opcode: 0x7C,
-                cid,
-                nsid: 1,
-                ..Command::default()
-            },
-            &[],
-            false,
-        )
-        .unwrap();
+    let r = q.execute_raw(Command { opcode: 0x7C, cid, nsid: 1, ..Command::default() }, &[], false).unwrap();
     assert_eq!(r.cqe.status.base(), Status::INVALID_OPCODE);
     assert!(r.cqe.status.dnr());
-    let r = admin
-        .execute(
-            Command {
-                opcode: 0x55,
-                ..Command::default()
-            },
-            0,
-        )
-        .unwrap_err();
+    let r = admin.execute(Command { opcode: 0x55, ..Command::default() }, 0).unwrap_err();
     assert_eq!(status_of(r), Status::INVALID_OPCODE);
     // The queue still works after errors.
     q.write(1, 0, &pattern(9, 512), 512, IN_CAPSULE).unwrap();
@@ -313,15 +242,11 @@ fn hosts_not_on_the_allow_list_are_refused() {
         other => panic!("intruder was not refused: {:?}", other.map(|q| q.cntlid)),
     }
     let unknown = ConnectOptions::admin("nqn.2024-01.io.nvpool:nope", HOST);
-    assert_eq!(
-        status_of(Queue::connect(t.addr, &unknown).err().unwrap()),
-        Status::CONNECT_INVALID_PARAMETERS
-    );
+    assert_eq!(status_of(Queue::connect(t.addr, &unknown).err().unwrap()), Status::CONNECT_INVALID_PARAMETERS);
     // The allowed host still gets in, and an I/O queue for a controller it does not own
     // is refused.
     let (admin, _io) = controller(t.addr, &admin_opts(), 1);
-    let stranger =
-        ConnectOptions::admin(NQN, "nqn.2024-01.io.nvpool:other").io(1, admin.cntlid, 31);
+    let stranger = ConnectOptions::admin(NQN, "nqn.2024-01.io.nvpool:other").io(1, admin.cntlid, 31);
     assert!(Queue::connect(t.addr, &stranger).is_err());
     let dup = admin_opts().io(1, admin.cntlid, 31);
     assert_eq!(
@@ -332,11 +257,7 @@ fn hosts_not_on_the_allow_list_are_refused() {
 }
 
 /// Sends raw bytes after a handshake and returns what the target answered.
-fn send_malformed(
-    addr: SocketAddr,
-    digests: Digests,
-    bytes: &[u8],
-) -> Result<nvpool_initiator::TargetPdu, Error> {
+fn send_malformed(addr: SocketAddr, digests: Digests, bytes: &[u8]) -> Result<nvpool_initiator::TargetPdu, Error> {
     let mut q = Queue::handshake(addr, digests).unwrap();
     q.stream().write_all(bytes).unwrap();
     q.recv_pdu()
@@ -353,60 +274,32 @@ fn expect_term(r: Result<nvpool_initiator::TargetPdu, Error>, want_fes: u16) {
 fn malformed_pdus_end_only_their_connection() {
     let t = start("memory:16MiB");
     let (_admin, mut io) = controller(t.addr, &admin_opts(), 1);
-    io[0]
-        .write(1, 0, &pattern(3, 4096), 512, IN_CAPSULE)
-        .unwrap();
+    io[0].write(1, 0, &pattern(3, 4096), 512, IN_CAPSULE).unwrap();
 
     // Unknown PDU type.
-    expect_term(
-        send_malformed(t.addr, Digests::default(), &[0x42, 0, 8, 0, 8, 0, 0, 0]),
-        fes::INVALID_HEADER_FIELD,
-    );
+    expect_term(send_malformed(t.addr, Digests::default(), &[0x42, 0, 8, 0, 8, 0, 0, 0]), fes::INVALID_HEADER_FIELD);
     // Wrong header length for a capsule.
-    expect_term(
-        send_malformed(t.addr, Digests::default(), &[4, 0, 9, 0, 9, 0, 0, 0, 0]),
-        fes::INVALID_HEADER_FIELD,
-    );
+    expect_term(send_malformed(t.addr, Digests::default(), &[4, 0, 9, 0, 9, 0, 0, 0, 0]), fes::INVALID_HEADER_FIELD);
     // A PDU type only a controller sends.
     let mut resp = [0u8; 24];
     tcp::encode_capsule_resp(&Default::default(), Digests::default(), &mut resp);
-    expect_term(
-        send_malformed(t.addr, Digests::default(), &resp),
-        fes::INVALID_HEADER_FIELD,
-    );
+    expect_term(send_malformed(t.addr, Digests::default(), &resp), fes::INVALID_HEADER_FIELD);
     // Header digest error.
-    let d = Digests {
-        header: true,
-        data: false,
-    };
+    let d = Digests { header: true, data: false };
     let mut cap = [0u8; tcp::MAX_HEADER_SIZE];
     let n = tcp::encode_capsule_cmd(&Command::default(), 0, d, &mut cap);
     cap[n - 1] ^= 0xFF;
-    expect_term(
-        send_malformed(t.addr, d, &cap[..n]),
-        fes::HEADER_DIGEST_ERROR,
-    );
+    expect_term(send_malformed(t.addr, d, &cap[..n]), fes::HEADER_DIGEST_ERROR);
     // In-capsule data larger than the capsule allows.
     let n = tcp::encode_capsule_cmd(&Command::default(), 64 * 1024, Digests::default(), &mut cap);
-    expect_term(
-        send_malformed(t.addr, Digests::default(), &cap[..n]),
-        fes::DATA_LIMIT_EXCEEDED,
-    );
+    expect_term(send_malformed(t.addr, Digests::default(), &cap[..n]), fes::DATA_LIMIT_EXCEEDED);
     // H2CData with no R2T outstanding.
     let mut h2c = [0u8; 32];
-    let hd = tcp::DataHeader {
-        cccid: 1,
-        ttag: 0,
-        offset: 0,
-        length: 4,
-    };
+    let hd = tcp::DataHeader { cccid: 1, ttag: 0, offset: 0, length: 4 };
     let hl = tcp::encode_h2c_data(&hd, true, Digests::default(), &mut h2c);
     let mut bytes = h2c[..hl].to_vec();
     bytes.extend_from_slice(&[1, 2, 3, 4]);
-    expect_term(
-        send_malformed(t.addr, Digests::default(), &bytes),
-        fes::PDU_SEQUENCE_ERROR,
-    );
+    expect_term(send_malformed(t.addr, Digests::default(), &bytes), fes::PDU_SEQUENCE_ERROR);
     // A capsule before ICReq.
     let mut raw = std::net::TcpStream::connect(t.addr).unwrap();
     let n = tcp::encode_capsule_cmd(&Command::default(), 0, Digests::default(), &mut cap);
@@ -427,34 +320,18 @@ fn malformed_pdus_end_only_their_connection() {
 #[test]
 fn keep_alive_expiry_tears_down_a_vanished_host() {
     let t = start("memory:16MiB");
-    let o = ConnectOptions {
-        kato: 600,
-        ..admin_opts()
-    };
+    let o = ConnectOptions { kato: 600, ..admin_opts() };
     let (mut admin, mut io) = controller(t.addr, &o, 1);
     // Keep Alive keeps the controller for longer than KATO.
     for _ in 0..4 {
         std::thread::sleep(Duration::from_millis(300));
-        admin
-            .execute(
-                Command {
-                    opcode: admin_opcode::KEEP_ALIVE,
-                    ..Command::default()
-                },
-                0,
-            )
-            .unwrap();
+        admin.execute(Command { opcode: admin_opcode::KEEP_ALIVE, ..Command::default() }, 0).unwrap();
     }
-    io[0]
-        .write(1, 0, &pattern(1, 512), 512, IN_CAPSULE)
-        .unwrap();
+    io[0].write(1, 0, &pattern(1, 512), 512, IN_CAPSULE).unwrap();
     // Then the host goes silent without closing anything.
     let deadline = Instant::now() + Duration::from_secs(5);
     while t.engine.target().controller_count() > 0 {
-        assert!(
-            Instant::now() < deadline,
-            "controller outlived its keep-alive timeout"
-        );
+        assert!(Instant::now() < deadline, "controller outlived its keep-alive timeout");
         std::thread::sleep(Duration::from_millis(50));
     }
     // Its queues were closed by the target.
@@ -481,50 +358,17 @@ fn namespace_added_at_runtime_raises_an_event() {
     let t = start("memory:16MiB");
     let mut a = connect_admin(t.addr, &admin_opts()).unwrap();
     // Enable namespace attribute notices, then park an AER.
-    a.execute(
-        Command {
-            opcode: admin_opcode::SET_FEATURES,
-            cdw: [0x0B, 1 << 8, 0, 0, 0, 0],
-            ..Command::default()
-        },
-        0,
-    )
-    .unwrap();
-    let cid = a.alloc_cid();
-    a.submit(
-        Command {
-            opcode: admin_opcode::ASYNC_EVENT_REQUEST,
-            cid,
-            ..Command::default()
-        },
-        &[],
-        false,
-    )
-    .unwrap();
-    let nsid = t
-        .engine
-        .add_namespace(NQN, &namespace("memory:8MiB", 4096))
+    a.execute(Command { opcode: admin_opcode::SET_FEATURES, cdw: [0x0B, 1 << 8, 0, 0, 0, 0], ..Command::default() }, 0)
         .unwrap();
+    let cid = a.alloc_cid();
+    a.submit(Command { opcode: admin_opcode::ASYNC_EVENT_REQUEST, cid, ..Command::default() }, &[], false).unwrap();
+    let nsid = t.engine.add_namespace(NQN, &namespace("memory:8MiB", 4096)).unwrap();
     assert_eq!(nsid, 2);
     let r = a.next_reply().unwrap();
     assert_eq!(r.cqe.cid, cid);
-    assert_eq!(
-        r.cqe.result, 0x0004_0002,
-        "notice: namespace attribute changed, log page 04h"
-    );
-    let mut glp = Command {
-        opcode: admin_opcode::GET_LOG_PAGE,
-        nsid: 0xFFFF_FFFF,
-        ..Command::default()
-    };
-    GetLogPage {
-        lid: lid::CHANGED_NS,
-        lsp: 0,
-        rae: false,
-        len: 4096,
-        offset: 0,
-    }
-    .apply(&mut glp);
+    assert_eq!(r.cqe.result, 0x0004_0002, "notice: namespace attribute changed, log page 04h");
+    let mut glp = Command { opcode: admin_opcode::GET_LOG_PAGE, nsid: 0xFFFF_FFFF, ..Command::default() };
+    GetLogPage { lid: lid::CHANGED_NS, lsp: 0, rae: false, len: 4096, offset: 0 }.apply(&mut glp);
     let log = a.execute(glp, 4096).unwrap().data;
     assert_eq!(&log[0..8], &[2, 0, 0, 0, 0, 0, 0, 0]);
     assert_eq!(a.identify_namespace(2).unwrap().nsze, (8 << 20) / 4096);
@@ -533,59 +377,22 @@ fn namespace_added_at_runtime_raises_an_event() {
 #[test]
 fn discovery_lists_subsystems_and_listeners() {
     let t = start("null:1GiB");
-    let mut d = connect_admin(
-        t.addr,
-        &ConnectOptions {
-            kato: 0,
-            ..ConnectOptions::admin(DISCOVERY_NQN, HOST)
-        },
-    )
-    .unwrap();
+    let mut d =
+        connect_admin(t.addr, &ConnectOptions { kato: 0, ..ConnectOptions::admin(DISCOVERY_NQN, HOST) }).unwrap();
     let id = d.identify_controller().unwrap();
     assert_eq!(id.cntrltype, 2);
-    let mut glp = Command {
-        opcode: admin_opcode::GET_LOG_PAGE,
-        ..Command::default()
-    };
-    GetLogPage {
-        lid: lid::DISCOVERY,
-        lsp: 0,
-        rae: false,
-        len: 3072,
-        offset: 0,
-    }
-    .apply(&mut glp);
+    let mut glp = Command { opcode: admin_opcode::GET_LOG_PAGE, ..Command::default() };
+    GetLogPage { lid: lid::DISCOVERY, lsp: 0, rae: false, len: 3072, offset: 0 }.apply(&mut glp);
     let page = d.execute(glp, 3072).unwrap().data;
     let h = DiscoveryLogHeader::decode(&page).unwrap();
-    assert_eq!(
-        h.numrec, 2,
-        "the discovery subsystem and {NQN} on one listener"
-    );
-    assert_eq!(
-        nvpool_wire::bytes::get_nul_padded(&page, 2048 + 256, 256),
-        NQN
-    );
+    assert_eq!(h.numrec, 2, "the discovery subsystem and {NQN} on one listener");
+    assert_eq!(nvpool_wire::bytes::get_nul_padded(&page, 2048 + 256, 256), NQN);
     // A host not on the allow-list does not see the subsystem.
-    let mut other = connect_admin(
-        t.addr,
-        &ConnectOptions {
-            kato: 0,
-            ..ConnectOptions::admin(DISCOVERY_NQN, "nqn.x:other")
-        },
-    )
-    .unwrap();
-    let mut glp = Command {
-        opcode: admin_opcode::GET_LOG_PAGE,
-        ..Command::default()
-    };
-    GetLogPage {
-        lid: lid::DISCOVERY,
-        lsp: 0,
-        rae: false,
-        len: 1024,
-        offset: 0,
-    }
-    .apply(&mut glp);
+    let mut other =
+        connect_admin(t.addr, &ConnectOptions { kato: 0, ..ConnectOptions::admin(DISCOVERY_NQN, "nqn.x:other") })
+            .unwrap();
+    let mut glp = Command { opcode: admin_opcode::GET_LOG_PAGE, ..Command::default() };
+    GetLogPage { lid: lid::DISCOVERY, lsp: 0, rae: false, len: 1024, offset: 0 }.apply(&mut glp);
     let page = other.execute(glp, 1024).unwrap().data;
     assert_eq!(DiscoveryLogHeader::decode(&page).unwrap().numrec, 1);
 }
@@ -601,36 +408,17 @@ fn file_backend_flush_zeroes_deallocate_and_restart() {
         let (_admin, mut io) = controller(t.addr, &admin_opts(), 1);
         let q = &mut io[0];
         q.write(1, 100, &data, 512, IN_CAPSULE).unwrap();
-        q.write(1, 1000, &pattern(1, 8192), 512, IN_CAPSULE)
-            .unwrap();
-        q.write(1, 3000, &pattern(2, 8192), 512, IN_CAPSULE)
-            .unwrap();
-        q.execute(
-            Command {
-                opcode: io_opcode::FLUSH,
-                nsid: 1,
-                ..Command::default()
-            },
-            0,
-        )
-        .unwrap();
+        q.write(1, 1000, &pattern(1, 8192), 512, IN_CAPSULE).unwrap();
+        q.write(1, 3000, &pattern(2, 8192), 512, IN_CAPSULE).unwrap();
+        q.execute(Command { opcode: io_opcode::FLUSH, nsid: 1, ..Command::default() }, 0).unwrap();
         // Write Zeroes on 1000..1016.
-        let wz = Command {
-            opcode: io_opcode::WRITE_ZEROES,
-            nsid: 1,
-            cdw: [1000, 0, 15, 0, 0, 0],
-            ..Command::default()
-        };
+        let wz =
+            Command { opcode: io_opcode::WRITE_ZEROES, nsid: 1, cdw: [1000, 0, 15, 0, 0, 0], ..Command::default() };
         q.execute(wz, 0).unwrap();
         assert!(q.read(1, 1000, 16, 512).unwrap().iter().all(|&b| b == 0));
         // Dataset Management deallocate of 3000..3016.
         let mut ranges = [0u8; 16];
-        DsmRange {
-            attributes: 0,
-            nlb: 16,
-            slba: 3000,
-        }
-        .encode(&mut ranges);
+        DsmRange { attributes: 0, nlb: 16, slba: 3000 }.encode(&mut ranges);
         let cid = q.alloc_cid();
         let dsm = Command {
             opcode: io_opcode::DATASET_MANAGEMENT,
@@ -639,25 +427,13 @@ fn file_backend_flush_zeroes_deallocate_and_restart() {
             cdw: [0, 1 << 2, 0, 0, 0, 0],
             ..Command::default()
         };
-        assert!(
-            q.execute_raw(dsm, &ranges, true)
-                .unwrap()
-                .cqe
-                .status
-                .is_success()
-        );
+        assert!(q.execute_raw(dsm, &ranges, true).unwrap().cqe.status.is_success());
         assert!(q.read(1, 3000, 16, 512).unwrap().iter().all(|&b| b == 0));
         // FUA write.
         let cid = q.alloc_cid();
         let mut fua = Command::read_write(io_opcode::WRITE, cid, 1, 5000, 8, 4096);
         fua.cdw[2] |= 1 << 30;
-        assert!(
-            q.execute_raw(fua, &pattern(5, 4096), true)
-                .unwrap()
-                .cqe
-                .status
-                .is_success()
-        );
+        assert!(q.execute_raw(fua, &pattern(5, 4096), true).unwrap().cqe.status.is_success());
     }
     // A new engine on the same file serves the same data and identity.
     let t = start(&backend);
@@ -665,29 +441,15 @@ fn file_backend_flush_zeroes_deallocate_and_restart() {
     assert_eq!(io[0].read(1, 100, 128, 512).unwrap(), data);
     assert_eq!(io[0].read(1, 5000, 8, 512).unwrap(), pattern(5, 4096));
     let ns = admin.identify_namespace(1).unwrap();
-    assert_eq!(
-        ns.nguid,
-        nvpool_engine::config::derived_nguid(&nvpool_engine::config::derived_uuid(NQN, 1))
-    );
+    assert_eq!(ns.nguid, nvpool_engine::config::derived_nguid(&nvpool_engine::config::derived_uuid(NQN, 1)));
 }
 
 #[test]
 fn null_backend_reads_zeroes_and_accepts_writes() {
     let t = start_with(vec![namespace("null:1GiB", 4096)], true, 1);
-    let (_admin, mut io) = controller(
-        t.addr,
-        &ConnectOptions {
-            digests: Digests {
-                header: true,
-                data: true,
-            },
-            ..admin_opts()
-        },
-        1,
-    );
-    io[0]
-        .write(1, 7, &pattern(1, 131072), 4096, IN_CAPSULE)
-        .unwrap();
+    let (_admin, mut io) =
+        controller(t.addr, &ConnectOptions { digests: Digests { header: true, data: true }, ..admin_opts() }, 1);
+    io[0].write(1, 7, &pattern(1, 131072), 4096, IN_CAPSULE).unwrap();
     assert!(io[0].read(1, 7, 32, 4096).unwrap().iter().all(|&b| b == 0));
 }
 
@@ -697,7 +459,11 @@ fn management_api_reports_and_refuses_clearly() {
     let e = &t.engine;
     let list = nvpool_engine::mgmt::handle(e, r#"{"method":"subsystem_list"}"#).unwrap();
     assert_eq!(list[0]["nqn"], NQN);
-    let err = nvpool_engine::mgmt::handle(e, r#"{"method":"namespace_add","params":{"nqn":"nqn.x:none","namespace":{"backend":"memory:1MiB"}}}"#).unwrap_err();
+    let err = nvpool_engine::mgmt::handle(
+        e,
+        r#"{"method":"namespace_add","params":{"nqn":"nqn.x:none","namespace":{"backend":"memory:1MiB"}}}"#,
+    )
+    .unwrap_err();
     assert!(err.contains("no subsystem"), "{err}");
     let err = nvpool_engine::mgmt::handle(e, r#"{"method":"namespace_add","params":{"nqn":"nqn.2024-01.io.nvpool:test","namespace":{"backend":"ram:1MiB"}}}"#).unwrap_err();
     assert!(err.contains("unknown"), "{err}");
@@ -707,12 +473,11 @@ fn management_api_reports_and_refuses_clearly() {
     assert!(err.contains("JSON"), "{err}");
     // I/O counters move.
     let (_admin, mut io) = controller(t.addr, &admin_opts(), 1);
-    io[0]
-        .write(1, 0, &pattern(1, 4096), 512, IN_CAPSULE)
-        .unwrap();
+    io[0].write(1, 0, &pattern(1, 4096), 512, IN_CAPSULE).unwrap();
     io[0].read(1, 0, 8, 512).unwrap();
     let list = nvpool_engine::mgmt::handle(e, r#"{"method":"subsystem_list"}"#).unwrap();
     let st = &list[0]["namespaces"][0]["stats"];
     assert_eq!(st["writes"], 1);
     assert_eq!(st["read_bytes"], 4096);
 }
+

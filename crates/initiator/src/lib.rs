@@ -11,12 +11,9 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 use nvpool_wire::Status;
-use nvpool_wire::command::{
-    Command, Completion, PSDT_SGL, SglDescriptor, admin_opcode, io_opcode, sgl,
-};
+use nvpool_wire::command::{Command, Completion, PSDT_SGL, SglDescriptor, admin_opcode, io_opcode, sgl};
 use nvpool_wire::fabrics::{
-    CNTLID_DYNAMIC, CONNECT_DATA_SIZE, ConnectCommand, ConnectData, PropertyAccess, cc, csts,
-    property,
+    CNTLID_DYNAMIC, CONNECT_DATA_SIZE, ConnectCommand, ConnectData, PropertyAccess, cc, csts, property,
 };
 use nvpool_wire::identify::{IdentifyController, IdentifyNamespace};
 use nvpool_wire::tcp::{self, DataHeader, Digests, IcReq, IcResp, Pdu};
@@ -85,13 +82,7 @@ impl ConnectOptions {
 
     /// Options for I/O queue `qid` of the controller `cntlid`, from admin options.
     pub fn io(&self, qid: u16, cntlid: u16, sqsize: u16) -> ConnectOptions {
-        ConnectOptions {
-            qid,
-            cntlid,
-            sqsize,
-            kato: 0,
-            ..self.clone()
-        }
+        ConnectOptions { qid, cntlid, sqsize, kato: 0, ..self.clone() }
     }
 }
 
@@ -168,23 +159,12 @@ impl Queue {
             qid: 0,
         };
         let mut b = [0u8; tcp::IC_SIZE];
-        tcp::encode_ic_req(
-            &IcReq {
-                pfv: 0,
-                hpda: 0,
-                digests,
-                maxr2t: 0,
-            },
-            &mut b,
-        );
+        tcp::encode_ic_req(&IcReq { pfv: 0, hpda: 0, digests, maxr2t: 0 }, &mut b);
         q.stream.write_all(&b)?;
         match q.recv_pdu()? {
             TargetPdu::IcResp(r) => {
                 if r.digests != digests {
-                    return Err(Error::Protocol(format!(
-                        "ICResp digests {:?} do not echo {:?}",
-                        r.digests, digests
-                    )));
+                    return Err(Error::Protocol(format!("ICResp digests {:?} do not echo {:?}", r.digests, digests)));
                 }
                 q.icresp = r;
                 q.digests = digests;
@@ -199,21 +179,10 @@ impl Queue {
         let mut q = Queue::handshake(addr, o.digests)?;
         q.qid = o.qid;
         let cattr = if o.disable_sq_flow_control { 1 << 2 } else { 0 };
-        let c = ConnectCommand {
-            recfmt: 0,
-            qid: o.qid,
-            sqsize: o.sqsize,
-            cattr,
-            kato: o.kato,
-        };
+        let c = ConnectCommand { recfmt: 0, qid: o.qid, sqsize: o.sqsize, cattr, kato: o.kato };
         let mut data = [0u8; CONNECT_DATA_SIZE];
-        ConnectData {
-            hostid: o.hostid,
-            cntlid: o.cntlid,
-            subnqn: o.subnqn.clone(),
-            hostnqn: o.hostnqn.clone(),
-        }
-        .encode(&mut data);
+        ConnectData { hostid: o.hostid, cntlid: o.cntlid, subnqn: o.subnqn.clone(), hostnqn: o.hostnqn.clone() }
+            .encode(&mut data);
         let cid = q.alloc_cid();
         let r = q.execute_raw(c.to_command(cid), &data, true)?;
         if !r.cqe.status.is_success() {
@@ -242,22 +211,13 @@ impl Queue {
 
     /// Sends a command capsule. Host-to-controller data goes in the capsule when
     /// `in_capsule`, else it is kept for the target's R2T.
-    pub fn submit(
-        &mut self,
-        mut cmd: Command,
-        data: &[u8],
-        in_capsule: bool,
-    ) -> Result<u16, Error> {
+    pub fn submit(&mut self, mut cmd: Command, data: &[u8], in_capsule: bool) -> Result<u16, Error> {
         cmd.flags |= PSDT_SGL;
         if !data.is_empty() {
             cmd.dptr = SglDescriptor {
                 address: 0,
                 length: data.len() as u32,
-                id: if in_capsule {
-                    sgl::IN_CAPSULE
-                } else {
-                    sgl::TRANSPORT
-                },
+                id: if in_capsule { sgl::IN_CAPSULE } else { sgl::TRANSPORT },
             };
         }
         let inline = if in_capsule { data } else { &[][..] };
@@ -284,11 +244,7 @@ impl Queue {
                     let data = self.reads.remove(&cqe.cid).unwrap_or_default();
                     return Ok(Reply { cqe, data });
                 }
-                TargetPdu::Data {
-                    header,
-                    success,
-                    data,
-                } => {
+                TargetPdu::Data { header, success, data } => {
                     let buf = self.reads.entry(header.cccid).or_default();
                     let end = header.offset as usize + data.len();
                     if buf.len() < end {
@@ -296,11 +252,7 @@ impl Queue {
                     }
                     buf[header.offset as usize..end].copy_from_slice(&data);
                     if success {
-                        let cqe = Completion {
-                            cid: header.cccid,
-                            sqid: self.qid,
-                            ..Completion::default()
-                        };
+                        let cqe = Completion { cid: header.cccid, sqid: self.qid, ..Completion::default() };
                         let data = self.reads.remove(&header.cccid).unwrap_or_default();
                         return Ok(Reply { cqe, data });
                     }
@@ -327,12 +279,7 @@ impl Queue {
         let mut off = start;
         while off < end {
             let n = (end - off).min(max);
-            let dh = DataHeader {
-                cccid: h.cccid,
-                ttag: h.ttag,
-                offset: off as u32,
-                length: n as u32,
-            };
+            let dh = DataHeader { cccid: h.cccid, ttag: h.ttag, offset: off as u32, length: n as u32 };
             let mut hdr = [0u8; 32];
             let hl = tcp::encode_h2c_data(&dh, off + n == end, self.digests, &mut hdr);
             wire.extend_from_slice(&hdr[..hl]);
@@ -347,19 +294,11 @@ impl Queue {
     }
 
     /// Submits one command and waits for it.
-    pub fn execute_raw(
-        &mut self,
-        cmd: Command,
-        data: &[u8],
-        in_capsule: bool,
-    ) -> Result<Reply, Error> {
+    pub fn execute_raw(&mut self, cmd: Command, data: &[u8], in_capsule: bool) -> Result<Reply, Error> {
         let cid = self.submit(cmd, data, in_capsule)?;
         let r = self.next_reply()?;
         if r.cqe.cid != cid {
-            return Err(Error::Protocol(format!(
-                "reply for command {} while waiting for {cid}",
-                r.cqe.cid
-            )));
+            return Err(Error::Protocol(format!("reply for command {} while waiting for {cid}", r.cqe.cid)));
         }
         Ok(r)
     }
@@ -367,11 +306,7 @@ impl Queue {
     /// Executes a command that reads `len` bytes (or none); fails on an error status.
     pub fn execute(&mut self, mut cmd: Command, len: u32) -> Result<Reply, Error> {
         cmd.cid = self.alloc_cid();
-        cmd.dptr = SglDescriptor {
-            address: 0,
-            length: len,
-            id: sgl::TRANSPORT,
-        };
+        cmd.dptr = SglDescriptor { address: 0, length: len, id: sgl::TRANSPORT };
         let r = self.execute_raw(cmd, &[], false)?;
         if !r.cqe.status.is_success() {
             return Err(Error::Command(r.cqe.status));
@@ -382,37 +317,22 @@ impl Queue {
     /// Reads the next PDU from the target.
     pub fn recv_pdu(&mut self) -> Result<TargetPdu, Error> {
         loop {
-            let parsed = tcp::parse(
-                &self.buf[self.start..self.end],
-                self.digests,
-                tcp::DataLimits::uniform(1 << 20),
-            )
-            .map_err(|e| Error::Protocol(format!("malformed PDU from the target: {e}")))?;
+            let parsed = tcp::parse(&self.buf[self.start..self.end], self.digests, tcp::DataLimits::uniform(1 << 20))
+                .map_err(|e| Error::Protocol(format!("malformed PDU from the target: {e}")))?;
             if let Some(p) = parsed {
                 if !p.data_digest_ok {
-                    return Err(Error::Protocol(
-                        "data digest mismatch from the target".into(),
-                    ));
+                    return Err(Error::Protocol("data digest mismatch from the target".into()));
                 }
                 let pdu = match p.pdu {
                     Pdu::IcResp(r) => TargetPdu::IcResp(r),
                     Pdu::CapsuleResp(c) => TargetPdu::Resp(c),
-                    Pdu::C2HData {
-                        header,
-                        success,
-                        data,
-                        ..
-                    } => TargetPdu::Data {
-                        header,
-                        success,
-                        data: data.to_vec(),
-                    },
+                    Pdu::C2HData { header, success, data, .. } => {
+                        TargetPdu::Data { header, success, data: data.to_vec() }
+                    }
                     Pdu::R2T(h) => TargetPdu::R2T(h),
                     Pdu::TermReq { fes, fei, .. } => TargetPdu::Term { fes, fei },
                     other => {
-                        return Err(Error::Protocol(format!(
-                            "unexpected PDU from a target: {other:?}"
-                        )));
+                        return Err(Error::Protocol(format!("unexpected PDU from a target: {other:?}")));
                     }
                 };
                 self.start += p.len;
@@ -434,16 +354,8 @@ impl Queue {
     /// Property Get.
     pub fn property_get(&mut self, offset: u32, eight_bytes: bool) -> Result<u64, Error> {
         let cid = self.alloc_cid();
-        let r = self.execute_raw(
-            PropertyAccess {
-                eight_bytes,
-                offset,
-                value: 0,
-            }
-            .to_command(cid, false),
-            &[],
-            false,
-        )?;
+        let r =
+            self.execute_raw(PropertyAccess { eight_bytes, offset, value: 0 }.to_command(cid, false), &[], false)?;
         if !r.cqe.status.is_success() {
             return Err(Error::Command(r.cqe.status));
         }
@@ -453,16 +365,8 @@ impl Queue {
     /// Property Set.
     pub fn property_set(&mut self, offset: u32, value: u64) -> Result<(), Error> {
         let cid = self.alloc_cid();
-        let r = self.execute_raw(
-            PropertyAccess {
-                eight_bytes: false,
-                offset,
-                value,
-            }
-            .to_command(cid, true),
-            &[],
-            false,
-        )?;
+        let r =
+            self.execute_raw(PropertyAccess { eight_bytes: false, offset, value }.to_command(cid, true), &[], false)?;
         if !r.cqe.status.is_success() {
             return Err(Error::Command(r.cqe.status));
         }
@@ -483,55 +387,31 @@ impl Queue {
 
     /// Identify Controller.
     pub fn identify_controller(&mut self) -> Result<IdentifyController, Error> {
-        let c = Command {
-            opcode: admin_opcode::IDENTIFY,
-            cdw: [1, 0, 0, 0, 0, 0],
-            ..Command::default()
-        };
+        let c = Command { opcode: admin_opcode::IDENTIFY, cdw: [1, 0, 0, 0, 0, 0], ..Command::default() };
         let r = self.execute(c, 4096)?;
-        IdentifyController::decode(&r.data)
-            .ok_or_else(|| Error::Protocol("short Identify Controller".into()))
+        IdentifyController::decode(&r.data).ok_or_else(|| Error::Protocol("short Identify Controller".into()))
     }
 
     /// Identify Namespace.
     pub fn identify_namespace(&mut self, nsid: u32) -> Result<IdentifyNamespace, Error> {
-        let c = Command {
-            opcode: admin_opcode::IDENTIFY,
-            nsid,
-            ..Command::default()
-        };
+        let c = Command { opcode: admin_opcode::IDENTIFY, nsid, ..Command::default() };
         let r = self.execute(c, 4096)?;
-        IdentifyNamespace::decode(&r.data)
-            .ok_or_else(|| Error::Protocol("short Identify Namespace".into()))
+        IdentifyNamespace::decode(&r.data).ok_or_else(|| Error::Protocol("short Identify Namespace".into()))
     }
 
     /// Set Features Number of Queues; returns how many I/O queues were granted.
     pub fn set_queue_count(&mut self, n: u16) -> Result<u16, Error> {
         let v = u32::from(n - 1) | u32::from(n - 1) << 16;
-        let c = Command {
-            opcode: admin_opcode::SET_FEATURES,
-            cdw: [0x07, v, 0, 0, 0, 0],
-            ..Command::default()
-        };
+        let c = Command { opcode: admin_opcode::SET_FEATURES, cdw: [0x07, v, 0, 0, 0, 0], ..Command::default() };
         let r = self.execute(c, 0)?;
         Ok((r.cqe.result & 0xFFFF) as u16 + 1)
     }
 
     /// Reads `nlb` blocks of `block_size` bytes.
-    pub fn read(
-        &mut self,
-        nsid: u32,
-        slba: u64,
-        nlb: u32,
-        block_size: u32,
-    ) -> Result<Vec<u8>, Error> {
+    pub fn read(&mut self, nsid: u32, slba: u64, nlb: u32, block_size: u32) -> Result<Vec<u8>, Error> {
         let len = nlb * block_size;
         let cid = self.alloc_cid();
-        let r = self.execute_raw(
-            Command::read_write(io_opcode::READ, cid, nsid, slba, nlb, len),
-            &[],
-            false,
-        )?;
+        let r = self.execute_raw(Command::read_write(io_opcode::READ, cid, nsid, slba, nlb, len), &[], false)?;
         if !r.cqe.status.is_success() {
             return Err(Error::Command(r.cqe.status));
         }

@@ -5,9 +5,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 use nvpool_engine::Engine;
-use nvpool_engine::config::{
-    EngineConfig, ListenerConfig, NamespaceConfig, SubsystemConfig, default_socket,
-};
+use nvpool_engine::config::{EngineConfig, ListenerConfig, NamespaceConfig, SubsystemConfig, default_socket};
 use nvpool_engine::mgmt;
 use serde_json::{Value, json};
 
@@ -203,35 +201,19 @@ pub fn run(cli: Cli) -> Result<(), String> {
         Command::Engine(a) => run_engine(a),
         Command::Subsystem { verb, api } => match verb {
             SubsystemVerb::List => show(&api, "subsystem_list", json!({}), subsystem_table),
-            SubsystemVerb::Add {
-                nqn,
-                serial,
-                model,
-                allow_any_host,
-            } => {
+            SubsystemVerb::Add { nqn, serial, model, allow_any_host } => {
                 let p = json!({ "nqn": nqn, "serial": serial, "model": model, "allow_any_host": allow_any_host });
                 done(&api, "subsystem_add", p, &format!("subsystem {nqn} added"))
             }
-            SubsystemVerb::Remove { nqn } => done(
-                &api,
-                "subsystem_remove",
-                json!({ "nqn": nqn }),
-                &format!("subsystem {nqn} removed"),
-            ),
+            SubsystemVerb::Remove { nqn } => {
+                done(&api, "subsystem_remove", json!({ "nqn": nqn }), &format!("subsystem {nqn} removed"))
+            }
         },
         Command::Namespace { verb, api } => match verb {
-            NamespaceVerb::Add {
-                nqn,
-                backend,
-                nsid,
-                block_size,
-                uuid,
-            } => {
+            NamespaceVerb::Add { nqn, backend, nsid, block_size, uuid } => {
                 let p = json!({ "nqn": nqn, "namespace": { "nsid": nsid, "backend": backend, "block_size": block_size, "uuid": uuid } });
                 let r = mgmt::call(&api.socket, "namespace_add", p)?;
-                print_or(&api, &r, || {
-                    format!("namespace {} added to {nqn}", r["nsid"])
-                });
+                print_or(&api, &r, || format!("namespace {} added to {nqn}", r["nsid"]));
                 Ok(())
             }
             NamespaceVerb::Remove { nqn, nsid } => done(
@@ -242,12 +224,9 @@ pub fn run(cli: Cli) -> Result<(), String> {
             ),
         },
         Command::Host { verb, api } => match verb {
-            HostVerb::Add { nqn, host } => done(
-                &api,
-                "host_add",
-                json!({ "nqn": nqn, "host": host }),
-                &format!("host {host} allowed on {nqn}"),
-            ),
+            HostVerb::Add { nqn, host } => {
+                done(&api, "host_add", json!({ "nqn": nqn, "host": host }), &format!("host {host} allowed on {nqn}"))
+            }
             HostVerb::Remove { nqn, host } => done(
                 &api,
                 "host_remove",
@@ -266,18 +245,12 @@ pub fn run(cli: Cli) -> Result<(), String> {
         },
         Command::Listener { verb, api } => match verb {
             ListenerVerb::List => show(&api, "listener_list", json!({}), listener_table),
-            ListenerVerb::Add { address } => done(
-                &api,
-                "listener_add",
-                json!({ "address": address }),
-                &format!("listening on {address}"),
-            ),
-            ListenerVerb::Remove { address } => done(
-                &api,
-                "listener_remove",
-                json!({ "address": address }),
-                &format!("stopped listening on {address}"),
-            ),
+            ListenerVerb::Add { address } => {
+                done(&api, "listener_add", json!({ "address": address }), &format!("listening on {address}"))
+            }
+            ListenerVerb::Remove { address } => {
+                done(&api, "listener_remove", json!({ "address": address }), &format!("stopped listening on {address}"))
+            }
         },
         Command::Stats { api } => show(&api, "subsystem_list", json!({}), stats_table),
     }
@@ -286,22 +259,15 @@ pub fn run(cli: Cli) -> Result<(), String> {
 fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
     let mut cfg = match &a.config {
         Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+            let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
             EngineConfig::from_toml(&text).map_err(|e| format!("{}: {e}", path.display()))?
         }
         None => {
             if a.listen.is_empty() {
-                return Err(
-                    "give --listen ADDR (e.g. --listen 127.0.0.1:4420) or --config FILE".into(),
-                );
+                return Err("give --listen ADDR (e.g. --listen 127.0.0.1:4420) or --config FILE".into());
             }
             let mut cfg = EngineConfig {
-                listeners: a
-                    .listen
-                    .iter()
-                    .map(|&address| ListenerConfig { address })
-                    .collect(),
+                listeners: a.listen.iter().map(|&address| ListenerConfig { address }).collect(),
                 ..EngineConfig::default()
             };
             if a.discovery_port != 0 && !a.listen.iter().any(|l| l.port() == a.discovery_port) {
@@ -361,15 +327,9 @@ fn run_engine(a: EngineArgs) -> Result<(), String> {
         println!("  listening on {}:{}", l.addr, l.port);
     }
     for s in engine.subsystems() {
-        for l in engine.listeners().iter().filter(|l| {
-            cfg.listeners
-                .first()
-                .is_some_and(|f| f.address.port() == l.port)
-        }) {
-            println!(
-                "connect a host with:\n  nvme connect -t tcp -a {} -s {} -n {}",
-                l.addr, l.port, s.nqn
-            );
+        for l in engine.listeners().iter().filter(|l| cfg.listeners.first().is_some_and(|f| f.address.port() == l.port))
+        {
+            println!("connect a host with:\n  nvme connect -t tcp -a {} -s {} -n {}", l.addr, l.port, s.nqn);
         }
     }
     crate::signals::wait_for_stop();
@@ -393,12 +353,7 @@ fn done(api: &Api, method: &str, params: Value, message: &str) -> Result<(), Str
     Ok(())
 }
 
-fn show(
-    api: &Api,
-    method: &str,
-    params: Value,
-    table: fn(&Value) -> Vec<Vec<String>>,
-) -> Result<(), String> {
+fn show(api: &Api, method: &str, params: Value, table: fn(&Value) -> Vec<Vec<String>>) -> Result<(), String> {
     let r = mgmt::call(&api.socket, method, params)?;
     print_or(api, &r, || render(&table(&r)));
     Ok(())
@@ -413,31 +368,16 @@ fn s(v: &Value) -> String {
 }
 
 fn subsystem_table(v: &Value) -> Vec<Vec<String>> {
-    let mut rows = vec![
-        ["NQN", "NSID", "BACKEND", "SIZE", "BLOCK", "UUID", "HOSTS"]
-            .map(String::from)
-            .to_vec(),
-    ];
+    let mut rows = vec![["NQN", "NSID", "BACKEND", "SIZE", "BLOCK", "UUID", "HOSTS"].map(String::from).to_vec()];
     for sub in v.as_array().into_iter().flatten() {
         let hosts = if sub["allow_any_host"].as_bool() == Some(true) {
             "any".to_string()
         } else {
-            sub["hosts"]
-                .as_array()
-                .map(|h| h.iter().map(s).collect::<Vec<_>>().join(","))
-                .unwrap_or_default()
+            sub["hosts"].as_array().map(|h| h.iter().map(s).collect::<Vec<_>>().join(",")).unwrap_or_default()
         };
         let nss = sub["namespaces"].as_array().cloned().unwrap_or_default();
         if nss.is_empty() {
-            rows.push(vec![
-                s(&sub["nqn"]),
-                "-".into(),
-                "-".into(),
-                "-".into(),
-                "-".into(),
-                "-".into(),
-                hosts.clone(),
-            ]);
+            rows.push(vec![s(&sub["nqn"]), "-".into(), "-".into(), "-".into(), "-".into(), "-".into(), hosts.clone()]);
         }
         for ns in nss {
             rows.push(vec![
@@ -455,13 +395,8 @@ fn subsystem_table(v: &Value) -> Vec<Vec<String>> {
 }
 
 fn stats_table(v: &Value) -> Vec<Vec<String>> {
-    let mut rows = vec![
-        [
-            "NQN", "NSID", "READS", "WRITES", "READ", "WRITTEN", "OTHER", "ERRORS",
-        ]
-        .map(String::from)
-        .to_vec(),
-    ];
+    let mut rows =
+        vec![["NQN", "NSID", "READS", "WRITES", "READ", "WRITTEN", "OTHER", "ERRORS"].map(String::from).to_vec()];
     for sub in v.as_array().into_iter().flatten() {
         for ns in sub["namespaces"].as_array().into_iter().flatten() {
             let st = &ns["stats"];
@@ -496,23 +431,13 @@ fn human(bytes: u64) -> String {
         v /= 1024.0;
         u += 1;
     }
-    if u == 0 {
-        format!("{bytes}B")
-    } else {
-        format!("{v:.1}{}", UNITS[u])
-    }
+    if u == 0 { format!("{bytes}B") } else { format!("{v:.1}{}", UNITS[u]) }
 }
 
 fn render(rows: &[Vec<String>]) -> String {
     let cols = rows.iter().map(Vec::len).max().unwrap_or(0);
-    let widths: Vec<usize> = (0..cols)
-        .map(|c| {
-            rows.iter()
-                .map(|r| r.get(c).map_or(0, String::len))
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
+    let widths: Vec<usize> =
+        (0..cols).map(|c| rows.iter().map(|r| r.get(c).map_or(0, String::len)).max().unwrap_or(0)).collect();
     rows.iter()
         .map(|r| {
             r.iter()

@@ -55,9 +55,7 @@ pub fn put_ascii_padded(b: &mut [u8], off: usize, len: usize, s: &str) {
 
 /// Reads a space-padded ASCII field, trimming the padding.
 pub fn get_ascii_padded(b: &[u8], off: usize, len: usize) -> String {
-    String::from_utf8_lossy(&b[off..off + len])
-        .trim_end_matches([' ', '\0'])
-        .to_string()
+    String::from_utf8_lossy(&b[off..off + len]).trim_end_matches([' ', '\0']).to_string()
 }
 
 /// Writes `s` into a NUL-padded string field (NQNs, transport addresses).

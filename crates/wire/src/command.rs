@@ -98,11 +98,7 @@ impl Command {
             cdw2: get_u32(b, 8),
             cdw3: get_u32(b, 12),
             mptr: get_u64(b, 16),
-            dptr: SglDescriptor {
-                address: get_u64(b, 24),
-                length: get_u32(b, 32),
-                id: b[39],
-            },
+            dptr: SglDescriptor { address: get_u64(b, 24), length: get_u32(b, 32), id: b[39] },
             cdw: std::array::from_fn(|i| get_u32(b, 40 + 4 * i)),
         }
     }
@@ -171,19 +167,8 @@ impl Command {
             flags: PSDT_SGL,
             cid,
             nsid,
-            dptr: SglDescriptor {
-                address: 0,
-                length: len,
-                id: sgl::TRANSPORT,
-            },
-            cdw: [
-                slba as u32,
-                (slba >> 32) as u32,
-                (nlb - 1) & 0xFFFF,
-                0,
-                0,
-                0,
-            ],
+            dptr: SglDescriptor { address: 0, length: len, id: sgl::TRANSPORT },
+            cdw: [slba as u32, (slba >> 32) as u32, (nlb - 1) & 0xFFFF, 0, 0, 0],
             ..Command::default()
         }
     }
@@ -250,11 +235,7 @@ pub const DSM_RANGE_SIZE: usize = 16;
 impl DsmRange {
     /// Decodes a range.
     pub fn decode(b: &[u8]) -> DsmRange {
-        DsmRange {
-            attributes: get_u32(b, 0),
-            nlb: get_u32(b, 4),
-            slba: get_u64(b, 8),
-        }
+        DsmRange { attributes: get_u32(b, 0), nlb: get_u32(b, 4), slba: get_u64(b, 8) }
     }
 
     /// Encodes a range.

@@ -63,11 +63,7 @@ impl ConnectCommand {
             flags: PSDT_SGL,
             cid,
             nsid: u32::from(fctype::CONNECT),
-            dptr: SglDescriptor {
-                address: 0,
-                length: CONNECT_DATA_SIZE as u32,
-                id: sgl::IN_CAPSULE,
-            },
+            dptr: SglDescriptor { address: 0, length: CONNECT_DATA_SIZE as u32, id: sgl::IN_CAPSULE },
             cdw: [
                 u32::from(self.recfmt) | u32::from(self.qid) << 16,
                 u32::from(self.sqsize) | u32::from(self.cattr) << 16,
@@ -170,23 +166,9 @@ impl PropertyAccess {
             opcode: admin_opcode::FABRICS,
             flags: PSDT_SGL,
             cid,
-            nsid: u32::from(if set {
-                fctype::PROPERTY_SET
-            } else {
-                fctype::PROPERTY_GET
-            }),
-            dptr: SglDescriptor {
-                id: sgl::TRANSPORT,
-                ..SglDescriptor::default()
-            },
-            cdw: [
-                u32::from(self.eight_bytes),
-                self.offset,
-                self.value as u32,
-                (self.value >> 32) as u32,
-                0,
-                0,
-            ],
+            nsid: u32::from(if set { fctype::PROPERTY_SET } else { fctype::PROPERTY_GET }),
+            dptr: SglDescriptor { id: sgl::TRANSPORT, ..SglDescriptor::default() },
+            cdw: [u32::from(self.eight_bytes), self.offset, self.value as u32, (self.value >> 32) as u32, 0, 0],
             ..Command::default()
         }
     }
@@ -212,11 +194,7 @@ impl Capabilities {
 
     /// Decodes CAP.
     pub fn from_u64(v: u64) -> Capabilities {
-        Capabilities {
-            mqes: (v & 0xFFFF) as u16,
-            timeout: ((v >> 24) & 0xFF) as u8,
-            css: ((v >> 37) & 0xFF) as u8,
-        }
+        Capabilities { mqes: (v & 0xFFFF) as u16, timeout: ((v >> 24) & 0xFF) as u8, css: ((v >> 37) & 0xFF) as u8 }
     }
 }
 
@@ -227,8 +205,7 @@ pub mod cc {
     /// Shutdown notification (bits 15:14).
     pub const SHN_MASK: u32 = 0x3 << 14;
     /// The CC fields nvpool stores; the rest must be zero.
-    pub const WRITABLE: u32 =
-        EN | 0x7 << 4 | 0xF << 7 | 0x7 << 11 | SHN_MASK | 0xF << 16 | 0xF << 20;
+    pub const WRITABLE: u32 = EN | 0x7 << 4 | 0xF << 7 | 0x7 << 11 | SHN_MASK | 0xF << 16 | 0xF << 20;
 }
 
 /// Controller Status (CSTS) fields.

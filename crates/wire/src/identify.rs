@@ -283,10 +283,7 @@ pub fn decode_ns_descriptors(b: &[u8]) -> Vec<NsDescriptor> {
         if nidt == 0 || off + 4 + len > b.len() {
             break;
         }
-        out.push(NsDescriptor {
-            nidt,
-            nid: b[off + 4..off + 4 + len].to_vec(),
-        });
+        out.push(NsDescriptor { nidt, nid: b[off + 4..off + 4 + len].to_vec() });
         off += 4 + len;
     }
     out
@@ -305,10 +302,7 @@ pub fn encode_ns_list(nsids: impl IntoIterator<Item = u32>, after: u32, b: &mut 
 
 /// Decodes an active namespace ID list.
 pub fn decode_ns_list(b: &[u8]) -> Vec<u32> {
-    b.chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .take_while(|&id| id != 0)
-        .collect()
+    b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).take_while(|&id| id != 0).collect()
 }
 
 #[cfg(test)]
@@ -360,12 +354,7 @@ mod tests {
 
     #[test]
     fn offsets_match_the_spec() {
-        let id = IdentifyController {
-            cntlid: 0x1234,
-            ioccsz: 4,
-            kas: 1,
-            ..Default::default()
-        };
+        let id = IdentifyController { cntlid: 0x1234, ioccsz: 4, kas: 1, ..Default::default() };
         let b = id.to_vec();
         assert_eq!(&b[78..80], &[0x34, 0x12]);
         assert_eq!(b[1792], 4);

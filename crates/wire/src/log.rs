@@ -55,10 +55,8 @@ impl GetLogPage {
     /// caller's).
     pub fn apply(&self, c: &mut Command) {
         let numd = (self.len / 4).saturating_sub(1) as u32;
-        c.cdw[0] = u32::from(self.lid)
-            | u32::from(self.lsp & 0x7F) << 8
-            | u32::from(self.rae) << 15
-            | (numd & 0xFFFF) << 16;
+        c.cdw[0] =
+            u32::from(self.lid) | u32::from(self.lsp & 0x7F) << 8 | u32::from(self.rae) << 15 | (numd & 0xFFFF) << 16;
         c.cdw[1] = numd >> 16;
         c.cdw[2] = self.offset as u32;
         c.cdw[3] = (self.offset >> 32) as u32;
@@ -344,18 +342,8 @@ mod tests {
     #[test]
     fn ana_log_layout() {
         let g = [
-            AnaGroup {
-                grpid: 1,
-                chgcnt: 5,
-                state: ana_state::OPTIMIZED,
-                nsids: vec![1, 2],
-            },
-            AnaGroup {
-                grpid: 2,
-                chgcnt: 6,
-                state: ana_state::INACCESSIBLE,
-                nsids: vec![3],
-            },
+            AnaGroup { grpid: 1, chgcnt: 5, state: ana_state::OPTIMIZED, nsids: vec![1, 2] },
+            AnaGroup { grpid: 2, chgcnt: 6, state: ana_state::INACCESSIBLE, nsids: vec![3] },
         ];
         let b = encode_ana_log(9, &g, false);
         assert_eq!(b.len(), 16 + 32 + 8 + 32 + 4);
@@ -373,11 +361,7 @@ mod tests {
 
     #[test]
     fn async_event_result_packs_fields() {
-        let r = async_event::result(
-            async_event::TYPE_NOTICE,
-            async_event::NOTICE_NS_CHANGED,
-            lid::CHANGED_NS,
-        );
+        let r = async_event::result(async_event::TYPE_NOTICE, async_event::NOTICE_NS_CHANGED, lid::CHANGED_NS);
         assert_eq!(r, 0x0004_0002);
     }
 }

@@ -160,13 +160,7 @@ impl fmt::Debug for Status {
 
 impl fmt::Display for Status {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{} (sct {:#x}, sc {:#04x})",
-            self.describe(),
-            self.code_type(),
-            self.code()
-        )
+        write!(f, "{} (sct {:#x}, sc {:#04x})", self.describe(), self.code_type(), self.code())
     }
 }
 

@@ -100,10 +100,7 @@ pub struct Digests {
 impl Digests {
     /// From the ICReq/ICResp digest byte.
     pub fn from_bits(b: u8) -> Digests {
-        Digests {
-            header: b & 1 != 0,
-            data: b & 2 != 0,
-        }
+        Digests { header: b & 1 != 0, data: b & 2 != 0 }
     }
 
     /// To the ICReq/ICResp digest byte.
@@ -130,21 +127,13 @@ pub struct FatalError {
 
 impl FatalError {
     fn field(offset: u32, reason: &'static str) -> FatalError {
-        FatalError {
-            fes: fes::INVALID_HEADER_FIELD,
-            fei: offset,
-            reason,
-        }
+        FatalError { fes: fes::INVALID_HEADER_FIELD, fei: offset, reason }
     }
 }
 
 impl std::fmt::Display for FatalError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{} (fes {:#x}, fei {:#x})",
-            self.reason, self.fes, self.fei
-        )
+        write!(f, "{} (fes {:#x}, fei {:#x})", self.reason, self.fes, self.fei)
     }
 }
 
@@ -275,10 +264,7 @@ pub struct DataLimits {
 impl DataLimits {
     /// The same limit for every PDU type.
     pub const fn uniform(max: u32) -> DataLimits {
-        DataLimits {
-            capsule: max,
-            data_pdu: max,
-        }
+        DataLimits { capsule: max, data_pdu: max }
     }
 }
 
@@ -286,68 +272,36 @@ impl DataLimits {
 ///
 /// `digests` are the connection's negotiated digests (none before ICReq/ICResp);
 /// `limits` bound the data a PDU may carry.
-pub fn parse(
-    buf: &[u8],
-    digests: Digests,
-    limits: DataLimits,
-) -> Result<Option<Parsed<'_>>, FatalError> {
+pub fn parse(buf: &[u8], digests: Digests, limits: DataLimits) -> Result<Option<Parsed<'_>>, FatalError> {
     if buf.len() < CH_SIZE {
         return Ok(None);
     }
-    let (ty, fl, hlen, pdo, plen) = (
-        buf[0],
-        buf[1],
-        usize::from(buf[2]),
-        usize::from(buf[3]),
-        get_u32(buf, 4),
-    );
+    let (ty, fl, hlen, pdo, plen) = (buf[0], buf[1], usize::from(buf[2]), usize::from(buf[3]), get_u32(buf, 4));
     let want_hlen = expected_hlen(ty).ok_or(FatalError::field(0, "unknown PDU type"))?;
     if hlen != want_hlen {
-        return Err(FatalError::field(
-            2,
-            "header length does not match the PDU type",
-        ));
+        return Err(FatalError::field(2, "header length does not match the PDU type"));
     }
     let is_ic = matches!(ty, pdu_type::IC_REQ | pdu_type::IC_RESP);
     let is_term = matches!(ty, pdu_type::H2C_TERM_REQ | pdu_type::C2H_TERM_REQ);
     // Termination requests never carry digests, so that a peer can always read them.
-    let hd = if is_ic || is_term {
-        0
-    } else {
-        digests.header_len()
-    };
+    let hd = if is_ic || is_term { 0 } else { digests.header_len() };
     if !is_ic && !is_term && (fl & flags::HDGST != 0) != digests.header {
-        return Err(FatalError::field(
-            1,
-            "header digest flag does not match the negotiated digests",
-        ));
+        return Err(FatalError::field(1, "header digest flag does not match the negotiated digests"));
     }
     let plen = plen as usize;
     if is_term {
         if plen < hlen || plen > TERM_REQ_MAX {
-            return Err(FatalError::field(
-                4,
-                "termination request length out of range",
-            ));
+            return Err(FatalError::field(4, "termination request length out of range"));
         }
     } else if plen < hlen + hd {
         return Err(FatalError::field(4, "PDU length shorter than its header"));
     }
-    let carries_data = matches!(
-        ty,
-        pdu_type::CAPSULE_CMD | pdu_type::H2C_DATA | pdu_type::C2H_DATA
-    ) && plen > hlen + hd;
+    let carries_data =
+        matches!(ty, pdu_type::CAPSULE_CMD | pdu_type::H2C_DATA | pdu_type::C2H_DATA) && plen > hlen + hd;
     let (data_start, data_len, dd) = if carries_data {
-        let dd = if fl & flags::DDGST != 0 {
-            DIGEST_SIZE
-        } else {
-            0
-        };
+        let dd = if fl & flags::DDGST != 0 { DIGEST_SIZE } else { 0 };
         if (dd != 0) != digests.data {
-            return Err(FatalError::field(
-                1,
-                "data digest flag does not match the negotiated digests",
-            ));
+            return Err(FatalError::field(1, "data digest flag does not match the negotiated digests"));
         }
         if pdo < hlen + hd || pdo + dd > plen {
             return Err(FatalError::field(3, "PDU data offset out of range"));
@@ -356,24 +310,14 @@ pub fn parse(
     } else {
         // A termination request is read whatever its PDO says: the peer is closing anyway.
         if pdo != 0 && !is_ic && !is_term {
-            return Err(FatalError::field(
-                3,
-                "PDU data offset set on a PDU without data",
-            ));
+            return Err(FatalError::field(3, "PDU data offset set on a PDU without data"));
         }
         if !is_ic && !is_term && plen != hlen + hd {
-            return Err(FatalError::field(
-                4,
-                "PDU length does not match a PDU without data",
-            ));
+            return Err(FatalError::field(4, "PDU length does not match a PDU without data"));
         }
         (plen, 0, 0)
     };
-    let max_data = if ty == pdu_type::CAPSULE_CMD {
-        limits.capsule
-    } else {
-        limits.data_pdu
-    };
+    let max_data = if ty == pdu_type::CAPSULE_CMD { limits.capsule } else { limits.data_pdu };
     if data_len > max_data as usize {
         return Err(FatalError {
             fes: fes::DATA_LIMIT_EXCEEDED,
@@ -387,11 +331,7 @@ pub fn parse(
     if hd != 0 {
         let want = get_u32(buf, hlen);
         if crc32c(&buf[..hlen]) != want {
-            return Err(FatalError {
-                fes: fes::HEADER_DIGEST_ERROR,
-                fei: 0,
-                reason: "header digest mismatch",
-            });
+            return Err(FatalError { fes: fes::HEADER_DIGEST_ERROR, fei: 0, reason: "header digest mismatch" });
         }
     }
     let data = &buf[data_start..data_start + data_len];
@@ -423,18 +363,13 @@ pub fn parse(
                 })
             }
         }
-        pdu_type::H2C_TERM_REQ | pdu_type::C2H_TERM_REQ => Pdu::TermReq {
-            from_controller: ty == pdu_type::C2H_TERM_REQ,
-            fes: get_u16(buf, 8),
-            fei: get_u32(buf, 10),
-        },
+        pdu_type::H2C_TERM_REQ | pdu_type::C2H_TERM_REQ => {
+            Pdu::TermReq { from_controller: ty == pdu_type::C2H_TERM_REQ, fes: get_u16(buf, 8), fei: get_u32(buf, 10) }
+        }
         pdu_type::CAPSULE_CMD => {
             let mut sqe = [0u8; SQE_SIZE];
             sqe.copy_from_slice(&buf[CH_SIZE..CH_SIZE + SQE_SIZE]);
-            Pdu::CapsuleCmd {
-                command: Command::decode(&sqe),
-                data,
-            }
+            Pdu::CapsuleCmd { command: Command::decode(&sqe), data }
         }
         pdu_type::CAPSULE_RESP => {
             let mut cqe = [0u8; CQE_SIZE];
@@ -444,33 +379,17 @@ pub fn parse(
         pdu_type::H2C_DATA | pdu_type::C2H_DATA => {
             let header = data_header();
             if header.length as usize != data_len {
-                return Err(FatalError::field(
-                    16,
-                    "data length does not match the PDU length",
-                ));
+                return Err(FatalError::field(16, "data length does not match the PDU length"));
             }
             if ty == pdu_type::H2C_DATA {
-                Pdu::H2CData {
-                    header,
-                    last: fl & flags::DATA_LAST != 0,
-                    data,
-                }
+                Pdu::H2CData { header, last: fl & flags::DATA_LAST != 0, data }
             } else {
-                Pdu::C2HData {
-                    header,
-                    last: fl & flags::DATA_LAST != 0,
-                    success: fl & flags::DATA_SUCCESS != 0,
-                    data,
-                }
+                Pdu::C2HData { header, last: fl & flags::DATA_LAST != 0, success: fl & flags::DATA_SUCCESS != 0, data }
             }
         }
         _ => Pdu::R2T(data_header()),
     };
-    Ok(Some(Parsed {
-        pdu,
-        len: plen,
-        data_digest_ok,
-    }))
+    Ok(Some(Parsed { pdu, len: plen, data_digest_ok }))
 }
 
 fn put_common(b: &mut [u8], ty: u8, fl: u8, hlen: usize, pdo: usize, plen: usize) {
@@ -520,14 +439,7 @@ pub const MAX_HEADER_SIZE: usize = CAPSULE_CMD_HLEN + DIGEST_SIZE;
 /// Encodes a response capsule; returns its length.
 pub fn encode_capsule_resp(c: &Completion, digests: Digests, b: &mut [u8]) -> usize {
     let plen = CAPSULE_RESP_HLEN + digests.header_len();
-    put_common(
-        b,
-        pdu_type::CAPSULE_RESP,
-        if digests.header { flags::HDGST } else { 0 },
-        CAPSULE_RESP_HLEN,
-        0,
-        plen,
-    );
+    put_common(b, pdu_type::CAPSULE_RESP, if digests.header { flags::HDGST } else { 0 }, CAPSULE_RESP_HLEN, 0, plen);
     let mut cqe = [0u8; CQE_SIZE];
     c.encode(&mut cqe);
     b[CH_SIZE..CAPSULE_RESP_HLEN].copy_from_slice(&cqe);
@@ -548,11 +460,7 @@ fn encode_data_pdu_header(
 ) -> usize {
     let hd = digests.header_len();
     let has_data = data_len > 0;
-    let dd = if has_data && digests.data {
-        DIGEST_SIZE
-    } else {
-        0
-    };
+    let dd = if has_data && digests.data { DIGEST_SIZE } else { 0 };
     let pdo = if has_data { hlen + hd } else { 0 };
     let plen = hlen + hd + data_len + dd;
     let mut fl = extra_flags;
@@ -568,13 +476,7 @@ fn encode_data_pdu_header(
 
 /// Encodes a C2HData header; returns its length. `success` asks the host to complete
 /// the command without a response capsule (only valid with `last`).
-pub fn encode_c2h_data(
-    h: &DataHeader,
-    last: bool,
-    success: bool,
-    digests: Digests,
-    b: &mut [u8],
-) -> usize {
+pub fn encode_c2h_data(h: &DataHeader, last: bool, success: bool, digests: Digests, b: &mut [u8]) -> usize {
     let mut fl = 0;
     if last {
         fl |= flags::DATA_LAST;
@@ -583,14 +485,7 @@ pub fn encode_c2h_data(
         fl |= flags::DATA_SUCCESS;
     }
     b[..DATA_HLEN].fill(0);
-    let n = encode_data_pdu_header(
-        b,
-        pdu_type::C2H_DATA,
-        fl,
-        DATA_HLEN,
-        h.length as usize,
-        digests,
-    );
+    let n = encode_data_pdu_header(b, pdu_type::C2H_DATA, fl, DATA_HLEN, h.length as usize, digests);
     put_data_header(b, h);
     seal_header(b, DATA_HLEN, digests);
     n
@@ -600,14 +495,7 @@ pub fn encode_c2h_data(
 pub fn encode_h2c_data(h: &DataHeader, last: bool, digests: Digests, b: &mut [u8]) -> usize {
     b[..DATA_HLEN].fill(0);
     let fl = if last { flags::DATA_LAST } else { 0 };
-    let n = encode_data_pdu_header(
-        b,
-        pdu_type::H2C_DATA,
-        fl,
-        DATA_HLEN,
-        h.length as usize,
-        digests,
-    );
+    let n = encode_data_pdu_header(b, pdu_type::H2C_DATA, fl, DATA_HLEN, h.length as usize, digests);
     put_data_header(b, h);
     seal_header(b, DATA_HLEN, digests);
     n
@@ -617,14 +505,7 @@ pub fn encode_h2c_data(h: &DataHeader, last: bool, digests: Digests, b: &mut [u8
 pub fn encode_r2t(h: &DataHeader, digests: Digests, b: &mut [u8]) -> usize {
     b[..DATA_HLEN].fill(0);
     let plen = DATA_HLEN + digests.header_len();
-    put_common(
-        b,
-        pdu_type::R2T,
-        if digests.header { flags::HDGST } else { 0 },
-        DATA_HLEN,
-        0,
-        plen,
-    );
+    put_common(b, pdu_type::R2T, if digests.header { flags::HDGST } else { 0 }, DATA_HLEN, 0, plen);
     put_data_header(b, h);
     seal_header(b, DATA_HLEN, digests)
 }
@@ -639,14 +520,7 @@ fn put_data_header(b: &mut [u8], h: &DataHeader) {
 /// Encodes a command capsule header for `data_len` bytes of in-capsule data; returns
 /// the header length.
 pub fn encode_capsule_cmd(c: &Command, data_len: usize, digests: Digests, b: &mut [u8]) -> usize {
-    let n = encode_data_pdu_header(
-        b,
-        pdu_type::CAPSULE_CMD,
-        0,
-        CAPSULE_CMD_HLEN,
-        data_len,
-        digests,
-    );
+    let n = encode_data_pdu_header(b, pdu_type::CAPSULE_CMD, 0, CAPSULE_CMD_HLEN, data_len, digests);
     let mut sqe = [0u8; SQE_SIZE];
     c.encode(&mut sqe);
     b[CH_SIZE..CAPSULE_CMD_HLEN].copy_from_slice(&sqe);
@@ -656,21 +530,11 @@ pub fn encode_capsule_cmd(c: &Command, data_len: usize, digests: Digests, b: &mu
 
 /// Encodes a termination request carrying up to 128 bytes of the offending PDU
 /// header; returns its length. Termination requests never carry digests.
-pub fn encode_term_req(
-    from_controller: bool,
-    fes: u16,
-    fei: u32,
-    offending: &[u8],
-    b: &mut [u8],
-) -> usize {
+pub fn encode_term_req(from_controller: bool, fes: u16, fei: u32, offending: &[u8], b: &mut [u8]) -> usize {
     let n = offending.len().min(TERM_REQ_MAX - TERM_REQ_HLEN);
     let plen = TERM_REQ_HLEN + n;
     b[..TERM_REQ_HLEN].fill(0);
-    let ty = if from_controller {
-        pdu_type::C2H_TERM_REQ
-    } else {
-        pdu_type::H2C_TERM_REQ
-    };
+    let ty = if from_controller { pdu_type::C2H_TERM_REQ } else { pdu_type::H2C_TERM_REQ };
     put_common(b, ty, 0, TERM_REQ_HLEN, 0, plen);
     put_u16(b, 8, fes);
     put_u32(b, 10, fei);
@@ -792,10 +656,7 @@ mod tests {
 
     #[test]
     fn header_digest_error_is_fatal() {
-        let d = Digests {
-            header: true,
-            data: false,
-        };
+        let d = Digests { header: true, data: false };
         let mut b = [0u8; 32];
         let n = encode_capsule_resp(&Completion::default(), d, &mut b);
         b[10] ^= 1;
@@ -805,22 +666,14 @@ mod tests {
 
     #[test]
     fn data_digest_error_is_reported_not_fatal() {
-        let d = Digests {
-            header: false,
-            data: true,
-        };
+        let d = Digests { header: false, data: true };
         let c = Command::default();
         let mut h = [0u8; MAX_HEADER_SIZE];
         let n = encode_capsule_cmd(&c, 4, d, &mut h);
         let mut wire = with_data(&h[..n], &[1, 2, 3, 4], d);
         let last = wire.len() - 1;
         wire[last] ^= 0xFF;
-        assert!(
-            !parse(&wire, d, DataLimits::uniform(4096))
-                .unwrap()
-                .unwrap()
-                .data_digest_ok
-        );
+        assert!(!parse(&wire, d, DataLimits::uniform(4096)).unwrap().unwrap().data_digest_ok);
     }
 
     #[test]
@@ -828,36 +681,14 @@ mod tests {
         let mut b = [0u8; IC_SIZE];
         encode_ic_req(&IcReq::default(), &mut b);
         b[2] = 100;
-        assert_eq!(
-            parse(&b, Digests::default(), DataLimits::uniform(0))
-                .unwrap_err()
-                .fei,
-            2
-        );
+        assert_eq!(parse(&b, Digests::default(), DataLimits::uniform(0)).unwrap_err().fei, 2);
         b[2] = 128;
         b[0] = 0x42;
-        assert_eq!(
-            parse(&b, Digests::default(), DataLimits::uniform(0))
-                .unwrap_err()
-                .fei,
-            0
-        );
+        assert_eq!(parse(&b, Digests::default(), DataLimits::uniform(0)).unwrap_err().fei, 0);
         // A digest flag the connection did not negotiate.
         let mut r = [0u8; 32];
-        let n = encode_capsule_resp(
-            &Completion::default(),
-            Digests {
-                header: true,
-                data: false,
-            },
-            &mut r,
-        );
-        assert_eq!(
-            parse(&r[..n], Digests::default(), DataLimits::uniform(0))
-                .unwrap_err()
-                .fei,
-            1
-        );
+        let n = encode_capsule_resp(&Completion::default(), Digests { header: true, data: false }, &mut r);
+        assert_eq!(parse(&r[..n], Digests::default(), DataLimits::uniform(0)).unwrap_err().fei, 1);
     }
 
     #[test]

@@ -22,8 +22,7 @@ use crate::target::admin::{self, AdminOutcome};
 use crate::target::io::{self, IoPlan};
 use crate::target::subsystem::NamespaceMap;
 use crate::target::{
-    ADMIN_IN_CAPSULE_DATA, AER_LIMIT, Controller, IO_IN_CAPSULE_DATA, MAX_H2C_DATA, Namespace,
-    Target, fabrics,
+    ADMIN_IN_CAPSULE_DATA, AER_LIMIT, Controller, IO_IN_CAPSULE_DATA, MAX_H2C_DATA, Namespace, Target, fabrics,
 };
 
 /// Receive buffer: one whole PDU of the largest kind (an H2CData of MAXH2CDATA) with
@@ -211,11 +210,7 @@ impl Conn {
                 pool.put(b);
             }
         }
-        for item in self
-            .pending_out
-            .drain(..)
-            .chain(self.inflight_out.drain(..))
-        {
+        for item in self.pending_out.drain(..).chain(self.inflight_out.drain(..)) {
             if let Payload::Pool(b, _) = item.payload {
                 pool.put(b);
             }
@@ -247,9 +242,7 @@ impl Conn {
         }
         let room = self.recv_buf.len() - self.recv_end;
         let ptr = self.recv_buf[self.recv_end..].as_mut_ptr();
-        let sqe = opcode::Recv::new(types::Fd(self.fd()), ptr, room as u32)
-            .build()
-            .user_data(Op::Recv(idx).encode());
+        let sqe = opcode::Recv::new(types::Fd(self.fd()), ptr, room as u32).build().user_data(Op::Recv(idx).encode());
         r.push(sqe);
         self.recv_posted = true;
         self.ops_in_flight += 1;
@@ -267,11 +260,7 @@ impl Conn {
         // The buffer is taken out so PDUs can borrow it while the connection changes.
         let buf = std::mem::take(&mut self.recv_buf);
         while matches!(self.phase, Phase::Handshake | Phase::Ready) {
-            match tcp::parse(
-                &buf[self.recv_start..self.recv_end],
-                self.digests,
-                RECV_LIMITS,
-            ) {
+            match tcp::parse(&buf[self.recv_start..self.recv_end], self.digests, RECV_LIMITS) {
                 Ok(None) => break,
                 Ok(Some(p)) => {
                     self.recv_start += p.len;
@@ -279,8 +268,7 @@ impl Conn {
                 }
                 Err(e) => {
                     let start = self.recv_start;
-                    let hdr_end = (start + usize::from(buf.get(start + 2).copied().unwrap_or(8)))
-                        .min(self.recv_end);
+                    let hdr_end = (start + usize::from(buf.get(start + 2).copied().unwrap_or(8))).min(self.recv_end);
                     self.fatal(r, idx, e, &buf[start..hdr_end.max(start)]);
                 }
             }
@@ -300,16 +288,7 @@ impl Conn {
     }
 
     fn sequence_error(&mut self, r: &mut Reactor, idx: u32, reason: &'static str) {
-        self.fatal(
-            r,
-            idx,
-            FatalError {
-                fes: fes::PDU_SEQUENCE_ERROR,
-                fei: 0,
-                reason,
-            },
-            &[],
-        );
+        self.fatal(r, idx, FatalError { fes: fes::PDU_SEQUENCE_ERROR, fei: 0, reason }, &[]);
     }
 
     fn on_pdu(&mut self, r: &mut Reactor, idx: u32, pdu: Pdu<'_>, digest_ok: bool) {
@@ -324,20 +303,11 @@ impl Conn {
                     return self.fatal(r, idx, e, &[]);
                 }
                 if req.hpda > 31 {
-                    let e = FatalError {
-                        fes: fes::INVALID_HEADER_FIELD,
-                        fei: 10,
-                        reason: "HPDA out of range",
-                    };
+                    let e = FatalError { fes: fes::INVALID_HEADER_FIELD, fei: 10, reason: "HPDA out of range" };
                     return self.fatal(r, idx, e, &[]);
                 }
                 // Echo the host's digest choice: the Linux host refuses anything else.
-                let resp = IcResp {
-                    pfv: 0,
-                    cpda: 0,
-                    digests: req.digests,
-                    maxdata: MAX_H2C_DATA,
-                };
+                let resp = IcResp { pfv: 0, cpda: 0, digests: req.digests, maxdata: MAX_H2C_DATA };
                 let mut item = new_item();
                 let mut b = [0u8; tcp::IC_SIZE];
                 tcp::encode_ic_resp(&resp, &mut b);
@@ -349,25 +319,11 @@ impl Conn {
             }
             (Phase::Handshake, _) => self.sequence_error(r, idx, "PDU before ICReq"),
             (_, Pdu::IcReq(_)) => self.sequence_error(r, idx, "second ICReq"),
-            (_, Pdu::CapsuleCmd { command, data }) => {
-                self.on_command(r, idx, &command, data, digest_ok)
-            }
-            (_, Pdu::H2CData { header, last, data }) => {
-                self.on_h2c_data(r, idx, header, last, data, digest_ok)
-            }
-            (
-                _,
-                Pdu::TermReq {
-                    from_controller: false,
-                    ..
-                },
-            ) => self.begin_close(r),
+            (_, Pdu::CapsuleCmd { command, data }) => self.on_command(r, idx, &command, data, digest_ok),
+            (_, Pdu::H2CData { header, last, data }) => self.on_h2c_data(r, idx, header, last, data, digest_ok),
+            (_, Pdu::TermReq { from_controller: false, .. }) => self.begin_close(r),
             (_, _) => {
-                let e = FatalError {
-                    fes: fes::INVALID_HEADER_FIELD,
-                    fei: 0,
-                    reason: "PDU type not valid from a host",
-                };
+                let e = FatalError { fes: fes::INVALID_HEADER_FIELD, fei: 0, reason: "PDU type not valid from a host" };
                 self.fatal(r, idx, e, &[]);
             }
         }
@@ -375,21 +331,10 @@ impl Conn {
 
     // ----- commands -----------------------------------------------------------------
 
-    fn on_command(
-        &mut self,
-        r: &mut Reactor,
-        idx: u32,
-        cmd: &Command,
-        data: &[u8],
-        digest_ok: bool,
-    ) {
+    fn on_command(&mut self, r: &mut Reactor, idx: u32, cmd: &Command, data: &[u8], digest_ok: bool) {
         let fabrics = cmd.opcode == admin_opcode::FABRICS;
         let on_admin = self.queue.as_ref().is_none_or(|q| q.qid == 0);
-        let limit = if fabrics || on_admin {
-            ADMIN_IN_CAPSULE_DATA
-        } else {
-            IO_IN_CAPSULE_DATA
-        };
+        let limit = if fabrics || on_admin { ADMIN_IN_CAPSULE_DATA } else { IO_IN_CAPSULE_DATA };
         if data.len() > limit {
             let e = FatalError {
                 fes: fes::DATA_LIMIT_EXCEEDED,
@@ -408,18 +353,9 @@ impl Conn {
             if fabrics && cmd.fctype() == fctype::CONNECT {
                 return self.on_connect(r, idx, cmd, data);
             }
-            return self.respond(
-                r,
-                idx,
-                cmd.cid,
-                Status::COMMAND_SEQUENCE_ERROR.with_dnr(),
-                0,
-            );
+            return self.respond(r, idx, cmd.cid, Status::COMMAND_SEQUENCE_ERROR.with_dnr(), 0);
         }
-        let (qid, dead) = self
-            .queue
-            .as_ref()
-            .map_or((0, false), |q| (q.qid, q.controller.is_dead()));
+        let (qid, dead) = self.queue.as_ref().map_or((0, false), |q| (q.qid, q.controller.is_dead()));
         if dead {
             // The association ended (keep-alive, admin queue gone, removal): this queue
             // must not serve another command.
@@ -433,13 +369,7 @@ impl Conn {
                     self.respond(r, idx, cmd.cid, Status::SUCCESS, 0);
                     self.phase = Phase::Draining;
                 }
-                fctype::CONNECT => self.respond(
-                    r,
-                    idx,
-                    cmd.cid,
-                    Status::COMMAND_SEQUENCE_ERROR.with_dnr(),
-                    0,
-                ),
+                fctype::CONNECT => self.respond(r, idx, cmd.cid, Status::COMMAND_SEQUENCE_ERROR.with_dnr(), 0),
                 _ => self.respond(r, idx, cmd.cid, Status::INVALID_FIELD.with_dnr(), 0),
             }
         } else {
@@ -468,9 +398,7 @@ impl Conn {
                 });
                 self.respond(r, idx, cmd.cid, Status::SUCCESS, u64::from(cntlid));
             }
-            Err(refused) => {
-                self.respond(r, idx, cmd.cid, refused.status, u64::from(refused.result))
-            }
+            Err(refused) => self.respond(r, idx, cmd.cid, refused.status, u64::from(refused.result)),
         }
     }
 
@@ -482,11 +410,7 @@ impl Conn {
                 self.aers.push(cmd.cid);
                 self.deliver_events(r, idx);
             }
-            AdminOutcome::Complete {
-                status,
-                result,
-                data,
-            } => {
+            AdminOutcome::Complete { status, result, data } => {
                 if let Some(mut d) = data {
                     // Send no more than the host's buffer holds.
                     d.truncate(cmd.dptr.length as usize);
@@ -536,10 +460,7 @@ impl Conn {
             }
         };
         let host_len = plan.host_data_len() as usize;
-        if host_len > 0
-            && cmd.dptr.id == sgl::IN_CAPSULE
-            && (cmd.dptr.address != 0 || data.len() < host_len)
-        {
+        if host_len > 0 && cmd.dptr.id == sgl::IN_CAPSULE && (cmd.dptr.address != 0 || data.len() < host_len) {
             return self.respond(r, idx, cmd.cid, Status::SGL_LENGTH_INVALID.with_dnr(), 0);
         }
         if matches!(plan, IoPlan::Read { .. }) && cmd.dptr.id != sgl::TRANSPORT {
@@ -558,7 +479,7 @@ impl Conn {
         if host_len == 0 {
             return self.start_disk(r, idx, tag);
         }
-        let mut buf = r.pool.get(host_len);
+        let mut buf = r.io_buf(host_len);
         if cmd.dptr.id == sgl::IN_CAPSULE {
             buf.as_mut_slice()[..host_len].copy_from_slice(&data[..host_len]);
             slot.buf = Some(buf);
@@ -567,45 +488,25 @@ impl Conn {
         }
         slot.buf = Some(buf);
         slot.state = SlotState::AwaitingData;
-        let h = DataHeader {
-            cccid: cmd.cid,
-            ttag: tag,
-            offset: 0,
-            length: host_len as u32,
-        };
+        let h = DataHeader { cccid: cmd.cid, ttag: tag, offset: 0, length: host_len as u32 };
         let mut item = new_item();
         item.header_len = tcp::encode_r2t(&h, self.digests, &mut item.header);
         self.pending_out.push_back(item);
     }
 
-    fn on_h2c_data(
-        &mut self,
-        r: &mut Reactor,
-        idx: u32,
-        h: DataHeader,
-        last: bool,
-        data: &[u8],
-        digest_ok: bool,
-    ) {
-        let Some(slot) = self
-            .slots
-            .get_mut(usize::from(h.ttag))
-            .filter(|s| s.state == SlotState::AwaitingData && s.cid == h.cccid)
+    fn on_h2c_data(&mut self, r: &mut Reactor, idx: u32, h: DataHeader, last: bool, data: &[u8], digest_ok: bool) {
+        let Some(slot) =
+            self.slots.get_mut(usize::from(h.ttag)).filter(|s| s.state == SlotState::AwaitingData && s.cid == h.cccid)
         else {
             return self.sequence_error(r, idx, "H2CData for no outstanding R2T");
         };
         let total = slot.plan.host_data_len();
         if h.offset != slot.received || h.offset + h.length > total {
-            let e = FatalError {
-                fes: fes::DATA_OUT_OF_RANGE,
-                fei: 0,
-                reason: "H2CData outside the R2T",
-            };
+            let e = FatalError { fes: fes::DATA_OUT_OF_RANGE, fei: 0, reason: "H2CData outside the R2T" };
             return self.fatal(r, idx, e, &[]);
         }
         if let Some(b) = slot.buf.as_mut() {
-            b.as_mut_slice()[h.offset as usize..(h.offset + h.length) as usize]
-                .copy_from_slice(data);
+            b.as_mut_slice()[h.offset as usize..(h.offset + h.length) as usize].copy_from_slice(data);
         }
         slot.received += h.length;
         if !digest_ok {
@@ -618,11 +519,8 @@ impl Conn {
                 self.finish(r, idx, h.ttag);
             }
         } else if last {
-            let e = FatalError {
-                fes: fes::DATA_OUT_OF_RANGE,
-                fei: 0,
-                reason: "last H2CData before the whole transfer",
-            };
+            let e =
+                FatalError { fes: fes::DATA_OUT_OF_RANGE, fei: 0, reason: "last H2CData before the whole transfer" };
             self.fatal(r, idx, e, &[]);
         }
     }
@@ -636,56 +534,54 @@ impl Conn {
         slot.state = SlotState::Disk;
         let ud = Op::Disk(idx, tag).encode();
         // Null namespaces have no descriptor: nothing to do on disk.
-        let mut sqes = Vec::new();
+        let mut submitted = 0;
         if let Some(fd) = fd {
             let fd = types::Fd(fd);
             match slot.plan {
                 IoPlan::Read { offset, len } => {
-                    let mut buf = r.pool.get(len as usize);
-                    let ptr = buf.as_mut_ptr();
+                    let mut buf = r.io_buf(len as usize);
+                    let sqe = match buf.registered_index() {
+                        Some(i) => opcode::ReadFixed::new(fd, buf.as_mut_ptr(), len, i).offset(offset).build(),
+                        None => opcode::Read::new(fd, buf.as_mut_ptr(), len).offset(offset).build(),
+                    };
                     slot.buf = Some(buf);
-                    sqes.push(opcode::Read::new(fd, ptr, len).offset(offset).build());
+                    r.push(sqe.user_data(ud));
+                    submitted = 1;
                 }
                 IoPlan::Write { offset, len, fua } => {
-                    let ptr = slot
-                        .buf
-                        .as_mut()
-                        .map_or(std::ptr::null_mut(), Buf::as_mut_ptr);
-                    let flags = if fua { libc::RWF_DSYNC } else { 0 };
-                    sqes.push(
-                        opcode::Write::new(fd, ptr, len)
-                            .offset(offset)
-                            .rw_flags(flags)
-                            .build(),
-                    );
+                    if let Some(buf) = slot.buf.as_mut() {
+                        let flags = if fua { libc::RWF_DSYNC } else { 0 };
+                        let sqe = match buf.registered_index() {
+                            Some(i) => opcode::WriteFixed::new(fd, buf.as_mut_ptr(), len, i)
+                                .offset(offset)
+                                .rw_flags(flags)
+                                .build(),
+                            None => {
+                                opcode::Write::new(fd, buf.as_mut_ptr(), len).offset(offset).rw_flags(flags).build()
+                            }
+                        };
+                        r.push(sqe.user_data(ud));
+                        submitted = 1;
+                    }
                 }
-                IoPlan::Flush => sqes.push(
-                    opcode::Fsync::new(fd)
-                        .flags(types::FsyncFlags::DATASYNC)
-                        .build(),
-                ),
+                IoPlan::Flush => {
+                    r.push(opcode::Fsync::new(fd).flags(types::FsyncFlags::DATASYNC).build().user_data(ud));
+                    submitted = 1;
+                }
                 IoPlan::WriteZeroes { offset, len } => {
-                    sqes.push(
-                        opcode::Fallocate::new(fd, len)
-                            .offset(offset)
-                            .mode(bdev.zero_range_mode())
-                            .build(),
-                    );
+                    let sqe = opcode::Fallocate::new(fd, len).offset(offset).mode(bdev.zero_range_mode()).build();
+                    r.push(sqe.user_data(ud));
+                    submitted = 1;
                 }
                 IoPlan::DatasetManagement { ranges, deallocate } => {
-                    let data = slot
-                        .buf
-                        .as_ref()
-                        .map_or(&[][..], |b| &b.as_slice()[..ranges as usize * 16]);
+                    let data = slot.buf.as_ref().map_or(&[][..], |b| &b.as_slice()[..ranges as usize * 16]);
                     match io::dsm_byte_ranges(&ns, data, ranges) {
                         Ok(list) if deallocate => {
                             for (off, len) in list {
-                                sqes.push(
-                                    opcode::Fallocate::new(fd, len)
-                                        .offset(off)
-                                        .mode(bdev.deallocate_mode())
-                                        .build(),
-                                );
+                                let sqe =
+                                    opcode::Fallocate::new(fd, len).offset(off).mode(bdev.deallocate_mode()).build();
+                                r.push(sqe.user_data(ud));
+                                submitted += 1;
                             }
                         }
                         Ok(_) => {}
@@ -694,13 +590,10 @@ impl Conn {
                 }
             }
         }
-        slot.disk_pending = sqes.len() as u32;
-        self.ops_in_flight += sqes.len() as u32;
-        if sqes.is_empty() {
-            return self.finish(r, idx, tag);
-        }
-        for sqe in sqes {
-            r.push(sqe.user_data(ud));
+        slot.disk_pending = submitted;
+        self.ops_in_flight += submitted;
+        if submitted == 0 {
+            self.finish(r, idx, tag);
         }
     }
 
@@ -733,12 +626,8 @@ impl Conn {
             let st = &ns.stats;
             match plan {
                 _ if !status.is_success() => st.count(&st.errors, None),
-                IoPlan::Read { len, .. } => {
-                    st.count(&st.reads, Some((&st.read_bytes, u64::from(len))))
-                }
-                IoPlan::Write { len, .. } => {
-                    st.count(&st.writes, Some((&st.write_bytes, u64::from(len))))
-                }
+                IoPlan::Read { len, .. } => st.count(&st.reads, Some((&st.read_bytes, u64::from(len)))),
+                IoPlan::Write { len, .. } => st.count(&st.writes, Some((&st.write_bytes, u64::from(len)))),
                 _ => st.count(&st.others, None),
             }
         }
@@ -770,14 +659,7 @@ impl Conn {
 
     fn respond(&mut self, r: &mut Reactor, idx: u32, cid: u16, status: Status, result: u64) {
         let (sqhd, sqid) = self.queue.as_ref().map_or((0, 0), |q| (q.sqhd, q.qid));
-        let c = Completion {
-            result: result as u32,
-            result_hi: (result >> 32) as u32,
-            sqhd,
-            sqid,
-            cid,
-            status,
-        };
+        let c = Completion { result: result as u32, result_hi: (result >> 32) as u32, sqhd, sqid, cid, status };
         let mut item = new_item();
         item.header_len = tcp::encode_capsule_resp(&c, self.digests, &mut item.header);
         self.pending_out.push_back(item);
@@ -788,12 +670,7 @@ impl Conn {
         let mut item = new_item();
         item.payload = payload;
         let len = item.payload_len();
-        let h = DataHeader {
-            cccid: cid,
-            ttag: 0,
-            offset: 0,
-            length: len as u32,
-        };
+        let h = DataHeader { cccid: cid, ttag: 0, offset: 0, length: len as u32 };
         item.header_len = tcp::encode_c2h_data(&h, true, success, self.digests, &mut item.header);
         if self.digests.data {
             item.digest = tcp::crc32c(payload_bytes(&item.payload, zeroes)).to_le_bytes();
@@ -836,10 +713,7 @@ impl Conn {
                 }
                 let rest = &part[skip..];
                 skip = 0;
-                self.iov.push(libc::iovec {
-                    iov_base: rest.as_ptr() as *mut libc::c_void,
-                    iov_len: rest.len(),
-                });
+                self.iov.push(libc::iovec { iov_base: rest.as_ptr() as *mut libc::c_void, iov_len: rest.len() });
             }
         }
         self.msg.msg_iov = self.iov.as_mut_ptr();
@@ -885,9 +759,7 @@ impl Conn {
         }
         let now = r.target.now_ms();
         match &self.queue {
-            None if timers && now.saturating_sub(self.accepted_ms) > HANDSHAKE_TIMEOUT_MS => {
-                self.begin_close(r)
-            }
+            None if timers && now.saturating_sub(self.accepted_ms) > HANDSHAKE_TIMEOUT_MS => self.begin_close(r),
             None => {}
             Some(q) => {
                 if q.qid == 0 && timers && q.controller.keep_alive_expired(now) {
@@ -904,13 +776,7 @@ impl Conn {
 }
 
 fn new_item() -> OutItem {
-    OutItem {
-        header: [0; MAX_OUT_HEADER],
-        header_len: 0,
-        payload: Payload::None,
-        digest: [0; 4],
-        digest_len: 0,
-    }
+    OutItem { header: [0; MAX_OUT_HEADER], header_len: 0, payload: Payload::None, digest: [0; 4], digest_len: 0 }
 }
 
 fn payload_bytes<'a>(p: &'a Payload, zeroes: &'a [u8]) -> &'a [u8] {

@@ -34,6 +34,9 @@ use conn::Conn;
 const TICK: Duration = Duration::from_millis(100);
 /// Submission queue entries; completions get four times as many.
 const RING_ENTRIES: u32 = 1024;
+/// Slots in the ring's registered-buffer table. Pool buffers are registered as the
+/// pool grows, so disk I/O uses fixed buffers (no page pinning per operation).
+const REGISTERED_BUFFERS: u32 = 4096;
 
 /// A message to a reactor.
 pub enum Msg {
@@ -96,9 +99,7 @@ pub fn allowed_cpus() -> Vec<usize> {
         return vec![0];
     }
     // SAFETY: CPU_ISSET reads the set filled above.
-    (0..libc::CPU_SETSIZE as usize)
-        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
-        .collect()
+    (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect()
 }
 
 fn pin_to(cpu: usize) -> std::io::Result<()> {
@@ -109,11 +110,7 @@ fn pin_to(cpu: usize) -> std::io::Result<()> {
     unsafe { libc::CPU_SET(cpu, &mut set) };
     // SAFETY: sched_setaffinity reads `set`, whose size we pass.
     let rc = unsafe { libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set) };
-    if rc != 0 {
-        Err(std::io::Error::last_os_error())
-    } else {
-        Ok(())
-    }
+    if rc != 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) }
 }
 
 /// Starts a reactor thread.
@@ -125,20 +122,19 @@ pub fn spawn(
     rx: Receiver<Msg>,
     wake: OwnedFd,
 ) -> std::io::Result<JoinHandle<()>> {
-    let ring = IoUring::builder()
-        .setup_cqsize(RING_ENTRIES * 4)
-        .build(RING_ENTRIES)?;
-    std::thread::Builder::new()
-        .name(format!("nvpool-reactor-{id}"))
-        .spawn(move || {
-            if let Some(c) = core
-                && let Err(e) = pin_to(c)
-            {
-                eprintln!("nvpool: reactor {id}: cannot pin to CPU {c}: {e}");
-            }
-            let mut r = Reactor::new(id, ring, target, links, rx, wake);
-            r.run();
-        })
+    let ring = IoUring::builder().setup_cqsize(RING_ENTRIES * 4).build(RING_ENTRIES)?;
+    std::thread::Builder::new().name(format!("nvpool-reactor-{id}")).spawn(move || {
+        if let Some(c) = core
+            && let Err(e) = pin_to(c)
+        {
+            eprintln!("nvpool: reactor {id}: cannot pin to CPU {c}: {e}");
+        }
+        let mut r = Reactor::new(id, ring, target, links, rx, wake);
+        if r.ring.submitter().register_buffers_sparse(REGISTERED_BUFFERS).is_err() {
+            r.next_registered = REGISTERED_BUFFERS;
+        }
+        r.run();
+    })
 }
 
 /// What a completion belongs to, packed into the 64-bit user data:
@@ -188,6 +184,9 @@ struct Reactor {
     /// The eventfd read lands here. Leaked on purpose: the kernel may still write it
     /// while the ring is torn down after the thread exits.
     wake_buf: &'static mut u64,
+    /// Next free slot of the registered-buffer table; `REGISTERED_BUFFERS` once the
+    /// table is full or registration is unavailable.
+    next_registered: u32,
     pool: BufPool,
     /// Zeroes sent for reads of null namespaces: no copy, and no stale data leaks.
     zeroes: Box<[u8]>,
@@ -218,6 +217,7 @@ impl Reactor {
             rx,
             wake_fd,
             wake_buf: Box::leak(Box::new(0u64)),
+            next_registered: 0,
             pool: BufPool::new(MAX_TRANSFER),
             zeroes: vec![0u8; MAX_TRANSFER].into_boxed_slice(),
             conns: Vec::new(),
@@ -228,6 +228,28 @@ impl Reactor {
             stopping: false,
             last_tick: Instant::now(),
         }
+    }
+
+    /// An I/O buffer from the pool, registered with the ring when it is new.
+    fn io_buf(&mut self, len: usize) -> crate::bufpool::Buf {
+        let mut buf = self.pool.get(len);
+        if buf.registered_index().is_none() && self.next_registered < REGISTERED_BUFFERS {
+            let iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.capacity() };
+            // SAFETY: the buffer is a heap allocation that the pool keeps for the rest of
+            // the reactor's life (it is never freed, only reused), and the ring is dropped
+            // before the pool, so the registered memory outlives its registration.
+            let rc = unsafe { self.ring.submitter().register_buffers_update(self.next_registered, &[iov], None) };
+            match rc {
+                Ok(_) => {
+                    buf.set_registered_index(self.next_registered as u16);
+                    self.next_registered += 1;
+                }
+                // Without registration (e.g. a low RLIMIT_MEMLOCK) plain reads and writes
+                // work the same, a little slower.
+                Err(_) => self.next_registered = REGISTERED_BUFFERS,
+            }
+        }
+        buf
     }
 
     /// Queues an SQE, submitting first if the submission queue is full.
@@ -246,17 +268,15 @@ impl Reactor {
 
     fn post_wake(&mut self) {
         let ptr: *mut u64 = self.wake_buf;
-        let sqe = opcode::Read::new(types::Fd(self.wake_fd.as_raw_fd()), ptr.cast(), 8)
-            .build()
-            .user_data(Op::Wake.encode());
+        let sqe =
+            opcode::Read::new(types::Fd(self.wake_fd.as_raw_fd()), ptr.cast(), 8).build().user_data(Op::Wake.encode());
         self.push(sqe);
     }
 
     fn post_accept(&mut self, port_id: u16) {
         if let Some(l) = self.listeners.get(&port_id) {
-            let sqe = opcode::AcceptMulti::new(types::Fd(l.as_raw_fd()))
-                .build()
-                .user_data(Op::Accept(port_id).encode());
+            let sqe =
+                opcode::AcceptMulti::new(types::Fd(l.as_raw_fd())).build().user_data(Op::Accept(port_id).encode());
             self.push(sqe);
         }
     }
@@ -269,31 +289,21 @@ impl Reactor {
             let args = types::SubmitArgs::new().timespec(&ts);
             match self.ring.submitter().submit_with_args(1, &args) {
                 Ok(_) => {}
-                Err(e)
-                    if matches!(
-                        e.raw_os_error(),
-                        Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)
-                    ) => {}
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)) => {}
                 Err(e) => {
                     eprintln!("nvpool: reactor {}: io_uring_enter failed: {e}", self.id);
                     std::thread::sleep(Duration::from_millis(10));
                 }
             }
             completions.clear();
-            completions.extend(
-                self.ring
-                    .completion()
-                    .map(|c| (c.user_data(), c.result(), c.flags())),
-            );
+            completions.extend(self.ring.completion().map(|c| (c.user_data(), c.result(), c.flags())));
             for &(ud, res, flags) in &completions {
                 match Op::decode(ud) {
                     Some(Op::Wake) => self.on_wake(),
                     Some(Op::Accept(port)) => self.on_accept(port, res, flags),
                     Some(Op::Recv(c)) => self.with_conn(c, |r, conn| conn.on_recv(r, c, res)),
                     Some(Op::Send(c)) => self.with_conn(c, |r, conn| conn.on_send(r, c, res)),
-                    Some(Op::Disk(c, tag)) => {
-                        self.with_conn(c, |r, conn| conn.on_disk(r, c, tag, res))
-                    }
+                    Some(Op::Disk(c, tag)) => self.with_conn(c, |r, conn| conn.on_disk(r, c, tag, res)),
                     None => {}
                 }
             }
@@ -353,9 +363,7 @@ impl Reactor {
         if self.listeners.remove(&port_id).is_some() {
             // The ring holds its own reference to the socket: cancel the armed accept
             // so the socket really closes.
-            let sqe = opcode::AsyncCancel::new(Op::Accept(port_id).encode())
-                .build()
-                .user_data(0);
+            let sqe = opcode::AsyncCancel::new(Op::Accept(port_id).encode()).build().user_data(0);
             self.push(sqe);
         }
     }
@@ -372,10 +380,7 @@ impl Reactor {
                 self.links[owner].send(Msg::Adopt(stream));
             }
         } else if res != -libc::ECANCELED {
-            eprintln!(
-                "nvpool: accept on port {port_id} failed: {}",
-                std::io::Error::from_raw_os_error(-res)
-            );
+            eprintln!("nvpool: accept on port {port_id} failed: {}", std::io::Error::from_raw_os_error(-res));
         }
         if !cqueue::more(flags) && !self.stopping {
             self.post_accept(port_id);
@@ -432,13 +437,7 @@ mod tests {
 
     #[test]
     fn user_data_round_trips() {
-        for op in [
-            Op::Accept(7),
-            Op::Recv(0xABCDE),
-            Op::Send(1),
-            Op::Disk(0xFF_FFFF, 0xFFFF),
-            Op::Wake,
-        ] {
+        for op in [Op::Accept(7), Op::Recv(0xABCDE), Op::Send(1), Op::Disk(0xFF_FFFF, 0xFFFF), Op::Wake] {
             assert_eq!(Op::decode(op.encode()), Some(op));
         }
         assert_eq!(Op::decode(0), None);

@@ -8,17 +8,16 @@ use nvpool_wire::bytes::{ascii, nul};
 use nvpool_wire::command::{Command, admin_opcode, io_opcode};
 use nvpool_wire::fabrics::fctype;
 use nvpool_wire::identify::{
-    self, IDENTIFY_SIZE, IdentifyController, IdentifyNamespace, IdentifyNvmController,
-    NsDescriptor, cns, nidt,
+    self, IDENTIFY_SIZE, IdentifyController, IdentifyNamespace, IdentifyNvmController, NsDescriptor, cns, nidt,
 };
 use nvpool_wire::log::{
-    self, AnaGroup, EFFECT_LBCC, EFFECT_NCC, EFFECT_SUPPORTED, ErrorLogEntry, FwSlotLog,
-    GetLogPage, SmartLog, ana_state, feature, lid,
+    self, AnaGroup, EFFECT_LBCC, EFFECT_NCC, EFFECT_SUPPORTED, ErrorLogEntry, FwSlotLog, GetLogPage, SmartLog,
+    ana_state, feature, lid,
 };
 
 use super::{
-    AER_LIMIT, Controller, IO_IN_CAPSULE_DATA, KEEP_ALIVE_GRANULARITY, MAX_NSID, MDTS, Namespace,
-    Target, discovery, fabrics,
+    AER_LIMIT, Controller, IO_IN_CAPSULE_DATA, KEEP_ALIVE_GRANULARITY, MAX_NSID, MDTS, Namespace, Target, discovery,
+    fabrics,
 };
 
 /// Firmware revision reported in Identify and the firmware slot log.
@@ -45,48 +44,27 @@ pub enum AdminOutcome {
 }
 
 fn done(status: Status) -> AdminOutcome {
-    AdminOutcome::Complete {
-        status,
-        result: 0,
-        data: None,
-    }
+    AdminOutcome::Complete { status, result: 0, data: None }
 }
 
 fn done_result(result: u64) -> AdminOutcome {
-    AdminOutcome::Complete {
-        status: Status::SUCCESS,
-        result,
-        data: None,
-    }
+    AdminOutcome::Complete { status: Status::SUCCESS, result, data: None }
 }
 
 fn done_data(data: Vec<u8>) -> AdminOutcome {
-    AdminOutcome::Complete {
-        status: Status::SUCCESS,
-        result: 0,
-        data: Some(data),
-    }
+    AdminOutcome::Complete { status: Status::SUCCESS, result: 0, data: Some(data) }
 }
 
 /// Handles one admin command for `ctrl`. `outstanding_aers` is how many Asynchronous
 /// Event Requests the queue already holds.
-pub fn handle(
-    target: &Target,
-    ctrl: &Controller,
-    cmd: &Command,
-    outstanding_aers: usize,
-) -> AdminOutcome {
+pub fn handle(target: &Target, ctrl: &Controller, cmd: &Command, outstanding_aers: usize) -> AdminOutcome {
     if cmd.opcode == admin_opcode::FABRICS {
         return match cmd.fctype() {
             fctype::PROPERTY_GET => match fabrics::property_get(target, ctrl, cmd) {
                 Ok(v) => done_result(v),
                 Err(s) => done(s),
             },
-            fctype::PROPERTY_SET => done(
-                fabrics::property_set(ctrl, cmd)
-                    .err()
-                    .unwrap_or(Status::SUCCESS),
-            ),
+            fctype::PROPERTY_SET => done(fabrics::property_set(ctrl, cmd).err().unwrap_or(Status::SUCCESS)),
             // A second Connect on a connected queue is out of sequence.
             fctype::CONNECT => done(Status::COMMAND_SEQUENCE_ERROR.with_dnr()),
             _ => done(Status::INVALID_OPCODE.with_dnr()),
@@ -133,9 +111,7 @@ fn identify(target: &Target, ctrl: &Controller, cmd: &Command) -> AdminOutcome {
                 return done(Status::INVALID_NAMESPACE.with_dnr());
             }
             // An inactive but valid NSID returns zeroes (NVMe Base 2.0 §5.17.2.1).
-            let data = namespaces
-                .get(&cmd.nsid)
-                .map(|ns| identify_namespace(ns).to_vec());
+            let data = namespaces.get(&cmd.nsid).map(|ns| identify_namespace(ns).to_vec());
             done_data(data.unwrap_or_else(|| vec![0; IDENTIFY_SIZE]))
         }
         cns::ACTIVE_NAMESPACES => {
@@ -151,18 +127,9 @@ fn identify(target: &Target, ctrl: &Controller, cmd: &Command) -> AdminOutcome {
                 let mut b = vec![0; IDENTIFY_SIZE];
                 identify::encode_ns_descriptors(
                     &[
-                        NsDescriptor {
-                            nidt: nidt::NGUID,
-                            nid: ns.nguid.to_vec(),
-                        },
-                        NsDescriptor {
-                            nidt: nidt::UUID,
-                            nid: ns.uuid.to_vec(),
-                        },
-                        NsDescriptor {
-                            nidt: nidt::CSI,
-                            nid: vec![identify::CSI_NVM],
-                        },
+                        NsDescriptor { nidt: nidt::NGUID, nid: ns.nguid.to_vec() },
+                        NsDescriptor { nidt: nidt::UUID, nid: ns.uuid.to_vec() },
+                        NsDescriptor { nidt: nidt::CSI, nid: vec![identify::CSI_NVM] },
                     ],
                     &mut b,
                 );
@@ -243,11 +210,7 @@ pub fn identify_namespace(ns: &Namespace) -> IdentifyNamespace {
         nlbaf: 0,
         flbas: 0,
         nmic: identify::NMIC_SHARED,
-        dlfeat: if ns.bdev.deallocated_reads_zeroes() {
-            identify::DLFEAT_READS_ZEROES
-        } else {
-            0
-        },
+        dlfeat: if ns.bdev.deallocated_reads_zeroes() { identify::DLFEAT_READS_ZEROES } else { 0 },
         anagrpid: DEFAULT_ANA_GROUP,
         nguid: ns.nguid,
         lbaf0: identify::lba_format(ns.block_size()),
@@ -266,11 +229,7 @@ fn get_log_page(target: &Target, ctrl: &Controller, cmd: &Command) -> AdminOutco
         _ if discovery => return done(Status::INVALID_LOG_PAGE.with_dnr()),
         lid::ERROR => vec![0; ErrorLogEntry::SIZE * (usize::from(ERROR_LOG_ENTRIES) + 1)],
         lid::SMART => smart_log(ctrl).to_vec(),
-        lid::FW_SLOT => FwSlotLog {
-            afi: 1,
-            frs1: ascii(FIRMWARE_REVISION),
-        }
-        .to_vec(),
+        lid::FW_SLOT => FwSlotLog { afi: 1, frs1: ascii(FIRMWARE_REVISION) }.to_vec(),
         lid::CHANGED_NS => {
             let mut b = vec![0; log::CHANGED_NS_SIZE];
             log::encode_changed_ns(&ctrl.read_changed_namespaces(g.rae), &mut b);
@@ -279,12 +238,7 @@ fn get_log_page(target: &Target, ctrl: &Controller, cmd: &Command) -> AdminOutco
         lid::COMMAND_EFFECTS => command_effects(),
         lid::ANA => {
             let nsids = ctrl.subsystem.namespaces().keys().copied().collect();
-            let group = AnaGroup {
-                grpid: DEFAULT_ANA_GROUP,
-                chgcnt: 0,
-                state: ana_state::OPTIMIZED,
-                nsids,
-            };
+            let group = AnaGroup { grpid: DEFAULT_ANA_GROUP, chgcnt: 0, state: ana_state::OPTIMIZED, nsids };
             log::encode_ana_log(0, &[group], g.lsp & 1 != 0)
         }
         _ => return done(Status::INVALID_LOG_PAGE.with_dnr()),
@@ -301,11 +255,7 @@ fn get_log_page(target: &Target, ctrl: &Controller, cmd: &Command) -> AdminOutco
 }
 
 fn smart_log(ctrl: &Controller) -> SmartLog {
-    let mut s = SmartLog {
-        available_spare: 100,
-        available_spare_threshold: 10,
-        ..SmartLog::default()
-    };
+    let mut s = SmartLog { available_spare: 100, available_spare_threshold: 10, ..SmartLog::default() };
     for ns in ctrl.subsystem.namespaces().values() {
         let st = &ns.stats;
         // Data units are thousands of 512-byte units, rounded up.
@@ -333,10 +283,7 @@ fn command_effects() -> Vec<u8> {
         (io_opcode::WRITE, EFFECT_SUPPORTED | EFFECT_LBCC),
         (io_opcode::READ, EFFECT_SUPPORTED),
         (io_opcode::WRITE_ZEROES, EFFECT_SUPPORTED | EFFECT_LBCC),
-        (
-            io_opcode::DATASET_MANAGEMENT,
-            EFFECT_SUPPORTED | EFFECT_LBCC | EFFECT_NCC,
-        ),
+        (io_opcode::DATASET_MANAGEMENT, EFFECT_SUPPORTED | EFFECT_LBCC | EFFECT_NCC),
     ];
     let mut b = vec![0; log::COMMAND_EFFECTS_SIZE];
     log::encode_command_effects(&admin, &io, &mut b);
@@ -411,16 +358,10 @@ mod tests {
             "nqn.2024-01.io.nvpool:t",
             "SN1",
             "nvpool",
-            HostPolicy {
-                allow_any: true,
-                ..Default::default()
-            },
+            HostPolicy { allow_any: true, ..Default::default() },
         )
         .unwrap();
-        s.add_namespace(
-            Namespace::new(1, Arc::new(Bdev::null(1 << 30)), 4096, [1; 16], [2; 16]).unwrap(),
-        )
-        .unwrap();
+        s.add_namespace(Namespace::new(1, Arc::new(Bdev::null(1 << 30)), 4096, [1; 16], [2; 16]).unwrap()).unwrap();
         t.add_subsystem(s.clone()).unwrap();
         let a = crate::target::controller::Association {
             subsystem: s.clone(),
@@ -435,21 +376,12 @@ mod tests {
     }
 
     fn admin(opcode: u8, nsid: u32, cdw10: u32, cdw11: u32) -> Command {
-        Command {
-            opcode,
-            nsid,
-            cdw: [cdw10, cdw11, 0, 0, 0, 0],
-            ..Command::default()
-        }
+        Command { opcode, nsid, cdw: [cdw10, cdw11, 0, 0, 0, 0], ..Command::default() }
     }
 
     fn data(o: AdminOutcome) -> Vec<u8> {
         match o {
-            AdminOutcome::Complete {
-                status,
-                data: Some(d),
-                ..
-            } if status.is_success() => d,
+            AdminOutcome::Complete { status, data: Some(d), .. } if status.is_success() => d,
             other => panic!("expected data, got {other:?}"),
         }
     }
@@ -462,32 +394,17 @@ mod tests {
     }
 
     fn enable(t: &Target, c: &Controller) {
-        let set = PropertyAccess {
-            eight_bytes: false,
-            offset: property::CC,
-            value: u64::from(cc::EN | 6 << 16 | 4 << 20),
-        };
-        assert_eq!(
-            status(handle(t, c, &set.to_command(1, true), 0)),
-            Status::SUCCESS
-        );
+        let set =
+            PropertyAccess { eight_bytes: false, offset: property::CC, value: u64::from(cc::EN | 6 << 16 | 4 << 20) };
+        assert_eq!(status(handle(t, c, &set.to_command(1, true), 0)), Status::SUCCESS);
     }
 
     #[test]
     fn commands_before_enable_are_out_of_sequence() {
         let (t, c) = setup();
-        assert_eq!(
-            status(handle(&t, &c, &admin(admin_opcode::IDENTIFY, 0, 1, 0), 0)),
-            Status::COMMAND_SEQUENCE_ERROR
-        );
+        assert_eq!(status(handle(&t, &c, &admin(admin_opcode::IDENTIFY, 0, 1, 0), 0)), Status::COMMAND_SEQUENCE_ERROR);
         enable(&t, &c);
-        let id = IdentifyController::decode(&data(handle(
-            &t,
-            &c,
-            &admin(admin_opcode::IDENTIFY, 0, 1, 0),
-            0,
-        )))
-        .unwrap();
+        let id = IdentifyController::decode(&data(handle(&t, &c, &admin(admin_opcode::IDENTIFY, 0, 1, 0), 0))).unwrap();
         assert_eq!(id.cntlid, 1);
         assert_ne!(id.kas, 0);
         assert!(id.ioccsz >= 4);
@@ -497,107 +414,35 @@ mod tests {
     fn identify_namespace_and_lists() {
         let (t, c) = setup();
         enable(&t, &c);
-        let ns = IdentifyNamespace::decode(&data(handle(
-            &t,
-            &c,
-            &admin(admin_opcode::IDENTIFY, 1, 0, 0),
-            0,
-        )))
-        .unwrap();
+        let ns = IdentifyNamespace::decode(&data(handle(&t, &c, &admin(admin_opcode::IDENTIFY, 1, 0, 0), 0))).unwrap();
         assert_eq!(ns.nsze, (1 << 30) / 4096);
         assert_eq!(identify::lba_format_block_size(ns.lbaf0), 4096);
         let inactive = data(handle(&t, &c, &admin(admin_opcode::IDENTIFY, 7, 0, 0), 0));
         assert!(inactive.iter().all(|&b| b == 0));
-        assert_eq!(
-            status(handle(&t, &c, &admin(admin_opcode::IDENTIFY, 0, 0, 0), 0)),
-            Status::INVALID_NAMESPACE
-        );
+        assert_eq!(status(handle(&t, &c, &admin(admin_opcode::IDENTIFY, 0, 0, 0), 0)), Status::INVALID_NAMESPACE);
         let list = data(handle(&t, &c, &admin(admin_opcode::IDENTIFY, 0, 2, 0), 0));
         assert_eq!(identify::decode_ns_list(&list), vec![1]);
-        let d = identify::decode_ns_descriptors(&data(handle(
-            &t,
-            &c,
-            &admin(admin_opcode::IDENTIFY, 1, 3, 0),
-            0,
-        )));
-        assert!(
-            d.iter()
-                .any(|x| x.nidt == nidt::UUID && x.nid == vec![1; 16])
-        );
-        assert_eq!(
-            status(handle(
-                &t,
-                &c,
-                &admin(admin_opcode::IDENTIFY, 0, 0x42, 0),
-                0
-            )),
-            Status::INVALID_FIELD
-        );
+        let d = identify::decode_ns_descriptors(&data(handle(&t, &c, &admin(admin_opcode::IDENTIFY, 1, 3, 0), 0)));
+        assert!(d.iter().any(|x| x.nidt == nidt::UUID && x.nid == vec![1; 16]));
+        assert_eq!(status(handle(&t, &c, &admin(admin_opcode::IDENTIFY, 0, 0x42, 0), 0)), Status::INVALID_FIELD);
     }
 
     #[test]
     fn features_and_logs() {
         let (t, c) = setup();
         enable(&t, &c);
-        let o = handle(
-            &t,
-            &c,
-            &admin(
-                admin_opcode::SET_FEATURES,
-                0,
-                feature::NUMBER_OF_QUEUES.into(),
-                0x0007_0007,
-            ),
-            0,
-        );
-        assert_eq!(
-            o,
-            AdminOutcome::Complete {
-                status: Status::SUCCESS,
-                result: 3 | 3 << 16,
-                data: None
-            }
-        );
+        let o = handle(&t, &c, &admin(admin_opcode::SET_FEATURES, 0, feature::NUMBER_OF_QUEUES.into(), 0x0007_0007), 0);
+        assert_eq!(o, AdminOutcome::Complete { status: Status::SUCCESS, result: 3 | 3 << 16, data: None });
         let mut glp = admin(admin_opcode::GET_LOG_PAGE, 0xFFFF_FFFF, 0, 0);
-        GetLogPage {
-            lid: lid::SMART,
-            lsp: 0,
-            rae: false,
-            len: 512,
-            offset: 0,
-        }
-        .apply(&mut glp);
+        GetLogPage { lid: lid::SMART, lsp: 0, rae: false, len: 512, offset: 0 }.apply(&mut glp);
         assert_eq!(data(handle(&t, &c, &glp, 0)).len(), 512);
-        GetLogPage {
-            lid: 0x42,
-            lsp: 0,
-            rae: false,
-            len: 512,
-            offset: 0,
-        }
-        .apply(&mut glp);
+        GetLogPage { lid: 0x42, lsp: 0, rae: false, len: 512, offset: 0 }.apply(&mut glp);
         assert_eq!(status(handle(&t, &c, &glp, 0)), Status::INVALID_LOG_PAGE);
+        assert_eq!(handle(&t, &c, &admin(admin_opcode::ASYNC_EVENT_REQUEST, 0, 0, 0), 0), AdminOutcome::ParkAsyncEvent);
         assert_eq!(
-            handle(
-                &t,
-                &c,
-                &admin(admin_opcode::ASYNC_EVENT_REQUEST, 0, 0, 0),
-                0
-            ),
-            AdminOutcome::ParkAsyncEvent
-        );
-        assert_eq!(
-            status(handle(
-                &t,
-                &c,
-                &admin(admin_opcode::ASYNC_EVENT_REQUEST, 0, 0, 0),
-                AER_LIMIT
-            )),
+            status(handle(&t, &c, &admin(admin_opcode::ASYNC_EVENT_REQUEST, 0, 0, 0), AER_LIMIT)),
             Status::AER_LIMIT_EXCEEDED
         );
-        assert_eq!(
-            status(handle(&t, &c, &admin(0x55, 0, 0, 0), 0)),
-            Status::INVALID_OPCODE
-        );
+        assert_eq!(status(handle(&t, &c, &admin(0x55, 0, 0, 0), 0)), Status::INVALID_OPCODE);
     }
 }

@@ -64,13 +64,7 @@ struct Events {
 impl Controller {
     /// A new controller for an association established at `now_ms`.
     pub fn new(cntlid: u16, a: Association, now_ms: u64) -> Controller {
-        let Association {
-            subsystem,
-            hostnqn,
-            hostid,
-            kato_ms,
-            max_io_queues,
-        } = a;
+        let Association { subsystem, hostnqn, hostid, kato_ms, max_io_queues } = a;
         Controller {
             cntlid,
             subsystem,
@@ -112,8 +106,7 @@ impl Controller {
     /// Restarts the Keep Alive timer.
     pub fn keep_alive(&self, now_ms: u64) {
         let kato = u64::from(self.kato_ms());
-        self.keep_alive_deadline_ms
-            .store(now_ms + kato, Ordering::Relaxed);
+        self.keep_alive_deadline_ms.store(now_ms + kato, Ordering::Relaxed);
     }
 
     /// Whether the Keep Alive timer expired at `now_ms`.
@@ -215,23 +208,13 @@ impl Controller {
         if !e.changed_namespaces.contains(&nsid) {
             e.changed_namespaces.push(nsid);
         }
-        self.post(
-            &mut e,
-            AEC_NS_ATTRIBUTE,
-            async_event::NOTICE_NS_CHANGED,
-            lid::CHANGED_NS,
-        );
+        self.post(&mut e, AEC_NS_ATTRIBUTE, async_event::NOTICE_NS_CHANGED, lid::CHANGED_NS);
     }
 
     /// Queues a Discovery Log Page Change event if enabled and not masked.
     pub fn post_discovery_change(&self) {
         let mut e = lock(&self.events);
-        self.post(
-            &mut e,
-            AEC_DISCOVERY_CHANGE,
-            async_event::NOTICE_DISCOVERY_CHANGE,
-            lid::DISCOVERY,
-        );
+        self.post(&mut e, AEC_DISCOVERY_CHANGE, async_event::NOTICE_DISCOVERY_CHANGE, lid::DISCOVERY);
     }
 
     fn post(&self, e: &mut Events, enable_bit: u32, info: u8, log_page: u8) {
@@ -239,11 +222,7 @@ impl Controller {
             return;
         }
         e.masked |= enable_bit;
-        e.pending.push_back(async_event::result(
-            async_event::TYPE_NOTICE,
-            info,
-            log_page,
-        ));
+        e.pending.push_back(async_event::result(async_event::TYPE_NOTICE, info, log_page));
     }
 
     /// Takes the next event for an outstanding Asynchronous Event Request.
@@ -282,15 +261,8 @@ mod tests {
     use crate::target::subsystem::HostPolicy;
 
     fn ctrl() -> Controller {
-        let s =
-            Subsystem::new("nqn.2024-01.io.nvpool:t", "SN", "m", HostPolicy::default()).unwrap();
-        let a = Association {
-            subsystem: s,
-            hostnqn: "nqn.h".into(),
-            hostid: [0; 16],
-            kato_ms: 5000,
-            max_io_queues: 4,
-        };
+        let s = Subsystem::new("nqn.2024-01.io.nvpool:t", "SN", "m", HostPolicy::default()).unwrap();
+        let a = Association { subsystem: s, hostnqn: "nqn.h".into(), hostid: [0; 16], kato_ms: 5000, max_io_queues: 4 };
         Controller::new(1, a, 0)
     }
 
@@ -304,11 +276,7 @@ mod tests {
         assert!(!c.set_cc(1 << 31), "reserved bits are refused");
         let bad = ctrl();
         bad.set_cc(cc::EN);
-        assert_ne!(
-            bad.csts() & csts::CFS,
-            0,
-            "wrong entry sizes are a fatal status"
-        );
+        assert_ne!(bad.csts() & csts::CFS, 0, "wrong entry sizes are a fatal status");
     }
 
     #[test]
@@ -320,10 +288,7 @@ mod tests {
         c.post_namespace_change(2);
         c.post_namespace_change(3);
         assert!(c.take_event().is_some());
-        assert!(
-            c.take_event().is_none(),
-            "a second event waits until the log is read"
-        );
+        assert!(c.take_event().is_none(), "a second event waits until the log is read");
         assert_eq!(c.read_changed_namespaces(false), vec![1, 2, 3]);
         c.post_namespace_change(4);
         assert!(c.take_event().is_some());

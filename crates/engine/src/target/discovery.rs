@@ -5,8 +5,8 @@
 use nvpool_wire::bytes::nul;
 use nvpool_wire::fabrics::DISCOVERY_NQN;
 use nvpool_wire::log::{
-    ADRFAM_IPV4, ADRFAM_IPV6, DiscoveryLogEntry, DiscoveryLogHeader, SUBTYPE_CURRENT_DISCOVERY,
-    SUBTYPE_NVME, TREQ_NOT_REQUIRED, TRTYPE_TCP,
+    ADRFAM_IPV4, ADRFAM_IPV6, DiscoveryLogEntry, DiscoveryLogHeader, SUBTYPE_CURRENT_DISCOVERY, SUBTYPE_NVME,
+    TREQ_NOT_REQUIRED, TRTYPE_TCP,
 };
 
 use super::{ADMIN_QUEUE_DEPTH, ListenerInfo, Target};
@@ -14,11 +14,7 @@ use super::{ADMIN_QUEUE_DEPTH, ListenerInfo, Target};
 fn entry(l: &ListenerInfo, subtype: u8, subnqn: &str) -> DiscoveryLogEntry {
     DiscoveryLogEntry {
         trtype: TRTYPE_TCP,
-        adrfam: if l.addr.is_ipv4() {
-            ADRFAM_IPV4
-        } else {
-            ADRFAM_IPV6
-        },
+        adrfam: if l.addr.is_ipv4() { ADRFAM_IPV4 } else { ADRFAM_IPV6 },
         subtype,
         treq: TREQ_NOT_REQUIRED,
         portid: l.port_id,
@@ -46,11 +42,7 @@ pub fn log_page(target: &Target, hostnqn: &str) -> Vec<u8> {
             entries.push(entry(l, SUBTYPE_NVME, &s.nqn));
         }
     }
-    let header = DiscoveryLogHeader {
-        genctr: target.discovery_generation(),
-        numrec: entries.len() as u64,
-        recfmt: 0,
-    };
+    let header = DiscoveryLogHeader { genctr: target.discovery_generation(), numrec: entries.len() as u64, recfmt: 0 };
     let mut page = header.to_vec();
     for e in entries {
         page.extend_from_slice(&e.to_vec());
@@ -68,28 +60,15 @@ mod tests {
     #[test]
     fn lists_only_allowed_subsystems() {
         let t = Target::new(Limits::default());
-        t.add_listener_info(ListenerInfo {
-            port_id: 1,
-            addr: "127.0.0.1".parse().unwrap(),
-            port: 4420,
-        });
+        t.add_listener_info(ListenerInfo { port_id: 1, addr: "127.0.0.1".parse().unwrap(), port: 4420 });
         let open = Subsystem::new(
             "nqn.2024-01.io.nvpool:open",
             "S1",
             "m",
-            HostPolicy {
-                allow_any: true,
-                ..Default::default()
-            },
+            HostPolicy { allow_any: true, ..Default::default() },
         )
         .unwrap();
-        let closed = Subsystem::new(
-            "nqn.2024-01.io.nvpool:closed",
-            "S2",
-            "m",
-            HostPolicy::default(),
-        )
-        .unwrap();
+        let closed = Subsystem::new("nqn.2024-01.io.nvpool:closed", "S2", "m", HostPolicy::default()).unwrap();
         t.add_subsystem(open).unwrap();
         t.add_subsystem(closed).unwrap();
         let page = log_page(&t, "nqn.someone");
@@ -97,10 +76,7 @@ mod tests {
         assert_eq!(h.numrec, 2);
         assert_eq!(page.len(), 1024 * 3);
         let e = DiscoveryLogEntry::decode(&page[2048..]).unwrap();
-        assert_eq!(
-            get_nul_padded(&e.subnqn, 0, 256),
-            "nqn.2024-01.io.nvpool:open"
-        );
+        assert_eq!(get_nul_padded(&e.subnqn, 0, 256), "nqn.2024-01.io.nvpool:open");
         assert_eq!(get_nul_padded(&e.trsvcid, 0, 32), "4420");
         assert_eq!(e.subtype, SUBTYPE_NVME);
     }

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use nvpool_wire::Status;
 use nvpool_wire::command::Command;
 use nvpool_wire::fabrics::{
-    CNTLID_DYNAMIC, CONNECT_DATA_SIZE, CONNECT_HOSTNQN_OFFSET, CONNECT_SUBNQN_OFFSET, Capabilities,
-    ConnectCommand, ConnectData, PropertyAccess, VERSION_2_0, connect_invalid_param, property,
+    CNTLID_DYNAMIC, CONNECT_DATA_SIZE, CONNECT_HOSTNQN_OFFSET, CONNECT_SUBNQN_OFFSET, Capabilities, ConnectCommand,
+    ConnectData, PropertyAccess, VERSION_2_0, connect_invalid_param, property,
 };
 
 use super::controller::Association;
@@ -39,10 +39,7 @@ pub struct Refused {
 }
 
 fn refuse(status: Status, result: u32) -> Refused {
-    Refused {
-        status: status.with_dnr(),
-        result,
-    }
+    Refused { status: status.with_dnr(), result }
 }
 
 /// Handles a Connect command with its in-capsule data.
@@ -56,42 +53,23 @@ pub fn connect(target: &Target, cmd: &Command, data: &[u8]) -> Result<Connected,
         return Err(refuse(Status::SGL_LENGTH_INVALID, 0));
     }
     let subsystem = target.subsystem(&d.subnqn).ok_or_else(|| {
-        refuse(
-            Status::CONNECT_INVALID_PARAMETERS,
-            connect_invalid_param(true, CONNECT_SUBNQN_OFFSET),
-        )
+        refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(true, CONNECT_SUBNQN_OFFSET))
     })?;
     if !subsystem.host_allowed(&d.hostnqn) {
-        return Err(refuse(
-            Status::CONNECT_INVALID_HOST,
-            connect_invalid_param(true, CONNECT_HOSTNQN_OFFSET),
-        ));
+        return Err(refuse(Status::CONNECT_INVALID_HOST, connect_invalid_param(true, CONNECT_HOSTNQN_OFFSET)));
     }
     if c.sqsize == 0 {
-        return Err(refuse(
-            Status::CONNECT_INVALID_PARAMETERS,
-            connect_invalid_param(false, SQE_SQSIZE_OFFSET),
-        ));
+        return Err(refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(false, SQE_SQSIZE_OFFSET)));
     }
     if c.qid == 0 {
         if d.cntlid != CNTLID_DYNAMIC {
-            return Err(refuse(
-                Status::CONNECT_INVALID_PARAMETERS,
-                connect_invalid_param(true, DATA_CNTLID_OFFSET),
-            ));
+            return Err(refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(true, DATA_CNTLID_OFFSET)));
         }
         if c.sqsize >= ADMIN_QUEUE_DEPTH {
-            return Err(refuse(
-                Status::CONNECT_INVALID_PARAMETERS,
-                connect_invalid_param(false, SQE_SQSIZE_OFFSET),
-            ));
+            return Err(refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(false, SQE_SQSIZE_OFFSET)));
         }
         let now = target.now_ms();
-        let max_io_queues = if subsystem.is_discovery() {
-            0
-        } else {
-            target.limits.max_io_queues
-        };
+        let max_io_queues = if subsystem.is_discovery() { 0 } else { target.limits.max_io_queues };
         let controller = target
             .register_controller(|id| {
                 let a = Association {
@@ -106,23 +84,12 @@ pub fn connect(target: &Target, cmd: &Command, data: &[u8]) -> Result<Connected,
             .ok_or_else(|| refuse(Status::CONNECT_CONTROLLER_BUSY, 0))?;
         controller.claim_queue(0);
         subsystem.attach_controller(&controller);
-        return Ok(Connected {
-            controller,
-            qid: 0,
-            sqsize: c.sqsize,
-        });
+        return Ok(Connected { controller, qid: 0, sqsize: c.sqsize });
     }
     let controller = target
         .controller(d.cntlid)
-        .filter(|ctl| {
-            !ctl.is_dead() && Arc::ptr_eq(&ctl.subsystem, &subsystem) && ctl.hostnqn == d.hostnqn
-        })
-        .ok_or_else(|| {
-            refuse(
-                Status::CONNECT_INVALID_PARAMETERS,
-                connect_invalid_param(true, DATA_CNTLID_OFFSET),
-            )
-        })?;
+        .filter(|ctl| !ctl.is_dead() && Arc::ptr_eq(&ctl.subsystem, &subsystem) && ctl.hostnqn == d.hostnqn)
+        .ok_or_else(|| refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(true, DATA_CNTLID_OFFSET)))?;
     if controller.hostid != d.hostid {
         return Err(refuse(Status::HOST_ID_INCONSISTENT, 0));
     }
@@ -130,25 +97,15 @@ pub fn connect(target: &Target, cmd: &Command, data: &[u8]) -> Result<Connected,
         return Err(refuse(Status::COMMAND_SEQUENCE_ERROR, 0));
     }
     if u32::from(c.sqsize) >= target.limits.max_queue_depth {
-        return Err(refuse(
-            Status::CONNECT_INVALID_PARAMETERS,
-            connect_invalid_param(false, SQE_SQSIZE_OFFSET),
-        ));
+        return Err(refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(false, SQE_SQSIZE_OFFSET)));
     }
     if u32::from(c.qid) > controller.io_queues_granted() {
-        return Err(refuse(
-            Status::CONNECT_INVALID_PARAMETERS,
-            connect_invalid_param(false, SQE_QID_OFFSET),
-        ));
+        return Err(refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(false, SQE_QID_OFFSET)));
     }
     if !controller.claim_queue(c.qid) {
         return Err(refuse(Status::COMMAND_SEQUENCE_ERROR, 0));
     }
-    Ok(Connected {
-        controller,
-        qid: c.qid,
-        sqsize: c.sqsize,
-    })
+    Ok(Connected { controller, qid: c.qid, sqsize: c.sqsize })
 }
 
 /// Handles Property Get: returns the 8-byte value split into CQE DW0 and DW1.

@@ -47,9 +47,7 @@ impl IoPlan {
     pub fn host_data_len(&self) -> u32 {
         match *self {
             IoPlan::Write { len, .. } => len,
-            IoPlan::DatasetManagement { ranges, .. } => {
-                ranges * nvpool_wire::command::DSM_RANGE_SIZE as u32
-            }
+            IoPlan::DatasetManagement { ranges, .. } => ranges * nvpool_wire::command::DSM_RANGE_SIZE as u32,
             _ => 0,
         }
     }
@@ -77,11 +75,7 @@ pub fn plan(ns: &Namespace, cmd: &Command) -> Result<IoPlan, Status> {
             Ok(if cmd.opcode == io_opcode::READ {
                 IoPlan::Read { offset, len }
             } else {
-                IoPlan::Write {
-                    offset,
-                    len,
-                    fua: cmd.fua(),
-                }
+                IoPlan::Write { offset, len, fua: cmd.fua() }
             })
         }
         io_opcode::FLUSH => Ok(IoPlan::Flush),
@@ -94,10 +88,7 @@ pub fn plan(ns: &Namespace, cmd: &Command) -> Result<IoPlan, Status> {
             if u64::from(cmd.dptr.length) < u64::from(ranges) * 16 {
                 return Err(Status::SGL_LENGTH_INVALID.with_dnr());
             }
-            Ok(IoPlan::DatasetManagement {
-                ranges,
-                deallocate: cmd.cdw11() & DSM_ATTR_DEALLOCATE != 0,
-            })
+            Ok(IoPlan::DatasetManagement { ranges, deallocate: cmd.cdw11() & DSM_ATTR_DEALLOCATE != 0 })
         }
         _ => Err(Status::INVALID_OPCODE.with_dnr()),
     }
@@ -105,11 +96,7 @@ pub fn plan(ns: &Namespace, cmd: &Command) -> Result<IoPlan, Status> {
 
 /// Converts Dataset Management ranges (from the command's data) into byte ranges,
 /// checking each against the namespace.
-pub fn dsm_byte_ranges(
-    ns: &Namespace,
-    data: &[u8],
-    ranges: u32,
-) -> Result<Vec<(u64, u64)>, Status> {
+pub fn dsm_byte_ranges(ns: &Namespace, data: &[u8], ranges: u32) -> Result<Vec<(u64, u64)>, Status> {
     data.chunks_exact(nvpool_wire::command::DSM_RANGE_SIZE)
         .take(ranges as usize)
         .map(nvpool_wire::command::DsmRange::decode)
@@ -133,38 +120,17 @@ mod tests {
     fn reads_and_writes_are_checked() {
         let ns = ns();
         let c = Command::read_write(io_opcode::READ, 1, 1, 8, 8, 4096);
-        assert_eq!(
-            plan(&ns, &c),
-            Ok(IoPlan::Read {
-                offset: 4096,
-                len: 4096
-            })
-        );
+        assert_eq!(plan(&ns, &c), Ok(IoPlan::Read { offset: 4096, len: 4096 }));
         let past_end = Command::read_write(io_opcode::WRITE, 1, 1, 2047, 2, 1024);
-        assert_eq!(
-            plan(&ns, &past_end).unwrap_err().base(),
-            Status::LBA_OUT_OF_RANGE
-        );
+        assert_eq!(plan(&ns, &past_end).unwrap_err().base(), Status::LBA_OUT_OF_RANGE);
         let overflow = Command::read_write(io_opcode::READ, 1, 1, u64::MAX, 2, 1024);
-        assert_eq!(
-            plan(&ns, &overflow).unwrap_err().base(),
-            Status::LBA_OUT_OF_RANGE
-        );
+        assert_eq!(plan(&ns, &overflow).unwrap_err().base(), Status::LBA_OUT_OF_RANGE);
         let too_big = Command::read_write(io_opcode::READ, 1, 1, 0, 512, 512 * 512);
-        assert_eq!(
-            plan(&ns, &too_big).unwrap_err().base(),
-            Status::INVALID_FIELD
-        );
+        assert_eq!(plan(&ns, &too_big).unwrap_err().base(), Status::INVALID_FIELD);
         let wrong_sgl = Command::read_write(io_opcode::READ, 1, 1, 0, 1, 4096);
-        assert_eq!(
-            plan(&ns, &wrong_sgl).unwrap_err().base(),
-            Status::SGL_LENGTH_INVALID
-        );
+        assert_eq!(plan(&ns, &wrong_sgl).unwrap_err().base(), Status::SGL_LENGTH_INVALID);
         let unknown = Command { opcode: 0x7E, ..c };
-        assert_eq!(
-            plan(&ns, &unknown).unwrap_err().base(),
-            Status::INVALID_OPCODE
-        );
+        assert_eq!(plan(&ns, &unknown).unwrap_err().base(), Status::INVALID_OPCODE);
     }
 
     #[test]
@@ -172,46 +138,16 @@ mod tests {
         let ns = ns();
         let c = Command {
             opcode: io_opcode::DATASET_MANAGEMENT,
-            dptr: SglDescriptor {
-                length: 32,
-                ..SglDescriptor::default()
-            },
+            dptr: SglDescriptor { length: 32, ..SglDescriptor::default() },
             cdw: [1, DSM_ATTR_DEALLOCATE, 0, 0, 0, 0],
             ..Command::default()
         };
-        assert_eq!(
-            plan(&ns, &c),
-            Ok(IoPlan::DatasetManagement {
-                ranges: 2,
-                deallocate: true
-            })
-        );
+        assert_eq!(plan(&ns, &c), Ok(IoPlan::DatasetManagement { ranges: 2, deallocate: true }));
         let mut d = [0u8; 32];
-        DsmRange {
-            attributes: 0,
-            nlb: 8,
-            slba: 0,
-        }
-        .encode(&mut d[..16]);
-        DsmRange {
-            attributes: 0,
-            nlb: 8,
-            slba: 2048,
-        }
-        .encode(&mut d[16..]);
-        assert_eq!(
-            dsm_byte_ranges(&ns, &d, 2).unwrap_err().base(),
-            Status::LBA_OUT_OF_RANGE
-        );
-        DsmRange {
-            attributes: 0,
-            nlb: 8,
-            slba: 16,
-        }
-        .encode(&mut d[16..]);
-        assert_eq!(
-            dsm_byte_ranges(&ns, &d, 2).unwrap(),
-            vec![(0, 4096), (8192, 4096)]
-        );
+        DsmRange { attributes: 0, nlb: 8, slba: 0 }.encode(&mut d[..16]);
+        DsmRange { attributes: 0, nlb: 8, slba: 2048 }.encode(&mut d[16..]);
+        assert_eq!(dsm_byte_ranges(&ns, &d, 2).unwrap_err().base(), Status::LBA_OUT_OF_RANGE);
+        DsmRange { attributes: 0, nlb: 8, slba: 16 }.encode(&mut d[16..]);
+        assert_eq!(dsm_byte_ranges(&ns, &d, 2).unwrap(), vec![(0, 4096), (8192, 4096)]);
     }
 }

@@ -78,10 +78,7 @@ impl Target {
             limits,
         });
         let d = Subsystem::discovery();
-        t.subsystems
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(d.nqn.clone(), d);
+        t.subsystems.write().unwrap_or_else(|e| e.into_inner()).insert(d.nqn.clone(), d);
         t
     }
 
@@ -104,10 +101,7 @@ impl Target {
     pub fn add_subsystem(&self, s: Arc<Subsystem>) -> Result<(), String> {
         let mut map = write(&self.subsystems);
         if map.contains_key(&s.nqn) {
-            return Err(format!(
-                "subsystem {} already exists: remove it first or pick another NQN",
-                s.nqn
-            ));
+            return Err(format!("subsystem {} already exists: remove it first or pick another NQN", s.nqn));
         }
         map.insert(s.nqn.clone(), s);
         drop(map);
@@ -127,8 +121,7 @@ impl Target {
                 None => None,
             }
         };
-        let s = removed
-            .ok_or_else(|| format!("no subsystem {nqn}: `nvpool subsystem list` shows the NQNs"))?;
+        let s = removed.ok_or_else(|| format!("no subsystem {nqn}: `nvpool subsystem list` shows the NQNs"))?;
         for c in s.controllers() {
             c.fail("subsystem removed");
         }
@@ -137,10 +130,7 @@ impl Target {
     }
 
     /// Registers a new controller for a Connect on an admin queue.
-    pub fn register_controller(
-        &self,
-        make: impl FnOnce(u16) -> Arc<Controller>,
-    ) -> Option<Arc<Controller>> {
+    pub fn register_controller(&self, make: impl FnOnce(u16) -> Arc<Controller>) -> Option<Arc<Controller>> {
         let mut map = lock(&self.controllers);
         // Controller IDs 1..=0xFFEF are valid; skip IDs still in use after wrapping.
         for _ in 0..0xFFEF {

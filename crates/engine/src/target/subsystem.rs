@@ -66,21 +66,14 @@ impl Namespace {
         nguid: [u8; 16],
     ) -> Result<Namespace, String> {
         if nsid == 0 || nsid > MAX_NSID {
-            return Err(format!(
-                "namespace ID {nsid} is out of range: use 1 to {MAX_NSID}"
-            ));
+            return Err(format!("namespace ID {nsid} is out of range: use 1 to {MAX_NSID}"));
         }
         if block_size != 512 && block_size != 4096 {
-            return Err(format!(
-                "block size {block_size} is not supported: use 512 or 4096"
-            ));
+            return Err(format!("block size {block_size} is not supported: use 512 or 4096"));
         }
         let blocks = bdev.size() / u64::from(block_size);
         if blocks == 0 {
-            return Err(format!(
-                "the backend ({} bytes) is smaller than one {block_size}-byte block",
-                bdev.size()
-            ));
+            return Err(format!("the backend ({} bytes) is smaller than one {block_size}-byte block", bdev.size()));
         }
         Ok(Namespace {
             nsid,
@@ -128,33 +121,22 @@ pub struct Subsystem {
 
 impl std::fmt::Debug for Subsystem {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Subsystem")
-            .field("nqn", &self.nqn)
-            .finish_non_exhaustive()
+        f.debug_struct("Subsystem").field("nqn", &self.nqn).finish_non_exhaustive()
     }
 }
 
 impl Subsystem {
     /// A new NVM subsystem with no namespaces.
-    pub fn new(
-        nqn: &str,
-        serial: &str,
-        model: &str,
-        hosts: HostPolicy,
-    ) -> Result<Arc<Subsystem>, String> {
+    pub fn new(nqn: &str, serial: &str, model: &str, hosts: HostPolicy) -> Result<Arc<Subsystem>, String> {
         validate_nqn(nqn)?;
         if nqn == DISCOVERY_NQN {
             return Err("the discovery NQN is reserved: pick another subsystem NQN".into());
         }
         if serial.is_empty() || serial.len() > 20 || !serial.is_ascii() {
-            return Err(format!(
-                "serial {serial:?} must be 1 to 20 ASCII characters"
-            ));
+            return Err(format!("serial {serial:?} must be 1 to 20 ASCII characters"));
         }
         if model.len() > 40 || !model.is_ascii() {
-            return Err(format!(
-                "model {model:?} must be at most 40 ASCII characters"
-            ));
+            return Err(format!("model {model:?} must be at most 40 ASCII characters"));
         }
         Ok(Arc::new(Subsystem::build(nqn, serial, model, hosts)))
     }
@@ -177,10 +159,7 @@ impl Subsystem {
             DISCOVERY_NQN,
             "nvpool-discovery",
             "nvpool discovery",
-            HostPolicy {
-                allow_any: true,
-                hosts: BTreeSet::new(),
-            },
+            HostPolicy { allow_any: true, hosts: BTreeSet::new() },
         ))
     }
 
@@ -210,10 +189,7 @@ impl Subsystem {
     /// Disallows a host; its controllers end.
     pub fn remove_host(&self, hostnqn: &str) -> Result<(), String> {
         if !write(&self.hosts).hosts.remove(hostnqn) {
-            return Err(format!(
-                "host {hostnqn} is not on the allow-list of {}",
-                self.nqn
-            ));
+            return Err(format!("host {hostnqn} is not on the allow-list of {}", self.nqn));
         }
         if !self.host_allowed(hostnqn) {
             for c in self.controllers() {
@@ -248,19 +224,10 @@ impl Subsystem {
         {
             let mut guard = write(&self.namespaces);
             if guard.contains_key(&nsid) {
-                return Err(format!(
-                    "namespace {nsid} already exists in {}: remove it first",
-                    self.nqn
-                ));
+                return Err(format!("namespace {nsid} already exists in {}: remove it first", self.nqn));
             }
-            if let Some(other) = guard
-                .values()
-                .find(|n| n.uuid == ns.uuid || n.nguid == ns.nguid)
-            {
-                return Err(format!(
-                    "namespace {} already uses that UUID or NGUID",
-                    other.nsid
-                ));
+            if let Some(other) = guard.values().find(|n| n.uuid == ns.uuid || n.nguid == ns.nguid) {
+                return Err(format!("namespace {} already uses that UUID or NGUID", other.nsid));
             }
             let mut map = (**guard).clone();
             map.insert(nsid, Arc::new(ns));
@@ -303,11 +270,7 @@ impl Subsystem {
 
     /// The live controllers.
     pub fn controllers(&self) -> Vec<Arc<Controller>> {
-        lock(&self.controllers)
-            .iter()
-            .filter_map(Weak::upgrade)
-            .filter(|c| !c.is_dead())
-            .collect()
+        lock(&self.controllers).iter().filter_map(Weak::upgrade).filter(|c| !c.is_dead()).collect()
     }
 }
 
@@ -334,8 +297,7 @@ mod tests {
 
     #[test]
     fn namespaces_are_snapshotted_and_versioned() {
-        let s =
-            Subsystem::new("nqn.2024-01.io.nvpool:t", "SN1", "m", HostPolicy::default()).unwrap();
+        let s = Subsystem::new("nqn.2024-01.io.nvpool:t", "SN1", "m", HostPolicy::default()).unwrap();
         let before = s.namespaces();
         let g = s.generation();
         s.add_namespace(ns(1, 1)).unwrap();
@@ -343,18 +305,14 @@ mod tests {
         assert_eq!(s.namespaces().len(), 1);
         assert_ne!(s.generation(), g);
         assert!(s.add_namespace(ns(1, 2)).is_err());
-        assert!(
-            s.add_namespace(ns(2, 1)).is_err(),
-            "duplicate UUID must be refused"
-        );
+        assert!(s.add_namespace(ns(2, 1)).is_err(), "duplicate UUID must be refused");
         s.remove_namespace(1).unwrap();
         assert!(s.remove_namespace(1).is_err());
     }
 
     #[test]
     fn host_policy_is_enforced() {
-        let s =
-            Subsystem::new("nqn.2024-01.io.nvpool:t", "SN1", "m", HostPolicy::default()).unwrap();
+        let s = Subsystem::new("nqn.2024-01.io.nvpool:t", "SN1", "m", HostPolicy::default()).unwrap();
         assert!(!s.host_allowed("nqn.h1"));
         s.add_host("nqn.h1").unwrap();
         assert!(s.host_allowed("nqn.h1"));
@@ -365,11 +323,7 @@ mod tests {
 
     #[test]
     fn bad_names_are_refused_with_a_reason() {
-        assert!(
-            Subsystem::new("bad nqn", "S", "m", HostPolicy::default())
-                .unwrap_err()
-                .contains("nqn.")
-        );
+        assert!(Subsystem::new("bad nqn", "S", "m", HostPolicy::default()).unwrap_err().contains("nqn."));
         assert!(Subsystem::new(DISCOVERY_NQN, "S", "m", HostPolicy::default()).is_err());
         assert!(Namespace::new(0, Arc::new(Bdev::null(4096)), 512, [0; 16], [0; 16]).is_err());
         assert!(Namespace::new(1, Arc::new(Bdev::null(4096)), 1024, [0; 16], [0; 16]).is_err());
