@@ -136,6 +136,7 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value, String> {
         "engine_info" => Ok(json!({
             "version": env!("CARGO_PKG_VERSION"),
             "controllers": engine.target().controller_count(),
+            "connections": engine.target().connection_count(),
             "listeners": engine.listeners(),
         })),
         "subsystem_list" => Ok(json!(engine.subsystems())),

@@ -315,6 +315,32 @@ fn malformed_pdus_end_only_their_connection() {
     // The healthy connection is untouched.
     let back = io[0].read(1, 0, 8, 512).unwrap();
     assert_eq!(back, pattern(3, 4096));
+    // Every hostile connection was closed and released: only the admin and I/O queue
+    // remain.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while t.engine.target().connection_count() != 2 {
+        assert!(Instant::now() < deadline, "{} connections still open", t.engine.target().connection_count());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn many_short_lived_hosts_leave_nothing_behind() {
+    let t = start("memory:16MiB");
+    for round in 0..50 {
+        let (_admin, mut io) = controller(t.addr, &admin_opts(), 2);
+        io[round % 2].write(1, round as u64 * 8, &pattern(round as u64, 4096), 512, IN_CAPSULE).unwrap();
+        if round % 3 == 0 {
+            // Leave with a command in flight.
+            let cid = io[0].alloc_cid();
+            io[0].submit(Command::read_write(io_opcode::READ, cid, 1, 0, 256, 131072), &[], false).unwrap();
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while t.engine.target().connection_count() > 0 || t.engine.target().controller_count() > 0 {
+        assert!(Instant::now() < deadline, "connections or controllers left behind");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 #[test]
@@ -480,4 +506,3 @@ fn management_api_reports_and_refuses_clearly() {
     assert_eq!(st["writes"], 1);
     assert_eq!(st["read_bytes"], 4096);
 }
-

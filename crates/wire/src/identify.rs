@@ -236,6 +236,25 @@ layout! {
     }
 }
 
+layout! {
+    /// I/O Command Set specific Identify Namespace for the NVM command set (NVM Command
+    /// Set 1.0 Figure 99): protection and extended LBA formats.
+    pub struct IdentifyNvmNamespace[4096] {
+        /// Logical block storage tag mask.
+        lbstm: u64 = 0,
+        /// Protection information capabilities.
+        pic: u8 = 8,
+        /// Extended LBA format 0.
+        elbaf0: u32 = 12,
+    }
+}
+
+// Every Identify data structure is exactly 4 KiB (NVMe Base 2.0 §5.17.2).
+const _: () = assert!(IdentifyController::SIZE == IDENTIFY_SIZE);
+const _: () = assert!(IdentifyNamespace::SIZE == IDENTIFY_SIZE);
+const _: () = assert!(IdentifyNvmController::SIZE == IDENTIFY_SIZE);
+const _: () = assert!(IdentifyNvmNamespace::SIZE == IDENTIFY_SIZE);
+
 /// Namespace Identifier Types of the descriptor list (NVMe Base 2.0 Figure 278).
 pub mod nidt {
     /// IEEE extended unique identifier, 8 bytes.
@@ -328,6 +347,12 @@ mod tests {
         fn nvm_controller_round_trips(raw in proptest::collection::vec(any::<u8>(), 4096)) {
             let id = IdentifyNvmController::decode(&raw).unwrap();
             prop_assert_eq!(IdentifyNvmController::decode(&id.to_vec()).unwrap(), id);
+        }
+
+        #[test]
+        fn nvm_namespace_round_trips(raw in proptest::collection::vec(any::<u8>(), 4096)) {
+            let id = IdentifyNvmNamespace::decode(&raw).unwrap();
+            prop_assert_eq!(IdentifyNvmNamespace::decode(&id.to_vec()).unwrap(), id);
         }
 
         #[test]

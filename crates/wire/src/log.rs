@@ -1,7 +1,7 @@
 //! Log pages (NVMe Base 2.0 §5.16), asynchronous event results (§5.2) and the
 //! discovery log (NVMe-oF 1.1 §5.3).
 
-use crate::bytes::{layout, put_u16, put_u32, put_u64};
+use crate::bytes::{get_u16, get_u32, get_u64, layout, put_u16, put_u32, put_u64};
 use crate::command::Command;
 
 /// Log page identifiers nvpool serves.
@@ -149,6 +149,24 @@ pub fn encode_command_effects(admin: &[(u8, u32)], io: &[(u8, u32)], b: &mut [u8
     }
 }
 
+/// The supported commands of a Commands Supported and Effects log page, as (opcode,
+/// effects) pairs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CommandEffects {
+    /// Admin commands.
+    pub admin: Vec<(u8, u32)>,
+    /// I/O commands.
+    pub io: Vec<(u8, u32)>,
+}
+
+/// Decodes a Commands Supported and Effects log page.
+pub fn decode_command_effects(b: &[u8]) -> CommandEffects {
+    let table = |base: usize| -> Vec<(u8, u32)> {
+        (0..=255u8).map(|op| (op, get_u32(b, base + usize::from(op) * 4))).filter(|&(_, e)| e != 0).collect()
+    };
+    CommandEffects { admin: table(0), io: table(1024) }
+}
+
 /// Size of the Changed Namespace List log page.
 pub const CHANGED_NS_SIZE: usize = 4096;
 
@@ -163,6 +181,11 @@ pub fn encode_changed_ns(nsids: &[u32], b: &mut [u8]) {
     for (i, id) in nsids.iter().enumerate() {
         put_u32(b, i * 4, *id);
     }
+}
+
+/// Decodes a Changed Namespace List (the NSIDs before the first zero).
+pub fn decode_changed_ns(b: &[u8]) -> Vec<u32> {
+    b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).take_while(|&id| id != 0).collect()
 }
 
 /// ANA states (NVMe Base 2.0 §8.1.3).
@@ -211,6 +234,35 @@ pub fn encode_ana_log(chgcnt: u64, groups: &[AnaGroup], groups_only: bool) -> Ve
         }
     }
     b
+}
+
+/// Decodes an ANA log page into its change count and groups; `None` if the page is
+/// shorter than its own header and descriptors say.
+pub fn decode_ana_log(b: &[u8]) -> Option<(u64, Vec<AnaGroup>)> {
+    if b.len() < 16 {
+        return None;
+    }
+    let n = usize::from(get_u16(b, 8));
+    let mut off = 16;
+    let mut groups = Vec::with_capacity(n.min(1024));
+    for _ in 0..n {
+        if b.len() < off + 32 {
+            return None;
+        }
+        let count = get_u32(b, off + 4) as usize;
+        let end = off.checked_add(32)?.checked_add(count.checked_mul(4)?)?;
+        if b.len() < end {
+            return None;
+        }
+        groups.push(AnaGroup {
+            grpid: get_u32(b, off),
+            chgcnt: get_u64(b, off + 8),
+            state: b[off + 16],
+            nsids: (0..count).map(|i| get_u32(b, off + 32 + 4 * i)).collect(),
+        });
+        off = end;
+    }
+    Some((get_u64(b, 0), groups))
 }
 
 /// Asynchronous event types and information (NVMe Base 2.0 Figure 146-151).
@@ -292,6 +344,13 @@ layout! {
     }
 }
 
+// Fixed log page layouts (NVMe Base 2.0 §5.16.1, NVMe-oF 1.1 §5.3).
+const _: () = assert!(ErrorLogEntry::SIZE == 64);
+const _: () = assert!(SmartLog::SIZE == 512);
+const _: () = assert!(FwSlotLog::SIZE == 512);
+const _: () = assert!(DiscoveryLogHeader::SIZE == 1024);
+const _: () = assert!(DiscoveryLogEntry::SIZE == 1024);
+
 /// Transport type: TCP.
 pub const TRTYPE_TCP: u8 = 3;
 /// Address family: IPv4.
@@ -330,6 +389,37 @@ mod tests {
         fn smart_round_trips(raw in proptest::collection::vec(any::<u8>(), 512)) {
             let e = SmartLog::decode(&raw).unwrap();
             prop_assert_eq!(SmartLog::decode(&e.to_vec()).unwrap(), e);
+        }
+
+        #[test]
+        fn ana_log_round_trips(chgcnt: u64, groups in proptest::collection::vec(
+            (1u32.., any::<u64>(), 1u8..16, proptest::collection::vec(1u32.., 0..20)), 0..8)) {
+            let groups: Vec<AnaGroup> = groups.into_iter()
+                .map(|(grpid, chgcnt, state, nsids)| AnaGroup { grpid, chgcnt, state, nsids }).collect();
+            let page = encode_ana_log(chgcnt, &groups, false);
+            prop_assert_eq!(decode_ana_log(&page), Some((chgcnt, groups)));
+        }
+
+        #[test]
+        fn ana_log_decoder_never_panics(raw in proptest::collection::vec(any::<u8>(), 0..600)) {
+            let _ = decode_ana_log(&raw);
+        }
+
+        #[test]
+        fn changed_ns_round_trips(ids in proptest::collection::vec(1u32.., 0..1024)) {
+            let mut b = [0u8; CHANGED_NS_SIZE];
+            encode_changed_ns(&ids, &mut b);
+            prop_assert_eq!(decode_changed_ns(&b), ids);
+        }
+
+        #[test]
+        fn command_effects_round_trip(admin in proptest::collection::btree_map(any::<u8>(), 1u32.., 0..40),
+                                      io in proptest::collection::btree_map(any::<u8>(), 1u32.., 0..40)) {
+            let admin: Vec<(u8, u32)> = admin.into_iter().collect();
+            let io: Vec<(u8, u32)> = io.into_iter().collect();
+            let mut b = [0u8; COMMAND_EFFECTS_SIZE];
+            encode_command_effects(&admin, &io, &mut b);
+            prop_assert_eq!(decode_command_effects(&b), CommandEffects { admin, io });
         }
 
         #[test]

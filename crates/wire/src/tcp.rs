@@ -62,6 +62,9 @@ pub const DIGEST_SIZE: usize = 4;
 /// The smallest MAXH2CDATA a controller may advertise.
 pub const MIN_MAXH2CDATA: u32 = 4096;
 
+// PDU header sizes fixed by NVMe/TCP 1.0 §3.6.
+const _: () = assert!(CAPSULE_CMD_HLEN == 72 && CAPSULE_RESP_HLEN == 24 && IC_SIZE == 128);
+
 /// Fatal Error Status values of termination requests (NVMe/TCP 1.0 Figure 33).
 pub mod fes {
     /// Invalid PDU header field.

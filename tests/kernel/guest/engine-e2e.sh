@@ -54,6 +54,15 @@ grep -q "err= 0" fio-verify.txt || fail "fio reported errors"
 grep -qi "verify.*fail\|crc32c.*bad" fio-verify.txt && fail "verification failure"
 disconnect
 
+step "nvme connect --disable-sqflow (reads complete with C2HData SUCCESS), fio verify"
+connect --disable-sqflow
+fio --name=sqflow --filename=$D --direct=1 --ioengine=io_uring --rw=randwrite --bs=4k --iodepth=16 \
+    --size=16m --offset=256m --verify=crc32c --do_verify=1 --verify_fatal=1 --output=fio-sqflow.txt \
+    || fail "fio verify without SQ flow control"
+grep -E "err=|read:|write:" fio-sqflow.txt
+grep -q "err= 0" fio-sqflow.txt || fail "fio reported errors"
+disconnect
+
 step "mkfs.ext4, files, checksums across disconnect and reconnect"
 connect
 mkfs.ext4 -q -F $D || fail mkfs

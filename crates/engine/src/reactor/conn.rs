@@ -196,7 +196,7 @@ impl Conn {
 
     /// Shuts the socket down; outstanding operations complete with errors, after which
     /// the connection is freed.
-    pub(super) fn begin_close(&mut self, _r: &mut Reactor) {
+    pub(super) fn begin_close(&mut self) {
         if self.phase != Phase::Closed {
             self.phase = Phase::Closed;
             let _ = self.socket.shutdown(Shutdown::Both);
@@ -253,7 +253,7 @@ impl Conn {
         self.recv_posted = false;
         if res <= 0 {
             // 0: the host closed; negative: the socket failed or was shut down.
-            self.begin_close(r);
+            self.begin_close();
             return;
         }
         self.recv_end += res as usize;
@@ -321,7 +321,7 @@ impl Conn {
             (_, Pdu::IcReq(_)) => self.sequence_error(r, idx, "second ICReq"),
             (_, Pdu::CapsuleCmd { command, data }) => self.on_command(r, idx, &command, data, digest_ok),
             (_, Pdu::H2CData { header, last, data }) => self.on_h2c_data(r, idx, header, last, data, digest_ok),
-            (_, Pdu::TermReq { from_controller: false, .. }) => self.begin_close(r),
+            (_, Pdu::TermReq { from_controller: false, .. }) => self.begin_close(),
             (_, _) => {
                 let e = FatalError { fes: fes::INVALID_HEADER_FIELD, fei: 0, reason: "PDU type not valid from a host" };
                 self.fatal(r, idx, e, &[]);
@@ -359,7 +359,7 @@ impl Conn {
         if dead {
             // The association ended (keep-alive, admin queue gone, removal): this queue
             // must not serve another command.
-            return self.begin_close(r);
+            return self.begin_close();
         }
         if qid == 0 {
             self.on_admin(r, idx, cmd);
@@ -686,7 +686,7 @@ impl Conn {
         if self.inflight_out.is_empty() {
             if self.pending_out.is_empty() {
                 if self.phase == Phase::Draining {
-                    self.begin_close(r);
+                    self.begin_close();
                 }
                 return;
             }
@@ -731,7 +731,7 @@ impl Conn {
         self.ops_in_flight -= 1;
         self.send_posted = false;
         if res < 0 {
-            self.begin_close(r);
+            self.begin_close();
             return;
         }
         self.inflight_sent += res as usize;
@@ -759,14 +759,14 @@ impl Conn {
         }
         let now = r.target.now_ms();
         match &self.queue {
-            None if timers && now.saturating_sub(self.accepted_ms) > HANDSHAKE_TIMEOUT_MS => self.begin_close(r),
+            None if timers && now.saturating_sub(self.accepted_ms) > HANDSHAKE_TIMEOUT_MS => self.begin_close(),
             None => {}
             Some(q) => {
                 if q.qid == 0 && timers && q.controller.keep_alive_expired(now) {
                     q.controller.fail("keep alive timeout");
                 }
                 if q.controller.is_dead() {
-                    self.begin_close(r);
+                    self.begin_close();
                 } else if q.qid == 0 {
                     self.deliver_events(r, idx);
                 }

@@ -349,7 +349,7 @@ impl Reactor {
                         self.unlisten(p);
                     }
                     for c in 0..self.conns.len() as u32 {
-                        self.with_conn(c, |r, conn| conn.begin_close(r));
+                        self.with_conn(c, |_, conn| conn.begin_close());
                     }
                 }
             }
@@ -398,6 +398,7 @@ impl Reactor {
             (self.conns.len() - 1) as u32
         });
         let conn = Box::new(Conn::new(stream, self.target.now_ms()));
+        self.target.connection_opened();
         self.conns[idx as usize] = Some(conn);
         self.with_conn(idx, |r, conn| conn.post_recv(r, idx));
     }
@@ -405,6 +406,7 @@ impl Reactor {
     fn free_conn(&mut self, idx: u32, mut conn: Box<Conn>) {
         conn.release(&self.target, &mut self.pool);
         drop(conn);
+        self.target.connection_closed();
         self.free_conns.push(idx);
     }
 

@@ -142,7 +142,8 @@ fn identify(target: &Target, ctrl: &Controller, cmd: &Command) -> AdminOutcome {
             done_data(IdentifyNvmController::default().to_vec())
         }
         cns::CSI_NAMESPACE if csi == identify::CSI_NVM => match namespaces.get(&cmd.nsid) {
-            Some(_) => done_data(vec![0; IDENTIFY_SIZE]),
+            // No protection information and no extended LBA formats.
+            Some(_) => done_data(identify::IdentifyNvmNamespace::default().to_vec()),
             None => done(Status::INVALID_NAMESPACE.with_dnr()),
         },
         _ => done(Status::INVALID_FIELD.with_dnr()),

@@ -87,9 +87,14 @@ impl Controller {
         self.dead.load(Ordering::Acquire)
     }
 
-    /// Ends the association.
-    pub fn fail(&self, _why: &str) {
-        self.dead.store(true, Ordering::Release);
+    /// Ends the association; the first reason is logged.
+    pub fn fail(&self, why: &str) {
+        if !self.dead.swap(true, Ordering::AcqRel) {
+            eprintln!(
+                "nvpool: controller {} of {} for host {} ended: {why}",
+                self.cntlid, self.subsystem.nqn, self.hostnqn
+            );
+        }
     }
 
     /// Keep Alive Timeout in milliseconds; 0 disables the timer.

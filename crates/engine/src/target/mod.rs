@@ -11,7 +11,7 @@ pub mod io;
 pub mod subsystem;
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
@@ -49,6 +49,7 @@ pub struct Target {
     next_cntlid: AtomicU16,
     listeners: RwLock<Vec<ListenerInfo>>,
     discovery_generation: AtomicU64,
+    connections: AtomicUsize,
     started: Instant,
     /// Limits from the configuration.
     pub limits: Limits,
@@ -74,6 +75,7 @@ impl Target {
             next_cntlid: AtomicU16::new(1),
             listeners: RwLock::new(Vec::new()),
             discovery_generation: AtomicU64::new(1),
+            connections: AtomicUsize::new(0),
             started: Instant::now(),
             limits,
         });
@@ -158,6 +160,21 @@ impl Target {
     /// Number of live controllers.
     pub fn controller_count(&self) -> usize {
         lock(&self.controllers).len()
+    }
+
+    /// Counts a TCP connection the reactors took on.
+    pub fn connection_opened(&self) {
+        self.connections.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a connection whose resources were all released.
+    pub fn connection_closed(&self) {
+        self.connections.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Connections open now, in any state.
+    pub fn connection_count(&self) -> usize {
+        self.connections.load(Ordering::Relaxed)
     }
 
     /// Records a listener for the discovery log.
