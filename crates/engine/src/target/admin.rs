@@ -91,8 +91,8 @@ pub fn handle(target: &Target, ctrl: &Controller, cmd: &Command, outstanding_aer
         }
         admin_opcode::SET_FEATURES => set_features(target, ctrl, cmd),
         admin_opcode::GET_FEATURES => get_features(ctrl, cmd),
-        // Commands complete as soon as they arrive, so there is never one to abort:
-        // DW0 bit 0 set says "not aborted" (NVMe Base 2.0 §5.1).
+        // Abort is best effort (NVMe Base 2.0 §5.1): like Linux nvmet, nvpool lets every
+        // command run to completion and answers "not aborted" (DW0 bit 0 set).
         admin_opcode::ABORT if !discovery => done_result(1),
         _ => done(Status::INVALID_OPCODE.with_dnr()),
     }
