@@ -192,6 +192,12 @@ impl Queue {
         Ok(q)
     }
 
+    /// Gives up the queue's socket once connected, for a caller that drives I/O itself
+    /// (nothing is left unread after Connect).
+    pub fn into_stream(self) -> (TcpStream, Digests) {
+        (self.stream, self.digests)
+    }
+
     /// The socket, for tests that misbehave on purpose.
     pub fn stream(&mut self) -> &mut TcpStream {
         &mut self.stream

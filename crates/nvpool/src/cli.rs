@@ -54,6 +54,87 @@ enum Command {
         #[command(flatten)]
         api: Api,
     },
+    /// Drive an NVMe/TCP target with I/O and report IOPS, bandwidth and latency.
+    Bench(BenchArgs),
+    /// Run the protocol-minimal NVMe/TCP responder (the machine's limit for benchmarks).
+    Responder(ResponderArgs),
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// Target address, IP:PORT.
+    #[arg(long)]
+    target: SocketAddr,
+    /// Subsystem NQN.
+    #[arg(long)]
+    nqn: String,
+    /// Host NQN to present.
+    #[arg(long, default_value = "nqn.2024-01.io.nvpool:bench")]
+    hostnqn: String,
+    /// Namespace ID.
+    #[arg(long, default_value_t = 1)]
+    nsid: u32,
+    /// randread, randwrite, read, write or randrw.
+    #[arg(long, default_value = "randread")]
+    workload: nvpool_bench::load::Workload,
+    /// Percent reads for randrw.
+    #[arg(long, default_value_t = 70)]
+    rwmixread: u8,
+    /// I/O size (512 B to 1 MiB; the target's MDTS applies), e.g. 4k or 128KiB.
+    #[arg(long, default_value = "4k", value_parser = parse_io_size)]
+    bs: u32,
+    /// Commands in flight per connection.
+    #[arg(long, default_value_t = 32)]
+    qd: u32,
+    /// I/O queues, one TCP connection each.
+    #[arg(long, default_value_t = 1)]
+    connections: u32,
+    /// Measured seconds.
+    #[arg(long, default_value_t = 10.0)]
+    duration: f64,
+    /// Seconds run before measuring.
+    #[arg(long, default_value_t = 2.0)]
+    warmup: f64,
+    /// CPU to pin the generator to.
+    #[arg(long)]
+    core: Option<usize>,
+    /// Stamp written blocks and check every block read back.
+    #[arg(long)]
+    verify: bool,
+    /// Header and data digests.
+    #[arg(long)]
+    digests: bool,
+    /// Use only the first SIZE bytes of the namespace.
+    #[arg(long, value_parser = parse_span)]
+    span: Option<u64>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct ResponderArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:4420")]
+    listen: SocketAddr,
+    /// CPU to pin the responder to.
+    #[arg(long)]
+    core: Option<usize>,
+    /// Block size of the namespace it pretends to serve.
+    #[arg(long, default_value_t = 512)]
+    block_size: u32,
+}
+
+fn parse_io_size(s: &str) -> Result<u32, String> {
+    let v = nvpool_engine::config::parse_size(s)?;
+    if !(512..=1 << 20).contains(&v) {
+        return Err(format!("{s}: the I/O size must be 512 B to 1 MiB"));
+    }
+    Ok(v as u32)
+}
+
+fn parse_span(s: &str) -> Result<u64, String> {
+    nvpool_engine::config::parse_size(s)
 }
 
 #[derive(Args)]
@@ -253,7 +334,90 @@ pub fn run(cli: Cli) -> Result<(), String> {
             }
         },
         Command::Stats { api } => show(&api, "subsystem_list", json!({}), stats_table),
+        Command::Bench(a) => run_bench(a),
+        Command::Responder(a) => run_responder(a),
     }
+}
+
+fn pin(core: Option<usize>) -> Result<(), String> {
+    match core {
+        Some(c) => nvpool_engine::reactor::pin_current_thread(c).map_err(|e| format!("cannot pin to CPU {c}: {e}")),
+        None => Ok(()),
+    }
+}
+
+fn run_bench(a: BenchArgs) -> Result<(), String> {
+    pin(a.core)?;
+    let o = nvpool_bench::load::Options {
+        target: a.target,
+        nqn: a.nqn,
+        hostnqn: a.hostnqn,
+        nsid: a.nsid,
+        workload: a.workload,
+        rwmixread: a.rwmixread,
+        io_size: a.bs,
+        queue_depth: a.qd,
+        connections: a.connections,
+        duration: std::time::Duration::from_secs_f64(a.duration),
+        warmup: std::time::Duration::from_secs_f64(a.warmup),
+        verify: a.verify,
+        digests: nvpool_wire::tcp::Digests { header: a.digests, data: a.digests },
+        span: a.span,
+    };
+    let r = nvpool_bench::load::run(&o)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r).unwrap_or_default());
+    } else {
+        let rows = vec![
+            [
+                "WORKLOAD",
+                "BS",
+                "QD",
+                "CONNS",
+                "IOPS",
+                "MiB/s",
+                "MEAN us",
+                "P50 us",
+                "P99 us",
+                "P99.9 us",
+                "MAX us",
+                "ERRORS",
+                "VERIFY FAIL",
+            ]
+            .map(String::from)
+            .to_vec(),
+            vec![
+                format!("{:?}", r.workload).to_lowercase(),
+                human(u64::from(r.io_size)),
+                r.queue_depth.to_string(),
+                r.connections.to_string(),
+                format!("{:.0}", r.iops),
+                format!("{:.1}", r.mib_per_s),
+                format!("{:.1}", r.latency.mean_us),
+                format!("{:.1}", r.latency.p50_us),
+                format!("{:.1}", r.latency.p99_us),
+                format!("{:.1}", r.latency.p999_us),
+                format!("{:.1}", r.latency.max_us),
+                r.errors.to_string(),
+                r.verify_failures.to_string(),
+            ],
+        ];
+        println!("{}", render(&rows));
+    }
+    if r.errors > 0 || r.verify_failures > 0 {
+        return Err(format!("{} I/O errors and {} verify failures", r.errors, r.verify_failures));
+    }
+    Ok(())
+}
+
+fn run_responder(a: ResponderArgs) -> Result<(), String> {
+    pin(a.core)?;
+    let o = nvpool_bench::responder::ResponderOptions { block_size: a.block_size, size: 1 << 40 };
+    let r = nvpool_bench::responder::Responder::bind(a.listen, &o)?;
+    println!("nvpool responder on {} (namespace 1: 1 TiB of {}-byte blocks)", r.local_addr(), a.block_size);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    r.run(&stop);
+    Ok(())
 }
 
 fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {

@@ -102,7 +102,8 @@ pub fn allowed_cpus() -> Vec<usize> {
     (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect()
 }
 
-fn pin_to(cpu: usize) -> std::io::Result<()> {
+/// Pins the calling thread to one CPU.
+pub fn pin_current_thread(cpu: usize) -> std::io::Result<()> {
     // SAFETY: as above, a zeroed cpu_set_t is empty; CPU_SET writes inside it.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     // SAFETY: `set` is a valid cpu_set_t and cpu < CPU_SETSIZE is checked by the caller's
@@ -125,7 +126,7 @@ pub fn spawn(
     let ring = IoUring::builder().setup_cqsize(RING_ENTRIES * 4).build(RING_ENTRIES)?;
     std::thread::Builder::new().name(format!("nvpool-reactor-{id}")).spawn(move || {
         if let Some(c) = core
-            && let Err(e) = pin_to(c)
+            && let Err(e) = pin_current_thread(c)
         {
             eprintln!("nvpool: reactor {id}: cannot pin to CPU {c}: {e}");
         }

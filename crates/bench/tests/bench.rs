@@ -1,0 +1,100 @@
+//! The load generator against the minimal responder and against the engine.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use nvpool_bench::load::{Options, Workload, run};
+use nvpool_bench::responder::{Responder, ResponderOptions};
+use nvpool_engine::Engine;
+use nvpool_engine::config::{EngineConfig, ListenerConfig, NamespaceConfig, SubsystemConfig};
+use nvpool_wire::tcp::Digests;
+
+fn options(target: std::net::SocketAddr, nqn: &str, workload: Workload, io_size: u32, verify: bool) -> Options {
+    Options {
+        target,
+        nqn: nqn.into(),
+        hostnqn: "nqn.2024-01.io.nvpool:bench-test".into(),
+        nsid: 1,
+        workload,
+        rwmixread: 50,
+        io_size,
+        queue_depth: 16,
+        connections: 2,
+        duration: Duration::from_millis(400),
+        warmup: Duration::from_millis(100),
+        verify,
+        digests: Digests::default(),
+        span: Some(8 << 20),
+    }
+}
+
+#[test]
+fn drives_the_minimal_responder() {
+    let r = Arc::new(
+        Responder::bind("127.0.0.1:0".parse().unwrap(), &ResponderOptions { block_size: 512, size: 1 << 30 }).unwrap(),
+    );
+    let addr = r.local_addr();
+    let stop = Arc::new(AtomicBool::new(false));
+    let server = {
+        let (r, stop) = (r.clone(), stop.clone());
+        std::thread::spawn(move || r.run(&stop))
+    };
+    for (workload, bs) in [
+        (Workload::RandRead, 4096),
+        (Workload::RandWrite, 4096),
+        (Workload::RandWrite, 65536),
+        (Workload::Read, 131072),
+    ] {
+        let rep = run(&options(addr, "nqn.any", workload, bs, false)).unwrap();
+        assert!(rep.ios > 0 && rep.errors == 0, "{workload:?} {bs}: {rep:?}");
+        assert!(rep.latency.p50_us > 0.0 && rep.latency.p99_us >= rep.latency.p50_us);
+    }
+    stop.store(true, Ordering::Relaxed);
+    server.join().unwrap();
+}
+
+#[test]
+fn verifies_data_through_the_engine() {
+    let nqn = "nqn.2024-01.io.nvpool:bench";
+    let cfg = EngineConfig {
+        reactors: Some(2),
+        listeners: vec![ListenerConfig { address: "127.0.0.1:0".parse().unwrap() }],
+        subsystems: vec![SubsystemConfig {
+            nqn: nqn.into(),
+            serial: None,
+            model: "nvpool".into(),
+            allow_any_host: true,
+            hosts: vec![],
+            namespaces: vec![NamespaceConfig {
+                nsid: None,
+                backend: "memory:16MiB".into(),
+                block_size: 4096,
+                uuid: None,
+            }],
+        }],
+        ..EngineConfig::default()
+    };
+    let engine = Engine::start(&cfg).unwrap();
+    let l = &engine.listeners()[0];
+    let addr = std::net::SocketAddr::new(l.addr, l.port);
+    // Sequential writes stamp every block, then random reads and a mixed load check
+    // every block they read, with and without digests, in-capsule and through R2T.
+    let mut o = options(addr, nqn, Workload::Write, 65536, true);
+    o.duration = Duration::from_millis(800);
+    let w = run(&o).unwrap();
+    assert!(w.ios > 0 && w.errors == 0);
+    for (workload, bs, digests) in
+        [(Workload::RandRead, 4096, false), (Workload::RandRw, 8192, true), (Workload::RandRw, 32768, false)]
+    {
+        let mut o = options(addr, nqn, workload, bs, true);
+        o.digests = Digests { header: digests, data: digests };
+        let rep = run(&o).unwrap();
+        assert!(rep.ios > 0, "{rep:?}");
+        assert_eq!((rep.errors, rep.verify_failures), (0, 0), "{workload:?} {bs}");
+    }
+    // A wrong block size is refused with a reason.
+    let e = run(&options(addr, nqn, Workload::RandRead, 1000, false)).unwrap_err();
+    assert!(e.contains("multiple"), "{e}");
+    engine.stop();
+}
