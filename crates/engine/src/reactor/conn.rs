@@ -39,7 +39,7 @@ const RECV_LIMITS: tcp::DataLimits = tcp::DataLimits {
     data_pdu: MAX_H2C_DATA,
 };
 /// Most output items sent in one `sendmsg`.
-const MAX_SEND_ITEMS: usize = 64;
+const MAX_SEND_ITEMS: usize = 256;
 /// Largest header an output item carries inline (a termination request).
 const MAX_OUT_HEADER: usize = tcp::TERM_REQ_MAX;
 /// A connection must finish ICReq within this long, or it is closed.
