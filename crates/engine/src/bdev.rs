@@ -52,10 +52,77 @@ pub enum BdevKind {
     File,
 }
 
+/// The memory backend's RAM: its memfd mapped once, shared by every reactor. Reads and
+/// writes copy to and from it directly; concurrent I/O to overlapping ranges leaves
+/// unspecified bytes there, as it would on a disk.
+#[derive(Debug)]
+pub struct Memory {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory that lives as long as `Memory`; every
+// access goes through bounds-checked copies, so sharing the pointer between threads is
+// sound.
+unsafe impl Send for Memory {}
+// SAFETY: as above.
+unsafe impl Sync for Memory {}
+
+impl Memory {
+    fn map(fd: &OwnedFd, len: usize) -> Result<Memory, BdevError> {
+        // SAFETY: maps `len` bytes of a memfd we own, shared, with no fixed address; the
+        // result is checked before use.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_NORESERVE,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(BdevError::Sys { what: "mapping the memory backend", source: std::io::Error::last_os_error() });
+        }
+        Ok(Memory { ptr: ptr.cast(), len })
+    }
+
+    fn range(&self, offset: u64, len: usize) -> Option<usize> {
+        let start = usize::try_from(offset).ok()?;
+        (start.checked_add(len)? <= self.len).then_some(start)
+    }
+
+    /// Copies `dst.len()` bytes at `offset` out of the backend; false if out of range.
+    pub fn read(&self, offset: u64, dst: &mut [u8]) -> bool {
+        let Some(start) = self.range(offset, dst.len()) else { return false };
+        // SAFETY: `range` checked that [start, start + len) lies inside the mapping, and
+        // `dst` is a distinct Rust buffer of that length.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(start), dst.as_mut_ptr(), dst.len()) };
+        true
+    }
+
+    /// Copies `src` into the backend at `offset`; false if out of range.
+    pub fn write(&self, offset: u64, src: &[u8]) -> bool {
+        let Some(start) = self.range(offset, src.len()) else { return false };
+        // SAFETY: as in `read`, with the copy going the other way.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(start), src.len()) };
+        true
+    }
+}
+
+impl Drop for Memory {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping `map` created; nothing uses it after drop.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
 /// An open block backend, shared by every reactor that serves its namespace.
 #[derive(Debug)]
 pub struct Bdev {
     kind: BdevKind,
+    memory: Option<Memory>,
     fd: Option<OwnedFd>,
     size: u64,
     block_device: bool,
@@ -68,6 +135,7 @@ impl Bdev {
     pub fn null(size: u64) -> Bdev {
         Bdev {
             kind: BdevKind::Null,
+            memory: None,
             fd: None,
             size,
             block_device: false,
@@ -86,9 +154,13 @@ impl Bdev {
         // SAFETY: fd was just returned by memfd_create and nothing else owns it.
         let file = unsafe { File::from_raw_fd(fd) };
         file.set_len(size).map_err(|e| BdevError::Sys { what: "sizing the memory backend", source: e })?;
+        let len =
+            usize::try_from(size).map_err(|_| BdevError::Size(format!("memory:{size} does not fit in memory")))?;
+        let fd: OwnedFd = file.into();
         Ok(Bdev {
             kind: BdevKind::Memory,
-            fd: Some(file.into()),
+            memory: Some(Memory::map(&fd, len)?),
+            fd: Some(fd),
             size,
             block_device: false,
             direct: false,
@@ -136,6 +208,7 @@ impl Bdev {
         }
         Ok(Bdev {
             kind: BdevKind::File,
+            memory: None,
             fd: Some(file.into()),
             size,
             block_device,
@@ -152,6 +225,11 @@ impl Bdev {
     /// Size in bytes.
     pub fn size(&self) -> u64 {
         self.size
+    }
+
+    /// The RAM of a memory backend, which I/O copies to and from directly.
+    pub fn ram(&self) -> Option<&Memory> {
+        self.memory.as_ref()
     }
 
     /// The file descriptor I/O goes to (none for null).
@@ -223,5 +301,13 @@ mod tests {
         let b = Bdev::memory(8 << 20).unwrap();
         assert_eq!(b.size(), 8 << 20);
         assert_eq!(b.kind(), BdevKind::Memory);
+        let ram = b.ram().unwrap();
+        assert!(ram.write(4096, &[7u8; 512]));
+        let mut back = [0u8; 1024];
+        assert!(ram.read(4096 - 512, &mut back));
+        assert_eq!(&back[..512], &[0u8; 512][..]);
+        assert_eq!(&back[512..], &[7u8; 512][..]);
+        assert!(!ram.read((8 << 20) - 100, &mut back), "reads past the end are refused");
+        assert!(!ram.write(u64::MAX, &[0u8; 1]));
     }
 }

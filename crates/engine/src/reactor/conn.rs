@@ -17,6 +17,7 @@ use nvpool_wire::fabrics::fctype;
 use nvpool_wire::tcp::{self, DataHeader, Digests, FatalError, IcResp, Pdu, fes};
 
 use super::{Op, Reactor};
+use crate::bdev::BdevKind;
 use crate::bufpool::{Buf, BufPool};
 use crate::target::admin::{self, AdminOutcome};
 use crate::target::io::{self, IoPlan};
@@ -470,6 +471,8 @@ impl Conn {
             // More commands than the queue size the host connected with.
             return self.respond(r, idx, cmd.cid, Status::COMMAND_ID_CONFLICT.with_dnr(), 0);
         };
+        // Data written to a null namespace is received and dropped, never copied.
+        let keep_data = !(ns.bdev.kind() == BdevKind::Null && matches!(plan, IoPlan::Write { .. }));
         let slot = &mut self.slots[usize::from(tag)];
         slot.cid = cmd.cid;
         slot.plan = plan;
@@ -479,14 +482,17 @@ impl Conn {
         if host_len == 0 {
             return self.start_disk(r, idx, tag);
         }
-        let mut buf = r.io_buf(host_len);
-        if cmd.dptr.id == sgl::IN_CAPSULE {
-            buf.as_mut_slice()[..host_len].copy_from_slice(&data[..host_len]);
+        if keep_data {
+            let mut buf = r.io_buf(host_len);
+            if cmd.dptr.id == sgl::IN_CAPSULE {
+                buf.as_mut_slice()[..host_len].copy_from_slice(&data[..host_len]);
+            }
             slot.buf = Some(buf);
+        }
+        if cmd.dptr.id == sgl::IN_CAPSULE {
             slot.received = host_len as u32;
             return self.start_disk(r, idx, tag);
         }
-        slot.buf = Some(buf);
         slot.state = SlotState::AwaitingData;
         let h = DataHeader { cccid: cmd.cid, ttag: tag, offset: 0, length: host_len as u32 };
         let mut item = new_item();
@@ -533,8 +539,31 @@ impl Conn {
         let fd = bdev.raw_fd();
         slot.state = SlotState::Disk;
         let ud = Op::Disk(idx, tag).encode();
-        // Null namespaces have no descriptor: nothing to do on disk.
+        // Null namespaces have no descriptor: nothing to do on disk. Memory namespaces
+        // copy reads and writes directly; only zeroing and deallocation go to the memfd.
         let mut submitted = 0;
+        if let Some(ram) = bdev.ram() {
+            match slot.plan {
+                IoPlan::Read { offset, len } => {
+                    let mut buf = r.io_buf(len as usize);
+                    if !ram.read(offset, &mut buf.as_mut_slice()[..len as usize]) {
+                        slot.status = Status::INTERNAL_ERROR;
+                    }
+                    slot.buf = Some(buf);
+                    return self.finish(r, idx, tag);
+                }
+                IoPlan::Write { offset, len, .. } => {
+                    if let Some(b) = &slot.buf
+                        && !ram.write(offset, &b.as_slice()[..len as usize])
+                    {
+                        slot.status = Status::INTERNAL_ERROR;
+                    }
+                    return self.finish(r, idx, tag);
+                }
+                IoPlan::Flush => return self.finish(r, idx, tag),
+                _ => {}
+            }
+        }
         if let Some(fd) = fd {
             let fd = types::Fd(fd);
             match slot.plan {
@@ -592,6 +621,7 @@ impl Conn {
         }
         slot.disk_pending = submitted;
         self.ops_in_flight += submitted;
+        r.disk_in_flight += submitted;
         if submitted == 0 {
             self.finish(r, idx, tag);
         }
@@ -599,6 +629,7 @@ impl Conn {
 
     pub(super) fn on_disk(&mut self, r: &mut Reactor, idx: u32, tag: u16, res: i32) {
         self.ops_in_flight -= 1;
+        r.disk_in_flight -= 1;
         let Some(slot) = self.slots.get_mut(usize::from(tag)) else {
             return;
         };

@@ -1,0 +1,226 @@
+#!/usr/bin/env python3
+"""nvpool benchmark suite: the engine against what the machine allows, in one run.
+
+For 4 KiB random read and write and 128 KiB sequential read at QD1, QD32 and QD128, it
+measures with `nvpool bench` (pinned to one core) against:
+  - the protocol-minimal responder (`nvpool responder`): the fastest NVMe/TCP on this
+    machine, the denominator of every engine ratio;
+  - the engine with the null, memory and file backends (one reactor on the other core);
+  - fio with io_uring and O_DIRECT on the same backing file: the native disk figure the
+    file backend is compared with.
+Targets are interleaved within each round and every figure is the median over rounds,
+because absolute numbers drift on shared machines; ratios are taken within a round.
+Writes bench/results/results.{md,json} and results.svg. Standard library only.
+"""
+import argparse, json, os, platform, shutil, signal, socket, statistics, subprocess, sys, time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.join(REPO, "target", "release", "nvpool")
+NQN = "nqn.2024-01.io.nvpool:bench"
+CONFIGS = [(w, bs, qd) for (w, bs) in (("randread", 4096), ("randwrite", 4096), ("read", 131072)) for qd in (1, 32, 128)]
+ENGINE_BACKENDS = ("null", "memory", "file")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port, timeout=10):
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit(f"nothing listens on port {port}")
+
+
+def cpu_seconds(pid):
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_kib(pid):
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+class Target:
+    """A responder or engine process pinned to `core`."""
+
+    def __init__(self, kind, core, file_path, reactors_cores=None):
+        self.kind, self.port = kind, free_port()
+        if kind == "responder":
+            cmd = [BIN, "responder", "--listen", f"127.0.0.1:{self.port}", "--core", str(core)]
+        else:
+            backend = {"null": "null:1GiB", "memory": "memory:1GiB", "file": f"file:{file_path}"}[kind]
+            cmd = [BIN, "engine", "--listen", f"127.0.0.1:{self.port}", "--subsystem", NQN, "--namespace", backend,
+                   "--cores", reactors_cores or str(core), "--discovery-port", "0",
+                   "--mgmt-socket", f"/tmp/nvpool-bench-{self.port}.sock"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_port(self.port)
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def bench(port, workload, bs, qd, args, connections=1):
+    cmd = [BIN, "bench", "--target", f"127.0.0.1:{port}", "--nqn", NQN, "--workload", workload, "--bs", str(bs),
+           "--qd", str(qd), "--connections", str(connections), "--duration", str(args.duration),
+           "--warmup", str(args.warmup), "--core", str(args.bench_core), "--span", "1GiB", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise SystemExit(f"bench failed: {' '.join(cmd)}\n{out.stderr}")
+    return json.loads(out.stdout)
+
+
+def fio(path, workload, bs, qd, args):
+    cmd = ["fio", "--name=native", f"--filename={path}", "--direct=1", "--ioengine=io_uring", f"--rw={workload}",
+           f"--bs={bs}", f"--iodepth={qd}", "--time_based", f"--runtime={args.duration}",
+           f"--ramp_time={args.warmup}", f"--cpus_allowed={args.bench_core}", "--output-format=json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise SystemExit(f"fio failed: {out.stderr}")
+    job = json.loads(out.stdout)["jobs"][0]
+    side = job["write"] if "write" in workload else job["read"]
+    pct = side["clat_ns"].get("percentile", {})
+    return {"iops": side["iops"], "latency": {"mean_us": side["lat_ns"]["mean"] / 1000,
+                                              "p50_us": pct.get("50.000000", 0) / 1000,
+                                              "p99_us": pct.get("99.000000", 0) / 1000}}
+
+
+def machine():
+    model = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    mem = next((l.split()[1] for l in open("/proc/meminfo") if l.startswith("MemTotal")), "0")
+    rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
+    return {"cpu": model, "cpus": os.cpu_count(), "memory_gib": round(int(mem) / 2**20, 1),
+            "kernel": platform.release(), "revision": rev + ("-dirty" if dirty else ""),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def label(w, bs, qd):
+    return f"{w} {bs // 1024}K QD{qd}"
+
+
+def svg(results, path):
+    """Grouped bars: each engine backend as a fraction of the responder, per config."""
+    colors = {"null": "#4472c4", "memory": "#ed7d31", "file": "#70ad47", "file/fio": "#a5a5a5"}
+    series = ["null", "memory", "file", "file/fio"]
+    W, H, left, top, bottom = 980, 420, 60, 40, 110
+    gw = (W - left - 20) / len(CONFIGS)
+    bw = gw / (len(series) + 1)
+    ymax = 1.2
+    y = lambda v: top + (H - top - bottom) * (1 - min(v, ymax) / ymax)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
+           f'<text x="{W/2}" y="18" text-anchor="middle" font-size="14">nvpool engine IOPS as a fraction of the minimal responder '
+           f'(file/fio: file backend over native fio), {results["machine"]["revision"]}</text>']
+    for t in (0, 0.25, 0.5, 0.75, 0.9, 1.0, 1.2):
+        out.append(f'<line x1="{left}" x2="{W-20}" y1="{y(t):.1f}" y2="{y(t):.1f}" stroke="{"#c00" if t in (0.9, 1.0) else "#ddd"}"/>')
+        out.append(f'<text x="{left-5}" y="{y(t)+4:.1f}" text-anchor="end">{t:.0%}</text>')
+    for i, c in enumerate(CONFIGS):
+        row = results["rows"][label(*c)]
+        for j, s in enumerate(series):
+            v = row["ratios"].get(s)
+            if v is None:
+                continue
+            x = left + i * gw + (j + 0.5) * bw
+            out.append(f'<rect x="{x:.1f}" y="{y(v):.1f}" width="{bw*0.9:.1f}" height="{H-bottom-y(v):.1f}" fill="{colors[s]}"><title>{s}: {v:.1%}</title></rect>')
+        out.append(f'<text transform="translate({left + i*gw + gw/2:.1f},{H-bottom+12}) rotate(30)" font-size="10">{label(*c)}</text>')
+    for j, s in enumerate(series):
+        out.append(f'<rect x="{left + j*120}" y="{H-28}" width="12" height="12" fill="{colors[s]}"/><text x="{left + j*120 + 16}" y="{H-18}">{s}</text>')
+    out.append("</svg>")
+    open(path, "w").write("\n".join(out))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--duration", type=float, default=3.0)
+    ap.add_argument("--warmup", type=float, default=1.0)
+    ap.add_argument("--target-core", type=int, default=0)
+    ap.add_argument("--bench-core", type=int, default=1)
+    ap.add_argument("--file", default="/var/tmp/nvpool-bench/disk.img")
+    ap.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
+    ap.add_argument("--quick", action="store_true", help="one round of 1 s runs (a smoke test of the suite)")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.duration, args.warmup = 1, 1.0, 0.3
+    if not os.access(BIN, os.X_OK):
+        raise SystemExit(f"{BIN} missing: run scripts/bench (it builds it)")
+    if not shutil.which("fio"):
+        raise SystemExit("fio missing: run scripts/bench (it installs it)")
+    os.makedirs(os.path.dirname(args.file), exist_ok=True)
+    if not os.path.exists(args.file) or os.path.getsize(args.file) < 2**30:
+        # Written, not sparse: reads must hit real blocks for native and engine alike.
+        subprocess.run(["dd", "if=/dev/urandom", f"of={args.file}", "bs=1M", "count=1024", "oflag=direct", "status=none"], check=True)
+    raw = {label(*c): {} for c in CONFIGS}
+    cpu = {b: [0.0, 0] for b in ENGINE_BACKENDS}
+    for rnd in range(args.rounds):
+        for kind in ("responder",) + ENGINE_BACKENDS:
+            t = Target(kind, args.target_core, args.file)
+            try:
+                for c in CONFIGS:
+                    before = cpu_seconds(t.proc.pid)
+                    r = bench(t.port, *c, args)
+                    if kind != "responder":
+                        cpu[kind][0] += cpu_seconds(t.proc.pid) - before
+                        cpu[kind][1] += r["ios"] * (args.duration + args.warmup) / args.duration
+                    raw[label(*c)].setdefault(kind, []).append(r)
+                    print(f"round {rnd+1} {kind:9} {label(*c):18} {r['iops']:>10.0f} IOPS  mean {r['latency']['mean_us']:7.1f} us", flush=True)
+            finally:
+                t.stop()
+        for c in CONFIGS:
+            r = fio(args.file, *c, args)
+            raw[label(*c)].setdefault("fio", []).append(r)
+            print(f"round {rnd+1} {'fio':9} {label(*c):18} {r['iops']:>10.0f} IOPS  mean {r['latency']['mean_us']:7.1f} us", flush=True)
+    rows = {}
+    for c in CONFIGS:
+        runs = raw[label(*c)]
+        med = lambda k, f: statistics.median(f(r) for r in runs[k])
+        row = {"iops": {}, "mean_us": {}, "p99_us": {}, "ratios": {}}
+        for k in runs:
+            row["iops"][k] = med(k, lambda r: r["iops"])
+            row["mean_us"][k] = med(k, lambda r: r["latency"]["mean_us"])
+            row["p99_us"][k] = med(k, lambda r: r["latency"]["p99_us"])
+        for b in ENGINE_BACKENDS:
+            row["ratios"][b] = statistics.median(e["iops"] / r["iops"] for e, r in zip(runs[b], runs["responder"]))
+        row["ratios"]["file/fio"] = statistics.median(e["iops"] / f["iops"] for e, f in zip(runs["file"], runs["fio"]))
+        rows[label(*c)] = row
+    results = {"machine": machine(), "rounds": args.rounds, "duration_s": args.duration, "rows": rows,
+               "engine_cpu_s_per_million_ios": {b: (v[0] / v[1] * 1e6 if v[1] else None) for b, v in cpu.items()},
+               "raw": raw}
+    os.makedirs(args.out, exist_ok=True)
+    json.dump(results, open(os.path.join(args.out, "results.json"), "w"), indent=1)
+    svg(results, os.path.join(args.out, "results.svg"))
+    m = results["machine"]
+    md = [f"# nvpool benchmark results", "",
+          f"{m['date']}, revision {m['revision']}: {m['cpu']}, {m['cpus']} CPUs, {m['memory_gib']} GiB, kernel {m['kernel']}.",
+          f"Median of {args.rounds} interleaved rounds of {args.duration:g} s (after {args.warmup:g} s warm-up); target on CPU "
+          f"{args.target_core} (engine: 1 reactor), `nvpool bench` and fio on CPU {args.bench_core}. Ratios are taken within a round.", "",
+          "| workload | responder IOPS | null | memory | file | fio (native file) | null / resp. | memory / resp. | file / fio | mean latency us: resp. / null / file / fio |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for c in CONFIGS:
+        r = rows[label(*c)]
+        i, l, q = r["iops"], r["mean_us"], r["ratios"]
+        md.append(f"| {label(*c)} | {i['responder']:,.0f} | {i['null']:,.0f} | {i['memory']:,.0f} | {i['file']:,.0f} | {i['fio']:,.0f} | "
+                  f"{q['null']:.0%} | {q['memory']:.0%} | {q['file/fio']:.0%} | "
+                  f"{l['responder']:.1f} / {l['null']:.1f} / {l['file']:.1f} / {l['fio']:.1f} |")
+    md += ["", "Engine CPU per million I/Os (all configurations): " + ", ".join(
+        f"{b} {v:.2f} s" for b, v in results["engine_cpu_s_per_million_ios"].items() if v), "",
+        "![IOPS as a fraction of the machine's limit](results.svg)", ""]
+    open(os.path.join(args.out, "results.md"), "w").write("\n".join(md))
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
