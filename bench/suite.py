@@ -8,7 +8,7 @@ measures with `nvpool bench` (pinned to one core) against:
   - the engine with the null, memory and file backends (one reactor on the other core);
   - fio with io_uring and O_DIRECT on the same backing file: the native disk figure the
     file backend is compared with.
-Targets are interleaved within each round and every figure is the median over rounds,
+Targets alternate within each configuration and every figure is the median over rounds,
 because absolute numbers drift on shared machines; ratios are taken within a round.
 Writes bench/results/results.{md,json} and results.svg. Standard library only.
 """
@@ -165,11 +165,13 @@ def main():
         subprocess.run(["dd", "if=/dev/urandom", f"of={args.file}", "bs=1M", "count=1024", "oflag=direct", "status=none"], check=True)
     raw = {label(*c): {} for c in CONFIGS}
     cpu = {b: [0.0, 0] for b in ENGINE_BACKENDS}
-    for rnd in range(args.rounds):
-        for kind in ("responder",) + ENGINE_BACKENDS:
-            t = Target(kind, args.target_core, args.file)
-            try:
-                for c in CONFIGS:
+    # Every target stays up (idle ones sleep) so that each configuration can alternate
+    # between them: the responder and the engine are measured moments apart.
+    targets = {kind: Target(kind, args.target_core, args.file) for kind in ("responder",) + ENGINE_BACKENDS}
+    try:
+        for rnd in range(args.rounds):
+            for c in CONFIGS:
+                for kind, t in targets.items():
                     before = cpu_seconds(t.proc.pid)
                     r = bench(t.port, *c, args)
                     if kind != "responder":
@@ -177,12 +179,12 @@ def main():
                         cpu[kind][1] += r["ios"] * (args.duration + args.warmup) / args.duration
                     raw[label(*c)].setdefault(kind, []).append(r)
                     print(f"round {rnd+1} {kind:9} {label(*c):18} {r['iops']:>10.0f} IOPS  mean {r['latency']['mean_us']:7.1f} us", flush=True)
-            finally:
-                t.stop()
-        for c in CONFIGS:
-            r = fio(args.file, *c, args)
-            raw[label(*c)].setdefault("fio", []).append(r)
-            print(f"round {rnd+1} {'fio':9} {label(*c):18} {r['iops']:>10.0f} IOPS  mean {r['latency']['mean_us']:7.1f} us", flush=True)
+                r = fio(args.file, *c, args)
+                raw[label(*c)].setdefault("fio", []).append(r)
+                print(f"round {rnd+1} {'fio':9} {label(*c):18} {r['iops']:>10.0f} IOPS  mean {r['latency']['mean_us']:7.1f} us", flush=True)
+    finally:
+        for t in targets.values():
+            t.stop()
     rows = {}
     for c in CONFIGS:
         runs = raw[label(*c)]

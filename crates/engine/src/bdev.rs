@@ -77,7 +77,9 @@ impl Memory {
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_NORESERVE,
+                // Populated up front, like SPDK's malloc bdev: the RAM is the namespace,
+                // and page faults on first touch would otherwise dominate I/O latency.
+                libc::MAP_SHARED | libc::MAP_POPULATE,
                 fd.as_raw_fd(),
                 0,
             )
