@@ -114,9 +114,9 @@ def label(w, bs, qd):
 
 def svg(results, path):
     """Grouped bars: each engine backend as a fraction of the responder, per config."""
-    colors = {"null": "#4472c4", "memory": "#ed7d31", "file": "#70ad47", "file/fio": "#a5a5a5"}
-    series = ["null", "memory", "file", "file/fio"]
-    W, H, left, top, bottom = 980, 420, 60, 40, 110
+    colors = {"null": "#4472c4", "memory": "#ed7d31", "file/fio": "#70ad47"}
+    series = ["null", "memory", "file/fio"]
+    W, H, left, top, bottom = 1060, 420, 60, 40, 110
     gw = (W - left - 20) / len(CONFIGS)
     bw = gw / (len(series) + 1)
     ymax = 1.2
@@ -152,7 +152,11 @@ def main():
     ap.add_argument("--file", default="/var/tmp/nvpool-bench/disk.img")
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     ap.add_argument("--quick", action="store_true", help="one round of 1 s runs (a smoke test of the suite)")
+    ap.add_argument("--replot", action="store_true", help="only re-render the table and plot from results.json")
     args = ap.parse_args()
+    if args.replot:
+        write_outputs(json.load(open(os.path.join(args.out, "results.json"))), args)
+        return
     if args.quick:
         args.rounds, args.duration, args.warmup = 1, 1.0, 0.3
     if not os.access(BIN, os.X_OK):
@@ -203,11 +207,17 @@ def main():
                "raw": raw}
     os.makedirs(args.out, exist_ok=True)
     json.dump(results, open(os.path.join(args.out, "results.json"), "w"), indent=1)
+    write_outputs(results, args)
+
+
+def write_outputs(results, args):
+    """The Markdown table and the SVG plot, from the results."""
+    rows = results["rows"]
     svg(results, os.path.join(args.out, "results.svg"))
     m = results["machine"]
     md = [f"# nvpool benchmark results", "",
           f"{m['date']}, revision {m['revision']}: {m['cpu']}, {m['cpus']} CPUs, {m['memory_gib']} GiB, kernel {m['kernel']}.",
-          f"Median of {args.rounds} interleaved rounds of {args.duration:g} s (after {args.warmup:g} s warm-up); target on CPU "
+          f"Median of {results['rounds']} interleaved rounds of {results['duration_s']:g} s; target on CPU "
           f"{args.target_core} (engine: 1 reactor), `nvpool bench` and fio on CPU {args.bench_core}. Ratios are taken within a round.", "",
           "| workload | responder IOPS | null | memory | file | fio (native file) | null / resp. | memory / resp. | file / fio | mean latency us: resp. / null / file / fio |",
           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
