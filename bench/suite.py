@@ -153,6 +153,8 @@ def main():
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     ap.add_argument("--quick", action="store_true", help="one round of 1 s runs (a smoke test of the suite)")
     ap.add_argument("--replot", action="store_true", help="only re-render the table and plot from results.json")
+    ap.add_argument("--soak", type=float, default=0, metavar="SECONDS",
+                    help="also run a soak: 64 connections against the memory backend, sampling the engine's RSS")
     args = ap.parse_args()
     if args.replot:
         write_outputs(json.load(open(os.path.join(args.out, "results.json"))), args)
@@ -203,11 +205,58 @@ def main():
         row["ratios"]["file/fio"] = statistics.median(e["iops"] / f["iops"] for e, f in zip(runs["file"], runs["fio"]))
         rows[label(*c)] = row
     results = {"machine": machine(), "rounds": args.rounds, "duration_s": args.duration, "rows": rows,
+               "scaling": scaling(args), "soak": soak(args) if args.soak else None,
                "engine_cpu_s_per_million_ios": {b: (v[0] / v[1] * 1e6 if v[1] else None) for b, v in cpu.items()},
                "raw": raw}
     os.makedirs(args.out, exist_ok=True)
     json.dump(results, open(os.path.join(args.out, "results.json"), "w"), indent=1)
     write_outputs(results, args)
+
+
+def scaling(args):
+    """4 KiB random reads from the null backend: 1 reactor and 1 connection against 2
+    reactors and 2 connections (the generator shares the second CPU with a reactor)."""
+    out = []
+    for cores, conns in (("0", 1), ("0,1", 2)):
+        t = Target("null", args.target_core, args.file, reactors_cores=cores)
+        try:
+            before = cpu_seconds(t.proc.pid)
+            r = bench(t.port, "randread", 4096, 32, args, connections=conns)
+            used = cpu_seconds(t.proc.pid) - before
+            ios = r["ios"] * (args.duration + args.warmup) / args.duration
+            out.append({"reactors": len(cores.split(",")), "connections": conns, "iops": r["iops"],
+                        "mean_us": r["latency"]["mean_us"], "engine_cpu_s_per_million_ios": used / ios * 1e6})
+            print(f"scaling: reactors on CPUs {cores}, {conns} connections: {r['iops']:.0f} IOPS", flush=True)
+        finally:
+            t.stop()
+    return out
+
+
+def soak(args):
+    """64 connections at QD4 of 4 KiB random reads and writes against the memory
+    backend for `args.soak` seconds, sampling the engine's RSS every 10 s."""
+    t = Target("memory", args.target_core, args.file)
+    samples = []
+    try:
+        cmd = [BIN, "bench", "--target", f"127.0.0.1:{t.port}", "--nqn", NQN, "--workload", "randrw", "--bs", "4096",
+               "--qd", "4", "--connections", "64", "--duration", str(args.soak), "--warmup", "1",
+               "--core", str(args.bench_core), "--span", "1GiB", "--verify", "--json"]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        start = time.time()
+        while p.poll() is None:
+            samples.append((round(time.time() - start), rss_kib(t.proc.pid)))
+            time.sleep(10)
+        out, err = p.communicate()
+        if p.returncode != 0:
+            raise SystemExit(f"soak failed: {err}")
+        r = json.loads(out)
+    finally:
+        t.stop()
+    steady = [kib for s, kib in samples if s >= 30] or [kib for _, kib in samples]
+    print(f"soak: {r['iops']:.0f} IOPS, RSS {min(steady)}..{max(steady)} KiB after 30 s", flush=True)
+    return {"seconds": args.soak, "connections": 64, "iops": r["iops"], "errors": r["errors"],
+            "verify_failures": r["verify_failures"], "rss_kib_samples": samples,
+            "rss_kib_after_30s": [min(steady), max(steady)]}
 
 
 def write_outputs(results, args):
@@ -227,7 +276,18 @@ def write_outputs(results, args):
         md.append(f"| {label(*c)} | {i['responder']:,.0f} | {i['null']:,.0f} | {i['memory']:,.0f} | {i['file']:,.0f} | {i['fio']:,.0f} | "
                   f"{q['null']:.0%} | {q['memory']:.0%} | {q['file/fio']:.0%} | "
                   f"{l['responder']:.1f} / {l['null']:.1f} / {l['file']:.1f} / {l['fio']:.1f} |")
-    md += ["", "Engine CPU per million I/Os (all configurations): " + ", ".join(
+    if results.get("scaling"):
+        md += ["", "Scaling (null backend, 4 KiB random read, QD32 per connection; the generator shares CPU 1 with the second reactor):", "",
+               "| reactors | connections | IOPS | mean us | engine CPU s / million I/Os |", "|---:|---:|---:|---:|---:|"]
+        md += [f"| {x['reactors']} | {x['connections']} | {x['iops']:,.0f} | {x['mean_us']:.1f} | {x['engine_cpu_s_per_million_ios']:.2f} |"
+               for x in results["scaling"]]
+    if results.get("soak"):
+        k = results["soak"]
+        md += ["", f"Soak: {k['connections']} connections, 4 KiB randrw with verify, memory backend, {k['seconds']:g} s: "
+               f"{k['iops']:,.0f} IOPS, {k['errors']} errors, {k['verify_failures']} verify failures; engine RSS "
+               f"{k['rss_kib_after_30s'][0]:,}..{k['rss_kib_after_30s'][1]:,} KiB after the first 30 s (this includes the 1 GiB "
+               f"memory namespace, which is populated up front)."]
+    md += ["", "Engine CPU per million I/Os (all configurations; a polling reactor counts its polling): " + ", ".join(
         f"{b} {v:.2f} s" for b, v in results["engine_cpu_s_per_million_ios"].items() if v), "",
         "![IOPS as a fraction of the machine's limit](results.svg)", ""]
     open(os.path.join(args.out, "results.md"), "w").write("\n".join(md))
