@@ -44,15 +44,6 @@ pub fn get_array<const N: usize>(b: &[u8], off: usize) -> [u8; N] {
     v
 }
 
-/// Writes `s` into an ASCII field of `len` bytes at `off`, padded with spaces, as the
-/// Identify strings (serial number, model, firmware revision) require.
-pub fn put_ascii_padded(b: &mut [u8], off: usize, len: usize, s: &str) {
-    let field = &mut b[off..off + len];
-    field.fill(b' ');
-    let n = s.len().min(len);
-    field[..n].copy_from_slice(&s.as_bytes()[..n]);
-}
-
 /// Reads a space-padded ASCII field, trimming the padding.
 pub fn get_ascii_padded(b: &[u8], off: usize, len: usize) -> String {
     String::from_utf8_lossy(&b[off..off + len]).trim_end_matches([' ', '\0']).to_string()
@@ -81,7 +72,7 @@ mod tests {
     #[test]
     fn strings_round_trip_and_truncate() {
         let mut b = [0u8; 16];
-        put_ascii_padded(&mut b, 0, 8, "abc");
+        b[..8].copy_from_slice(&ascii::<8>("abc"));
         assert_eq!(&b[..8], b"abc     ");
         assert_eq!(get_ascii_padded(&b, 0, 8), "abc");
         put_nul_padded(&mut b, 8, 8, "0123456789");

@@ -22,9 +22,7 @@ use crate::bufpool::{Buf, BufPool};
 use crate::target::admin::{self, AdminOutcome};
 use crate::target::io::{self, IoPlan};
 use crate::target::subsystem::NamespaceMap;
-use crate::target::{
-    ADMIN_IN_CAPSULE_DATA, AER_LIMIT, Controller, IO_IN_CAPSULE_DATA, MAX_H2C_DATA, Namespace, Target, fabrics,
-};
+use crate::target::{ADMIN_IN_CAPSULE_DATA, Controller, IO_IN_CAPSULE_DATA, MAX_H2C_DATA, Namespace, Target, fabrics};
 
 /// Receive buffer: one whole PDU of the largest kind (an H2CData of MAXH2CDATA) with
 /// headers and digests, plus room to read ahead.
@@ -385,7 +383,8 @@ impl Conn {
                 let cattr = nvpool_wire::fabrics::ConnectCommand::from_command(cmd).cattr;
                 let namespaces = c.controller.subsystem.namespaces();
                 let generation = c.controller.subsystem.generation();
-                let depth = usize::from(c.sqsize) + 1 + if c.qid == 0 { AER_LIMIT } else { 0 };
+                // One slot per queue entry: commands that wait for data or the disk.
+                let depth = usize::from(c.sqsize) + 1;
                 self.slots = (0..depth).map(|_| Slot::free()).collect();
                 self.free_slots = (0..depth as u16).rev().collect();
                 self.queue = Some(Queue {

@@ -235,11 +235,6 @@ impl Controller {
         lock(&self.events).pending.pop_front()
     }
 
-    /// Whether an event is waiting.
-    pub fn has_event(&self) -> bool {
-        !lock(&self.events).pending.is_empty()
-    }
-
     /// Reads the Changed Namespace List: returns it, and unless `retain` clears it and
     /// unmasks the event.
     pub fn read_changed_namespaces(&self, retain: bool) -> Vec<u32> {
@@ -288,7 +283,7 @@ mod tests {
     fn events_are_masked_until_the_log_is_read() {
         let c = ctrl();
         c.post_namespace_change(1);
-        assert!(!c.has_event(), "not enabled yet");
+        assert!(c.take_event().is_none(), "not enabled yet");
         c.set_async_event_config(AEC_NS_ATTRIBUTE);
         c.post_namespace_change(2);
         c.post_namespace_change(3);
