@@ -11,6 +11,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use nvpool_initiator::{ConnectOptions, Queue, connect_admin};
+use nvpool_wire::bytes::compact;
 use nvpool_wire::command::{Command, PSDT_SGL, SglDescriptor, io_opcode, sgl};
 use nvpool_wire::identify;
 use nvpool_wire::tcp::{self, DataHeader, DataLimits, Digests, Pdu};
@@ -529,13 +530,9 @@ impl Conn {
                 self.answer_r2t(plan, h)?;
             }
         }
-        if self.rstart == self.rend {
-            self.rstart = 0;
-            self.rend = 0;
-        } else if self.rstart > self.rbuf.len() / 2 {
-            self.rbuf.copy_within(self.rstart..self.rend, 0);
-            self.rend -= self.rstart;
-            self.rstart = 0;
+        // Compacting only past half the buffer keeps copies rare under load.
+        if self.rstart == self.rend || self.rstart > self.rbuf.len() / 2 {
+            compact(&mut self.rbuf, &mut self.rstart, &mut self.rend);
         }
         Ok(())
     }

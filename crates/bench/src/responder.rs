@@ -12,7 +12,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use nvpool_wire::Status;
-use nvpool_wire::bytes::nul;
+use nvpool_wire::bytes::{compact, nul};
 use nvpool_wire::command::{Command, Completion, admin_opcode, io_opcode, sgl};
 use nvpool_wire::fabrics::{Capabilities, PropertyAccess, VERSION_2_0, csts, fctype, property};
 use nvpool_wire::identify::{self, IdentifyController, IdentifyNamespace};
@@ -238,13 +238,8 @@ impl RConn {
             }
         }
         self.rbuf = buf;
-        if self.rstart == self.rend {
-            self.rstart = 0;
-            self.rend = 0;
-        } else if self.rstart > 0 {
-            self.rbuf.copy_within(self.rstart..self.rend, 0);
-            self.rend -= self.rstart;
-            self.rstart = 0;
+        if self.rstart > 0 {
+            compact(&mut self.rbuf, &mut self.rstart, &mut self.rend);
         }
     }
 

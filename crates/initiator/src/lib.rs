@@ -345,9 +345,7 @@ impl Queue {
                 return Ok(pdu);
             }
             if self.start > 0 {
-                self.buf.copy_within(self.start..self.end, 0);
-                self.end -= self.start;
-                self.start = 0;
+                nvpool_wire::bytes::compact(&mut self.buf, &mut self.start, &mut self.end);
             }
             let n = self.stream.read(&mut self.buf[self.end..])?;
             if n == 0 {

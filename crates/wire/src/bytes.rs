@@ -37,6 +37,14 @@ pub fn put_u64(b: &mut [u8], off: usize, v: u64) {
     b[off..off + 8].copy_from_slice(&v.to_le_bytes());
 }
 
+/// Moves the unparsed bytes `buf[*start..*end]` of a receive buffer to its front, so
+/// the next read has the most room and a partial PDU stays contiguous.
+pub fn compact(buf: &mut [u8], start: &mut usize, end: &mut usize) {
+    buf.copy_within(*start..*end, 0);
+    *end -= *start;
+    *start = 0;
+}
+
 /// Copies a fixed-size array out of `b` at `off`.
 pub fn get_array<const N: usize>(b: &[u8], off: usize) -> [u8; N] {
     let mut v = [0u8; N];
@@ -68,6 +76,14 @@ pub fn get_nul_padded(b: &[u8], off: usize, len: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn compact_keeps_the_unparsed_bytes() {
+        let mut b = *b"xxabcde";
+        let (mut start, mut end) = (2, 5);
+        compact(&mut b, &mut start, &mut end);
+        assert_eq!((start, end, &b[..3]), (0, 3, &b"abc"[..]));
+    }
 
     #[test]
     fn strings_round_trip_and_truncate() {

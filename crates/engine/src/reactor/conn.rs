@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use io_uring::{opcode, types};
 use nvpool_wire::Status;
+use nvpool_wire::bytes::compact;
 use nvpool_wire::command::{Command, Completion, admin_opcode, sgl};
 use nvpool_wire::fabrics::fctype;
 use nvpool_wire::tcp::{self, DataHeader, Digests, FatalError, IcResp, Pdu, fes};
@@ -230,14 +231,9 @@ impl Conn {
         if self.recv_posted || !matches!(self.phase, Phase::Handshake | Phase::Ready) {
             return;
         }
-        if self.recv_start == self.recv_end {
-            self.recv_start = 0;
-            self.recv_end = 0;
-        } else if self.recv_start > 0 {
+        if self.recv_start > 0 {
             // Keep the partial PDU at the front so the whole PDU always fits.
-            self.recv_buf.copy_within(self.recv_start..self.recv_end, 0);
-            self.recv_end -= self.recv_start;
-            self.recv_start = 0;
+            compact(&mut self.recv_buf, &mut self.recv_start, &mut self.recv_end);
         }
         let room = self.recv_buf.len() - self.recv_end;
         let ptr = self.recv_buf[self.recv_end..].as_mut_ptr();
