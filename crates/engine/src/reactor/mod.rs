@@ -41,6 +41,8 @@ const RING_ENTRIES: u32 = 1024;
 /// Slots in the ring's registered-buffer table. Pool buffers are registered as the
 /// pool grows, so disk I/O uses fixed buffers (no page pinning per operation).
 const REGISTERED_BUFFERS: u32 = 4096;
+/// io_uring_enter flag: process completions (run deferred work) before returning.
+const IORING_ENTER_GETEVENTS: u32 = 1;
 
 /// A message to a reactor.
 pub enum Msg {
@@ -127,25 +129,45 @@ pub fn spawn(
     rx: Receiver<Msg>,
     wake: OwnedFd,
 ) -> std::io::Result<JoinHandle<()>> {
-    // Cooperative task running: completions are processed when the reactor next enters
-    // the kernel (it does so constantly while busy) instead of interrupting it.
-    let ring = IoUring::builder()
-        .setup_cqsize(RING_ENTRIES * 4)
-        .setup_coop_taskrun()
-        .build(RING_ENTRIES)
-        .or_else(|_| IoUring::builder().setup_cqsize(RING_ENTRIES * 4).build(RING_ENTRIES))?;
-    std::thread::Builder::new().name(format!("nvpool-reactor-{id}")).spawn(move || {
+    // The ring is created on the reactor thread: a single-issuer ring belongs to the
+    // thread that creates it. Creation errors are reported back before `spawn` returns.
+    let (ready_tx, ready_rx) = mpsc::sync_channel::<std::io::Result<()>>(1);
+    let handle = std::thread::Builder::new().name(format!("nvpool-reactor-{id}")).spawn(move || {
         if let Some(c) = core
             && let Err(e) = pin_current_thread(c)
         {
             eprintln!("nvpool: reactor {id}: cannot pin to CPU {c}: {e}");
         }
+        let ring = match new_ring() {
+            Ok(ring) => ring,
+            Err(e) => {
+                let _ = ready_tx.send(Err(e));
+                return;
+            }
+        };
+        let _ = ready_tx.send(Ok(()));
         let mut r = Reactor::new(id, ring, target, links, rx, wake);
         if r.ring.submitter().register_buffers_sparse(REGISTERED_BUFFERS).is_err() {
             r.next_registered = REGISTERED_BUFFERS;
         }
         r.run();
-    })
+    })?;
+    ready_rx.recv().map_err(|_| std::io::Error::other("reactor thread exited during start"))??;
+    Ok(handle)
+}
+
+/// A ring whose completion work runs only when the reactor asks for it (deferred task
+/// running, one issuer): no interrupts of the polling loop, and the cheapest wakeups.
+/// Older kernels get cooperative task running, or a plain ring.
+fn new_ring() -> std::io::Result<IoUring> {
+    let cq = RING_ENTRIES * 4;
+    IoUring::builder()
+        .setup_cqsize(cq)
+        .setup_single_issuer()
+        .setup_defer_taskrun()
+        .build(RING_ENTRIES)
+        .or_else(|_| IoUring::builder().setup_cqsize(cq).setup_coop_taskrun().build(RING_ENTRIES))
+        .or_else(|_| IoUring::builder().setup_cqsize(cq).build(RING_ENTRIES))
 }
 
 /// What a completion belongs to, packed into the 64-bit user data:
@@ -309,7 +331,10 @@ impl Reactor {
             // of microseconds, sooner than a sleeping thread wakes up.
             let busy = self.disk_in_flight > 0 || last_activity.elapsed() < BUSY_POLL;
             let entered = if busy {
-                self.ring.submit()
+                // Submits, runs completion work, and returns without waiting.
+                let pending = self.ring.submission().len() as u32;
+                // SAFETY: no argument is passed; the flags are plain io_uring_enter flags.
+                unsafe { self.ring.submitter().enter::<libc::sigset_t>(pending, 0, IORING_ENTER_GETEVENTS, None) }
             } else {
                 let args = types::SubmitArgs::new().timespec(&ts);
                 self.ring.submitter().submit_with_args(1, &args)
