@@ -5,6 +5,8 @@
 //! - `memory`: a memfd of the namespace's size. Buffered, in RAM, lost on exit.
 //! - `file`: a regular file or block device, opened with `O_DIRECT` when the
 //!   filesystem supports it. Flush is `fdatasync`; FUA writes use `RWF_DSYNC`.
+//! - `volume`: a logical volume of a pool (see [`crate::pool`]), whose I/O goes to
+//!   the pool's disks through the volume's cluster map.
 #![allow(unsafe_code)]
 
 use std::fs::{File, OpenOptions};
@@ -13,6 +15,8 @@ use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use thiserror::Error;
+
+use crate::pool::VolumeIo;
 
 /// Errors opening a backend.
 #[derive(Debug, Error)]
@@ -50,6 +54,8 @@ pub enum BdevKind {
     Memory,
     /// A file or block device.
     File,
+    /// A logical volume of a pool.
+    Volume,
 }
 
 /// The memory backend's RAM: its memfd mapped once, shared by every reactor. Reads and
@@ -125,6 +131,7 @@ impl Drop for Memory {
 pub struct Bdev {
     kind: BdevKind,
     memory: Option<Memory>,
+    volume: Option<VolumeIo>,
     fd: Option<OwnedFd>,
     size: u64,
     block_device: bool,
@@ -138,6 +145,7 @@ impl Bdev {
         Bdev {
             kind: BdevKind::Null,
             memory: None,
+            volume: None,
             fd: None,
             size,
             block_device: false,
@@ -162,6 +170,7 @@ impl Bdev {
         Ok(Bdev {
             kind: BdevKind::Memory,
             memory: Some(Memory::map(&fd, len)?),
+            volume: None,
             fd: Some(fd),
             size,
             block_device: false,
@@ -211,12 +220,32 @@ impl Bdev {
         Ok(Bdev {
             kind: BdevKind::File,
             memory: None,
+            volume: None,
             fd: Some(file.into()),
             size,
             block_device,
             direct,
             description: path.display().to_string(),
         })
+    }
+
+    /// A volume of a pool, `size` bytes.
+    pub fn volume(io: VolumeIo, size: u64, description: String) -> Bdev {
+        Bdev {
+            kind: BdevKind::Volume,
+            memory: None,
+            volume: Some(io),
+            fd: None,
+            size,
+            block_device: false,
+            direct: true,
+            description,
+        }
+    }
+
+    /// The volume behind a volume backend.
+    pub fn as_volume(&self) -> Option<&VolumeIo> {
+        self.volume.as_ref()
     }
 
     /// The kind of storage.
@@ -269,6 +298,55 @@ impl Bdev {
         libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
     }
 }
+
+impl Bdev {
+    /// Zeroes `len` bytes at `offset` now, blocking: in place for files and block
+    /// devices (no data is written where the system can avoid it), by writing zeroes
+    /// otherwise. Not durable until [`Bdev::sync_now`].
+    pub fn zero_now(&self, offset: u64, len: u64) -> std::io::Result<()> {
+        let Some(fd) = self.raw_fd() else { return Ok(()) };
+        if self.block_device {
+            let range: [u64; 2] = [offset, len];
+            // SAFETY: BLKZEROOUT reads two u64 (start, length) through the pointer, which
+            // points at `range`.
+            if unsafe { libc::ioctl(fd, BLKZEROOUT, range.as_ptr()) } == 0 {
+                return Ok(());
+            }
+        } else {
+            // SAFETY: fallocate takes plain integers; fd is open for writing.
+            let rc = unsafe { libc::fallocate(fd, self.zero_range_mode(), offset as i64, len as i64) };
+            if rc == 0 {
+                return Ok(());
+            }
+        }
+        // Writing zeroes works everywhere. The write goes through a buffered descriptor,
+        // which the direct I/O of the reactors sees once it is synced.
+        let file = std::fs::OpenOptions::new().write(true).open(format!("/proc/self/fd/{fd}"))?;
+        let zeroes = vec![0u8; 1 << 20];
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(zeroes.len() as u64) as usize;
+            std::os::unix::fs::FileExt::write_all_at(&file, &zeroes[..n], offset + done)?;
+            done += n as u64;
+        }
+        file.sync_data()
+    }
+
+    /// Makes every completed write durable, blocking (`fdatasync`).
+    pub fn sync_now(&self) -> std::io::Result<()> {
+        let Some(fd) = self.raw_fd() else { return Ok(()) };
+        // SAFETY: fdatasync takes a descriptor we own.
+        if unsafe { libc::fdatasync(fd) } == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+    }
+
+    /// Whether this is a block device (not a regular file).
+    pub fn is_block_device(&self) -> bool {
+        self.block_device
+    }
+}
+
+/// `BLKZEROOUT`: `_IO(0x12, 127)`; the libc crate does not export it.
+const BLKZEROOUT: libc::c_ulong = 0x127F;
 
 /// `BLKGETSIZE64`: `_IOR(0x12, 114, size_t)`; the libc crate does not export it.
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;

@@ -74,12 +74,13 @@ pub struct ListenerConfig {
 pub struct NamespaceConfig {
     /// Namespace ID; the next free one when absent.
     pub nsid: Option<u32>,
-    /// `null:SIZE`, `memory:SIZE`, `file:PATH` or `file:PATH:SIZE`.
+    /// `null:SIZE`, `memory:SIZE`, `file:PATH`, `file:PATH:SIZE` or `volume:POOL/NAME`.
     pub backend: String,
     /// Block size: 512 or 4096.
     #[serde(default = "default_block_size")]
     pub block_size: u32,
     /// UUID; derived from the subsystem NQN and NSID when absent, so it is stable.
+    /// Volumes always use the UUID and NGUID stored with them.
     pub uuid: Option<uuid::Uuid>,
 }
 
@@ -130,9 +131,20 @@ pub struct EngineConfig {
     /// Listeners.
     #[serde(default, rename = "listener")]
     pub listeners: Vec<ListenerConfig>,
+    /// Pools to import at start, before the subsystems (whose namespaces may be volumes).
+    #[serde(default, rename = "pool")]
+    pub pools: Vec<PoolConfig>,
     /// Subsystems.
     #[serde(default, rename = "subsystem")]
     pub subsystems: Vec<SubsystemConfig>,
+}
+
+/// A pool to import: all of its disks.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// Paths of every member disk (any order).
+    pub disks: Vec<PathBuf>,
 }
 
 /// Where the management socket lives unless configured.
@@ -148,6 +160,7 @@ impl Default for EngineConfig {
             management_socket: default_socket(),
             limits: Limits::default(),
             listeners: Vec::new(),
+            pools: Vec::new(),
             subsystems: Vec::new(),
         }
     }
@@ -203,12 +216,14 @@ pub enum BackendSpec {
     Memory(u64),
     /// `file:PATH[:SIZE]`.
     File(PathBuf, Option<u64>),
+    /// `volume:POOL/NAME`.
+    Volume(String, String),
 }
 
 impl BackendSpec {
     /// Parses `null:1GiB`, `memory:256MiB`, `file:/path` or `file:/path:10GiB`.
     pub fn parse(s: &str) -> Result<BackendSpec, String> {
-        let usage = "use null:SIZE, memory:SIZE, file:PATH or file:PATH:SIZE (e.g. memory:256MiB)";
+        let usage = "use null:SIZE, memory:SIZE, file:PATH, file:PATH:SIZE or volume:POOL/NAME (e.g. memory:256MiB)";
         let (kind, rest) = s.split_once(':').ok_or_else(|| format!("backend {s:?} has no kind: {usage}"))?;
         match kind {
             "null" => Ok(BackendSpec::Null(parse_size(rest)?)),
@@ -225,6 +240,12 @@ impl BackendSpec {
                     _ => Ok(BackendSpec::File(PathBuf::from(rest), None)),
                 }
             }
+            "volume" => match rest.split_once('/') {
+                Some((pool, name)) if !pool.is_empty() && !name.is_empty() => {
+                    Ok(BackendSpec::Volume(pool.to_string(), name.to_string()))
+                }
+                _ => Err(format!("backend {s:?} does not name a volume: {usage}")),
+            },
             _ => Err(format!("backend kind {kind:?} is unknown: {usage}")),
         }
     }
@@ -290,6 +311,8 @@ mod tests {
     fn backends_parse() {
         assert_eq!(BackendSpec::parse("null:1GiB"), Ok(BackendSpec::Null(1 << 30)));
         assert_eq!(BackendSpec::parse("file:/a/b"), Ok(BackendSpec::File("/a/b".into(), None)));
+        assert_eq!(BackendSpec::parse("volume:fast/db"), Ok(BackendSpec::Volume("fast".into(), "db".into())));
+        assert!(BackendSpec::parse("volume:fast").is_err());
         assert_eq!(BackendSpec::parse("file:/a/b:1M"), Ok(BackendSpec::File("/a/b".into(), Some(1 << 20))));
         assert!(BackendSpec::parse("disk:/x").unwrap_err().contains("unknown"));
         assert!(BackendSpec::parse("file:").is_err());

@@ -9,7 +9,9 @@ pub mod bdev;
 pub mod bufpool;
 pub mod config;
 pub mod mgmt;
+pub mod pool;
 pub mod reactor;
+mod storage;
 pub mod target;
 
 use std::collections::BTreeMap;
@@ -23,6 +25,7 @@ use serde::Serialize;
 use bdev::Bdev;
 use config::{BackendSpec, EngineConfig, NamespaceConfig, SubsystemConfig};
 use reactor::{Msg, ReactorLink};
+pub use storage::{DirtyAction, DirtyReport};
 use target::subsystem::HostPolicy;
 use target::{ListenerInfo, Namespace, Subsystem, Target, lock};
 
@@ -33,6 +36,7 @@ pub struct Engine {
     threads: Mutex<Vec<JoinHandle<()>>>,
     listeners: Mutex<BTreeMap<u16, SocketAddr>>,
     next_port_id: AtomicU16,
+    pools: Mutex<BTreeMap<String, Arc<pool::Pool>>>,
 }
 
 /// A namespace as the management API reports it.
@@ -120,8 +124,12 @@ impl Engine {
             threads: Mutex::new(threads),
             listeners: Mutex::new(BTreeMap::new()),
             next_port_id: AtomicU16::new(1),
+            pools: Mutex::new(BTreeMap::new()),
         });
         let setup = || -> Result<(), String> {
+            for p in &cfg.pools {
+                engine.import_pool(&p.disks)?;
+            }
             for s in &cfg.subsystems {
                 engine.add_subsystem(s)?;
             }
@@ -195,7 +203,7 @@ impl Engine {
             s.add_host(h)?;
         }
         for n in &c.namespaces {
-            add_namespace_to(&s, n)?;
+            add_namespace_to(self, &s, n)?;
         }
         self.target.add_subsystem(s)?;
         self.kick();
@@ -220,7 +228,7 @@ impl Engine {
     /// Returns the NSID.
     pub fn add_namespace(&self, nqn: &str, n: &NamespaceConfig) -> Result<u32, String> {
         let s = self.subsystem(nqn)?;
-        let nsid = add_namespace_to(&s, n)?;
+        let nsid = add_namespace_to(self, &s, n)?;
         self.kick();
         Ok(nsid)
     }
@@ -285,10 +293,13 @@ impl Engine {
         for t in lock(&self.threads).drain(..) {
             let _ = t.join();
         }
+        for p in lock(&self.pools).values() {
+            p.close();
+        }
     }
 }
 
-fn add_namespace_to(s: &Subsystem, n: &NamespaceConfig) -> Result<u32, String> {
+fn add_namespace_to(engine: &Engine, s: &Subsystem, n: &NamespaceConfig) -> Result<u32, String> {
     let nsid = match n.nsid {
         Some(id) => id,
         None => {
@@ -299,6 +310,14 @@ fn add_namespace_to(s: &Subsystem, n: &NamespaceConfig) -> Result<u32, String> {
         BackendSpec::Null(size) => Bdev::null(size),
         BackendSpec::Memory(size) => Bdev::memory(size).map_err(|e| e.to_string())?,
         BackendSpec::File(path, size) => Bdev::file(&path, size).map_err(|e| e.to_string())?,
+        BackendSpec::Volume(pool, name) => {
+            if n.uuid.is_some() {
+                return Err(format!("volume {pool}/{name} has its own UUID: leave uuid out of the namespace"));
+            }
+            let ns = engine.volume_namespace(&pool, &name, nsid, n.block_size)?;
+            s.add_namespace(ns)?;
+            return Ok(nsid);
+        }
     };
     let uuid = n.uuid.unwrap_or_else(|| config::derived_uuid(&s.nqn, nsid));
     let nguid = config::derived_nguid(&uuid);

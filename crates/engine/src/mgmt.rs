@@ -15,6 +15,15 @@
 //! | `allow_any_host` | `nqn`, `allow` |
 //! | `listener_list` | |
 //! | `listener_add`, `listener_remove` | `address` |
+//! | `pool_create` | `name`, `disks`, optional `cluster_size` (bytes), `force` |
+//! | `pool_import` | `disks` |
+//! | `pool_export`, `pool_check` | `name` |
+//! | `pool_list` | |
+//! | `volume_create` | `pool`, `name`, `size` (bytes), `thin` |
+//! | `volume_delete`, `volume_get` | `pool`, `name` |
+//! | `volume_resize` | `pool`, `name`, `size` (bytes; grow only) |
+//! | `volume_list` | optional `pool` |
+//! | `volume_dirty` | `pool`, `name`, `action`: `start`, `stop`, `report` or `reset` |
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -24,8 +33,8 @@ use std::sync::Arc;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::Engine;
 use crate::config::{NamespaceConfig, SubsystemConfig};
+use crate::{DirtyAction, Engine};
 
 /// Binds the management socket and serves it on a background thread.
 pub fn serve(engine: Arc<Engine>, path: &Path) -> Result<PathBuf, String> {
@@ -82,6 +91,7 @@ struct Request {
 }
 
 fn params<T: for<'de> Deserialize<'de>>(method: &str, v: Value) -> Result<T, String> {
+    let v = if v.is_null() { json!({}) } else { v };
     serde_json::from_value(v).map_err(|e| format!("{method}: bad params: {e}"))
 }
 
@@ -125,6 +135,67 @@ struct Address {
     address: std::net::SocketAddr,
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PoolCreate {
+    name: String,
+    disks: Vec<PathBuf>,
+    cluster_size: Option<u64>,
+    #[serde(default)]
+    force: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Disks {
+    disks: Vec<PathBuf>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Name {
+    name: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct VolumeCreate {
+    pool: String,
+    name: String,
+    size: u64,
+    #[serde(default)]
+    thin: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct VolumeRef {
+    pool: String,
+    name: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct VolumeResize {
+    pool: String,
+    name: String,
+    size: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PoolFilter {
+    pool: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct VolumeDirty {
+    pool: String,
+    name: String,
+    action: DirtyAction,
+}
+
 /// Handles one request line; public so tests can drive the API without a socket.
 pub fn handle(engine: &Engine, line: &str) -> Result<Value, String> {
     let req: Request = serde_json::from_str(line)
@@ -165,9 +236,40 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value, String> {
         "listener_list" => Ok(json!(engine.listeners())),
         "listener_add" => engine.add_listener(params::<Address>(m, p)?.address).map(|l| json!(l)),
         "listener_remove" => ok(engine.remove_listener(params::<Address>(m, p)?.address)),
+        "pool_create" => {
+            let a: PoolCreate = params(m, p)?;
+            engine.create_pool(&a.name, &a.disks, a.cluster_size, a.force).map(|i| json!(i))
+        }
+        "pool_import" => engine.import_pool(&params::<Disks>(m, p)?.disks).map(|i| json!(i)),
+        "pool_export" => ok(engine.export_pool(&params::<Name>(m, p)?.name)),
+        "pool_check" => ok(engine.check_pool(&params::<Name>(m, p)?.name)),
+        "pool_list" => Ok(json!(engine.pools())),
+        "volume_create" => {
+            let a: VolumeCreate = params(m, p)?;
+            engine.create_volume(&a.pool, &a.name, a.size, a.thin).map(|i| json!(i))
+        }
+        "volume_delete" => {
+            let a: VolumeRef = params(m, p)?;
+            ok(engine.delete_volume(&a.pool, &a.name))
+        }
+        "volume_get" => {
+            let a: VolumeRef = params(m, p)?;
+            engine.volume(&a.pool, &a.name).map(|i| json!(i))
+        }
+        "volume_resize" => {
+            let a: VolumeResize = params(m, p)?;
+            engine.resize_volume(&a.pool, &a.name, a.size).map(|i| json!(i))
+        }
+        "volume_list" => engine.volumes(params::<PoolFilter>(m, p)?.pool.as_deref()).map(|v| json!(v)),
+        "volume_dirty" => {
+            let a: VolumeDirty = params(m, p)?;
+            engine.volume_dirty(&a.pool, &a.name, a.action).map(|r| json!(r))
+        }
         _ => Err(format!(
             "unknown method {m:?}: use engine_info, subsystem_list, subsystem_add, subsystem_remove, namespace_add, \
-             namespace_remove, host_add, host_remove, allow_any_host, listener_list, listener_add or listener_remove"
+             namespace_remove, host_add, host_remove, allow_any_host, listener_list, listener_add, listener_remove, \
+             pool_create, pool_import, pool_export, pool_check, pool_list, volume_create, volume_delete, volume_get, \
+             volume_resize, volume_list or volume_dirty"
         )),
     }
 }

@@ -5,7 +5,9 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 use nvpool_engine::Engine;
-use nvpool_engine::config::{EngineConfig, ListenerConfig, NamespaceConfig, SubsystemConfig, default_socket};
+use nvpool_engine::config::{
+    EngineConfig, ListenerConfig, NamespaceConfig, PoolConfig, SubsystemConfig, default_socket,
+};
 use nvpool_engine::mgmt;
 use serde_json::{Value, json};
 
@@ -46,6 +48,20 @@ enum Command {
     Listener {
         #[command(subcommand)]
         verb: ListenerVerb,
+        #[command(flatten)]
+        api: Api,
+    },
+    /// Manage disk pools of a running engine.
+    Pool {
+        #[command(subcommand)]
+        verb: PoolVerb,
+        #[command(flatten)]
+        api: Api,
+    },
+    /// Manage volumes in the pools of a running engine.
+    Volume {
+        #[command(subcommand)]
+        verb: VolumeVerb,
         #[command(flatten)]
         api: Api,
     },
@@ -151,15 +167,19 @@ struct Api {
 struct EngineArgs {
     /// A TOML configuration file (see the README); the quick flags below are then
     /// not allowed.
-    #[arg(long, conflicts_with_all = ["listen", "subsystem", "namespace", "host"])]
+    #[arg(long, conflicts_with_all = ["listen", "subsystem", "namespace", "host", "pool"])]
     config: Option<PathBuf>,
+    /// Import a pool at start: its disks, comma-separated (repeatable, one per pool).
+    #[arg(long)]
+    pool: Vec<String>,
     /// Address to serve NVMe/TCP on (repeatable).
     #[arg(long)]
     listen: Vec<SocketAddr>,
     /// NQN of the subsystem to serve.
     #[arg(long, requires = "namespace")]
     subsystem: Option<String>,
-    /// A namespace: memory:SIZE, null:SIZE, file:PATH or file:PATH:SIZE (repeatable).
+    /// A namespace: memory:SIZE, null:SIZE, file:PATH, file:PATH:SIZE or volume:POOL/NAME
+    /// (repeatable).
     #[arg(long)]
     namespace: Vec<String>,
     /// Block size of the namespaces.
@@ -213,7 +233,7 @@ enum NamespaceVerb {
     Add {
         /// Subsystem NQN.
         nqn: String,
-        /// Backend: memory:SIZE, null:SIZE, file:PATH or file:PATH:SIZE.
+        /// Backend: memory:SIZE, null:SIZE, file:PATH, file:PATH:SIZE or volume:POOL/NAME.
         backend: String,
         /// Namespace ID (the next free one by default).
         #[arg(long)]
@@ -231,6 +251,98 @@ enum NamespaceVerb {
         nqn: String,
         /// Namespace ID.
         nsid: u32,
+    },
+}
+
+#[derive(Subcommand)]
+enum PoolVerb {
+    /// List pools with capacity and use.
+    List,
+    /// Claim disks (block devices or files) as a new pool.
+    Create {
+        /// Pool name.
+        name: String,
+        /// Disks, in order; the first holds the metadata.
+        #[arg(required = true)]
+        disks: Vec<PathBuf>,
+        /// Cluster size, the unit of thin allocation (128KiB to 1GiB).
+        #[arg(long, value_parser = parse_span)]
+        cluster_size: Option<u64>,
+        /// Claim disks that hold a filesystem or another pool (their data is lost).
+        #[arg(long)]
+        force: bool,
+    },
+    /// Open an existing pool from all of its disks.
+    Import {
+        /// Every disk of the pool, in any order.
+        #[arg(required = true)]
+        disks: Vec<PathBuf>,
+    },
+    /// Close a pool; its disks keep everything.
+    Export {
+        /// Pool name.
+        name: String,
+    },
+    /// Check a pool's metadata and space accounting.
+    Check {
+        /// Pool name.
+        name: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum VolumeVerb {
+    /// List volumes (of one pool, or all).
+    List {
+        /// Pool name.
+        pool: Option<String>,
+    },
+    /// Create a volume (thick unless --thin).
+    Create {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        name: String,
+        /// Size, e.g. 10GiB.
+        #[arg(value_parser = parse_span)]
+        size: u64,
+        /// Allocate clusters on first write instead of now.
+        #[arg(long)]
+        thin: bool,
+    },
+    /// Delete a volume and free its space.
+    Delete {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        name: String,
+    },
+    /// Grow a volume; hosts see the new size.
+    Resize {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        name: String,
+        /// New size, e.g. 20GiB.
+        #[arg(value_parser = parse_span)]
+        size: u64,
+    },
+    /// Show one volume: size, allocation, identity.
+    Stats {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        name: String,
+    },
+    /// Track the clusters written to a volume (for migration).
+    Dirty {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        name: String,
+        /// start, stop, report, or reset (report and clear).
+        #[arg(value_parser = ["start", "stop", "report", "reset"])]
+        action: String,
     },
 }
 
@@ -333,6 +445,71 @@ pub fn run(cli: Cli) -> Result<(), String> {
                 done(&api, "listener_remove", json!({ "address": address }), &format!("stopped listening on {address}"))
             }
         },
+        Command::Pool { verb, api } => match verb {
+            PoolVerb::List => show(&api, "pool_list", json!({}), pool_table),
+            PoolVerb::Create { name, disks, cluster_size, force } => {
+                let p = json!({ "name": name, "disks": disks, "cluster_size": cluster_size, "force": force });
+                let r = mgmt::call(&api.socket, "pool_create", p)?;
+                print_or(&api, &r, || render(&pool_table(&json!([r.clone()]))));
+                Ok(())
+            }
+            PoolVerb::Import { disks } => {
+                let r = mgmt::call(&api.socket, "pool_import", json!({ "disks": disks }))?;
+                print_or(&api, &r, || render(&pool_table(&json!([r.clone()]))));
+                Ok(())
+            }
+            PoolVerb::Export { name } => {
+                done(&api, "pool_export", json!({ "name": name }), &format!("pool {name} exported"))
+            }
+            PoolVerb::Check { name } => done(
+                &api,
+                "pool_check",
+                json!({ "name": name }),
+                &format!("pool {name}: metadata and space accounting are consistent"),
+            ),
+        },
+        Command::Volume { verb, api } => match verb {
+            VolumeVerb::List { pool } => show(&api, "volume_list", json!({ "pool": pool }), volume_table),
+            VolumeVerb::Create { pool, name, size, thin } => {
+                let p = json!({ "pool": pool, "name": name, "size": size, "thin": thin });
+                let r = mgmt::call(&api.socket, "volume_create", p)?;
+                print_or(&api, &r, || render(&volume_table(&json!([r.clone()]))));
+                Ok(())
+            }
+            VolumeVerb::Delete { pool, name } => done(
+                &api,
+                "volume_delete",
+                json!({ "pool": pool, "name": name }),
+                &format!("volume {pool}/{name} deleted"),
+            ),
+            VolumeVerb::Resize { pool, name, size } => {
+                let r = mgmt::call(&api.socket, "volume_resize", json!({ "pool": pool, "name": name, "size": size }))?;
+                print_or(&api, &r, || render(&volume_table(&json!([r.clone()]))));
+                Ok(())
+            }
+            VolumeVerb::Stats { pool, name } => {
+                let r = mgmt::call(&api.socket, "volume_get", json!({ "pool": pool, "name": name }))?;
+                print_or(&api, &r, || render(&volume_table(&json!([r.clone()]))));
+                Ok(())
+            }
+            VolumeVerb::Dirty { pool, name, action } => {
+                let r =
+                    mgmt::call(&api.socket, "volume_dirty", json!({ "pool": pool, "name": name, "action": action }))?;
+                print_or(&api, &r, || {
+                    let clusters: Vec<String> =
+                        r["clusters"].as_array().map(|a| a.iter().map(s).collect()).unwrap_or_default();
+                    format!(
+                        "tracking: {}; cluster size {}; {} dirty clusters{}{}",
+                        if r["tracking"].as_bool() == Some(true) { "on" } else { "off" },
+                        human(r["cluster_size"].as_u64().unwrap_or(0)),
+                        clusters.len(),
+                        if clusters.is_empty() { "" } else { ": " },
+                        clusters.join(" ")
+                    )
+                });
+                Ok(())
+            }
+        },
         Command::Stats { api } => show(&api, "subsystem_list", json!({}), stats_table),
         Command::Bench(a) => run_bench(a),
         Command::Responder(a) => run_responder(a),
@@ -432,6 +609,11 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
             }
             let mut cfg = EngineConfig {
                 listeners: a.listen.iter().map(|&address| ListenerConfig { address }).collect(),
+                pools: a
+                    .pool
+                    .iter()
+                    .map(|disks| PoolConfig { disks: disks.split(',').map(PathBuf::from).collect() })
+                    .collect(),
                 ..EngineConfig::default()
             };
             if a.discovery_port != 0 && !a.listen.iter().any(|l| l.port() == a.discovery_port) {
@@ -575,6 +757,47 @@ fn stats_table(v: &Value) -> Vec<Vec<String>> {
                 s(&st["errors"]),
             ]);
         }
+    }
+    rows
+}
+
+fn pool_table(v: &Value) -> Vec<Vec<String>> {
+    let mut rows = vec![
+        ["NAME", "DISKS", "CLUSTER", "CAPACITY", "USED", "FREE", "PROVISIONED", "VOLUMES", "STATE"]
+            .map(String::from)
+            .to_vec(),
+    ];
+    let size = |x: &Value| human(x.as_u64().unwrap_or(0));
+    for p in v.as_array().into_iter().flatten() {
+        let disks: Vec<String> = p["disks"].as_array().map(|a| a.iter().map(s).collect()).unwrap_or_default();
+        rows.push(vec![
+            s(&p["name"]),
+            disks.join(","),
+            size(&p["cluster_size"]),
+            size(&p["capacity_bytes"]),
+            size(&p["used_bytes"]),
+            size(&p["free_bytes"]),
+            size(&p["provisioned_bytes"]),
+            s(&p["volumes"]),
+            p["failed"].as_str().map_or("online".to_string(), |f| format!("failed: {f}")),
+        ]);
+    }
+    rows
+}
+
+fn volume_table(v: &Value) -> Vec<Vec<String>> {
+    let mut rows =
+        vec![["POOL", "NAME", "SIZE", "TYPE", "ALLOCATED", "UUID", "DIRTY TRACKING"].map(String::from).to_vec()];
+    for x in v.as_array().into_iter().flatten() {
+        rows.push(vec![
+            s(&x["pool"]),
+            s(&x["name"]),
+            human(x["size"].as_u64().unwrap_or(0)),
+            if x["thin"].as_bool() == Some(true) { "thin" } else { "thick" }.to_string(),
+            human(x["allocated_bytes"].as_u64().unwrap_or(0)),
+            s(&x["uuid"]),
+            if x["dirty_tracking"].as_bool() == Some(true) { "on" } else { "off" }.to_string(),
+        ]);
     }
     rows
 }

@@ -17,9 +17,10 @@ use nvpool_wire::command::{Command, Completion, admin_opcode, sgl};
 use nvpool_wire::fabrics::fctype;
 use nvpool_wire::tcp::{self, DataHeader, Digests, FatalError, IcResp, Pdu, fes};
 
-use super::{Op, Reactor};
+use super::{Msg, Op, Reactor};
 use crate::bdev::BdevKind;
 use crate::bufpool::{Buf, BufPool};
+use crate::pool::{Done, Request, VolumeIo};
 use crate::target::admin::{self, AdminOutcome};
 use crate::target::io::{self, IoPlan};
 use crate::target::subsystem::NamespaceMap;
@@ -120,6 +121,11 @@ struct Slot {
     received: u32,
     disk_pending: u32,
     status: Status,
+    /// The pool epoch a volume I/O counted itself under while its disk work runs.
+    epoch: Option<u8>,
+    /// Bytes of submitted reads and writes not yet reported done; a transfer split
+    /// over several disk operations completes in pieces.
+    transfer_left: u64,
 }
 
 impl Slot {
@@ -133,6 +139,8 @@ impl Slot {
             received: 0,
             disk_pending: 0,
             status: Status::SUCCESS,
+            epoch: None,
+            transfer_left: 0,
         }
     }
 }
@@ -531,6 +539,9 @@ impl Conn {
         let slot = &mut self.slots[usize::from(tag)];
         let Some(ns) = slot.ns.clone() else { return };
         let bdev = &ns.bdev;
+        if let Some(volume) = bdev.as_volume() {
+            return self.start_volume(r, idx, tag, &ns, volume);
+        }
         let fd = bdev.raw_fd();
         slot.state = SlotState::Disk;
         let ud = Op::Disk(idx, tag).encode();
@@ -571,6 +582,7 @@ impl Conn {
                     slot.buf = Some(buf);
                     r.push(sqe.user_data(ud));
                     submitted = 1;
+                    slot.transfer_left = u64::from(len);
                 }
                 IoPlan::Write { offset, len, fua } => {
                     if let Some(buf) = slot.buf.as_mut() {
@@ -586,6 +598,7 @@ impl Conn {
                         };
                         r.push(sqe.user_data(ud));
                         submitted = 1;
+                        slot.transfer_left = u64::from(len);
                     }
                 }
                 IoPlan::Flush => {
@@ -622,6 +635,143 @@ impl Conn {
         }
     }
 
+    /// Volume I/O: each piece of the transfer goes to the disk and offset its cluster
+    /// maps to; reads of unallocated clusters are zeroes; a write to an unallocated
+    /// cluster first asks the pool's metadata thread for it.
+    fn start_volume(&mut self, r: &mut Reactor, idx: u32, tag: u16, ns: &Namespace, volume: &VolumeIo) {
+        let ud = Op::Disk(idx, tag).encode();
+        let slot = &mut self.slots[usize::from(tag)];
+        slot.state = SlotState::Disk;
+        let pool = &volume.pool;
+        let shift = pool.cluster_shift();
+        let mut submitted = 0;
+        match slot.plan {
+            IoPlan::Read { offset, len } | IoPlan::Write { offset, len, .. } => {
+                let write = matches!(slot.plan, IoPlan::Write { .. });
+                let flags = if matches!(slot.plan, IoPlan::Write { fua: true, .. }) { libc::RWF_DSYNC } else { 0 };
+                let end = offset + u64::from(len);
+                let (first, last) = (offset >> shift, (end - 1) >> shift);
+                let epoch = pool.enter(r.id);
+                if write && (first..=last).any(|vc| volume.map.get(vc) == 0) {
+                    pool.leave(r.id, epoch);
+                    return self.ask_pool(r, idx, tag, |done| Request::Allocate {
+                        volume: volume.id,
+                        first,
+                        count: last - first + 1,
+                        done,
+                    });
+                }
+                if !write {
+                    slot.buf = Some(r.io_buf(len as usize));
+                }
+                let Some(buf) = slot.buf.as_mut() else {
+                    pool.leave(r.id, epoch);
+                    return self.finish(r, idx, tag);
+                };
+                let mut at = offset;
+                while at < end {
+                    let (vc, within) = (at >> shift, at & ((1 << shift) - 1));
+                    let n = ((1u64 << shift) - within).min(end - at) as usize;
+                    let piece = &mut buf.as_mut_slice()[(at - offset) as usize..][..n];
+                    let pc = volume.map.get(vc);
+                    match pool.locate(pc, within).and_then(|(disk, pos)| Some((disk.raw_fd()?, pos))) {
+                        None if pc == 0 => piece.fill(0),
+                        None => slot.status = Status::INTERNAL_ERROR,
+                        Some((fd, pos)) => {
+                            let (fd, ptr) = (types::Fd(fd), piece.as_mut_ptr());
+                            let sqe = match (write, buf.registered_index()) {
+                                (false, Some(i)) => opcode::ReadFixed::new(fd, ptr, n as u32, i).offset(pos).build(),
+                                (false, None) => opcode::Read::new(fd, ptr, n as u32).offset(pos).build(),
+                                (true, Some(i)) => {
+                                    opcode::WriteFixed::new(fd, ptr, n as u32, i).offset(pos).rw_flags(flags).build()
+                                }
+                                (true, None) => {
+                                    opcode::Write::new(fd, ptr, n as u32).offset(pos).rw_flags(flags).build()
+                                }
+                            };
+                            r.push(sqe.user_data(ud));
+                            submitted += 1;
+                            slot.transfer_left += n as u64;
+                            if write {
+                                volume.map.mark_written(vc);
+                            }
+                        }
+                    }
+                    at += n as u64;
+                }
+                if submitted > 0 {
+                    slot.epoch = Some(epoch);
+                } else {
+                    pool.leave(r.id, epoch);
+                }
+            }
+            IoPlan::Flush => {
+                for disk in pool.disks() {
+                    if let Some(fd) = disk.bdev.raw_fd() {
+                        let sqe = opcode::Fsync::new(types::Fd(fd)).flags(types::FsyncFlags::DATASYNC).build();
+                        r.push(sqe.user_data(ud));
+                        submitted += 1;
+                    }
+                }
+            }
+            IoPlan::WriteZeroes { offset, len } => {
+                return self.ask_pool(r, idx, tag, |done| Request::Zero {
+                    volume: volume.id,
+                    ranges: vec![(offset, len)],
+                    done,
+                });
+            }
+            IoPlan::DatasetManagement { ranges, deallocate } => {
+                let data = slot.buf.as_ref().map_or(&[][..], |b| &b.as_slice()[..ranges as usize * 16]);
+                match io::dsm_byte_ranges(ns, data, ranges) {
+                    Ok(list) if deallocate && !list.is_empty() => {
+                        return self.ask_pool(r, idx, tag, |done| Request::Zero {
+                            volume: volume.id,
+                            ranges: list,
+                            done,
+                        });
+                    }
+                    Ok(_) => {}
+                    Err(s) => slot.status = s,
+                }
+            }
+        }
+        slot.disk_pending = submitted;
+        self.ops_in_flight += submitted;
+        r.disk_in_flight += submitted;
+        if submitted == 0 {
+            self.finish(r, idx, tag);
+        }
+    }
+
+    /// Hands slot `tag`'s work to the pool's metadata thread; its answer comes back
+    /// through the reactor's mailbox to [`Conn::on_pool_done`].
+    fn ask_pool(&mut self, r: &mut Reactor, idx: u32, tag: u16, request: impl FnOnce(Done) -> Request) {
+        let Some(volume) = self.slots[usize::from(tag)].ns.as_ref().and_then(|ns| ns.bdev.as_volume().cloned()) else {
+            return;
+        };
+        self.ops_in_flight += 1;
+        let (links, reactor) = (r.links.clone(), r.id);
+        let done: Done = Box::new(move |status| links[reactor].send(Msg::PoolDone { conn: idx, tag, status }));
+        volume.pool.request(request(done));
+    }
+
+    pub(super) fn on_pool_done(&mut self, r: &mut Reactor, idx: u32, tag: u16, status: Status) {
+        self.ops_in_flight -= 1;
+        if self.phase == Phase::Closed {
+            return;
+        }
+        let Some(slot) = self.slots.get_mut(usize::from(tag)) else { return };
+        if status.is_success() && matches!(slot.plan, IoPlan::Write { .. }) {
+            // The clusters exist now (unless released again meanwhile): map the write anew.
+            return self.start_disk(r, idx, tag);
+        }
+        if !status.is_success() {
+            slot.status = status;
+        }
+        self.finish(r, idx, tag);
+    }
+
     pub(super) fn on_disk(&mut self, r: &mut Reactor, idx: u32, tag: u16, res: i32) {
         self.ops_in_flight -= 1;
         r.disk_in_flight -= 1;
@@ -629,17 +779,26 @@ impl Conn {
             return;
         };
         slot.disk_pending = slot.disk_pending.saturating_sub(1);
-        let expected = match slot.plan {
-            IoPlan::Read { len, .. } | IoPlan::Write { len, .. } => Some(len as i32),
-            _ => None,
-        };
+        let transfer = matches!(slot.plan, IoPlan::Read { .. } | IoPlan::Write { .. });
         let deallocating = matches!(slot.plan, IoPlan::DatasetManagement { .. });
-        let failed = res < 0 && !(deallocating && res == -libc::EOPNOTSUPP);
-        if failed || expected.is_some_and(|e| res != e) {
+        if res < 0 && !(deallocating && res == -libc::EOPNOTSUPP) {
             slot.status = Status::INTERNAL_ERROR;
+        } else if transfer {
+            slot.transfer_left = slot.transfer_left.saturating_sub(res as u64);
         }
-        if slot.disk_pending == 0 && self.phase != Phase::Closed {
-            self.finish(r, idx, tag);
+        if slot.disk_pending == 0 {
+            if transfer && std::mem::take(&mut slot.transfer_left) != 0 {
+                // A short read or write: the disk ended before the range did.
+                slot.status = Status::INTERNAL_ERROR;
+            }
+            if let Some(epoch) = slot.epoch.take()
+                && let Some(volume) = slot.ns.as_ref().and_then(|ns| ns.bdev.as_volume())
+            {
+                volume.pool.leave(r.id, epoch);
+            }
+            if self.phase != Phase::Closed {
+                self.finish(r, idx, tag);
+            }
         }
     }
 

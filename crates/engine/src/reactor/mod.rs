@@ -59,6 +59,15 @@ pub enum Msg {
     Unlisten(u16),
     /// Something changed (namespaces, hosts, events): check connections now.
     Kick,
+    /// A pool finished work a connection asked for.
+    PoolDone {
+        /// Connection slot.
+        conn: u32,
+        /// Command slot.
+        tag: u16,
+        /// How it ended.
+        status: nvpool_wire::Status,
+    },
     /// Close everything and exit.
     Stop,
 }
@@ -397,6 +406,9 @@ impl Reactor {
                 }
                 Msg::Unlisten(port_id) => self.unlisten(port_id),
                 Msg::Kick => self.kick(),
+                Msg::PoolDone { conn, tag, status } => {
+                    self.with_conn(conn, |r, c| c.on_pool_done(r, conn, tag, status))
+                }
                 Msg::Stop => {
                     self.stopping = true;
                     let ports: Vec<u16> = self.listeners.keys().copied().collect();

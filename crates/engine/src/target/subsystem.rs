@@ -238,6 +238,24 @@ impl Subsystem {
         Ok(())
     }
 
+    /// Replaces namespace `ns.nsid` (a resized volume) and notifies connected
+    /// controllers, which re-read its size.
+    pub fn replace_namespace(&self, ns: Namespace) -> Result<(), String> {
+        let nsid = ns.nsid;
+        {
+            let mut guard = write(&self.namespaces);
+            if !guard.contains_key(&nsid) {
+                return Err(format!("no namespace {nsid} in {}", self.nqn));
+            }
+            let mut map = (**guard).clone();
+            map.insert(nsid, Arc::new(ns));
+            *guard = Arc::new(map);
+            self.generation.fetch_add(1, Ordering::AcqRel);
+        }
+        self.namespace_changed(nsid);
+        Ok(())
+    }
+
     /// Removes a namespace and notifies connected controllers.
     pub fn remove_namespace(&self, nsid: u32) -> Result<Arc<Namespace>, String> {
         let removed = {

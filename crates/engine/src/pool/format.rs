@@ -1,0 +1,765 @@
+//! The on-disk format of a pool, as pure encoding and decoding (no I/O).
+//!
+//! Every member disk starts with a [`Superblock`] that names the pool, the disk and all
+//! members. Disk 0 also holds the metadata: two checkpoint slots and a journal.
+//!
+//! ```text
+//! disk 0: | superblock | checkpoint A | checkpoint B | journal | clusters ... |
+//! disk n: | superblock | clusters ...                                         |
+//! ```
+//!
+//! A checkpoint is the whole [`PoolState`] with a generation number; the valid slot with
+//! the highest generation wins. Journal entries after it carry the same generation and
+//! consecutive sequence numbers, each one checksummed, so replay stops at the first
+//! entry that is torn, stale or missing. Every structure is little-endian and carries a
+//! CRC32C.
+
+use std::collections::BTreeMap;
+
+use nvpool_wire::tcp::crc32c;
+
+/// Unit of metadata I/O and alignment of every metadata structure (direct I/O needs it).
+pub const BLOCK: u64 = 4096;
+/// Format version this code writes and reads.
+pub const VERSION: u32 = 1;
+/// Most disks in one pool.
+pub const MAX_DISKS: usize = 32;
+/// Most volumes in one pool.
+pub const MAX_VOLUMES: u32 = 4096;
+/// Longest pool or volume name, in bytes.
+pub const MAX_NAME: usize = 63;
+
+const SUPERBLOCK_MAGIC: &[u8; 8] = b"NVPOOLSB";
+const CHECKPOINT_MAGIC: &[u8; 8] = b"NVPOOLCK";
+const JOURNAL_MAGIC: &[u8; 8] = b"NVPOOLJE";
+/// Bytes of a checkpoint or journal header before the payload.
+pub const HEADER_LEN: usize = 64;
+/// Bytes of one volume entry in a checkpoint, before its extents.
+const VOLUME_ENTRY: usize = 128;
+/// Bytes of one extent in a checkpoint.
+const EXTENT_ENTRY: usize = 12;
+
+/// Rounds `v` up to a multiple of [`BLOCK`].
+pub fn block_align(v: u64) -> u64 {
+    v.div_ceil(BLOCK) * BLOCK
+}
+
+/// Checks a pool or volume name: 1 to 63 bytes of letters, digits, `-`, `_` and `.`.
+pub fn check_name(what: &str, name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_NAME
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("{what} name {name:?} is not valid: use 1 to {MAX_NAME} letters, digits, '-', '_' or '.'"))
+    }
+}
+
+// ----- little-endian cursors ---------------------------------------------------------
+
+struct Writer<'a> {
+    b: &'a mut Vec<u8>,
+}
+
+impl Writer<'_> {
+    fn u8(&mut self, v: u8) {
+        self.b.push(v);
+    }
+    fn u32(&mut self, v: u32) {
+        self.b.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.b.extend_from_slice(&v.to_le_bytes());
+    }
+    fn bytes(&mut self, v: &[u8]) {
+        self.b.extend_from_slice(v);
+    }
+    /// A name as a NUL-padded field of `MAX_NAME + 1` bytes.
+    fn name(&mut self, s: &str) {
+        let mut f = [0u8; MAX_NAME + 1];
+        let n = s.len().min(MAX_NAME);
+        f[..n].copy_from_slice(&s.as_bytes()[..n]);
+        self.bytes(&f);
+    }
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.b.len()).ok_or("metadata ends early")?;
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+    fn u8(&mut self) -> Result<u8, String> {
+        Ok(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Result<u32, String> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+    fn u64(&mut self) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], String> {
+        let mut v = [0u8; N];
+        v.copy_from_slice(self.take(N)?);
+        Ok(v)
+    }
+    fn name(&mut self) -> Result<String, String> {
+        let f = self.take(MAX_NAME + 1)?;
+        let end = f.iter().position(|&c| c == 0).unwrap_or(f.len());
+        String::from_utf8(f[..end].to_vec()).map_err(|_| "a name in the metadata is not UTF-8".to_string())
+    }
+    fn skip_to(&mut self, at: usize) -> Result<(), String> {
+        if at < self.at || at > self.b.len() {
+            return Err("metadata ends early".into());
+        }
+        self.at = at;
+        Ok(())
+    }
+}
+
+// ----- superblock --------------------------------------------------------------------
+
+/// One member disk as every superblock lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Member {
+    /// The disk's UUID.
+    pub uuid: [u8; 16],
+    /// Data clusters on the disk.
+    pub clusters: u32,
+    /// Byte offset of the disk's first data cluster.
+    pub data_offset: u64,
+}
+
+/// Where disk 0 keeps the metadata.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MetaLayout {
+    /// Byte offset of checkpoint slot A; slot B follows it.
+    pub checkpoint_offset: u64,
+    /// Bytes of each checkpoint slot.
+    pub checkpoint_size: u64,
+    /// Byte offset of the journal.
+    pub journal_offset: u64,
+    /// Bytes of the journal.
+    pub journal_size: u64,
+}
+
+impl MetaLayout {
+    /// The layout for a pool of `clusters` clusters with a journal of `journal_size`
+    /// bytes: each checkpoint slot holds the largest state such a pool can have.
+    pub fn for_pool(clusters: u64, journal_size: u64) -> MetaLayout {
+        let checkpoint_size = block_align(
+            HEADER_LEN as u64 + 8 + u64::from(MAX_VOLUMES) * VOLUME_ENTRY as u64 + clusters * EXTENT_ENTRY as u64,
+        );
+        MetaLayout {
+            checkpoint_offset: BLOCK,
+            checkpoint_size,
+            journal_offset: BLOCK + 2 * checkpoint_size,
+            journal_size: block_align(journal_size),
+        }
+    }
+
+    /// Where the metadata ends on disk 0.
+    pub fn end(&self) -> u64 {
+        self.journal_offset + self.journal_size
+    }
+
+    /// Byte offset of checkpoint slot `slot` (0 or 1).
+    pub fn slot_offset(&self, slot: u64) -> u64 {
+        self.checkpoint_offset + (slot % 2) * self.checkpoint_size
+    }
+}
+
+/// The first block of every member disk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Superblock {
+    /// The pool's UUID.
+    pub pool_uuid: [u8; 16],
+    /// The pool's name.
+    pub pool_name: String,
+    /// This disk's index in `members`.
+    pub disk_index: u32,
+    /// Bytes per cluster (a power of two).
+    pub cluster_size: u64,
+    /// Where disk 0 keeps the metadata.
+    pub meta: MetaLayout,
+    /// Every member disk, in index order.
+    pub members: Vec<Member>,
+}
+
+impl Superblock {
+    /// This disk's UUID.
+    pub fn disk_uuid(&self) -> [u8; 16] {
+        self.members[self.disk_index as usize].uuid
+    }
+
+    /// Encodes into one [`BLOCK`].
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(BLOCK as usize);
+        let mut w = Writer { b: &mut b };
+        w.bytes(SUPERBLOCK_MAGIC);
+        w.u32(VERSION);
+        w.u32(0); // CRC, filled in below
+        w.bytes(&self.pool_uuid);
+        w.name(&self.pool_name);
+        w.u32(self.disk_index);
+        w.u32(self.members.len() as u32);
+        w.u64(self.cluster_size);
+        w.u64(self.meta.checkpoint_offset);
+        w.u64(self.meta.checkpoint_size);
+        w.u64(self.meta.journal_offset);
+        w.u64(self.meta.journal_size);
+        for m in &self.members {
+            w.bytes(&m.uuid);
+            w.u32(m.clusters);
+            w.u64(m.data_offset);
+        }
+        b.resize(BLOCK as usize, 0);
+        let crc = crc32c(&b);
+        b[12..16].copy_from_slice(&crc.to_le_bytes());
+        b
+    }
+
+    /// Whether `b` starts with a superblock's magic (valid or not).
+    pub fn has_magic(b: &[u8]) -> bool {
+        b.starts_with(SUPERBLOCK_MAGIC)
+    }
+
+    /// Decodes and checks a superblock.
+    pub fn decode(b: &[u8]) -> Result<Superblock, String> {
+        if b.len() < BLOCK as usize || !Self::has_magic(b) {
+            return Err("no nvpool superblock".into());
+        }
+        let mut copy = b[..BLOCK as usize].to_vec();
+        let stored = u32::from_le_bytes([copy[12], copy[13], copy[14], copy[15]]);
+        copy[12..16].fill(0);
+        if crc32c(&copy) != stored {
+            return Err("the superblock checksum does not match (the disk is damaged)".into());
+        }
+        let mut r = Reader { b: &copy, at: 8 };
+        let version = r.u32()?;
+        if version != VERSION {
+            return Err(format!("superblock version {version} is not supported (this engine reads {VERSION})"));
+        }
+        r.u32()?;
+        let pool_uuid = r.array()?;
+        let pool_name = r.name()?;
+        let disk_index = r.u32()?;
+        let count = r.u32()? as usize;
+        let cluster_size = r.u64()?;
+        let meta = MetaLayout {
+            checkpoint_offset: r.u64()?,
+            checkpoint_size: r.u64()?,
+            journal_offset: r.u64()?,
+            journal_size: r.u64()?,
+        };
+        if count == 0 || count > MAX_DISKS || disk_index as usize >= count || !cluster_size.is_power_of_two() {
+            return Err("the superblock has impossible values".into());
+        }
+        let mut members = Vec::with_capacity(count);
+        for _ in 0..count {
+            members.push(Member { uuid: r.array()?, clusters: r.u32()?, data_offset: r.u64()? });
+        }
+        Ok(Superblock { pool_uuid, pool_name, disk_index, cluster_size, meta, members })
+    }
+}
+
+// ----- pool state ----------------------------------------------------------------------
+
+/// What the metadata says about one volume (its map aside).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeMeta {
+    /// Pool-unique, never reused.
+    pub id: u32,
+    /// Pool-unique name.
+    pub name: String,
+    /// Size in bytes (a multiple of 4 KiB).
+    pub size: u64,
+    /// Thin volumes allocate clusters on first write.
+    pub thin: bool,
+    /// Namespace UUID it is exported with.
+    pub uuid: [u8; 16],
+    /// Namespace NGUID it is exported with.
+    pub nguid: [u8; 16],
+}
+
+/// One volume: its description and which physical cluster backs each virtual one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeState {
+    /// The description.
+    pub meta: VolumeMeta,
+    /// Virtual cluster → physical cluster, for allocated clusters only.
+    pub map: BTreeMap<u32, u32>,
+}
+
+/// The whole metadata of a pool: what checkpoints store and journal entries change.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PoolState {
+    /// The ID the next volume gets.
+    pub next_id: u32,
+    /// Volumes by ID.
+    pub volumes: BTreeMap<u32, VolumeState>,
+}
+
+/// One change to a [`PoolState`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Record {
+    /// A new volume with no clusters.
+    CreateVolume(VolumeMeta),
+    /// A volume and its clusters are gone.
+    DeleteVolume {
+        /// Volume ID.
+        id: u32,
+    },
+    /// A volume's new size; clusters past the end are released.
+    ResizeVolume {
+        /// Volume ID.
+        id: u32,
+        /// New size in bytes.
+        size: u64,
+    },
+    /// `count` virtual clusters from `vstart` are backed by physical clusters from
+    /// `pstart`.
+    Map {
+        /// Volume ID.
+        id: u32,
+        /// First virtual cluster.
+        vstart: u32,
+        /// First physical cluster.
+        pstart: u32,
+        /// Number of clusters.
+        count: u32,
+    },
+    /// `count` virtual clusters from `vstart` are released.
+    Unmap {
+        /// Volume ID.
+        id: u32,
+        /// First virtual cluster.
+        vstart: u32,
+        /// Number of clusters.
+        count: u32,
+    },
+}
+
+impl PoolState {
+    /// Applies a change, checking that it is consistent with the state: physical
+    /// clusters must be free (`in_use` is every mapped physical cluster).
+    pub fn apply(&mut self, rec: &Record, cluster_size: u64) -> Result<(), String> {
+        match rec {
+            Record::CreateVolume(m) => {
+                if self.volumes.contains_key(&m.id) || self.volumes.values().any(|v| v.meta.name == m.name) {
+                    return Err(format!("volume {} exists twice", m.name));
+                }
+                self.next_id = self.next_id.max(m.id + 1);
+                self.volumes.insert(m.id, VolumeState { meta: m.clone(), map: BTreeMap::new() });
+            }
+            Record::DeleteVolume { id } => {
+                self.volumes.remove(id).ok_or_else(|| format!("deleting unknown volume {id}"))?;
+            }
+            Record::ResizeVolume { id, size } => {
+                let v = self.volumes.get_mut(id).ok_or_else(|| format!("resizing unknown volume {id}"))?;
+                v.meta.size = *size;
+                let clusters = size.div_ceil(cluster_size);
+                v.map.retain(|&vc, _| u64::from(vc) < clusters);
+            }
+            Record::Map { id, vstart, pstart, count } => {
+                let v = self.volumes.get_mut(id).ok_or_else(|| format!("mapping into unknown volume {id}"))?;
+                let clusters = v.meta.size.div_ceil(cluster_size);
+                for i in 0..*count {
+                    let vc = vstart.checked_add(i).filter(|&c| u64::from(c) < clusters);
+                    let vc = vc.ok_or_else(|| format!("mapping past the end of volume {id}"))?;
+                    if *pstart == 0 {
+                        return Err("physical cluster 0 does not exist".into());
+                    }
+                    v.map.insert(vc, pstart + i);
+                }
+            }
+            Record::Unmap { id, vstart, count } => {
+                let v = self.volumes.get_mut(id).ok_or_else(|| format!("unmapping in unknown volume {id}"))?;
+                let end = u64::from(*vstart) + u64::from(*count);
+                let gone: Vec<u32> =
+                    v.map.range(*vstart..).take_while(|(vc, _)| u64::from(**vc) < end).map(|(vc, _)| *vc).collect();
+                for vc in gone {
+                    v.map.remove(&vc);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Physical clusters in use by any volume, checking that none is used twice.
+    pub fn used_clusters(&self) -> Result<Vec<u32>, String> {
+        let mut all: Vec<u32> = self.volumes.values().flat_map(|v| v.map.values().copied()).collect();
+        all.sort_unstable();
+        if let Some(w) = all.windows(2).find(|w| w[0] == w[1]) {
+            return Err(format!("physical cluster {} is mapped twice", w[0]));
+        }
+        Ok(all)
+    }
+
+    /// A volume by name.
+    pub fn volume_by_name(&self, name: &str) -> Option<&VolumeState> {
+        self.volumes.values().find(|v| v.meta.name == name)
+    }
+}
+
+/// Runs of consecutive virtual clusters backed by consecutive physical clusters:
+/// (vstart, pstart, count).
+pub fn extents(map: &BTreeMap<u32, u32>) -> Vec<(u32, u32, u32)> {
+    let mut out: Vec<(u32, u32, u32)> = Vec::new();
+    for (&vc, &pc) in map {
+        match out.last_mut() {
+            Some((v, p, n)) if *v + *n == vc && *p + *n == pc => *n += 1,
+            _ => out.push((vc, pc, 1)),
+        }
+    }
+    out
+}
+
+// ----- checkpoints ---------------------------------------------------------------------
+
+fn encode_header(magic: &[u8; 8], pool_uuid: &[u8; 16], generation: u64, seq: u64, payload: &[u8]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(HEADER_LEN + payload.len());
+    let mut w = Writer { b: &mut b };
+    w.bytes(magic);
+    w.bytes(pool_uuid);
+    w.u64(generation);
+    w.u64(seq);
+    w.u64(payload.len() as u64);
+    w.u32(crc32c(payload));
+    w.u32(0); // header CRC, filled in below
+    b.resize(HEADER_LEN, 0);
+    let crc = crc32c(&b);
+    b[52..56].copy_from_slice(&crc.to_le_bytes());
+    b.extend_from_slice(payload);
+    let padded = block_align(b.len() as u64) as usize;
+    b.resize(padded, 0);
+    b
+}
+
+/// A decoded checkpoint or journal header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    /// Checkpoint generation (a journal entry's is that of the checkpoint it follows).
+    pub generation: u64,
+    /// Journal sequence number (0 for checkpoints).
+    pub seq: u64,
+    /// Payload bytes after the header.
+    pub payload_len: u64,
+    payload_crc: u32,
+}
+
+impl Header {
+    /// Bytes the structure occupies on disk, header and padding included.
+    pub fn total_len(&self) -> u64 {
+        block_align(HEADER_LEN as u64 + self.payload_len)
+    }
+}
+
+fn decode_header(magic: &[u8; 8], pool_uuid: &[u8; 16], b: &[u8]) -> Option<Header> {
+    if b.len() < HEADER_LEN || &b[..8] != magic || &b[8..24] != pool_uuid {
+        return None;
+    }
+    let mut h = b[..HEADER_LEN].to_vec();
+    let stored = u32::from_le_bytes([h[52], h[53], h[54], h[55]]);
+    h[52..56].fill(0);
+    if crc32c(&h) != stored {
+        return None;
+    }
+    let mut r = Reader { b: &h, at: 24 };
+    Some(Header {
+        generation: r.u64().ok()?,
+        seq: r.u64().ok()?,
+        payload_len: r.u64().ok()?,
+        payload_crc: r.u32().ok()?,
+    })
+}
+
+fn payload_ok(h: &Header, b: &[u8]) -> bool {
+    let end = HEADER_LEN as u64 + h.payload_len;
+    end <= b.len() as u64 && crc32c(&b[HEADER_LEN..end as usize]) == h.payload_crc
+}
+
+/// Encodes a checkpoint of `state`, padded to whole blocks.
+pub fn encode_checkpoint(pool_uuid: &[u8; 16], generation: u64, state: &PoolState) -> Vec<u8> {
+    let mut p = Vec::new();
+    let mut w = Writer { b: &mut p };
+    w.u32(state.next_id);
+    w.u32(state.volumes.len() as u32);
+    for v in state.volumes.values() {
+        let ext = extents(&v.map);
+        let start = w.b.len();
+        w.u32(v.meta.id);
+        w.u32(u32::from(v.meta.thin));
+        w.u64(v.meta.size);
+        w.bytes(&v.meta.uuid);
+        w.bytes(&v.meta.nguid);
+        w.name(&v.meta.name);
+        w.u32(ext.len() as u32);
+        w.b.resize(start + VOLUME_ENTRY, 0);
+        for (vs, ps, n) in ext {
+            w.u32(vs);
+            w.u32(ps);
+            w.u32(n);
+        }
+    }
+    encode_header(CHECKPOINT_MAGIC, pool_uuid, generation, 0, &p)
+}
+
+/// The header of a checkpoint, if `b` (at least its first block) holds a valid one.
+pub fn checkpoint_header(pool_uuid: &[u8; 16], b: &[u8]) -> Option<Header> {
+    decode_header(CHECKPOINT_MAGIC, pool_uuid, b)
+}
+
+/// Decodes a whole checkpoint read into `b`; `None` if it is torn or not ours.
+pub fn decode_checkpoint(pool_uuid: &[u8; 16], b: &[u8]) -> Option<(u64, PoolState)> {
+    let h = checkpoint_header(pool_uuid, b)?;
+    if !payload_ok(&h, b) {
+        return None;
+    }
+    let mut r = Reader { b: &b[..HEADER_LEN + h.payload_len as usize], at: HEADER_LEN };
+    let parse = |r: &mut Reader<'_>| -> Result<PoolState, String> {
+        let mut s = PoolState { next_id: r.u32()?, volumes: BTreeMap::new() };
+        let count = r.u32()?;
+        for _ in 0..count {
+            let start = r.at;
+            let id = r.u32()?;
+            let thin = r.u32()? != 0;
+            let size = r.u64()?;
+            let uuid = r.array()?;
+            let nguid = r.array()?;
+            let name = r.name()?;
+            let n = r.u32()?;
+            r.skip_to(start + VOLUME_ENTRY)?;
+            let mut map = BTreeMap::new();
+            for _ in 0..n {
+                let (vs, ps, c) = (r.u32()?, r.u32()?, r.u32()?);
+                for i in 0..c {
+                    map.insert(vs + i, ps + i);
+                }
+            }
+            s.volumes.insert(id, VolumeState { meta: VolumeMeta { id, name, size, thin, uuid, nguid }, map });
+        }
+        Ok(s)
+    };
+    parse(&mut r).ok().map(|s| (h.generation, s))
+}
+
+// ----- journal -------------------------------------------------------------------------
+
+const TAG_CREATE: u8 = 1;
+const TAG_DELETE: u8 = 2;
+const TAG_RESIZE: u8 = 3;
+const TAG_MAP: u8 = 4;
+const TAG_UNMAP: u8 = 5;
+
+/// Encodes a journal entry holding `records`, padded to whole blocks.
+pub fn encode_entry(pool_uuid: &[u8; 16], generation: u64, seq: u64, records: &[Record]) -> Vec<u8> {
+    let mut p = Vec::new();
+    let mut w = Writer { b: &mut p };
+    w.u32(records.len() as u32);
+    for rec in records {
+        match rec {
+            Record::CreateVolume(m) => {
+                w.u8(TAG_CREATE);
+                w.u32(m.id);
+                w.u8(u8::from(m.thin));
+                w.u64(m.size);
+                w.bytes(&m.uuid);
+                w.bytes(&m.nguid);
+                w.name(&m.name);
+            }
+            Record::DeleteVolume { id } => {
+                w.u8(TAG_DELETE);
+                w.u32(*id);
+            }
+            Record::ResizeVolume { id, size } => {
+                w.u8(TAG_RESIZE);
+                w.u32(*id);
+                w.u64(*size);
+            }
+            Record::Map { id, vstart, pstart, count } => {
+                w.u8(TAG_MAP);
+                w.u32(*id);
+                w.u32(*vstart);
+                w.u32(*pstart);
+                w.u32(*count);
+            }
+            Record::Unmap { id, vstart, count } => {
+                w.u8(TAG_UNMAP);
+                w.u32(*id);
+                w.u32(*vstart);
+                w.u32(*count);
+            }
+        }
+    }
+    encode_header(JOURNAL_MAGIC, pool_uuid, generation, seq, &p)
+}
+
+/// The header of a journal entry, if `b` starts with a valid one.
+pub fn entry_header(pool_uuid: &[u8; 16], b: &[u8]) -> Option<Header> {
+    decode_header(JOURNAL_MAGIC, pool_uuid, b)
+}
+
+/// Decodes a whole journal entry; `None` if it is torn or not ours.
+pub fn decode_entry(pool_uuid: &[u8; 16], b: &[u8]) -> Option<(Header, Vec<Record>)> {
+    let h = entry_header(pool_uuid, b)?;
+    if !payload_ok(&h, b) {
+        return None;
+    }
+    let mut r = Reader { b: &b[..HEADER_LEN + h.payload_len as usize], at: HEADER_LEN };
+    let parse = |r: &mut Reader<'_>| -> Result<Vec<Record>, String> {
+        let n = r.u32()?;
+        let mut out = Vec::new();
+        for _ in 0..n {
+            out.push(match r.u8()? {
+                TAG_CREATE => {
+                    let id = r.u32()?;
+                    let thin = r.u8()? != 0;
+                    let size = r.u64()?;
+                    let uuid = r.array()?;
+                    let nguid = r.array()?;
+                    let name = r.name()?;
+                    Record::CreateVolume(VolumeMeta { id, name, size, thin, uuid, nguid })
+                }
+                TAG_DELETE => Record::DeleteVolume { id: r.u32()? },
+                TAG_RESIZE => Record::ResizeVolume { id: r.u32()?, size: r.u64()? },
+                TAG_MAP => Record::Map { id: r.u32()?, vstart: r.u32()?, pstart: r.u32()?, count: r.u32()? },
+                TAG_UNMAP => Record::Unmap { id: r.u32()?, vstart: r.u32()?, count: r.u32()? },
+                t => return Err(format!("unknown journal record type {t}")),
+            });
+        }
+        Ok(out)
+    };
+    parse(&mut r).ok().map(|recs| (h, recs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn member(i: u8) -> Member {
+        Member { uuid: [i; 16], clusters: 100 + u32::from(i), data_offset: 1 << 20 }
+    }
+
+    #[test]
+    fn superblock_round_trips_and_detects_damage() {
+        let sb = Superblock {
+            pool_uuid: [7; 16],
+            pool_name: "fast".into(),
+            disk_index: 1,
+            cluster_size: 1 << 20,
+            meta: MetaLayout::for_pool(1000, 1 << 20),
+            members: vec![member(1), member(2)],
+        };
+        let b = sb.encode();
+        assert_eq!(b.len(), BLOCK as usize);
+        assert_eq!(Superblock::decode(&b).unwrap(), sb);
+        assert_eq!(sb.disk_uuid(), [2; 16]);
+        let mut bad = b.clone();
+        bad[100] ^= 1;
+        assert!(Superblock::decode(&bad).unwrap_err().contains("checksum"));
+        assert!(Superblock::decode(&[0u8; 4096]).is_err());
+    }
+
+    #[test]
+    fn names_are_checked() {
+        assert!(check_name("volume", "db-01.data_x").is_ok());
+        for bad in ["", "a/b", "a b", &"x".repeat(64)] {
+            assert!(check_name("volume", bad).is_err(), "{bad:?}");
+        }
+    }
+
+    fn arb_record() -> impl Strategy<Value = Record> {
+        prop_oneof![
+            (any::<u32>(), "[a-z]{1,63}", any::<u64>(), any::<bool>(), any::<[u8; 16]>()).prop_map(
+                |(id, name, size, thin, uuid)| Record::CreateVolume(VolumeMeta {
+                    id,
+                    name,
+                    size,
+                    thin,
+                    uuid,
+                    nguid: uuid
+                })
+            ),
+            any::<u32>().prop_map(|id| Record::DeleteVolume { id }),
+            (any::<u32>(), any::<u64>()).prop_map(|(id, size)| Record::ResizeVolume { id, size }),
+            (any::<u32>(), any::<u32>(), any::<u32>(), any::<u32>())
+                .prop_map(|(id, vstart, pstart, count)| Record::Map { id, vstart, pstart, count }),
+            (any::<u32>(), any::<u32>(), any::<u32>()).prop_map(|(id, vstart, count)| Record::Unmap {
+                id,
+                vstart,
+                count
+            }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn journal_entries_round_trip(recs in proptest::collection::vec(arb_record(), 0..40), generation: u64, seq: u64) {
+            let b = encode_entry(&[3; 16], generation, seq, &recs);
+            prop_assert_eq!(b.len() as u64 % BLOCK, 0);
+            let (h, back) = decode_entry(&[3; 16], &b).unwrap();
+            prop_assert_eq!((h.generation, h.seq), (generation, seq));
+            prop_assert_eq!(back, recs);
+            // Another pool's entry, or any flipped bit, is not accepted.
+            prop_assert!(decode_entry(&[4; 16], &b).is_none());
+            let mut torn = b.clone();
+            let at = (seq as usize) % (HEADER_LEN + 4);
+            torn[at] ^= 0x10;
+            prop_assert!(decode_entry(&[3; 16], &torn).is_none());
+        }
+
+        #[test]
+        fn checkpoints_round_trip(maps in proptest::collection::vec(proptest::collection::btree_map(0u32..500, 1u32..5000, 0..50), 0..6)) {
+            let mut s = PoolState { next_id: 99, volumes: BTreeMap::new() };
+            for (i, map) in maps.into_iter().enumerate() {
+                let id = i as u32 * 3;
+                let meta = VolumeMeta { id, name: format!("v{i}"), size: 1 << 30, thin: i % 2 == 0, uuid: [i as u8; 16], nguid: [1; 16] };
+                s.volumes.insert(id, VolumeState { meta, map });
+            }
+            let b = encode_checkpoint(&[5; 16], 42, &s);
+            let (g, back) = decode_checkpoint(&[5; 16], &b).unwrap();
+            prop_assert_eq!(g, 42);
+            prop_assert_eq!(back, s);
+        }
+    }
+
+    #[test]
+    fn extents_merge_runs() {
+        let map: BTreeMap<u32, u32> = [(0, 10), (1, 11), (2, 12), (3, 20), (5, 21), (6, 22)].into_iter().collect();
+        assert_eq!(extents(&map), vec![(0, 10, 3), (3, 20, 1), (5, 21, 2)]);
+    }
+
+    #[test]
+    fn layout_fits_the_largest_state() {
+        let clusters = 3000u64;
+        let l = MetaLayout::for_pool(clusters, 1 << 20);
+        let mut s = PoolState::default();
+        // Worst case: every cluster its own extent, in as many volumes as allowed.
+        for id in 0..MAX_VOLUMES {
+            let map = (0..clusters as u32)
+                .filter(|c| c % u64::from(MAX_VOLUMES) as u32 == id)
+                .map(|c| (c * 2, c + 1))
+                .collect();
+            let meta = VolumeMeta {
+                id,
+                name: format!("volume-{id:0>50}"),
+                size: 1 << 40,
+                thin: true,
+                uuid: [0; 16],
+                nguid: [0; 16],
+            };
+            s.volumes.insert(id, VolumeState { meta, map });
+        }
+        assert!(encode_checkpoint(&[0; 16], 1, &s).len() as u64 <= l.checkpoint_size);
+        assert_eq!(l.journal_offset, BLOCK + 2 * l.checkpoint_size);
+    }
+}

@@ -1,0 +1,883 @@
+//! Disk pools and the logical volumes carved out of them.
+//!
+//! A pool claims one or more disks (block devices, or files standing in for them),
+//! splits their space into clusters, and hands clusters to volumes: all at creation for
+//! thick volumes, on first write for thin ones. The metadata (volume table and cluster
+//! maps) lives on the first disk ([`meta`]); the reactors read cluster maps lock-free
+//! ([`volume`]) and ask the pool's metadata thread for anything that changes them.
+//!
+//! Two rules keep volumes from ever seeing each other's data:
+//! - a cluster is zeroed, and the zeroes made durable, before the record that maps it;
+//! - a released cluster is reused only after every I/O that might still address it has
+//!   completed. Reactors count their volume I/O in flight under one of two epochs; a
+//!   release clears the map, switches the epoch and waits for the old one to drain.
+
+pub mod alloc;
+pub mod format;
+pub mod meta;
+pub mod volume;
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, Sender};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
+
+use nvpool_wire::Status;
+use serde::Serialize;
+
+use crate::bdev::Bdev;
+use crate::target::lock;
+use alloc::FreeClusters;
+use format::{BLOCK, Member, MetaLayout, PoolState, Record, Superblock, VolumeMeta};
+use meta::{MetaIo, MetaStore};
+use volume::VolumeMap;
+
+/// Default cluster size: the unit of thin allocation.
+pub const DEFAULT_CLUSTER_SIZE: u64 = 1 << 20;
+/// Smallest cluster size: an I/O (at most 128 KiB) then spans at most two clusters.
+pub const MIN_CLUSTER_SIZE: u64 = 128 << 10;
+/// Journal size on the first disk.
+const JOURNAL_SIZE: u64 = 8 << 20;
+/// Most reactors whose in-flight I/O a pool tracks.
+pub const MAX_REACTORS: usize = 256;
+
+/// How a pool request ends: called once, on the metadata thread.
+pub type Done = Box<dyn FnOnce(Status) + Send>;
+
+/// Work a reactor hands to the pool's metadata thread.
+pub enum Request {
+    /// Allocate every unallocated cluster in `first..first + count` of a volume.
+    Allocate {
+        /// Volume ID.
+        volume: u32,
+        /// First virtual cluster.
+        first: u64,
+        /// Number of clusters.
+        count: u64,
+        /// Completion.
+        done: Done,
+    },
+    /// Zero byte ranges of a volume, releasing whole clusters of thin volumes.
+    Zero {
+        /// Volume ID.
+        volume: u32,
+        /// (offset, length) in bytes.
+        ranges: Vec<(u64, u64)>,
+        /// Completion.
+        done: Done,
+    },
+}
+
+/// One member disk, open.
+pub struct PoolDisk {
+    /// The disk as the reactors address it (direct I/O where possible).
+    pub bdev: Arc<Bdev>,
+    /// Path it was opened by.
+    pub path: PathBuf,
+    /// First global cluster number on this disk.
+    first: u32,
+    clusters: u32,
+    data_offset: u64,
+}
+
+#[repr(align(64))]
+#[derive(Default)]
+struct InFlight([AtomicU32; 2]);
+
+/// What the reactors need of a pool: where clusters live, the epochs, and the way to
+/// the metadata thread.
+pub struct PoolShared {
+    disks: Vec<PoolDisk>,
+    cluster_shift: u32,
+    epoch: AtomicU64,
+    in_flight: Box<[InFlight]>,
+    requests: Mutex<Sender<Request>>,
+}
+
+impl PoolShared {
+    /// log2 of the cluster size.
+    pub fn cluster_shift(&self) -> u32 {
+        self.cluster_shift
+    }
+
+    /// The member disks.
+    pub fn disks(&self) -> &[PoolDisk] {
+        &self.disks
+    }
+
+    /// Counts an I/O that is about to read cluster maps; returns the epoch to leave.
+    pub fn enter(&self, reactor: usize) -> u8 {
+        let e = (self.epoch.load(Ordering::SeqCst) & 1) as u8;
+        self.in_flight[reactor % MAX_REACTORS].0[usize::from(e)].fetch_add(1, Ordering::SeqCst);
+        e
+    }
+
+    /// Uncounts an I/O counted by [`PoolShared::enter`].
+    pub fn leave(&self, reactor: usize, epoch: u8) {
+        self.in_flight[reactor % MAX_REACTORS].0[usize::from(epoch)].fetch_sub(1, Ordering::Release);
+    }
+
+    /// The disk and byte offset of `within` bytes into physical cluster `pc`.
+    pub fn locate(&self, pc: u32, within: u64) -> Option<(&Bdev, u64)> {
+        let d = self.disks.iter().find(|d| pc >= d.first && pc < d.first + d.clusters)?;
+        Some((&d.bdev, d.data_offset + (u64::from(pc - d.first) << self.cluster_shift) + within))
+    }
+
+    /// Hands work to the metadata thread.
+    pub fn request(&self, r: Request) {
+        if let Err(mpsc::SendError(r)) = lock(&self.requests).send(r) {
+            // The pool was exported: nothing can be allocated any more.
+            match r {
+                Request::Allocate { done, .. } | Request::Zero { done, .. } => done(Status::NAMESPACE_NOT_READY),
+            }
+        }
+    }
+
+    /// Waits until no I/O that might have read a map before now is in flight.
+    fn drain(&self) {
+        let old = (self.epoch.fetch_add(1, Ordering::SeqCst) & 1) as usize;
+        let start = Instant::now();
+        while self.in_flight.iter().any(|c| c.0[old].load(Ordering::SeqCst) != 0) {
+            if start.elapsed() > Duration::from_secs(30) {
+                eprintln!("nvpool: pool I/O has been in flight for 30 s while releasing clusters; still waiting");
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
+/// A volume as the data path sees it.
+#[derive(Clone)]
+pub struct VolumeIo {
+    /// The pool.
+    pub pool: Arc<PoolShared>,
+    /// The cluster map at the size the namespace was created with.
+    pub map: Arc<VolumeMap>,
+    /// Volume ID.
+    pub id: u32,
+}
+
+impl std::fmt::Debug for VolumeIo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "volume {}", self.id)
+    }
+}
+
+/// The buffered descriptor the metadata goes through.
+struct MetaFile(File);
+
+impl MetaIo for MetaFile {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        self.0.read_exact_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        self.0.write_all_at(buf, offset)
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        self.0.sync_data()
+    }
+}
+
+struct Inner {
+    store: MetaStore<MetaFile>,
+    state: PoolState,
+    free: FreeClusters,
+    maps: BTreeMap<u32, Arc<VolumeMap>>,
+    /// Set when metadata could not be written: the pool refuses every change after.
+    failed: Option<String>,
+}
+
+/// A pool as the management API reports it.
+#[derive(Debug, Serialize)]
+pub struct PoolInfo {
+    /// Name.
+    pub name: String,
+    /// UUID.
+    pub uuid: String,
+    /// Member disks, in order.
+    pub disks: Vec<String>,
+    /// Bytes per cluster.
+    pub cluster_size: u64,
+    /// Bytes of data space.
+    pub capacity_bytes: u64,
+    /// Bytes allocated to volumes.
+    pub used_bytes: u64,
+    /// Bytes free.
+    pub free_bytes: u64,
+    /// Sum of the volumes' sizes (more than the capacity when thin volumes overcommit).
+    pub provisioned_bytes: u64,
+    /// Number of volumes.
+    pub volumes: usize,
+    /// Why the pool stopped accepting changes, if it did.
+    pub failed: Option<String>,
+}
+
+/// A volume as the management API reports it.
+#[derive(Debug, Serialize)]
+pub struct VolumeInfo {
+    /// Pool name.
+    pub pool: String,
+    /// Volume name.
+    pub name: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Thin (allocated on write) or thick.
+    pub thin: bool,
+    /// Bytes of clusters allocated to the volume.
+    pub allocated_bytes: u64,
+    /// Namespace UUID.
+    pub uuid: String,
+    /// Namespace NGUID (32 hex digits).
+    pub nguid: String,
+    /// Whether written clusters are being tracked.
+    pub dirty_tracking: bool,
+}
+
+/// An open pool.
+pub struct Pool {
+    /// Name.
+    pub name: String,
+    /// UUID.
+    pub uuid: [u8; 16],
+    cluster_size: u64,
+    shared: Arc<PoolShared>,
+    inner: Arc<Mutex<Inner>>,
+}
+
+/// Filesystem and partition signatures (offset, bytes) a disk is checked for before it
+/// is claimed.
+const SIGNATURES: &[(usize, &[u8], &str)] = &[
+    (1080, &[0x53, 0xEF], "an ext2/3/4 filesystem"),
+    (0, b"XFSB", "an XFS filesystem"),
+    (65600, b"_BHRfS_M", "a btrfs filesystem"),
+    (4086, b"SWAPSPACE2", "swap space"),
+    (512, b"EFI PART", "a GPT partition table"),
+    (536, b"LVM2 001", "an LVM physical volume"),
+    (510, &[0x55, 0xAA], "an MBR partition table"),
+];
+
+/// Options of pool creation.
+#[derive(Clone, Debug)]
+pub struct CreateOptions {
+    /// Bytes per cluster (a power of two, at least 128 KiB).
+    pub cluster_size: u64,
+    /// Claim disks that hold another pool or a filesystem.
+    pub force: bool,
+}
+
+impl Default for CreateOptions {
+    fn default() -> Self {
+        CreateOptions { cluster_size: DEFAULT_CLUSTER_SIZE, force: false }
+    }
+}
+
+fn read_head(path: &Path) -> Result<Vec<u8>, String> {
+    let f = File::open(path).map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+    let mut head = vec![0u8; 128 << 10];
+    let mut got = 0;
+    while got < head.len() {
+        match f.read_at(&mut head[got..], got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+        }
+    }
+    head.truncate(got);
+    Ok(head)
+}
+
+fn open_meta(path: &Path) -> Result<MetaFile, String> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map(MetaFile)
+        .map_err(|e| format!("cannot open {} for metadata: {e}", path.display()))
+}
+
+fn io_err(what: &str) -> impl Fn(std::io::Error) -> String + '_ {
+    move |e| format!("{what}: {e}")
+}
+
+impl Pool {
+    /// Claims `paths` as a new pool named `name`.
+    pub fn create(name: &str, paths: &[PathBuf], o: &CreateOptions) -> Result<Arc<Pool>, String> {
+        format::check_name("pool", name)?;
+        if paths.is_empty() || paths.len() > format::MAX_DISKS {
+            return Err(format!("a pool needs 1 to {} disks", format::MAX_DISKS));
+        }
+        if !o.cluster_size.is_power_of_two() || o.cluster_size < MIN_CLUSTER_SIZE || o.cluster_size > 1 << 30 {
+            return Err(format!(
+                "cluster size {} is not valid: use a power of two from 128KiB to 1GiB",
+                o.cluster_size
+            ));
+        }
+        let mut bdevs = Vec::new();
+        for p in paths {
+            let head = read_head(p)?;
+            if Superblock::has_magic(&head) && !o.force {
+                let owner = Superblock::decode(&head).map(|s| format!("pool {:?}", s.pool_name));
+                return Err(format!(
+                    "{} already belongs to {}: import that pool, or pass force to claim the disk (its data is lost)",
+                    p.display(),
+                    owner.unwrap_or_else(|_| "a damaged nvpool pool".into())
+                ));
+            }
+            if !o.force
+                && let Some((_, _, what)) =
+                    SIGNATURES.iter().find(|(off, sig, _)| head.get(*off..*off + sig.len()) == Some(*sig))
+            {
+                return Err(format!("{} holds {what}: pass force to claim it anyway (its data is lost)", p.display()));
+            }
+            let b = Bdev::file(p, None).map_err(|e| e.to_string())?;
+            bdevs.push(b);
+        }
+        let cs = o.cluster_size;
+        let raw_clusters: u64 = bdevs.iter().map(|b| b.size() / cs).sum();
+        let layout = MetaLayout::for_pool(raw_clusters, JOURNAL_SIZE.min(bdevs[0].size() / 64).max(64 * BLOCK));
+        let mut members = Vec::new();
+        let mut total: u64 = 0;
+        for (i, b) in bdevs.iter().enumerate() {
+            let data_offset = if i == 0 { layout.end().div_ceil(cs) * cs } else { cs };
+            let clusters = b.size().saturating_sub(data_offset) / cs;
+            if clusters == 0 {
+                return Err(format!(
+                    "{} is too small: it needs at least {} bytes with {cs}-byte clusters",
+                    paths[i].display(),
+                    data_offset + cs
+                ));
+            }
+            total += clusters;
+            members.push(Member { uuid: *uuid::Uuid::new_v4().as_bytes(), clusters: clusters as u32, data_offset });
+        }
+        if total >= u64::from(u32::MAX) {
+            return Err("the pool would have more than 2^32 clusters: use a larger cluster size".into());
+        }
+        let pool_uuid = *uuid::Uuid::new_v4().as_bytes();
+        let meta = open_meta(&paths[0])?;
+        MetaStore::format(meta, pool_uuid, layout, cs, &PoolState::default())
+            .map_err(io_err("writing the pool metadata"))?;
+        // Superblocks last, the first disk's very last: a pool half created is not found.
+        for i in (0..bdevs.len()).rev() {
+            let sb = Superblock {
+                pool_uuid,
+                pool_name: name.to_string(),
+                disk_index: i as u32,
+                cluster_size: cs,
+                meta: layout,
+                members: members.clone(),
+            };
+            let f = open_meta(&paths[i])?;
+            f.write_at(&sb.encode(), 0).and_then(|()| f.sync()).map_err(io_err("writing a superblock"))?;
+        }
+        Pool::import(paths)
+    }
+
+    /// Opens the pool on `paths` (all of its disks, in any order).
+    pub fn import(paths: &[PathBuf]) -> Result<Arc<Pool>, String> {
+        if paths.is_empty() {
+            return Err("importing a pool needs its disks".into());
+        }
+        let mut found: Vec<(Superblock, PathBuf)> = Vec::new();
+        for p in paths {
+            let head = read_head(p)?;
+            let sb = Superblock::decode(&head).map_err(|e| format!("{}: {e}", p.display()))?;
+            found.push((sb, p.clone()));
+        }
+        let first = found[0].0.clone();
+        if let Some((_, p)) = found.iter().find(|(s, _)| s.pool_uuid != first.pool_uuid) {
+            return Err(format!("{} belongs to another pool than {}", p.display(), found[0].1.display()));
+        }
+        found.sort_by_key(|(s, _)| s.disk_index);
+        let expected = first.members.len();
+        let have: Vec<u32> = found.iter().map(|(s, _)| s.disk_index).collect();
+        if have != (0..expected as u32).collect::<Vec<_>>() {
+            return Err(format!(
+                "pool {:?} has {expected} disks; found disk numbers {have:?}: pass every disk of the pool once",
+                first.pool_name
+            ));
+        }
+        let mut disks = Vec::new();
+        let mut next = 1u32;
+        for (sb, p) in &found {
+            let m = &first.members[sb.disk_index as usize];
+            if sb.disk_uuid() != m.uuid || sb.members != first.members {
+                return Err(format!("{}: its superblock disagrees with the other disks of the pool", p.display()));
+            }
+            let bdev = Bdev::file(p, None).map_err(|e| e.to_string())?;
+            disks.push(PoolDisk {
+                bdev: Arc::new(bdev),
+                path: p.clone(),
+                first: next,
+                clusters: m.clusters,
+                data_offset: m.data_offset,
+            });
+            next += m.clusters;
+        }
+        let total = next - 1;
+        let meta = open_meta(&found[0].1)?;
+        let (store, state) = MetaStore::open(meta, first.pool_uuid, first.meta, first.cluster_size)
+            .map_err(io_err(&format!("reading the metadata of pool {:?}", first.pool_name)))?;
+        let used = state.used_clusters()?;
+        if used.last().is_some_and(|&c| c > total) {
+            return Err(format!("pool {:?}: the metadata maps clusters the disks do not have", first.pool_name));
+        }
+        let cs = first.cluster_size;
+        let maps = state
+            .volumes
+            .values()
+            .map(|v| {
+                let m = VolumeMap::new(v.meta.size.div_ceil(cs));
+                for (&vc, &pc) in &v.map {
+                    m.set(u64::from(vc), pc);
+                }
+                (v.meta.id, Arc::new(m))
+            })
+            .collect();
+        let (tx, rx) = mpsc::channel();
+        let shared = Arc::new(PoolShared {
+            disks,
+            cluster_shift: cs.trailing_zeros(),
+            epoch: AtomicU64::new(0),
+            in_flight: (0..MAX_REACTORS).map(|_| InFlight::default()).collect(),
+            requests: Mutex::new(tx),
+        });
+        let inner = Inner { store, state, free: FreeClusters::new(total, &used), maps, failed: None };
+        let pool = Arc::new(Pool {
+            name: first.pool_name.clone(),
+            uuid: first.pool_uuid,
+            cluster_size: cs,
+            shared,
+            inner: Arc::new(Mutex::new(inner)),
+        });
+        let worker = pool.clone();
+        std::thread::Builder::new()
+            .name(format!("nvpool-pool-{}", pool.name))
+            .spawn(move || worker.serve(rx))
+            .map_err(|e| format!("cannot start the metadata thread: {e}"))?;
+        Ok(pool)
+    }
+
+    /// Stops the metadata thread; the pool is closed once the last reference goes.
+    pub fn close(&self) {
+        // Replacing the sender drops the thread's only way in; it exits.
+        *lock(&self.shared.requests) = mpsc::channel().0;
+    }
+
+    /// What the reactors need of this pool.
+    pub fn shared(&self) -> &Arc<PoolShared> {
+        &self.shared
+    }
+
+    // ----- the metadata thread -------------------------------------------------------
+
+    fn serve(self: Arc<Self>, rx: Receiver<Request>) {
+        while let Ok(first) = rx.recv() {
+            let mut batch = vec![first];
+            batch.extend(rx.try_iter());
+            let mut allocs = Vec::new();
+            for r in batch {
+                match r {
+                    Request::Allocate { volume, first, count, done } => allocs.push((volume, first, count, done)),
+                    Request::Zero { volume, ranges, done } => {
+                        let st = self.zero(volume, &ranges);
+                        done(st);
+                    }
+                }
+            }
+            if !allocs.is_empty() {
+                self.allocate(allocs);
+            }
+        }
+    }
+
+    /// Allocates clusters for a batch of requests with one metadata commit.
+    fn allocate(&self, reqs: Vec<(u32, u64, u64, Done)>) {
+        let mut inner = lock(&self.inner);
+        let mut new: Vec<(u32, u64, u32)> = Vec::new();
+        let mut replies = Vec::new();
+        for (volume, first, count, done) in reqs {
+            if inner.failed.is_some() {
+                replies.push((done, Status::INTERNAL_ERROR));
+                continue;
+            }
+            let Some(map) = inner.maps.get(&volume).cloned() else {
+                replies.push((done, Status::NAMESPACE_NOT_READY));
+                continue;
+            };
+            let mut status = Status::SUCCESS;
+            for vc in first..(first + count).min(map.clusters()) {
+                if map.get(vc) != 0 || new.iter().any(|&(v, c, _)| v == volume && c == vc) {
+                    continue;
+                }
+                match inner.free.take() {
+                    Some(pc) => new.push((volume, vc, pc)),
+                    None => {
+                        status = Status::CAPACITY_EXCEEDED;
+                        break;
+                    }
+                }
+            }
+            replies.push((done, status));
+        }
+        if !new.is_empty()
+            && let Err(e) = self.map_durably(&mut inner, &new, Vec::new())
+        {
+            for &(_, _, pc) in &new {
+                inner.free.put(pc);
+            }
+            eprintln!("nvpool: pool {}: allocation failed: {e}", self.name);
+            for r in &mut replies {
+                r.1 = Status::INTERNAL_ERROR;
+            }
+        }
+        drop(inner);
+        for (done, st) in replies {
+            done(st);
+        }
+    }
+
+    /// Zeroes the new clusters, then commits `before` plus their Map records, then
+    /// publishes the mappings. On an error the pool is marked failed.
+    fn map_durably(&self, inner: &mut Inner, new: &[(u32, u64, u32)], before: Vec<Record>) -> Result<(), String> {
+        let mut touched = vec![false; self.shared.disks.len()];
+        for &(_, _, pc) in new {
+            let (bdev, off) = self.shared.locate(pc, 0).ok_or("cluster outside the pool")?;
+            bdev.zero_now(off, self.cluster_size).map_err(io_err("zeroing a new cluster"))?;
+            if let Some(i) = self.shared.disks.iter().position(|d| std::ptr::eq(&*d.bdev, bdev)) {
+                touched[i] = true;
+            }
+        }
+        for (d, t) in self.shared.disks.iter().zip(touched) {
+            if t {
+                d.bdev.sync_now().map_err(io_err("syncing zeroed clusters"))?;
+            }
+        }
+        let mut records = before;
+        let mut sorted = new.to_vec();
+        sorted.sort_unstable();
+        for &(id, vc, pc) in &sorted {
+            match records.last_mut() {
+                Some(Record::Map { id: i, vstart, pstart, count })
+                    if *i == id && u64::from(*vstart + *count) == vc && *pstart + *count == pc =>
+                {
+                    *count += 1
+                }
+                _ => records.push(Record::Map { id, vstart: vc as u32, pstart: pc, count: 1 }),
+            }
+        }
+        self.commit(inner, &records)?;
+        for &(id, vc, pc) in new {
+            if let Some(m) = inner.maps.get(&id) {
+                m.set(vc, pc);
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies and commits records; a failed commit marks the pool failed.
+    fn commit(&self, inner: &mut Inner, records: &[Record]) -> Result<(), String> {
+        if let Some(f) = &inner.failed {
+            return Err(format!("pool {} refuses changes: {f}", self.name));
+        }
+        for r in records {
+            inner.state.apply(r, self.cluster_size)?;
+        }
+        let Inner { store, state, .. } = inner;
+        if let Err(e) = store.commit(records, state) {
+            let why = format!("writing metadata failed ({e}); export and import the pool to recover");
+            inner.failed = Some(why.clone());
+            return Err(why);
+        }
+        Ok(())
+    }
+
+    /// Releases virtual clusters of a volume: clears them, waits out I/O that might use
+    /// them, commits, then frees them.
+    fn release(&self, inner: &mut Inner, id: u32, vcs: &[u64], extra: Vec<Record>) -> Result<(), String> {
+        let map = inner.maps.get(&id).cloned();
+        let mut freed = Vec::new();
+        if let Some(m) = &map {
+            for &vc in vcs {
+                let pc = m.clear(vc);
+                if pc != 0 {
+                    freed.push(pc);
+                }
+            }
+        }
+        self.shared.drain();
+        let mut records = extra;
+        for &vc in vcs {
+            match records.last_mut() {
+                Some(Record::Unmap { id: i, vstart, count }) if *i == id && u64::from(*vstart + *count) == vc => {
+                    *count += 1
+                }
+                _ => records.push(Record::Unmap { id, vstart: vc as u32, count: 1 }),
+            }
+        }
+        self.commit(inner, &records)?;
+        for pc in freed {
+            inner.free.put(pc);
+        }
+        Ok(())
+    }
+
+    /// Write Zeroes and Deallocate: whole clusters of thin volumes are released, the
+    /// rest is zeroed in place.
+    fn zero(&self, id: u32, ranges: &[(u64, u64)]) -> Status {
+        let mut inner = lock(&self.inner);
+        let Some(map) = inner.maps.get(&id).cloned() else { return Status::NAMESPACE_NOT_READY };
+        let thin = inner.state.volumes.get(&id).is_some_and(|v| v.meta.thin);
+        let cs = self.cluster_size;
+        let mut whole = Vec::new();
+        for &(offset, len) in ranges {
+            let mut at = offset;
+            let end = offset + len;
+            while at < end {
+                let vc = at / cs;
+                let within = at % cs;
+                let n = (cs - within).min(end - at);
+                if thin && n == cs {
+                    whole.push(vc);
+                } else {
+                    let pc = map.get(vc);
+                    if pc != 0 {
+                        let Some((bdev, off)) = self.shared.locate(pc, within) else { return Status::INTERNAL_ERROR };
+                        if bdev.zero_now(off, n).is_err() {
+                            return Status::INTERNAL_ERROR;
+                        }
+                    }
+                }
+                at += n;
+            }
+        }
+        whole.retain(|&vc| map.get(vc) != 0);
+        whole.sort_unstable();
+        whole.dedup();
+        if !whole.is_empty()
+            && let Err(e) = self.release(&mut inner, id, &whole, Vec::new())
+        {
+            eprintln!("nvpool: pool {}: releasing clusters failed: {e}", self.name);
+            return Status::INTERNAL_ERROR;
+        }
+        Status::SUCCESS
+    }
+
+    // ----- management ----------------------------------------------------------------
+
+    /// Creates a volume of `size` bytes (rounded up to 4 KiB).
+    pub fn create_volume(&self, name: &str, size: u64, thin: bool) -> Result<VolumeInfo, String> {
+        format::check_name("volume", name)?;
+        if size == 0 {
+            return Err("a volume needs a size above zero".into());
+        }
+        let size = size.div_ceil(4096) * 4096;
+        let mut inner = lock(&self.inner);
+        if inner.state.volume_by_name(name).is_some() {
+            return Err(format!("pool {} already has a volume {name}: pick another name", self.name));
+        }
+        if inner.state.volumes.len() as u32 >= format::MAX_VOLUMES {
+            return Err(format!("pool {} has {} volumes, the most it can hold", self.name, format::MAX_VOLUMES));
+        }
+        let clusters = size.div_ceil(self.cluster_size);
+        if clusters > u64::from(u32::MAX) {
+            return Err("the volume is too large for this cluster size".into());
+        }
+        let id = inner.state.next_id;
+        let uuid = uuid::Uuid::new_v4();
+        let meta = VolumeMeta {
+            id,
+            name: name.to_string(),
+            size,
+            thin,
+            uuid: *uuid.as_bytes(),
+            nguid: *uuid::Uuid::new_v4().as_bytes(),
+        };
+        let map = Arc::new(VolumeMap::new(clusters));
+        inner.maps.insert(id, map);
+        let result = if thin {
+            self.commit(&mut inner, &[Record::CreateVolume(meta)])
+        } else {
+            self.allocate_all(&mut inner, id, 0, clusters, vec![Record::CreateVolume(meta)])
+        };
+        if let Err(e) = result {
+            inner.maps.remove(&id);
+            return Err(e);
+        }
+        Ok(self.volume_info(&inner, id))
+    }
+
+    /// Allocates virtual clusters `from..to` of volume `id` with `before` in the same
+    /// commit; fails without change when the pool has too little space.
+    fn allocate_all(&self, inner: &mut Inner, id: u32, from: u64, to: u64, before: Vec<Record>) -> Result<(), String> {
+        let need = to - from;
+        if need > u64::from(inner.free.free()) {
+            return Err(format!(
+                "pool {} has {} bytes free; this needs {}: free space, or make the volume thin",
+                self.name,
+                u64::from(inner.free.free()) * self.cluster_size,
+                need * self.cluster_size
+            ));
+        }
+        let new: Vec<(u32, u64, u32)> = (from..to).filter_map(|vc| inner.free.take().map(|pc| (id, vc, pc))).collect();
+        self.map_durably(inner, &new, before).inspect_err(|_| {
+            for &(_, _, pc) in &new {
+                inner.free.put(pc);
+            }
+        })
+    }
+
+    fn volume_id(&self, inner: &Inner, name: &str) -> Result<u32, String> {
+        inner
+            .state
+            .volume_by_name(name)
+            .map(|v| v.meta.id)
+            .ok_or_else(|| format!("pool {} has no volume {name}: `nvpool volume list` shows them", self.name))
+    }
+
+    /// Deletes a volume and frees its clusters. The caller makes sure it is not exported.
+    pub fn delete_volume(&self, name: &str) -> Result<(), String> {
+        let mut inner = lock(&self.inner);
+        let id = self.volume_id(&inner, name)?;
+        let vcs: Vec<u64> = inner.state.volumes[&id].map.keys().map(|&c| u64::from(c)).collect();
+        // The Unmap records are implied by the deletion: commit it alone.
+        let map = inner.maps.get(&id).cloned();
+        let mut freed = Vec::new();
+        if let Some(m) = &map {
+            freed.extend(vcs.iter().map(|&vc| m.clear(vc)).filter(|&pc| pc != 0));
+        }
+        self.shared.drain();
+        self.commit(&mut inner, &[Record::DeleteVolume { id }])?;
+        inner.maps.remove(&id);
+        for pc in freed {
+            inner.free.put(pc);
+        }
+        Ok(())
+    }
+
+    /// Grows a volume; returns its new cluster map for re-exporting.
+    pub fn resize_volume(&self, name: &str, size: u64) -> Result<VolumeInfo, String> {
+        let size = size.div_ceil(4096) * 4096;
+        let mut inner = lock(&self.inner);
+        let id = self.volume_id(&inner, name)?;
+        let v = inner.state.volumes[&id].meta.clone();
+        if size < v.size {
+            return Err(format!(
+                "volume {name} is {} bytes; shrinking is not supported: create a smaller volume and copy the data",
+                v.size
+            ));
+        }
+        if size == v.size {
+            return Ok(self.volume_info(&inner, id));
+        }
+        let (old, new) = (v.size.div_ceil(self.cluster_size), size.div_ceil(self.cluster_size));
+        let old_map = inner.maps[&id].clone();
+        inner.maps.insert(id, Arc::new(old_map.resized(new)));
+        let resize = vec![Record::ResizeVolume { id, size }];
+        let r =
+            if v.thin { self.commit(&mut inner, &resize) } else { self.allocate_all(&mut inner, id, old, new, resize) };
+        if let Err(e) = r {
+            inner.maps.insert(id, old_map);
+            return Err(e);
+        }
+        Ok(self.volume_info(&inner, id))
+    }
+
+    /// What a namespace serving the volume needs: the data-path view and the metadata.
+    pub fn open_volume(&self, name: &str) -> Result<(VolumeIo, VolumeMeta), String> {
+        let inner = lock(&self.inner);
+        let id = self.volume_id(&inner, name)?;
+        let io = VolumeIo { pool: self.shared.clone(), map: inner.maps[&id].clone(), id };
+        Ok((io, inner.state.volumes[&id].meta.clone()))
+    }
+
+    /// Starts or stops tracking written clusters.
+    pub fn set_dirty_tracking(&self, name: &str, on: bool) -> Result<(), String> {
+        let inner = lock(&self.inner);
+        let id = self.volume_id(&inner, name)?;
+        inner.maps[&id].set_tracking(on);
+        Ok(())
+    }
+
+    /// The clusters written since tracking started (or the last reset), as indexes.
+    pub fn dirty_clusters(&self, name: &str, reset: bool) -> Result<Vec<u64>, String> {
+        let inner = lock(&self.inner);
+        let id = self.volume_id(&inner, name)?;
+        Ok(inner.maps[&id].dirty_clusters(reset))
+    }
+
+    fn volume_info(&self, inner: &Inner, id: u32) -> VolumeInfo {
+        let v = &inner.state.volumes[&id];
+        VolumeInfo {
+            pool: self.name.clone(),
+            name: v.meta.name.clone(),
+            size: v.meta.size,
+            thin: v.meta.thin,
+            allocated_bytes: v.map.len() as u64 * self.cluster_size,
+            uuid: uuid::Uuid::from_bytes(v.meta.uuid).to_string(),
+            nguid: v.meta.nguid.iter().map(|b| format!("{b:02x}")).collect(),
+            dirty_tracking: inner.maps.get(&id).is_some_and(|m| m.tracking()),
+        }
+    }
+
+    /// Every volume.
+    pub fn volumes(&self) -> Vec<VolumeInfo> {
+        let inner = lock(&self.inner);
+        inner.state.volumes.keys().map(|&id| self.volume_info(&inner, id)).collect()
+    }
+
+    /// One volume.
+    pub fn volume(&self, name: &str) -> Result<VolumeInfo, String> {
+        let inner = lock(&self.inner);
+        let id = self.volume_id(&inner, name)?;
+        Ok(self.volume_info(&inner, id))
+    }
+
+    /// The pool's figures.
+    pub fn info(&self) -> PoolInfo {
+        let inner = lock(&self.inner);
+        let cs = self.cluster_size;
+        let total = u64::from(inner.free.total());
+        let free = u64::from(inner.free.free());
+        PoolInfo {
+            name: self.name.clone(),
+            uuid: uuid::Uuid::from_bytes(self.uuid).to_string(),
+            disks: self.shared.disks.iter().map(|d| d.path.display().to_string()).collect(),
+            cluster_size: cs,
+            capacity_bytes: total * cs,
+            used_bytes: (total - free) * cs,
+            free_bytes: free * cs,
+            provisioned_bytes: inner.state.volumes.values().map(|v| v.meta.size).sum(),
+            volumes: inner.state.volumes.len(),
+            failed: inner.failed.clone(),
+        }
+    }
+
+    /// Checks the metadata against the runtime maps and the free set: every mapped
+    /// cluster is used once, and used plus free is the whole pool (no leaks).
+    pub fn check(&self) -> Result<(), String> {
+        let inner = lock(&self.inner);
+        let used = inner.state.used_clusters()?;
+        if used.len() as u64 + u64::from(inner.free.free()) != u64::from(inner.free.total()) {
+            return Err(format!(
+                "{} clusters used and {} free do not add up to {}",
+                used.len(),
+                inner.free.free(),
+                inner.free.total()
+            ));
+        }
+        for v in inner.state.volumes.values() {
+            let m = &inner.maps[&v.meta.id];
+            for (&vc, &pc) in &v.map {
+                if m.get(u64::from(vc)) != pc {
+                    return Err(format!("volume {} cluster {vc}: the map and the metadata disagree", v.meta.name));
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,178 @@
+//! A volume's cluster map as the reactors read it: lock-free lookups, written only by
+//! the pool's metadata thread, plus the dirty-cluster set for migration.
+//!
+//! The map is two levels: a top table of pages, each page covering `PAGE` virtual
+//! clusters and created on first use. A page holds the physical cluster of each virtual
+//! one (0 when unallocated) and one dirty bit per cluster. Growing a volume builds a
+//! new top table that shares the existing pages, so readers holding the old table see
+//! every later change to the clusters they can address.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+/// Virtual clusters per map page.
+pub const PAGE: usize = 1024;
+
+/// One page of the map.
+pub struct MapPage {
+    physical: [AtomicU32; PAGE],
+    dirty: [AtomicU64; PAGE / 64],
+}
+
+impl MapPage {
+    fn new() -> Box<MapPage> {
+        Box::new(MapPage {
+            physical: std::array::from_fn(|_| AtomicU32::new(0)),
+            dirty: std::array::from_fn(|_| AtomicU64::new(0)),
+        })
+    }
+}
+
+type PageSlot = Arc<OnceLock<Box<MapPage>>>;
+
+/// The cluster map of a volume at one size.
+pub struct VolumeMap {
+    pages: Box<[PageSlot]>,
+    clusters: u64,
+    /// Whether writes mark their clusters dirty. Shared by every size of the map.
+    tracking: Arc<AtomicBool>,
+}
+
+impl VolumeMap {
+    /// An empty map of `clusters` clusters.
+    pub fn new(clusters: u64) -> VolumeMap {
+        let pages = (0..clusters.div_ceil(PAGE as u64)).map(|_| PageSlot::default()).collect();
+        VolumeMap { pages, clusters, tracking: Arc::default() }
+    }
+
+    /// The same map grown (or shrunk) to `clusters`, sharing every page it keeps.
+    pub fn resized(&self, clusters: u64) -> VolumeMap {
+        let n = clusters.div_ceil(PAGE as u64) as usize;
+        let pages =
+            (0..n).map(|i| self.pages.get(i).cloned().unwrap_or_default()).collect::<Vec<_>>().into_boxed_slice();
+        VolumeMap { pages, clusters, tracking: self.tracking.clone() }
+    }
+
+    /// Number of virtual clusters.
+    pub fn clusters(&self) -> u64 {
+        self.clusters
+    }
+
+    fn page(&self, vc: u64) -> Option<&MapPage> {
+        self.pages.get((vc / PAGE as u64) as usize)?.get().map(|b| &**b)
+    }
+
+    /// The physical cluster behind virtual cluster `vc`; 0 when unallocated.
+    pub fn get(&self, vc: u64) -> u32 {
+        // SeqCst pairs with `clear`: a reader either sees the cleared entry, or its
+        // in-flight count is seen by the thread waiting to reuse the cluster.
+        self.page(vc).map_or(0, |p| p.physical[vc as usize % PAGE].load(Ordering::SeqCst))
+    }
+
+    /// Publishes a mapping (metadata thread only, after the mapping is durable).
+    pub fn set(&self, vc: u64, pc: u32) {
+        let Some(slot) = self.pages.get((vc / PAGE as u64) as usize) else { return };
+        slot.get_or_init(MapPage::new).physical[vc as usize % PAGE].store(pc, Ordering::SeqCst);
+    }
+
+    /// Removes a mapping (metadata thread only); returns the physical cluster it had.
+    pub fn clear(&self, vc: u64) -> u32 {
+        self.page(vc).map_or(0, |p| p.physical[vc as usize % PAGE].swap(0, Ordering::SeqCst))
+    }
+
+    /// Notes that virtual cluster `vc` was written, if tracking is on.
+    pub fn mark_written(&self, vc: u64) {
+        if self.tracking.load(Ordering::Relaxed)
+            && let Some(p) = self.page(vc)
+        {
+            let bit = vc as usize % PAGE;
+            p.dirty[bit / 64].fetch_or(1 << (bit % 64), Ordering::Relaxed);
+        }
+    }
+
+    /// Starts or stops dirty tracking. Starting clears the set.
+    pub fn set_tracking(&self, on: bool) {
+        if on {
+            self.dirty_clusters(true);
+        }
+        self.tracking.store(on, Ordering::SeqCst);
+    }
+
+    /// Whether dirty tracking is on.
+    pub fn tracking(&self) -> bool {
+        self.tracking.load(Ordering::SeqCst)
+    }
+
+    /// The dirty clusters in ascending order; cleared as they are read if `reset`, so a
+    /// write that races with the report is either in it or in the next one.
+    pub fn dirty_clusters(&self, reset: bool) -> Vec<u64> {
+        let mut out = Vec::new();
+        for (pi, slot) in self.pages.iter().enumerate() {
+            let Some(p) = slot.get() else { continue };
+            for (wi, w) in p.dirty.iter().enumerate() {
+                let mut bits = if reset { w.swap(0, Ordering::Relaxed) } else { w.load(Ordering::Relaxed) };
+                while bits != 0 {
+                    let b = bits.trailing_zeros() as u64;
+                    bits &= bits - 1;
+                    let vc = (pi * PAGE + wi * 64) as u64 + b;
+                    if vc < self.clusters {
+                        out.push(vc);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Allocated clusters (for stats).
+    pub fn allocated(&self) -> u64 {
+        let mut n = 0;
+        for slot in self.pages.iter() {
+            if let Some(p) = slot.get() {
+                n += p.physical.iter().filter(|e| e.load(Ordering::Relaxed) != 0).count() as u64;
+            }
+        }
+        n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grown_maps_share_pages() {
+        let m = VolumeMap::new(10);
+        m.set(3, 77);
+        let big = m.resized(5000);
+        assert_eq!(big.get(3), 77);
+        big.set(4, 78);
+        assert_eq!(m.get(4), 78, "the old map sees changes made through the new one");
+        big.set(4000, 9);
+        assert_eq!(big.get(4000), 9);
+        assert_eq!(m.get(4000), 0);
+        assert_eq!(big.allocated(), 3);
+        assert_eq!(big.clear(3), 77);
+        assert_eq!(m.get(3), 0);
+    }
+
+    #[test]
+    fn dirty_tracking_reports_and_resets() {
+        let m = VolumeMap::new(3000);
+        m.set(1, 5);
+        m.mark_written(1);
+        assert!(m.dirty_clusters(false).is_empty(), "not tracking yet");
+        m.set_tracking(true);
+        let grown = m.resized(5000);
+        grown.set(4000, 6);
+        m.mark_written(1);
+        grown.mark_written(4000);
+        assert!(grown.tracking());
+        assert_eq!(m.dirty_clusters(false), vec![1], "the old map stops at its size");
+        assert_eq!(grown.dirty_clusters(true), vec![1, 4000]);
+        assert!(grown.dirty_clusters(false).is_empty());
+        grown.set_tracking(false);
+        grown.mark_written(1);
+        assert!(grown.dirty_clusters(false).is_empty());
+    }
+}

@@ -1,0 +1,211 @@
+//! The engine's pools and volumes: management on top of [`crate::pool`], and volumes
+//! exported as namespaces.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::bdev::Bdev;
+use crate::pool::{CreateOptions, DEFAULT_CLUSTER_SIZE, Pool, PoolInfo, VolumeInfo};
+use crate::target::{Namespace, Subsystem, lock};
+use crate::{Engine, Msg};
+
+/// What to do with a volume's dirty-cluster tracking.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DirtyAction {
+    /// Start tracking (clears the set).
+    Start,
+    /// Stop tracking.
+    Stop,
+    /// Report the set.
+    Report,
+    /// Report the set and clear it.
+    Reset,
+}
+
+/// The dirty clusters of a volume.
+#[derive(Debug, serde::Serialize)]
+pub struct DirtyReport {
+    /// Whether tracking is on.
+    pub tracking: bool,
+    /// Bytes per cluster.
+    pub cluster_size: u64,
+    /// Indexes of the clusters written since tracking started or the last reset.
+    pub clusters: Vec<u64>,
+}
+
+fn canonical(p: &Path) -> PathBuf {
+    p.canonicalize().unwrap_or_else(|_| p.to_path_buf())
+}
+
+impl Engine {
+    fn pool(&self, name: &str) -> Result<Arc<Pool>, String> {
+        lock(&self.pools).get(name).cloned().ok_or_else(|| {
+            format!("no pool {name}: `nvpool pool list` shows the pools, `nvpool pool import` opens one")
+        })
+    }
+
+    fn check_disks_free(&self, disks: &[PathBuf]) -> Result<(), String> {
+        for p in lock(&self.pools).values() {
+            for d in p.shared().disks() {
+                if let Some(dup) = disks.iter().find(|x| canonical(x) == canonical(&d.path)) {
+                    return Err(format!("{} is already a disk of pool {}", dup.display(), p.name));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn add_pool(&self, pool: Arc<Pool>) -> Result<PoolInfo, String> {
+        let mut pools = lock(&self.pools);
+        if pools.contains_key(&pool.name) {
+            pool.close();
+            return Err(format!("a pool named {} is already open: export it first", pool.name));
+        }
+        let info = pool.info();
+        pools.insert(pool.name.clone(), pool);
+        Ok(info)
+    }
+
+    /// Claims disks as a new pool.
+    pub fn create_pool(
+        &self,
+        name: &str,
+        disks: &[PathBuf],
+        cluster_size: Option<u64>,
+        force: bool,
+    ) -> Result<PoolInfo, String> {
+        if lock(&self.pools).contains_key(name) {
+            return Err(format!("a pool named {name} already exists: pick another name"));
+        }
+        self.check_disks_free(disks)?;
+        let o = CreateOptions { cluster_size: cluster_size.unwrap_or(DEFAULT_CLUSTER_SIZE), force };
+        self.add_pool(Pool::create(name, disks, &o)?)
+    }
+
+    /// Opens an existing pool from its disks.
+    pub fn import_pool(&self, disks: &[PathBuf]) -> Result<PoolInfo, String> {
+        self.check_disks_free(disks)?;
+        self.add_pool(Pool::import(disks)?)
+    }
+
+    /// Closes a pool; its disks keep everything. Refused while a volume is exported.
+    pub fn export_pool(&self, name: &str) -> Result<(), String> {
+        let pool = self.pool(name)?;
+        if let Some((s, ns)) = self.exports(&pool, None).first() {
+            return Err(format!(
+                "pool {name} has a volume exported as namespace {} of {}: remove the namespace first",
+                ns.nsid, s.nqn
+            ));
+        }
+        pool.close();
+        lock(&self.pools).remove(name);
+        Ok(())
+    }
+
+    /// Every open pool.
+    pub fn pools(&self) -> Vec<PoolInfo> {
+        lock(&self.pools).values().map(|p| p.info()).collect()
+    }
+
+    /// Namespaces serving volumes of `pool` (all, or volume `id`'s).
+    fn exports(&self, pool: &Arc<Pool>, id: Option<u32>) -> Vec<(Arc<Subsystem>, Arc<Namespace>)> {
+        let mut out = Vec::new();
+        for s in self.target.subsystems() {
+            for ns in s.namespaces().values() {
+                if let Some(v) = ns.bdev.as_volume()
+                    && Arc::ptr_eq(&v.pool, pool.shared())
+                    && id.is_none_or(|i| i == v.id)
+                {
+                    out.push((s.clone(), ns.clone()));
+                }
+            }
+        }
+        out
+    }
+
+    /// Creates a volume.
+    pub fn create_volume(&self, pool: &str, name: &str, size: u64, thin: bool) -> Result<VolumeInfo, String> {
+        self.pool(pool)?.create_volume(name, size, thin)
+    }
+
+    /// Deletes a volume. Refused while it is exported.
+    pub fn delete_volume(&self, pool: &str, name: &str) -> Result<(), String> {
+        let p = self.pool(pool)?;
+        let (io, _) = p.open_volume(name)?;
+        if let Some((s, ns)) = self.exports(&p, Some(io.id)).first() {
+            return Err(format!(
+                "volume {pool}/{name} is exported as namespace {} of {}: remove the namespace first",
+                ns.nsid, s.nqn
+            ));
+        }
+        p.delete_volume(name)
+    }
+
+    /// Grows a volume; namespaces serving it take the new size and hosts are told.
+    pub fn resize_volume(&self, pool: &str, name: &str, size: u64) -> Result<VolumeInfo, String> {
+        let p = self.pool(pool)?;
+        let info = p.resize_volume(name, size)?;
+        let (io, _) = p.open_volume(name)?;
+        for (s, ns) in self.exports(&p, Some(io.id)) {
+            let grown = self.volume_namespace(pool, name, ns.nsid, ns.block_size())?;
+            s.replace_namespace(grown)?;
+        }
+        self.kick_all();
+        Ok(info)
+    }
+
+    /// Volumes of one pool, or of all.
+    pub fn volumes(&self, pool: Option<&str>) -> Result<Vec<VolumeInfo>, String> {
+        match pool {
+            Some(p) => Ok(self.pool(p)?.volumes()),
+            None => Ok(lock(&self.pools).values().flat_map(|p| p.volumes()).collect()),
+        }
+    }
+
+    /// One volume.
+    pub fn volume(&self, pool: &str, name: &str) -> Result<VolumeInfo, String> {
+        self.pool(pool)?.volume(name)
+    }
+
+    /// Starts, stops, reports or resets a volume's dirty-cluster tracking.
+    pub fn volume_dirty(&self, pool: &str, name: &str, action: DirtyAction) -> Result<DirtyReport, String> {
+        let p = self.pool(pool)?;
+        match action {
+            DirtyAction::Start => p.set_dirty_tracking(name, true)?,
+            DirtyAction::Stop => p.set_dirty_tracking(name, false)?,
+            DirtyAction::Report | DirtyAction::Reset => {}
+        }
+        let clusters = match action {
+            DirtyAction::Report => p.dirty_clusters(name, false)?,
+            DirtyAction::Reset => p.dirty_clusters(name, true)?,
+            _ => Vec::new(),
+        };
+        let info = p.volume(name)?;
+        Ok(DirtyReport { tracking: info.dirty_tracking, cluster_size: p.info().cluster_size, clusters })
+    }
+
+    /// Checks a pool's metadata and space accounting.
+    pub fn check_pool(&self, pool: &str) -> Result<(), String> {
+        self.pool(pool)?.check()
+    }
+
+    /// A namespace serving volume `pool/name` with the identity stored with it.
+    pub(crate) fn volume_namespace(
+        &self,
+        pool: &str,
+        name: &str,
+        nsid: u32,
+        block_size: u32,
+    ) -> Result<Namespace, String> {
+        let (io, meta) = self.pool(pool)?.open_volume(name)?;
+        let bdev = Bdev::volume(io, meta.size, format!("volume:{pool}/{name}"));
+        Namespace::new(nsid, Arc::new(bdev), block_size, meta.uuid, meta.nguid)
+    }
+
+    fn kick_all(&self) {
+        for l in self.links.iter() {
+            l.send(Msg::Kick);
+        }
+    }
+}

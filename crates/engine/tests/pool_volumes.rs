@@ -1,0 +1,315 @@
+//! Pools and volumes through the engine: the management API, and volumes exported as
+//! namespaces driven over NVMe/TCP by the in-repo initiator.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use nvpool_engine::config::{EngineConfig, ListenerConfig, PoolConfig};
+use nvpool_engine::{Engine, mgmt};
+use nvpool_initiator::{ConnectOptions, Error, Queue, connect_admin};
+use nvpool_wire::Status;
+use nvpool_wire::command::{Command, DsmRange, io_opcode};
+use serde_json::{Value, json};
+
+const NQN: &str = "nqn.2024-01.io.nvpool:volumes";
+const HOST: &str = "nqn.2024-01.io.nvpool:host-a";
+const IN_CAPSULE: usize = 8192;
+const MIB: u64 = 1 << 20;
+/// Blocks of 4 KiB per 1 MiB cluster.
+const BLOCKS_PER_CLUSTER: u64 = 256;
+
+struct Node {
+    engine: Arc<Engine>,
+    addr: SocketAddr,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.engine.stop();
+    }
+}
+
+impl Node {
+    fn start(pools: Vec<PoolConfig>) -> Node {
+        let cfg = EngineConfig {
+            reactors: Some(2),
+            listeners: vec![ListenerConfig { address: "127.0.0.1:0".parse().unwrap() }],
+            pools,
+            ..EngineConfig::default()
+        };
+        let engine = Engine::start(&cfg).expect("engine starts");
+        let l = &engine.listeners()[0];
+        let addr = SocketAddr::new(l.addr, l.port);
+        Node { engine, addr }
+    }
+
+    fn call(&self, method: &str, params: Value) -> Result<Value, String> {
+        mgmt::handle(&self.engine, &json!({ "method": method, "params": params }).to_string())
+    }
+
+    fn ok(&self, method: &str, params: Value) -> Value {
+        self.call(method, params).unwrap_or_else(|e| panic!("{method}: {e}"))
+    }
+
+    fn export(&self, pool: &str, volume: &str) -> u32 {
+        if self.call("subsystem_add", json!({ "nqn": NQN, "allow_any_host": true })).is_err() {
+            // Already there.
+        }
+        let r = self.ok(
+            "namespace_add",
+            json!({ "nqn": NQN, "namespace": { "backend": format!("volume:{pool}/{volume}"), "block_size": 4096 } }),
+        );
+        r["nsid"].as_u64().unwrap() as u32
+    }
+
+    fn queue(&self) -> (Queue, Queue) {
+        let o = ConnectOptions::admin(NQN, HOST);
+        let mut admin = connect_admin(self.addr, &o).unwrap();
+        admin.set_queue_count(1).unwrap();
+        let io = Queue::connect(self.addr, &o.io(1, admin.cntlid, 127)).unwrap();
+        (admin, io)
+    }
+}
+
+fn disks(dir: &Path, n: usize, size: u64) -> Vec<PathBuf> {
+    (0..n)
+        .map(|i| {
+            let p = dir.join(format!("disk{i}"));
+            std::fs::File::create(&p).unwrap().set_len(size).unwrap();
+            p
+        })
+        .collect()
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn allocated(node: &Node, pool: &str, name: &str) -> u64 {
+    node.ok("volume_get", json!({ "pool": pool, "name": name }))["allocated_bytes"].as_u64().unwrap()
+}
+
+fn write(q: &mut Queue, nsid: u32, slba: u64, data: &[u8]) -> Result<(), Error> {
+    q.write(nsid, slba, data, 4096, IN_CAPSULE)
+}
+
+fn deallocate(q: &mut Queue, nsid: u32, slba: u64, nlb: u32) -> Status {
+    let mut ranges = [0u8; 16];
+    DsmRange { attributes: 0, nlb, slba }.encode(&mut ranges);
+    let cid = q.alloc_cid();
+    let dsm = Command {
+        opcode: io_opcode::DATASET_MANAGEMENT,
+        cid,
+        nsid,
+        cdw: [0, 1 << 2, 0, 0, 0, 0],
+        ..Command::default()
+    };
+    q.execute_raw(dsm, &ranges, true).unwrap().cqe.status.base()
+}
+
+#[test]
+fn thin_volume_allocates_on_write_and_frees_on_trim() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = disks(dir.path(), 2, 64 * MIB);
+    let node = Node::start(vec![]);
+    let p = node.ok("pool_create", json!({ "name": "p", "disks": d }));
+    let capacity = p["capacity_bytes"].as_u64().unwrap();
+    assert!(capacity >= 100 * MIB, "two 64 MiB disks give most of their space: {capacity}");
+    node.ok("volume_create", json!({ "pool": "p", "name": "thin", "size": 1 << 30, "thin": true }));
+    let nsid = node.export("p", "thin");
+    let (_admin, mut q) = node.queue();
+    // Unwritten space reads as zeroes and allocates nothing.
+    assert!(q.read(nsid, 0, 32, 4096).unwrap().iter().all(|&b| b == 0));
+    assert_eq!(allocated(&node, "p", "thin"), 0);
+    // A write allocates exactly the clusters it touches: one spanning a boundary, two.
+    let data = pattern(1, 8192);
+    write(&mut q, nsid, BLOCKS_PER_CLUSTER - 1, &data).unwrap();
+    assert_eq!(allocated(&node, "p", "thin"), 2 * MIB);
+    assert_eq!(q.read(nsid, BLOCKS_PER_CLUSTER - 1, 2, 4096).unwrap(), data);
+    // The rest of a new cluster reads as zeroes.
+    assert!(q.read(nsid, 0, 8, 4096).unwrap().iter().all(|&b| b == 0));
+    // Largest transfers, across the pool's two disks.
+    for i in 0..40u64 {
+        write(&mut q, nsid, i * BLOCKS_PER_CLUSTER * 3, &pattern(i + 10, 131072)).unwrap();
+    }
+    for i in 0..40u64 {
+        assert_eq!(q.read(nsid, i * BLOCKS_PER_CLUSTER * 3, 32, 4096).unwrap(), pattern(i + 10, 131072), "cluster {i}");
+    }
+    let before = allocated(&node, "p", "thin");
+    // Deallocating a whole cluster frees it; a partial range zeroes in place.
+    assert_eq!(deallocate(&mut q, nsid, 3 * BLOCKS_PER_CLUSTER, BLOCKS_PER_CLUSTER as u32), Status::SUCCESS);
+    assert_eq!(allocated(&node, "p", "thin"), before - MIB);
+    assert!(q.read(nsid, 3 * BLOCKS_PER_CLUSTER, 32, 4096).unwrap().iter().all(|&b| b == 0));
+    assert_eq!(deallocate(&mut q, nsid, 6 * BLOCKS_PER_CLUSTER, 8), Status::SUCCESS);
+    assert_eq!(allocated(&node, "p", "thin"), before - MIB);
+    let back = q.read(nsid, 6 * BLOCKS_PER_CLUSTER, 32, 4096).unwrap();
+    assert!(back[..8 * 4096].iter().all(|&b| b == 0));
+    assert_eq!(back[8 * 4096..], pattern(12, 131072)[8 * 4096..]);
+    // Write Zeroes over a whole cluster frees it too.
+    let wz = Command {
+        opcode: io_opcode::WRITE_ZEROES,
+        nsid,
+        cdw: [(9 * BLOCKS_PER_CLUSTER) as u32, 0, BLOCKS_PER_CLUSTER as u32 - 1, 0, 0, 0],
+        ..Command::default()
+    };
+    q.execute(wz, 0).unwrap();
+    assert_eq!(allocated(&node, "p", "thin"), before - 2 * MIB);
+    assert!(q.read(nsid, 9 * BLOCKS_PER_CLUSTER, 32, 4096).unwrap().iter().all(|&b| b == 0));
+    // A reused cluster never shows the old data.
+    write(&mut q, nsid, 500 * BLOCKS_PER_CLUSTER, &pattern(99, 4096)).unwrap();
+    let reused = q.read(nsid, 500 * BLOCKS_PER_CLUSTER, 32, 4096).unwrap();
+    assert_eq!(reused[..4096], pattern(99, 4096));
+    assert!(reused[4096..].iter().all(|&b| b == 0));
+    node.ok("pool_check", json!({ "name": "p" }));
+}
+
+#[test]
+fn a_full_pool_answers_capacity_exceeded_and_spares_other_volumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = disks(dir.path(), 1, 48 * MIB);
+    let node = Node::start(vec![]);
+    node.ok("pool_create", json!({ "name": "small", "disks": d }));
+    let free = node.ok("pool_list", json!({}))[0]["free_bytes"].as_u64().unwrap();
+    node.ok("volume_create", json!({ "pool": "small", "name": "thick", "size": 8 * MIB }));
+    node.ok("volume_create", json!({ "pool": "small", "name": "big", "size": 1 << 30, "thin": true }));
+    let err = node.call("volume_create", json!({ "pool": "small", "name": "huge", "size": 1 << 30 })).unwrap_err();
+    assert!(err.contains("free") && err.contains("thin"), "{err}");
+    let thick = node.export("small", "thick");
+    let big = node.export("small", "big");
+    let (_admin, mut q) = node.queue();
+    let keep = pattern(7, 131072);
+    write(&mut q, thick, 0, &keep).unwrap();
+    let clusters = (free - 8 * MIB) / MIB;
+    for c in 0..clusters {
+        write(&mut q, big, c * BLOCKS_PER_CLUSTER, &pattern(c, 4096)).unwrap();
+    }
+    match write(&mut q, big, clusters * BLOCKS_PER_CLUSTER, &pattern(0, 4096)) {
+        Err(Error::Command(s)) => assert_eq!(s.base(), Status::CAPACITY_EXCEEDED),
+        other => panic!("expected capacity exceeded, got {other:?}"),
+    }
+    // Overwriting allocated space still works, and the other volume is intact.
+    write(&mut q, big, 0, &pattern(1, 4096)).unwrap();
+    assert_eq!(q.read(thick, 0, 32, 4096).unwrap(), keep);
+    assert_eq!(node.ok("pool_list", json!({}))[0]["free_bytes"].as_u64().unwrap(), 0);
+    // Freeing a cluster makes room again.
+    assert_eq!(deallocate(&mut q, big, 0, BLOCKS_PER_CLUSTER as u32), Status::SUCCESS);
+    write(&mut q, big, clusters * BLOCKS_PER_CLUSTER, &pattern(3, 4096)).unwrap();
+    node.ok("pool_check", json!({ "name": "small" }));
+}
+
+#[test]
+fn volumes_keep_data_and_identity_across_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = disks(dir.path(), 2, 64 * MIB);
+    let data = pattern(5, 131072);
+    let (uuid, nguid, pool_info) = {
+        let node = Node::start(vec![]);
+        node.ok("pool_create", json!({ "name": "keep", "disks": d, "cluster_size": 256 << 10 }));
+        node.ok("volume_create", json!({ "pool": "keep", "name": "a", "size": 64 * MIB, "thin": true }));
+        node.ok("volume_create", json!({ "pool": "keep", "name": "b", "size": 16 * MIB }));
+        node.ok("volume_create", json!({ "pool": "keep", "name": "gone", "size": 16 * MIB }));
+        node.ok("volume_delete", json!({ "pool": "keep", "name": "gone" }));
+        let nsid = node.export("keep", "a");
+        let (_admin, mut q) = node.queue();
+        write(&mut q, nsid, 1000, &data).unwrap();
+        q.execute(Command { opcode: io_opcode::FLUSH, nsid, ..Command::default() }, 0).unwrap();
+        let v = node.ok("volume_get", json!({ "pool": "keep", "name": "a" }));
+        (v["uuid"].clone(), v["nguid"].clone(), node.ok("pool_list", json!({}))[0].clone())
+    };
+    // Imported from its disks in another order, through the configuration.
+    let node = Node::start(vec![PoolConfig { disks: vec![d[1].clone(), d[0].clone()] }]);
+    let again = node.ok("pool_list", json!({}))[0].clone();
+    for field in ["uuid", "capacity_bytes", "used_bytes", "free_bytes", "volumes"] {
+        assert_eq!(again[field], pool_info[field], "{field}");
+    }
+    let v = node.ok("volume_get", json!({ "pool": "keep", "name": "a" }));
+    assert_eq!((v["uuid"].clone(), v["nguid"].clone()), (uuid, nguid));
+    let nsid = node.export("keep", "a");
+    let (mut admin, mut q) = node.queue();
+    assert_eq!(q.read(nsid, 1000, 32, 4096).unwrap(), data);
+    let id = admin.identify_namespace(nsid).unwrap();
+    assert_eq!(id.nsze, 64 * MIB / 4096);
+    assert_eq!(hex(&id.nguid), v["nguid"].as_str().unwrap());
+    node.ok("pool_check", json!({ "name": "keep" }));
+    // Growing the volume grows the namespace.
+    node.ok("volume_resize", json!({ "pool": "keep", "name": "a", "size": 96 * MIB }));
+    assert_eq!(admin.identify_namespace(nsid).unwrap().nsze, 96 * MIB / 4096);
+    let shrink = node.call("volume_resize", json!({ "pool": "keep", "name": "a", "size": MIB })).unwrap_err();
+    assert!(shrink.contains("shrinking is not supported"), "{shrink}");
+    // Exported volumes cannot be deleted, nor their pool exported.
+    let e = node.call("volume_delete", json!({ "pool": "keep", "name": "a" })).unwrap_err();
+    assert!(e.contains("remove the namespace first"), "{e}");
+    assert!(node.call("pool_export", json!({ "name": "keep" })).is_err());
+    node.ok("namespace_remove", json!({ "nqn": NQN, "nsid": nsid }));
+    node.ok("pool_export", json!({ "name": "keep" }));
+    assert!(node.ok("pool_list", json!({})).as_array().unwrap().is_empty());
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+#[test]
+fn dirty_tracking_reports_written_clusters() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = disks(dir.path(), 1, 64 * MIB);
+    let node = Node::start(vec![]);
+    node.ok("pool_create", json!({ "name": "m", "disks": d }));
+    node.ok("volume_create", json!({ "pool": "m", "name": "v", "size": 32 * MIB }));
+    let nsid = node.export("m", "v");
+    let (_admin, mut q) = node.queue();
+    let dirty = |action: &str| node.ok("volume_dirty", json!({ "pool": "m", "name": "v", "action": action }));
+    write(&mut q, nsid, 0, &pattern(1, 4096)).unwrap();
+    assert_eq!(dirty("start")["tracking"], json!(true));
+    write(&mut q, nsid, 5 * BLOCKS_PER_CLUSTER + 3, &pattern(2, 4096)).unwrap();
+    write(&mut q, nsid, 2 * BLOCKS_PER_CLUSTER - 1, &pattern(3, 8192)).unwrap();
+    q.read(nsid, 20 * BLOCKS_PER_CLUSTER, 1, 4096).unwrap();
+    assert_eq!(dirty("report")["clusters"], json!([1, 2, 5]));
+    assert_eq!(dirty("reset")["clusters"], json!([1, 2, 5]));
+    assert_eq!(dirty("report")["clusters"], json!([]));
+    write(&mut q, nsid, 7 * BLOCKS_PER_CLUSTER, &pattern(4, 4096)).unwrap();
+    assert_eq!(dirty("report")["clusters"], json!([7]));
+    dirty("stop");
+    write(&mut q, nsid, 9 * BLOCKS_PER_CLUSTER, &pattern(4, 4096)).unwrap();
+    assert_eq!(dirty("report")["tracking"], json!(false));
+}
+
+#[test]
+fn disks_in_use_or_with_filesystems_are_refused_unless_forced() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = disks(dir.path(), 3, 32 * MIB);
+    let node = Node::start(vec![]);
+    node.ok("pool_create", json!({ "name": "one", "disks": [d[0]] }));
+    let e = node.call("pool_create", json!({ "name": "two", "disks": [d[0]] })).unwrap_err();
+    assert!(e.contains("already a disk of pool one"), "{e}");
+    node.ok("pool_export", json!({ "name": "one" }));
+    let e = node.call("pool_create", json!({ "name": "two", "disks": [d[0]] })).unwrap_err();
+    assert!(e.contains("belongs to pool \"one\"") && e.contains("force"), "{e}");
+    // An ext4 superblock magic at byte 1080.
+    let f = std::fs::OpenOptions::new().write(true).open(&d[1]).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &[0x53, 0xEF], 1080).unwrap();
+    let e = node.call("pool_create", json!({ "name": "two", "disks": [d[1]] })).unwrap_err();
+    assert!(e.contains("ext2/3/4") && e.contains("force"), "{e}");
+    node.ok("pool_create", json!({ "name": "two", "disks": [d[0], d[1]], "force": true }));
+    // The old pool's disk now belongs to the new one only.
+    node.ok("pool_export", json!({ "name": "two" }));
+    let e = node.call("pool_import", json!({ "disks": [d[0]] })).unwrap_err();
+    assert!(e.contains("has 2 disks"), "{e}");
+    node.ok("pool_import", json!({ "disks": [d[0], d[1]] }));
+    for bad in
+        [json!({ "name": "x y", "disks": [d[2]] }), json!({ "name": "c", "disks": [d[2]], "cluster_size": 4096 })]
+    {
+        assert!(node.call("pool_create", bad).is_err());
+    }
+    let e = node.call("volume_create", json!({ "pool": "nope", "name": "v", "size": 4096 })).unwrap_err();
+    assert!(e.contains("no pool nope"), "{e}");
+}
