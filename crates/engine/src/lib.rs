@@ -134,7 +134,18 @@ impl Engine {
                 engine.add_subsystem(s)?;
             }
             for l in &cfg.listeners {
-                engine.add_listener(l.address)?;
+                // After a crash the old engine's sockets close only once the kernel has
+                // torn down its rings, a moment after the process is gone: a restart
+                // waits for the address instead of failing.
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                loop {
+                    match engine.add_listener(l.address) {
+                        Err(e) if e.contains("in use") && std::time::Instant::now() < deadline => {
+                            std::thread::sleep(std::time::Duration::from_millis(50))
+                        }
+                        r => break r.map(|_| ())?,
+                    }
+                }
             }
             Ok(())
         };
