@@ -55,13 +55,18 @@ class Target:
 
     def __init__(self, kind, core, file_path, reactors_cores=None):
         self.kind, self.port = kind, free_port()
+        self.socket = f"/tmp/nvpool-bench-{self.port}.sock"
         if kind == "responder":
             cmd = [BIN, "responder", "--listen", f"127.0.0.1:{self.port}", "--core", str(core)]
+        elif kind == "pool":
+            # Namespaces are added through the management API.
+            cmd = [BIN, "engine", "--listen", f"127.0.0.1:{self.port}", "--cores", reactors_cores or str(core),
+                   "--discovery-port", "0", "--mgmt-socket", self.socket]
         else:
             backend = {"null": "null:1GiB", "memory": "memory:1GiB", "file": f"file:{file_path}"}[kind]
             cmd = [BIN, "engine", "--listen", f"127.0.0.1:{self.port}", "--subsystem", NQN, "--namespace", backend,
                    "--cores", reactors_cores or str(core), "--discovery-port", "0",
-                   "--mgmt-socket", f"/tmp/nvpool-bench-{self.port}.sock"]
+                   "--mgmt-socket", self.socket]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_port(self.port)
 
@@ -153,6 +158,10 @@ def main():
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     ap.add_argument("--quick", action="store_true", help="one round of 1 s runs (a smoke test of the suite)")
     ap.add_argument("--replot", action="store_true", help="only re-render the table and plot from results.json")
+    ap.add_argument("--volume-dir", default="/dev/shm/nvpool-bench-volume",
+                    help="where the volume-layer comparison keeps its pool disk and plain file")
+    ap.add_argument("--volume-only", action="store_true",
+                    help="run only the volume-layer comparison and merge it into results.json")
     ap.add_argument("--soak", type=float, default=0, metavar="SECONDS",
                     help="also run a soak: 64 connections against the memory backend, sampling the engine's RSS")
     args = ap.parse_args()
@@ -163,6 +172,13 @@ def main():
         args.rounds, args.duration, args.warmup = 1, 1.0, 0.3
     if not os.access(BIN, os.X_OK):
         raise SystemExit(f"{BIN} missing: run scripts/bench (it builds it)")
+    if args.volume_only:
+        results = json.load(open(os.path.join(args.out, "results.json")))
+        results["volume_layer"] = volume_layer(args)
+        results["volume_layer"]["machine"] = machine()
+        json.dump(results, open(os.path.join(args.out, "results.json"), "w"), indent=1)
+        write_outputs(results, args)
+        return
     if not shutil.which("fio"):
         raise SystemExit("fio missing: run scripts/bench (it installs it)")
     os.makedirs(os.path.dirname(args.file), exist_ok=True)
@@ -205,12 +221,63 @@ def main():
         row["ratios"]["file/fio"] = statistics.median(e["iops"] / f["iops"] for e, f in zip(runs["file"], runs["fio"]))
         rows[label(*c)] = row
     results = {"machine": machine(), "rounds": args.rounds, "duration_s": args.duration, "rows": rows,
-               "scaling": scaling(args), "soak": soak(args) if args.soak else None,
+               "scaling": scaling(args), "volume_layer": volume_layer(args), "soak": soak(args) if args.soak else None,
                "engine_cpu_s_per_million_ios": {b: (v[0] / v[1] * 1e6 if v[1] else None) for b, v in cpu.items()},
                "raw": raw}
     os.makedirs(args.out, exist_ok=True)
     json.dump(results, open(os.path.join(args.out, "results.json"), "w"), indent=1)
     write_outputs(results, args)
+
+
+def cli(socket, *argv):
+    out = subprocess.run([BIN, *argv, "--socket", socket], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"nvpool {' '.join(argv)} failed: {out.stderr}")
+
+
+def volume_layer(args):
+    """The volume layer's cost: 4 KiB random reads and writes through the engine, to a
+    thick volume on a one-disk pool and to a plain file backend, both files in
+    `args.volume_dir`. That is tmpfs by default, so what is measured is the layer's own
+    cost and not the disk's (this machine's disk is throttled and noisy)."""
+    d = args.volume_dir
+    os.makedirs(d, exist_ok=True)
+    raw, disk = os.path.join(d, "raw.img"), os.path.join(d, "pool.img")
+    subprocess.run(["dd", "if=/dev/urandom", f"of={raw}", "bs=1M", "count=1024", "status=none"], check=True)
+    if os.path.exists(disk):
+        os.remove(disk)
+    with open(disk, "wb") as f:
+        f.truncate(1152 * 2**20)
+    plain = Target("file", args.target_core, raw)
+    vol = Target("pool", args.target_core, None)
+    sock = vol.socket
+    cli(sock, "pool", "create", "bench", disk, "--force")
+    cli(sock, "volume", "create", "bench", "v", "1GiB")
+    cli(sock, "subsystem", "add", NQN, "--allow-any-host")
+    cli(sock, "namespace", "add", NQN, "volume:bench/v")
+    configs = [("randread", 4096, 1), ("randread", 4096, 32), ("randwrite", 4096, 1), ("randwrite", 4096, 32)]
+    runs = {label(*c): {"file": [], "volume": []} for c in configs}
+    try:
+        # The volume is written once first, so neither side reads never-written blocks.
+        bench(vol.port, "write", 131072, 32, argparse.Namespace(**{**vars(args), "duration": 4.0, "warmup": 0}))
+        for rnd in range(args.rounds):
+            for c in configs:
+                for kind, t in (("file", plain), ("volume", vol)):
+                    r = bench(t.port, *c, args)
+                    runs[label(*c)][kind].append(r)
+                    print(f"round {rnd+1} {kind:9} {label(*c):18} {r['iops']:>10.0f} IOPS  mean {r['latency']['mean_us']:7.1f} us", flush=True)
+    finally:
+        plain.stop()
+        vol.stop()
+    out = []
+    for c in configs:
+        k = runs[label(*c)]
+        med = lambda kind, f: statistics.median(f(r) for r in k[kind])
+        out.append({"workload": label(*c),
+                     "iops": {kind: med(kind, lambda r: r["iops"]) for kind in k},
+                     "mean_us": {kind: med(kind, lambda r: r["latency"]["mean_us"]) for kind in k},
+                     "ratio": statistics.median(v["iops"] / f["iops"] for v, f in zip(k["volume"], k["file"]))})
+    return {"dir": d, "rows": out}
 
 
 def scaling(args):
@@ -281,6 +348,14 @@ def write_outputs(results, args):
                "| reactors | connections | IOPS | mean us | engine CPU s / million I/Os |", "|---:|---:|---:|---:|---:|"]
         md += [f"| {x['reactors']} | {x['connections']} | {x['iops']:,.0f} | {x['mean_us']:.1f} | {x['engine_cpu_s_per_million_ios']:.2f} |"
                for x in results["scaling"]]
+    if results.get("volume_layer"):
+        v = results["volume_layer"]
+        when = f" ({v['machine']['date']}, revision {v['machine']['revision']})" if v.get("machine") else ""
+        md += ["", f"Volume layer{when}: 4 KiB random I/O through the engine to a thick volume on a pool, and to a plain "
+               f"file backend, both files on {v['dir']} (tmpfs: the layer's cost, not the disk's), medians of interleaved rounds:", "",
+               "| workload | file IOPS | volume IOPS | volume / file | mean latency us: file / volume |", "|---|---:|---:|---:|---|"]
+        md += [f"| {x['workload']} | {x['iops']['file']:,.0f} | {x['iops']['volume']:,.0f} | {x['ratio']:.1%} | "
+               f"{x['mean_us']['file']:.1f} / {x['mean_us']['volume']:.1f} |" for x in v["rows"]]
     if results.get("soak"):
         k = results["soak"]
         md += ["", f"Soak: {k['connections']} connections, 4 KiB randrw with verify, memory backend, {k['seconds']:g} s: "

@@ -597,28 +597,22 @@ impl Pool {
     }
 
     /// Releases virtual clusters of a volume: clears them, waits out I/O that might use
-    /// them, commits, then frees them.
-    fn release(&self, inner: &mut Inner, id: u32, vcs: &[u64], extra: Vec<Record>) -> Result<(), String> {
+    /// them, commits their Unmap records followed by `then`, and frees them.
+    fn release(&self, inner: &mut Inner, id: u32, vcs: &[u64], then: Option<Record>) -> Result<(), String> {
         let map = inner.maps.get(&id).cloned();
         let mut freed = Vec::new();
         if let Some(m) = &map {
-            for &vc in vcs {
-                let pc = m.clear(vc);
-                if pc != 0 {
-                    freed.push(pc);
-                }
-            }
+            freed.extend(vcs.iter().map(|&vc| m.clear(vc)).filter(|&pc| pc != 0));
         }
         self.shared.drain();
-        let mut records = extra;
+        let mut records: Vec<Record> = Vec::new();
         for &vc in vcs {
             match records.last_mut() {
-                Some(Record::Unmap { id: i, vstart, count }) if *i == id && u64::from(*vstart + *count) == vc => {
-                    *count += 1
-                }
+                Some(Record::Unmap { vstart, count, .. }) if u64::from(*vstart + *count) == vc => *count += 1,
                 _ => records.push(Record::Unmap { id, vstart: vc as u32, count: 1 }),
             }
         }
+        records.extend(then);
         self.commit(inner, &records)?;
         for pc in freed {
             inner.free.put(pc);
@@ -659,7 +653,7 @@ impl Pool {
         whole.sort_unstable();
         whole.dedup();
         if !whole.is_empty()
-            && let Err(e) = self.release(&mut inner, id, &whole, Vec::new())
+            && let Err(e) = self.release(&mut inner, id, &whole, None)
         {
             eprintln!("nvpool: pool {}: releasing clusters failed: {e}", self.name);
             return Status::INTERNAL_ERROR;
@@ -744,18 +738,8 @@ impl Pool {
         let mut inner = lock(&self.inner);
         let id = self.volume_id(&inner, name)?;
         let vcs: Vec<u64> = inner.state.volumes[&id].map.keys().map(|&c| u64::from(c)).collect();
-        // The Unmap records are implied by the deletion: commit it alone.
-        let map = inner.maps.get(&id).cloned();
-        let mut freed = Vec::new();
-        if let Some(m) = &map {
-            freed.extend(vcs.iter().map(|&vc| m.clear(vc)).filter(|&pc| pc != 0));
-        }
-        self.shared.drain();
-        self.commit(&mut inner, &[Record::DeleteVolume { id }])?;
+        self.release(&mut inner, id, &vcs, Some(Record::DeleteVolume { id }))?;
         inner.maps.remove(&id);
-        for pc in freed {
-            inner.free.put(pc);
-        }
         Ok(())
     }
 
@@ -879,5 +863,139 @@ impl Pool {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeSet;
+
+    const CLUSTER: u64 = 128 << 10;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Create(bool, u64),
+        Delete(usize),
+        Grow(usize, u64),
+        Write(usize, u64),
+        Trim(usize, u64, u64),
+        Reopen,
+    }
+
+    fn arb_op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (any::<bool>(), 1u64..40).prop_map(|(thin, n)| Op::Create(thin, n)),
+            (0usize..6).prop_map(Op::Delete),
+            (0usize..6, 1u64..10).prop_map(|(v, n)| Op::Grow(v, n)),
+            (0usize..6, 0u64..60).prop_map(|(v, c)| Op::Write(v, c)),
+            (0usize..6, 0u64..60, 1u64..5).prop_map(|(v, c, n)| Op::Trim(v, c, n)),
+            Just(Op::Reopen),
+        ]
+    }
+
+    /// What the model expects of one volume.
+    #[derive(Clone, Debug)]
+    struct Expect {
+        clusters: u64,
+        thin: bool,
+        allocated: BTreeSet<u64>,
+    }
+
+    fn ask(pool: &Pool, req: impl FnOnce(Done) -> Request) -> Status {
+        let (tx, rx) = mpsc::channel();
+        pool.shared().request(req(Box::new(move |s| tx.send(s).unwrap())));
+        rx.recv().unwrap()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+
+        /// Random volume operations through the real pool against a model of what each
+        /// volume holds; reopening from the disks changes nothing, and space adds up.
+        #[test]
+        fn pool_matches_its_model(ops in proptest::collection::vec(arb_op(), 1..40)) {
+            let dir = tempfile::tempdir().unwrap();
+            let disks: Vec<PathBuf> = (0..2).map(|i| {
+                let p = dir.path().join(format!("d{i}"));
+                File::create(&p).unwrap().set_len(12 << 20).unwrap();
+                p
+            }).collect();
+            let o = CreateOptions { cluster_size: CLUSTER, force: false };
+            let mut pool = Pool::create("model", &disks, &o).unwrap();
+            let total = pool.info().capacity_bytes / CLUSTER;
+            let mut model: BTreeMap<String, Expect> = BTreeMap::new();
+            let mut next = 0;
+            for op in ops {
+                let names: Vec<String> = model.keys().cloned().collect();
+                let pick = |i: usize| names.get(i % names.len().max(1)).cloned();
+                let used: u64 = model.values().map(|e| e.allocated.len() as u64).sum();
+                match op {
+                    Op::Create(thin, n) => {
+                        let name = format!("v{next}");
+                        next += 1;
+                        let r = pool.create_volume(&name, n * CLUSTER, thin);
+                        prop_assert_eq!(r.is_ok(), thin || used + n <= total);
+                        if r.is_ok() {
+                            let allocated = if thin { BTreeSet::new() } else { (0..n).collect() };
+                            model.insert(name, Expect { clusters: n, thin, allocated });
+                        }
+                    }
+                    Op::Delete(i) => if let Some(name) = pick(i) {
+                        pool.delete_volume(&name).unwrap();
+                        model.remove(&name);
+                    },
+                    Op::Grow(i, n) => if let Some(name) = pick(i) {
+                        let e = model.get_mut(&name).unwrap();
+                        let r = pool.resize_volume(&name, (e.clusters + n) * CLUSTER);
+                        prop_assert_eq!(r.is_ok(), e.thin || used + n <= total);
+                        if r.is_ok() {
+                            if !e.thin {
+                                e.allocated.extend(e.clusters..e.clusters + n);
+                            }
+                            e.clusters += n;
+                        }
+                    },
+                    Op::Write(i, c) => if let Some(name) = pick(i) {
+                        let e = model.get_mut(&name).unwrap();
+                        let vc = c % e.clusters;
+                        let id = pool.open_volume(&name).unwrap().0.id;
+                        let st = ask(&pool, |done| Request::Allocate { volume: id, first: vc, count: 1, done });
+                        let fits = e.allocated.contains(&vc) || used < total;
+                        prop_assert_eq!(st, if fits { Status::SUCCESS } else { Status::CAPACITY_EXCEEDED });
+                        if fits {
+                            e.allocated.insert(vc);
+                        }
+                    },
+                    Op::Trim(i, c, n) => if let Some(name) = pick(i) {
+                        let e = model.get_mut(&name).unwrap();
+                        let id = pool.open_volume(&name).unwrap().0.id;
+                        let ranges = vec![(c * CLUSTER, n * CLUSTER)];
+                        prop_assert_eq!(ask(&pool, |done| Request::Zero { volume: id, ranges, done }), Status::SUCCESS);
+                        if e.thin {
+                            e.allocated.retain(|vc| *vc < c || *vc >= c + n);
+                        }
+                    },
+                    Op::Reopen => {
+                        let before = serde_json::to_string(&pool.volumes()).unwrap();
+                        pool.close();
+                        drop(pool);
+                        pool = Pool::import(&[disks[1].clone(), disks[0].clone()]).unwrap();
+                        prop_assert_eq!(serde_json::to_string(&pool.volumes()).unwrap(), before);
+                    }
+                }
+                pool.check().unwrap();
+                let info = pool.info();
+                let used: u64 = model.values().map(|e| e.allocated.len() as u64).sum();
+                prop_assert_eq!(info.used_bytes, used * CLUSTER);
+                for v in pool.volumes() {
+                    let e = &model[&v.name];
+                    prop_assert_eq!(v.allocated_bytes, e.allocated.len() as u64 * CLUSTER, "volume {}", v.name);
+                    prop_assert_eq!(v.size, e.clusters * CLUSTER);
+                }
+                prop_assert_eq!(pool.volumes().len(), model.len());
+            }
+        }
     }
 }
