@@ -627,12 +627,7 @@ impl Conn {
                 }
             }
         }
-        slot.disk_pending = submitted;
-        self.ops_in_flight += submitted;
-        r.disk_in_flight += submitted;
-        if submitted == 0 {
-            self.finish(r, idx, tag);
-        }
+        self.submitted(r, idx, tag, submitted);
     }
 
     /// Volume I/O: each piece of the transfer goes to the disk and offset its cluster
@@ -736,7 +731,12 @@ impl Conn {
                 }
             }
         }
-        slot.disk_pending = submitted;
+        self.submitted(r, idx, tag, submitted);
+    }
+
+    /// Records the disk operations slot `tag` submitted; with none, it is done now.
+    fn submitted(&mut self, r: &mut Reactor, idx: u32, tag: u16, submitted: u32) {
+        self.slots[usize::from(tag)].disk_pending = submitted;
         self.ops_in_flight += submitted;
         r.disk_in_flight += submitted;
         if submitted == 0 {

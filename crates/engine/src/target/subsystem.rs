@@ -217,60 +217,57 @@ impl Subsystem {
         self.generation.load(Ordering::Acquire)
     }
 
-    /// Adds a namespace and notifies connected controllers (namespace attribute
-    /// changed).
-    pub fn add_namespace(&self, ns: Namespace) -> Result<(), String> {
-        let nsid = ns.nsid;
-        {
+    /// Changes namespace `nsid` in a copy of the map; when `change` succeeds, the copy
+    /// replaces the map (queues see the new generation) and connected controllers are
+    /// told (namespace attribute changed).
+    fn change_namespace<R>(
+        &self,
+        nsid: u32,
+        change: impl FnOnce(&mut NamespaceMap) -> Result<R, String>,
+    ) -> Result<R, String> {
+        let r = {
             let mut guard = write(&self.namespaces);
-            if guard.contains_key(&nsid) {
-                return Err(format!("namespace {nsid} already exists in {}: remove it first", self.nqn));
-            }
-            if let Some(other) = guard.values().find(|n| n.uuid == ns.uuid || n.nguid == ns.nguid) {
-                return Err(format!("namespace {} already uses that UUID or NGUID", other.nsid));
-            }
             let mut map = (**guard).clone();
-            map.insert(nsid, Arc::new(ns));
+            let r = change(&mut map)?;
             *guard = Arc::new(map);
             self.generation.fetch_add(1, Ordering::AcqRel);
-        }
+            r
+        };
         self.namespace_changed(nsid);
-        Ok(())
+        Ok(r)
+    }
+
+    /// Adds a namespace and notifies connected controllers.
+    pub fn add_namespace(&self, ns: Namespace) -> Result<(), String> {
+        self.change_namespace(ns.nsid, |map| {
+            if map.contains_key(&ns.nsid) {
+                return Err(format!("namespace {} already exists in {}: remove it first", ns.nsid, self.nqn));
+            }
+            if let Some(other) = map.values().find(|n| n.uuid == ns.uuid || n.nguid == ns.nguid) {
+                return Err(format!("namespace {} already uses that UUID or NGUID", other.nsid));
+            }
+            map.insert(ns.nsid, Arc::new(ns));
+            Ok(())
+        })
     }
 
     /// Replaces namespace `ns.nsid` (a resized volume) and notifies connected
     /// controllers, which re-read its size.
     pub fn replace_namespace(&self, ns: Namespace) -> Result<(), String> {
-        let nsid = ns.nsid;
-        {
-            let mut guard = write(&self.namespaces);
-            if !guard.contains_key(&nsid) {
-                return Err(format!("no namespace {nsid} in {}", self.nqn));
+        self.change_namespace(ns.nsid, |map| match map.get_mut(&ns.nsid) {
+            Some(slot) => {
+                *slot = Arc::new(ns);
+                Ok(())
             }
-            let mut map = (**guard).clone();
-            map.insert(nsid, Arc::new(ns));
-            *guard = Arc::new(map);
-            self.generation.fetch_add(1, Ordering::AcqRel);
-        }
-        self.namespace_changed(nsid);
-        Ok(())
+            None => Err(format!("no namespace {} in {}", ns.nsid, self.nqn)),
+        })
     }
 
     /// Removes a namespace and notifies connected controllers.
     pub fn remove_namespace(&self, nsid: u32) -> Result<Arc<Namespace>, String> {
-        let removed = {
-            let mut guard = write(&self.namespaces);
-            let mut map = (**guard).clone();
-            let removed = map.remove(&nsid);
-            if removed.is_some() {
-                *guard = Arc::new(map);
-                self.generation.fetch_add(1, Ordering::AcqRel);
-            }
-            removed
-        };
-        let ns = removed.ok_or_else(|| format!("no namespace {nsid} in {}", self.nqn))?;
-        self.namespace_changed(nsid);
-        Ok(ns)
+        self.change_namespace(nsid, |map| {
+            map.remove(&nsid).ok_or_else(|| format!("no namespace {nsid} in {}", self.nqn))
+        })
     }
 
     fn namespace_changed(&self, nsid: u32) {
