@@ -338,11 +338,6 @@ impl Bdev {
         // SAFETY: fdatasync takes a descriptor we own.
         if unsafe { libc::fdatasync(fd) } == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
     }
-
-    /// Whether this is a block device (not a regular file).
-    pub fn is_block_device(&self) -> bool {
-        self.block_device
-    }
 }
 
 /// `BLKZEROOUT`: `_IO(0x12, 127)`; the libc crate does not export it.

@@ -182,7 +182,7 @@ impl Engine {
             _ => Vec::new(),
         };
         let info = p.volume(name)?;
-        Ok(DirtyReport { tracking: info.dirty_tracking, cluster_size: p.info().cluster_size, clusters })
+        Ok(DirtyReport { tracking: info.dirty_tracking, cluster_size: p.cluster_size(), clusters })
     }
 
     /// Checks a pool's metadata and space accounting.

@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use nvpool_engine::config::{EngineConfig, ListenerConfig, PoolConfig};
 use nvpool_engine::{Engine, mgmt};
-use nvpool_initiator::{ConnectOptions, Error, Queue, connect_admin};
+use nvpool_initiator::{ConnectOptions, Error, Queue, connect_admin, pattern};
 use nvpool_wire::Status;
-use nvpool_wire::command::{Command, DsmRange, io_opcode};
+use nvpool_wire::command::{Command, io_opcode};
 use serde_json::{Value, json};
 
 const NQN: &str = "nqn.2024-01.io.nvpool:volumes";
@@ -82,18 +82,6 @@ fn disks(dir: &Path, n: usize, size: u64) -> Vec<PathBuf> {
         .collect()
 }
 
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
 fn allocated(node: &Node, pool: &str, name: &str) -> u64 {
     node.ok("volume_get", json!({ "pool": pool, "name": name }))["allocated_bytes"].as_u64().unwrap()
 }
@@ -103,17 +91,7 @@ fn write(q: &mut Queue, nsid: u32, slba: u64, data: &[u8]) -> Result<(), Error> 
 }
 
 fn deallocate(q: &mut Queue, nsid: u32, slba: u64, nlb: u32) -> Status {
-    let mut ranges = [0u8; 16];
-    DsmRange { attributes: 0, nlb, slba }.encode(&mut ranges);
-    let cid = q.alloc_cid();
-    let dsm = Command {
-        opcode: io_opcode::DATASET_MANAGEMENT,
-        cid,
-        nsid,
-        cdw: [0, 1 << 2, 0, 0, 0, 0],
-        ..Command::default()
-    };
-    q.execute_raw(dsm, &ranges, true).unwrap().cqe.status.base()
+    q.deallocate(nsid, slba, nlb).unwrap().base()
 }
 
 #[test]
@@ -221,7 +199,7 @@ fn volumes_keep_data_and_identity_across_restarts() {
         let nsid = node.export("keep", "a");
         let (_admin, mut q) = node.queue();
         write(&mut q, nsid, 1000, &data).unwrap();
-        q.execute(Command { opcode: io_opcode::FLUSH, nsid, ..Command::default() }, 0).unwrap();
+        q.flush(nsid).unwrap();
         let v = node.ok("volume_get", json!({ "pool": "keep", "name": "a" }));
         (v["uuid"].clone(), v["nguid"].clone(), node.ok("pool_list", json!({}))[0].clone())
     };

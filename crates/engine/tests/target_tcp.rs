@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 
 use nvpool_engine::Engine;
 use nvpool_engine::config::{EngineConfig, ListenerConfig, NamespaceConfig, SubsystemConfig};
-use nvpool_initiator::{ConnectOptions, Error, Queue, connect_admin};
+use nvpool_initiator::{ConnectOptions, Error, Queue, connect_admin, pattern};
 use nvpool_wire::Status;
-use nvpool_wire::command::{Command, DsmRange, admin_opcode, io_opcode};
+use nvpool_wire::command::{Command, admin_opcode, io_opcode};
 use nvpool_wire::fabrics::DISCOVERY_NQN;
 use nvpool_wire::log::{DiscoveryLogHeader, GetLogPage, lid};
 use nvpool_wire::tcp::{self, Digests, fes};
@@ -68,18 +68,6 @@ fn controller(addr: SocketAddr, o: &ConnectOptions, n: u16) -> (Queue, Vec<Queue
     assert_eq!(admin.set_queue_count(n).unwrap(), n);
     let io = (1..=n).map(|qid| Queue::connect(addr, &o.io(qid, admin.cntlid, 127)).expect("I/O connect")).collect();
     (admin, io)
-}
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 fn status_of(e: Error) -> Status {
@@ -436,24 +424,14 @@ fn file_backend_flush_zeroes_deallocate_and_restart() {
         q.write(1, 100, &data, 512, IN_CAPSULE).unwrap();
         q.write(1, 1000, &pattern(1, 8192), 512, IN_CAPSULE).unwrap();
         q.write(1, 3000, &pattern(2, 8192), 512, IN_CAPSULE).unwrap();
-        q.execute(Command { opcode: io_opcode::FLUSH, nsid: 1, ..Command::default() }, 0).unwrap();
+        q.flush(1).unwrap();
         // Write Zeroes on 1000..1016.
         let wz =
             Command { opcode: io_opcode::WRITE_ZEROES, nsid: 1, cdw: [1000, 0, 15, 0, 0, 0], ..Command::default() };
         q.execute(wz, 0).unwrap();
         assert!(q.read(1, 1000, 16, 512).unwrap().iter().all(|&b| b == 0));
         // Dataset Management deallocate of 3000..3016.
-        let mut ranges = [0u8; 16];
-        DsmRange { attributes: 0, nlb: 16, slba: 3000 }.encode(&mut ranges);
-        let cid = q.alloc_cid();
-        let dsm = Command {
-            opcode: io_opcode::DATASET_MANAGEMENT,
-            cid,
-            nsid: 1,
-            cdw: [0, 1 << 2, 0, 0, 0, 0],
-            ..Command::default()
-        };
-        assert!(q.execute_raw(dsm, &ranges, true).unwrap().cqe.status.is_success());
+        assert!(q.deallocate(1, 3000, 16).unwrap().is_success());
         assert!(q.read(1, 3000, 16, 512).unwrap().iter().all(|&b| b == 0));
         // FUA write.
         let cid = q.alloc_cid();

@@ -11,7 +11,10 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 use nvpool_wire::Status;
-use nvpool_wire::command::{Command, Completion, PSDT_SGL, SglDescriptor, admin_opcode, io_opcode, sgl};
+use nvpool_wire::command::{
+    Command, Completion, DSM_ATTR_DEALLOCATE, DSM_RANGE_SIZE, DsmRange, PSDT_SGL, SglDescriptor, admin_opcode,
+    io_opcode, sgl,
+};
 use nvpool_wire::fabrics::{
     CNTLID_DYNAMIC, CONNECT_DATA_SIZE, ConnectCommand, ConnectData, PropertyAccess, cc, csts, property,
 };
@@ -441,6 +444,43 @@ impl Queue {
         }
         Ok(())
     }
+}
+
+impl Queue {
+    /// Flushes namespace `nsid` (every completed write made durable).
+    pub fn flush(&mut self, nsid: u32) -> Result<(), Error> {
+        self.execute(Command { opcode: io_opcode::FLUSH, nsid, ..Command::default() }, 0).map(|_| ())
+    }
+
+    /// Deallocates `nlb` blocks at `slba` with one Dataset Management range; returns
+    /// the command's status.
+    pub fn deallocate(&mut self, nsid: u32, slba: u64, nlb: u32) -> Result<Status, Error> {
+        let mut range = [0u8; DSM_RANGE_SIZE];
+        DsmRange { attributes: 0, nlb, slba }.encode(&mut range);
+        let cid = self.alloc_cid();
+        let cdw11 = DSM_ATTR_DEALLOCATE;
+        let dsm = Command {
+            opcode: io_opcode::DATASET_MANAGEMENT,
+            cid,
+            nsid,
+            cdw: [0, cdw11, 0, 0, 0, 0],
+            ..Command::default()
+        };
+        Ok(self.execute_raw(dsm, &range, true)?.cqe.status)
+    }
+}
+
+/// Deterministic pseudo-random test data: the same seed gives the same bytes.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
 }
 
 /// An admin queue connected and enabled, ready for commands.

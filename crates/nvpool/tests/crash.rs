@@ -13,7 +13,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use nvpool_initiator::{ConnectOptions, Queue, connect_admin};
-use nvpool_wire::command::{Command, DsmRange, io_opcode};
 
 const BIN: &str = env!("CARGO_BIN_EXE_nvpool");
 const NQN: &str = "nqn.2024-01.io.nvpool:crash";
@@ -130,7 +129,7 @@ fn writer(addr: SocketAddr, id: u64, seed: u64, mut model: Model, stop: Arc<Atom
                 done
             }
             7 => {
-                let done = q.execute(Command { opcode: io_opcode::FLUSH, nsid: 1, ..Command::default() }, 0).is_ok();
+                let done = q.flush(1).is_ok();
                 if done {
                     for (b, v) in std::mem::take(&mut latest) {
                         model.insert(b, vec![v]);
@@ -142,17 +141,7 @@ fn writer(addr: SocketAddr, id: u64, seed: u64, mut model: Model, stop: Arc<Atom
                 for b in first..first + CLUSTER_BLOCKS {
                     model.entry(b).or_insert_with(|| vec![0]).push(0);
                 }
-                let mut range = [0u8; 16];
-                DsmRange { attributes: 0, nlb: CLUSTER_BLOCKS as u32, slba: first }.encode(&mut range);
-                let cid = q.alloc_cid();
-                let dsm = Command {
-                    opcode: io_opcode::DATASET_MANAGEMENT,
-                    cid,
-                    nsid: 1,
-                    cdw: [0, 1 << 2, 0, 0, 0, 0],
-                    ..Command::default()
-                };
-                let done = q.execute_raw(dsm, &range, true).is_ok_and(|r| r.cqe.status.is_success());
+                let done = q.deallocate(1, first, CLUSTER_BLOCKS as u32).is_ok_and(|s| s.is_success());
                 if done {
                     latest.extend((first..first + CLUSTER_BLOCKS).map(|b| (b, 0)));
                 }

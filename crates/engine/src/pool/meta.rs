@@ -27,7 +27,6 @@ pub struct MetaStore<D: MetaIo> {
     dev: D,
     pool_uuid: [u8; 16],
     layout: MetaLayout,
-    cluster_size: u64,
     generation: u64,
     /// Bytes of the journal used under the current generation.
     journal_used: u64,
@@ -37,16 +36,10 @@ pub struct MetaStore<D: MetaIo> {
 impl<D: MetaIo> MetaStore<D> {
     /// Writes the first checkpoint of a new pool (generation 1; slot 0 is cleared so no
     /// older pool's checkpoint on the disk can be mistaken for ours).
-    pub fn format(
-        dev: D,
-        pool_uuid: [u8; 16],
-        layout: MetaLayout,
-        cluster_size: u64,
-        state: &PoolState,
-    ) -> io::Result<MetaStore<D>> {
+    pub fn format(dev: D, pool_uuid: [u8; 16], layout: MetaLayout, state: &PoolState) -> io::Result<MetaStore<D>> {
         dev.write_at(&vec![0u8; BLOCK as usize], layout.slot_offset(0))?;
         dev.write_at(&vec![0u8; BLOCK as usize], layout.journal_offset)?;
-        let mut s = MetaStore { dev, pool_uuid, layout, cluster_size, generation: 0, journal_used: 0, next_seq: 0 };
+        let mut s = MetaStore { dev, pool_uuid, layout, generation: 0, journal_used: 0, next_seq: 0 };
         s.checkpoint(state)?;
         Ok(s)
     }
@@ -98,7 +91,7 @@ impl<D: MetaIo> MetaStore<D> {
             at += h.total_len();
             seq += 1;
         }
-        let mut s = MetaStore { dev, pool_uuid, layout, cluster_size, generation, journal_used: at, next_seq: seq };
+        let mut s = MetaStore { dev, pool_uuid, layout, generation, journal_used: at, next_seq: seq };
         s.checkpoint(&state)?;
         Ok((s, state))
     }
@@ -138,11 +131,6 @@ impl<D: MetaIo> MetaStore<D> {
     /// Bytes of journal in use (for tests and stats).
     pub fn journal_used(&self) -> u64 {
         self.journal_used
-    }
-
-    /// The cluster size the records are applied with.
-    pub fn cluster_size(&self) -> u64 {
-        self.cluster_size
     }
 }
 
@@ -309,7 +297,7 @@ mod tests {
             let l = layout();
             let disk = CrashDisk::new((l.end() + BLOCK) as usize);
             let mut model = PoolState::default();
-            let mut store = MetaStore::format(&disk, [9; 16], l, CLUSTER, &model).unwrap();
+            let mut store = MetaStore::format(&disk, [9; 16], l, &model).unwrap();
             let cut = cut % ops.len();
             let mut rng = seed;
             let mut coin = move || { rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407); rng >> 63 == 1 };
@@ -364,7 +352,7 @@ mod tests {
         let l = layout();
         let disk = CrashDisk::new((l.end() + BLOCK) as usize);
         let mut state = PoolState::default();
-        let mut store = MetaStore::format(&disk, [1; 16], l, CLUSTER, &state).unwrap();
+        let mut store = MetaStore::format(&disk, [1; 16], l, &state).unwrap();
         let meta =
             VolumeMeta { id: 0, name: "a".into(), size: 64 * CLUSTER, thin: true, uuid: [0; 16], nguid: [0; 16] };
         let mut recs = vec![Record::CreateVolume(meta)];

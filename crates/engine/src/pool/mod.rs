@@ -359,7 +359,7 @@ impl Pool {
         }
         let pool_uuid = *uuid::Uuid::new_v4().as_bytes();
         let meta = open_meta(&paths[0])?;
-        MetaStore::format(meta, pool_uuid, layout, cs, &PoolState::default())
+        MetaStore::format(meta, pool_uuid, layout, &PoolState::default())
             .map_err(io_err("writing the pool metadata"))?;
         // Superblocks last, the first disk's very last: a pool half created is not found.
         for i in (0..bdevs.len()).rev() {
@@ -466,6 +466,11 @@ impl Pool {
     pub fn close(&self) {
         // Replacing the sender drops the thread's only way in; it exits.
         *lock(&self.shared.requests) = mpsc::channel().0;
+    }
+
+    /// Bytes per cluster.
+    pub fn cluster_size(&self) -> u64 {
+        self.cluster_size
     }
 
     /// What the reactors need of this pool.
@@ -856,6 +861,9 @@ impl Pool {
         }
         for v in inner.state.volumes.values() {
             let m = &inner.maps[&v.meta.id];
+            if m.allocated() != v.map.len() as u64 {
+                return Err(format!("volume {}: the map has clusters the metadata does not", v.meta.name));
+            }
             for (&vc, &pc) in &v.map {
                 if m.get(u64::from(vc)) != pc {
                     return Err(format!("volume {} cluster {vc}: the map and the metadata disagree", v.meta.name));
