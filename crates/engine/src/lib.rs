@@ -190,7 +190,7 @@ impl Engine {
         let port_id = {
             let mut map = lock(&self.listeners);
             let id = map.iter().find(|(_, a)| **a == addr).map(|(id, _)| *id);
-            let id = id.ok_or_else(|| format!("no listener on {addr}: `nvpool listener list` shows them"))?;
+            let id = id.ok_or_else(|| format!("no listener on {addr}: `nvpool engine listener list` shows them"))?;
             map.remove(&id);
             id
         };
@@ -232,7 +232,7 @@ impl Engine {
         self.target
             .subsystem(nqn)
             .filter(|s| !s.is_discovery())
-            .ok_or_else(|| format!("no subsystem {nqn}: `nvpool subsystem list` shows the NQNs"))
+            .ok_or_else(|| format!("no subsystem {nqn}: `nvpool engine subsystem list` shows the NQNs"))
     }
 
     /// Adds a namespace to a subsystem at runtime; connected hosts get an event.

@@ -41,7 +41,7 @@ fn canonical(p: &Path) -> PathBuf {
 impl Engine {
     fn pool(&self, name: &str) -> Result<Arc<Pool>, String> {
         lock(&self.pools).get(name).cloned().ok_or_else(|| {
-            format!("no pool {name}: `nvpool pool list` shows the pools, `nvpool pool import` opens one")
+            format!("no pool {name}: `nvpool engine pool list` shows the pools, `nvpool engine pool import` opens one")
         })
     }
 

@@ -21,16 +21,36 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run the engine: an NVMe/TCP target.
-    Engine(EngineArgs),
-    /// Manage subsystems of a running engine.
+    /// Run the engine (an NVMe/TCP target), or manage a running one with its verbs.
+    Engine(EngineCommand),
+    #[command(flatten)]
+    Cluster(crate::cluster::Command),
+    /// Drive an NVMe/TCP target with I/O and report IOPS, bandwidth and latency.
+    Bench(BenchArgs),
+    /// Run the protocol-minimal NVMe/TCP responder (the machine's limit for benchmarks).
+    Responder(ResponderArgs),
+}
+
+#[derive(Args)]
+#[command(args_conflicts_with_subcommands = true)]
+struct EngineCommand {
+    #[command(subcommand)]
+    verb: Option<EngineVerb>,
+    #[command(flatten)]
+    run: EngineArgs,
+}
+
+/// Verbs that talk to one engine through its management socket.
+#[derive(Subcommand)]
+enum EngineVerb {
+    /// Manage subsystems of a the engine.
     Subsystem {
         #[command(subcommand)]
         verb: SubsystemVerb,
         #[command(flatten)]
         api: Api,
     },
-    /// Manage namespaces of a running engine.
+    /// Manage namespaces of a the engine.
     Namespace {
         #[command(subcommand)]
         verb: NamespaceVerb,
@@ -44,21 +64,21 @@ enum Command {
         #[command(flatten)]
         api: Api,
     },
-    /// Manage the listeners of a running engine.
+    /// Manage the listeners of a the engine.
     Listener {
         #[command(subcommand)]
         verb: ListenerVerb,
         #[command(flatten)]
         api: Api,
     },
-    /// Manage disk pools of a running engine.
+    /// Manage disk pools of a the engine.
     Pool {
         #[command(subcommand)]
         verb: PoolVerb,
         #[command(flatten)]
         api: Api,
     },
-    /// Manage volumes in the pools of a running engine.
+    /// Manage volumes in the pools of a the engine.
     Volume {
         #[command(subcommand)]
         verb: VolumeVerb,
@@ -70,10 +90,6 @@ enum Command {
         #[command(flatten)]
         api: Api,
     },
-    /// Drive an NVMe/TCP target with I/O and report IOPS, bandwidth and latency.
-    Bench(BenchArgs),
-    /// Run the protocol-minimal NVMe/TCP responder (the machine's limit for benchmarks).
-    Responder(ResponderArgs),
 }
 
 #[derive(Args)]
@@ -149,7 +165,7 @@ fn parse_io_size(s: &str) -> Result<u32, String> {
     Ok(v as u32)
 }
 
-fn parse_span(s: &str) -> Result<u64, String> {
+pub(crate) fn parse_span(s: &str) -> Result<u64, String> {
     nvpool_engine::config::parse_size(s)
 }
 
@@ -391,8 +407,17 @@ enum ListenerVerb {
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> Result<(), String> {
     match cli.command {
-        Command::Engine(a) => run_engine(a),
-        Command::Subsystem { verb, api } => match verb {
+        Command::Engine(EngineCommand { verb: None, run }) => run_engine(run),
+        Command::Engine(EngineCommand { verb: Some(verb), .. }) => run_engine_verb(verb),
+        Command::Cluster(c) => crate::cluster::run(c),
+        Command::Bench(a) => run_bench(a),
+        Command::Responder(a) => run_responder(a),
+    }
+}
+
+fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
+    match verb {
+        EngineVerb::Subsystem { verb, api } => match verb {
             SubsystemVerb::List => show(&api, "subsystem_list", json!({}), subsystem_table),
             SubsystemVerb::Add { nqn, serial, model, allow_any_host } => {
                 let p = json!({ "nqn": nqn, "serial": serial, "model": model, "allow_any_host": allow_any_host });
@@ -402,7 +427,7 @@ pub fn run(cli: Cli) -> Result<(), String> {
                 done(&api, "subsystem_remove", json!({ "nqn": nqn }), &format!("subsystem {nqn} removed"))
             }
         },
-        Command::Namespace { verb, api } => match verb {
+        EngineVerb::Namespace { verb, api } => match verb {
             NamespaceVerb::Add { nqn, backend, nsid, block_size, uuid } => {
                 let p = json!({ "nqn": nqn, "namespace": { "nsid": nsid, "backend": backend, "block_size": block_size, "uuid": uuid } });
                 let r = mgmt::call(&api.socket, "namespace_add", p)?;
@@ -416,7 +441,7 @@ pub fn run(cli: Cli) -> Result<(), String> {
                 &format!("namespace {nsid} removed from {nqn}"),
             ),
         },
-        Command::Host { verb, api } => match verb {
+        EngineVerb::Host { verb, api } => match verb {
             HostVerb::Add { nqn, host } => {
                 done(&api, "host_add", json!({ "nqn": nqn, "host": host }), &format!("host {host} allowed on {nqn}"))
             }
@@ -436,7 +461,7 @@ pub fn run(cli: Cli) -> Result<(), String> {
                 )
             }
         },
-        Command::Listener { verb, api } => match verb {
+        EngineVerb::Listener { verb, api } => match verb {
             ListenerVerb::List => show(&api, "listener_list", json!({}), listener_table),
             ListenerVerb::Add { address } => {
                 done(&api, "listener_add", json!({ "address": address }), &format!("listening on {address}"))
@@ -445,7 +470,7 @@ pub fn run(cli: Cli) -> Result<(), String> {
                 done(&api, "listener_remove", json!({ "address": address }), &format!("stopped listening on {address}"))
             }
         },
-        Command::Pool { verb, api } => match verb {
+        EngineVerb::Pool { verb, api } => match verb {
             PoolVerb::List => show(&api, "pool_list", json!({}), pool_table),
             PoolVerb::Create { name, disks, cluster_size, force } => {
                 let p = json!({ "name": name, "disks": disks, "cluster_size": cluster_size, "force": force });
@@ -468,7 +493,7 @@ pub fn run(cli: Cli) -> Result<(), String> {
                 &format!("pool {name}: metadata and space accounting are consistent"),
             ),
         },
-        Command::Volume { verb, api } => match verb {
+        EngineVerb::Volume { verb, api } => match verb {
             VolumeVerb::List { pool } => show(&api, "volume_list", json!({ "pool": pool }), volume_table),
             VolumeVerb::Create { pool, name, size, thin } => {
                 let p = json!({ "pool": pool, "name": name, "size": size, "thin": thin });
@@ -510,9 +535,7 @@ pub fn run(cli: Cli) -> Result<(), String> {
                 Ok(())
             }
         },
-        Command::Stats { api } => show(&api, "subsystem_list", json!({}), stats_table),
-        Command::Bench(a) => run_bench(a),
-        Command::Responder(a) => run_responder(a),
+        EngineVerb::Stats { api } => show(&api, "subsystem_list", json!({}), stats_table),
     }
 }
 
@@ -810,7 +833,7 @@ fn listener_table(v: &Value) -> Vec<Vec<String>> {
     rows
 }
 
-fn human(bytes: u64) -> String {
+pub(crate) fn human(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = bytes as f64;
     let mut u = 0;
@@ -821,7 +844,7 @@ fn human(bytes: u64) -> String {
     if u == 0 { format!("{bytes}B") } else { format!("{v:.1}{}", UNITS[u]) }
 }
 
-fn render(rows: &[Vec<String>]) -> String {
+pub(crate) fn render(rows: &[Vec<String>]) -> String {
     let cols = rows.iter().map(Vec::len).max().unwrap_or(0);
     let widths: Vec<usize> =
         (0..cols).map(|c| rows.iter().map(|r| r.get(c).map_or(0, String::len)).max().unwrap_or(0)).collect();

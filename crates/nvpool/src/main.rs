@@ -1,6 +1,7 @@
 //! `nvpool`: the engine and the command-line verbs that manage it.
 
 mod cli;
+mod cluster;
 mod signals;
 
 use clap::Parser;

@@ -63,7 +63,7 @@ fn free_port() -> u16 {
 }
 
 fn cli(socket: &Path, args: &[&str]) -> String {
-    let out = Process::new(BIN).args(args).arg("--socket").arg(socket).output().unwrap();
+    let out = Process::new(BIN).arg("engine").args(args).arg("--socket").arg(socket).output().unwrap();
     assert!(out.status.success(), "nvpool {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).into_owned()
 }

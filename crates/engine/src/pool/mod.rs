@@ -735,7 +735,7 @@ impl Pool {
             .state
             .volume_by_name(name)
             .map(|v| v.meta.id)
-            .ok_or_else(|| format!("pool {} has no volume {name}: `nvpool volume list` shows them", self.name))
+            .ok_or_else(|| format!("pool {} has no volume {name}: `nvpool engine volume list` shows them", self.name))
     }
 
     /// Deletes a volume and frees its clusters. The caller makes sure it is not exported.

@@ -123,7 +123,7 @@ impl Target {
                 None => None,
             }
         };
-        let s = removed.ok_or_else(|| format!("no subsystem {nqn}: `nvpool subsystem list` shows the NQNs"))?;
+        let s = removed.ok_or_else(|| format!("no subsystem {nqn}: `nvpool engine subsystem list` shows the NQNs"))?;
         for c in s.controllers() {
             c.fail("subsystem removed");
         }

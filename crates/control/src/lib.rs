@@ -1,0 +1,18 @@
+//! nvpool's control plane: the controller (cluster state, scheduler, store) and the
+//! node agent that carries the controller's orders to its engine. The data path never
+//! passes through here; this crate only decides where volumes live and who may reach
+//! them.
+
+pub mod agent;
+pub mod client;
+pub mod cluster;
+pub mod model;
+pub mod scheduler;
+pub mod server;
+pub mod store;
+
+/// The generated gRPC types and services (`proto/nvpool/v1/control.proto`).
+#[allow(clippy::all, missing_docs)]
+pub mod proto {
+    tonic::include_proto!("nvpool.v1");
+}

@@ -1,0 +1,135 @@
+//! The records the controller keeps in its store, as JSON under these keys:
+//! `/nvpool/cluster`, `/nvpool/nodes/NAME`, `/nvpool/volumes/NAME`,
+//! `/nvpool/tombstones/ID` and (etcd only) `/nvpool/leader`.
+
+use crate::scheduler::Locality;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+pub const CLUSTER_KEY: &str = "/nvpool/cluster";
+pub const NODES: &str = "/nvpool/nodes/";
+pub const VOLUMES: &str = "/nvpool/volumes/";
+pub const TOMBSTONES: &str = "/nvpool/tombstones/";
+pub const LEADER_KEY: &str = "/nvpool/leader";
+
+/// Volumes are exported as one subsystem each: this prefix and the volume's ID.
+pub const VOLUME_NQN_PREFIX: &str = "nqn.2024-01.io.nvpool:volume:";
+
+/// Largest volume the controller accepts: 1 PiB.
+pub const MAX_VOLUME_SIZE: u64 = 1 << 50;
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ClusterRecord {
+    pub id: String,
+}
+
+/// Who leads, as stored in the leader key.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct LeaderRecord {
+    pub id: String,
+    pub address: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PoolRecord {
+    pub name: String,
+    pub capacity_bytes: u64,
+    pub used_bytes: u64,
+    pub provisioned_bytes: u64,
+    pub cluster_size: u64,
+    pub volumes: u32,
+    pub failed: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NodeRecord {
+    pub name: String,
+    pub agent_address: String,
+    pub nvme_address: String,
+    pub labels: BTreeMap<String, String>,
+    /// The pools as last registered; heartbeats refresh the figures in memory only.
+    pub pools: Vec<PoolRecord>,
+}
+
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum VolumeState {
+    /// Placed and recorded; the node's engine has not confirmed it yet.
+    Creating,
+    Ready,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct VolumeRecord {
+    pub name: String,
+    pub id: String,
+    pub size: u64,
+    pub thin: bool,
+    pub node: String,
+    pub pool: String,
+    pub engine_name: String,
+    pub state: VolumeState,
+    pub hosts: Vec<String>,
+    pub subsystem_nqn: String,
+    pub uuid: String,
+    pub nguid: String,
+    pub locality: Locality,
+    pub host_node: String,
+    pub include: Vec<String>,
+    pub exclude: Vec<String>,
+}
+
+/// A volume that is gone from the cluster's view but whose engine side is still to
+/// be removed. Its space counts as used until the node confirms the removal.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Tombstone {
+    pub id: String,
+    pub node: String,
+    pub pool: String,
+    pub engine_name: String,
+    pub subsystem_nqn: String,
+    pub size: u64,
+    pub thin: bool,
+}
+
+impl From<&VolumeRecord> for Tombstone {
+    fn from(v: &VolumeRecord) -> Tombstone {
+        Tombstone {
+            id: v.id.clone(),
+            node: v.node.clone(),
+            pool: v.pool.clone(),
+            engine_name: v.engine_name.clone(),
+            subsystem_nqn: v.subsystem_nqn.clone(),
+            size: v.size,
+            thin: v.thin,
+        }
+    }
+}
+
+/// Volume and node names: what Kubernetes object names allow, and a little more.
+pub fn check_name(what: &str, name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= 253
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("{what} name {name:?} is not valid: use 1 to 253 letters, digits, '-', '_' or '.'"))
+    }
+}
+
+/// Host NQNs as the NVMe base specification shapes them.
+pub fn check_host_nqn(nqn: &str) -> Result<(), String> {
+    if nqn.starts_with("nqn.") && nqn.len() <= 223 && nqn.is_ascii() && !nqn.contains(char::is_whitespace) {
+        Ok(())
+    } else {
+        Err(format!(
+            "host NQN {nqn:?} is not valid: it starts with \"nqn.\" and has at most 223 ASCII characters \
+             (`cat /etc/nvme/hostnqn` shows a host's NQN)"
+        ))
+    }
+}
+
+pub fn to_json<T: Serialize>(v: &T) -> Vec<u8> {
+    serde_json::to_vec(v).expect("records serialize")
+}

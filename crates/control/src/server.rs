@@ -1,0 +1,207 @@
+//! `nvpool controller`: serves the Controller API. With redb it leads at once. With
+//! etcd it campaigns for the leader key; until it wins it answers every call with
+//! "standby" and the leader's address, and the clients move on to the next controller.
+
+use crate::cluster::{Cluster, ClusterConfig};
+use crate::model::{LEADER_KEY, LeaderRecord, to_json};
+use crate::proto::{self, controller_server::ControllerServer};
+use crate::store::{self, Condition, EtcdStore, Store};
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+use tonic::{Request, Response, Status};
+
+/// Metadata on every error the controller itself returns, so that clients can tell
+/// them from transport failures.
+pub const FROM_CONTROLLER: &str = "nvpool-controller";
+/// Metadata on errors meaning "ask another controller".
+pub const TRY_ANOTHER: &str = "nvpool-try-another";
+
+pub struct ControllerArgs {
+    pub listen: SocketAddr,
+    /// The address other controllers and clients are told to use for this one.
+    pub advertise: String,
+    /// `redb:PATH` or `etcd:URL[,URL...]`.
+    pub store: String,
+    pub cluster: ClusterConfig,
+    /// How long a dead leader keeps the leader key (etcd only).
+    pub lease_ttl: Duration,
+}
+
+struct Service {
+    id: String,
+    leader: RwLock<Option<Arc<Cluster>>>,
+    store: Arc<dyn Store>,
+}
+
+fn tag(mut s: Status, id: &str) -> Status {
+    if let Ok(v) = id.parse() {
+        s.metadata_mut().insert(FROM_CONTROLLER, v);
+    }
+    s
+}
+
+impl Service {
+    async fn cluster(&self) -> Result<Arc<Cluster>, Status> {
+        if let Some(c) = self.leader.read().unwrap().clone() {
+            return Ok(c);
+        }
+        let leader = match self.store.get(LEADER_KEY).await {
+            Ok(Some(b)) => serde_json::from_slice::<LeaderRecord>(&b).map(|l| l.address).unwrap_or_default(),
+            _ => String::new(),
+        };
+        let mut s = Status::unavailable(if leader.is_empty() {
+            "this controller is a standby and no leader is elected yet; retry shortly".to_string()
+        } else {
+            format!("this controller is a standby; the leader is at {leader}")
+        });
+        s.metadata_mut().insert(TRY_ANOTHER, "1".parse().unwrap());
+        Err(tag(s, &self.id))
+    }
+
+    /// Runs one call against the leading cluster, tagging its errors.
+    async fn with<T>(&self, f: impl AsyncFnOnce(Arc<Cluster>) -> Result<T, Status>) -> Result<Response<T>, Status> {
+        let c = self.cluster().await?;
+        f(c).await.map(Response::new).map_err(|e| tag(e, &self.id))
+    }
+}
+
+#[tonic::async_trait]
+impl proto::controller_server::Controller for Service {
+    async fn create_volume(
+        &self,
+        r: Request<proto::CreateVolumeRequest>,
+    ) -> Result<Response<proto::CreateVolumeResponse>, Status> {
+        self.with(async |c| c.create_volume(r.get_ref()).await).await
+    }
+
+    async fn delete_volume(
+        &self,
+        r: Request<proto::VolumeName>,
+    ) -> Result<Response<proto::DeleteVolumeResponse>, Status> {
+        self.with(async |c| {
+            c.delete_volume(&r.get_ref().name).await.map(|deleted| proto::DeleteVolumeResponse { deleted })
+        })
+        .await
+    }
+
+    async fn resize_volume(&self, r: Request<proto::ResizeVolumeRequest>) -> Result<Response<proto::Volume>, Status> {
+        self.with(async |c| c.resize_volume(&r.get_ref().name, r.get_ref().size_bytes).await).await
+    }
+
+    async fn get_volume(&self, r: Request<proto::VolumeName>) -> Result<Response<proto::Volume>, Status> {
+        self.with(async |c| c.get_volume(&r.get_ref().name)).await
+    }
+
+    async fn list_volumes(
+        &self,
+        r: Request<proto::ListVolumesRequest>,
+    ) -> Result<Response<proto::ListVolumesResponse>, Status> {
+        self.with(async |c| Ok(proto::ListVolumesResponse { volumes: c.list_volumes(&r.get_ref().node) })).await
+    }
+
+    async fn attach(&self, r: Request<proto::AttachRequest>) -> Result<Response<proto::AttachResponse>, Status> {
+        self.with(async |c| c.attach(&r.get_ref().volume, &r.get_ref().host_nqn).await).await
+    }
+
+    async fn detach(&self, r: Request<proto::DetachRequest>) -> Result<Response<proto::DetachResponse>, Status> {
+        self.with(async |c| {
+            c.detach(&r.get_ref().volume, &r.get_ref().host_nqn).await.map(|()| proto::DetachResponse {})
+        })
+        .await
+    }
+
+    async fn list_nodes(
+        &self,
+        _: Request<proto::ListNodesRequest>,
+    ) -> Result<Response<proto::ListNodesResponse>, Status> {
+        self.with(async |c| Ok(proto::ListNodesResponse { nodes: c.list_nodes() })).await
+    }
+
+    async fn list_pools(
+        &self,
+        _: Request<proto::ListPoolsRequest>,
+    ) -> Result<Response<proto::ListPoolsResponse>, Status> {
+        self.with(async |c| Ok(proto::ListPoolsResponse { pools: c.list_pools() })).await
+    }
+
+    async fn cluster_info(
+        &self,
+        _: Request<proto::ClusterInfoRequest>,
+    ) -> Result<Response<proto::ClusterInfoResponse>, Status> {
+        let leader = self.leader.read().unwrap().clone();
+        let leader_address = match self.store.get(LEADER_KEY).await {
+            Ok(Some(b)) => serde_json::from_slice::<LeaderRecord>(&b).map(|l| l.address).unwrap_or_default(),
+            _ => String::new(),
+        };
+        Ok(Response::new(proto::ClusterInfoResponse {
+            cluster_id: leader.as_ref().map(|c| c.cluster_id()).unwrap_or_default(),
+            controller_id: self.id.clone(),
+            leader: leader.is_some(),
+            leader_address,
+            store: self.store.describe(),
+        }))
+    }
+
+    async fn register_node(
+        &self,
+        r: Request<proto::RegisterNodeRequest>,
+    ) -> Result<Response<proto::RegisterNodeResponse>, Status> {
+        self.with(async |c| {
+            let node = r.into_inner().node.ok_or_else(|| Status::invalid_argument("RegisterNode needs a node"))?;
+            c.register_node(node).await?;
+            Ok(proto::RegisterNodeResponse { heartbeat_interval_ms: c.cfg.heartbeat_interval.as_millis() as u64 })
+        })
+        .await
+    }
+
+    async fn heartbeat(
+        &self,
+        r: Request<proto::HeartbeatRequest>,
+    ) -> Result<Response<proto::HeartbeatResponse>, Status> {
+        self.with(async |c| Ok(proto::HeartbeatResponse { known: c.heartbeat(r.into_inner()) })).await
+    }
+}
+
+/// Runs a controller until it fails or, under etcd, loses its leadership.
+pub async fn run(args: ControllerArgs) -> Result<(), String> {
+    let id = uuid::Uuid::new_v4().to_string();
+    let (store, etcd): (Arc<dyn Store>, Option<Arc<EtcdStore>>) = match args.store.strip_prefix("etcd:") {
+        Some(urls) => {
+            let endpoints: Vec<String> = urls.split(',').map(str::to_string).collect();
+            let e = Arc::new(EtcdStore::connect(&endpoints).await.map_err(|e| e.to_string())?);
+            (e.clone(), Some(e))
+        }
+        None => (store::open(&args.store).await.map_err(|e| e.to_string())?, None),
+    };
+    let service = Arc::new(Service { id: id.clone(), leader: RwLock::new(None), store: store.clone() });
+    let listener = tokio::net::TcpListener::bind(args.listen).await.map_err(|e| {
+        format!("cannot listen on {}: {e} (is another controller there? pick another --listen)", args.listen)
+    })?;
+    let server = tonic::transport::Server::builder()
+        .add_service(ControllerServer::from_arc(service.clone()))
+        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
+    let serving = tokio::spawn(server);
+    eprintln!("controller {id}: serving on {} with store {}", args.listen, store.describe());
+
+    let (fence, mut lost) = match &etcd {
+        Some(e) => {
+            let me = to_json(&LeaderRecord { id: id.clone(), address: args.advertise.clone() });
+            eprintln!("controller {id}: standing by for leadership");
+            let leadership = e.campaign(LEADER_KEY, &me, args.lease_ttl).await.map_err(|e| e.to_string())?;
+            (vec![Condition::Equals(LEADER_KEY.into(), me)], Some(leadership.lost))
+        }
+        None => (vec![], None),
+    };
+    let cluster = Cluster::load(store, fence, args.cluster).await.map_err(|e| e.message().to_string())?;
+    eprintln!("controller {id}: leading cluster {}", cluster.cluster_id());
+    *service.leader.write().unwrap() = Some(cluster.clone());
+    tokio::spawn(cluster.reconcile_forever());
+    match &mut lost {
+        Some(lost) => {
+            let _ = lost.wait_for(|l| *l).await;
+            Err(format!("controller {id}: lost the leader lease; exiting so that a standby takes over"))
+        }
+        None => serving.await.map_err(|e| e.to_string())?.map_err(|e| format!("controller server failed: {e}")),
+    }
+}

@@ -1,0 +1,116 @@
+//! The HA store: etcd, shared by several controllers. One of them leads: it holds a
+//! key bound to an etcd lease, keeps the lease alive, and fences every write with a
+//! condition on that key, so a controller that lost the lease can no longer write.
+
+use super::{Condition, Store, StoreError, Txn, Write};
+use async_trait::async_trait;
+use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, TxnOp};
+use std::time::Duration;
+use tokio::sync::watch;
+
+pub struct EtcdStore {
+    client: Client,
+    endpoints: Vec<String>,
+}
+
+impl EtcdStore {
+    pub async fn connect(endpoints: &[String]) -> Result<EtcdStore, StoreError> {
+        let options =
+            ConnectOptions::new().with_connect_timeout(Duration::from_secs(2)).with_timeout(Duration::from_secs(5));
+        let client = Client::connect(endpoints, Some(options)).await.map_err(|e| {
+            StoreError(format!("cannot reach etcd at {}: {e} (is etcd running there?)", endpoints.join(",")))
+        })?;
+        Ok(EtcdStore { client, endpoints: endpoints.to_vec() })
+    }
+
+    fn err(&self, e: etcd_client::Error) -> StoreError {
+        StoreError(format!("store etcd:{}: {e} (is etcd running and reachable?)", self.endpoints.join(",")))
+    }
+
+    /// Waits until this controller holds `key`, then keeps it. `value` identifies the
+    /// controller; other controllers read it to find the leader.
+    pub async fn campaign(&self, key: &str, value: &[u8], ttl: Duration) -> Result<Leadership, StoreError> {
+        let mut client = self.client.clone();
+        let ttl_s = ttl.as_secs().max(1) as i64;
+        loop {
+            let lease = client.lease_grant(ttl_s, None).await.map_err(|e| self.err(e))?.id();
+            let claim = etcd_client::Txn::new()
+                .when([Compare::version(key, CompareOp::Equal, 0)])
+                .and_then([TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease)))]);
+            if client.txn(claim).await.map_err(|e| self.err(e))?.succeeded() {
+                let (lost_tx, lost) = watch::channel(false);
+                tokio::spawn(keep_alive(client.clone(), lease, ttl, lost_tx));
+                return Ok(Leadership { lost });
+            }
+            let _ = client.lease_revoke(lease).await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+}
+
+/// Held by the leading controller. `lost` turns true when the lease could not be kept.
+pub struct Leadership {
+    pub lost: watch::Receiver<bool>,
+}
+
+async fn keep_alive(mut client: Client, lease: i64, ttl: Duration, lost: watch::Sender<bool>) {
+    let kept = async {
+        let (mut keeper, mut replies) = client.lease_keep_alive(lease).await.ok()?;
+        loop {
+            tokio::time::sleep(ttl / 3).await;
+            tokio::time::timeout(ttl / 3, keeper.keep_alive()).await.ok()?.ok()?;
+            let reply = tokio::time::timeout(ttl / 3, replies.message()).await.ok()?.ok()??;
+            if reply.ttl() <= 0 {
+                return Some(());
+            }
+        }
+    };
+    kept.await;
+    let _ = lost.send(true);
+}
+
+#[async_trait]
+impl Store for EtcdStore {
+    fn describe(&self) -> String {
+        format!("etcd:{}", self.endpoints.join(","))
+    }
+
+    async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let r = self.client.clone().get(key, None).await.map_err(|e| self.err(e))?;
+        Ok(r.kvs().first().map(|kv| kv.value().to_vec()))
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
+        let r =
+            self.client.clone().get(prefix, Some(GetOptions::new().with_prefix())).await.map_err(|e| self.err(e))?;
+        r.kvs()
+            .iter()
+            .map(|kv| {
+                let key = kv.key_str().map_err(|e| self.err(e))?.to_string();
+                Ok((key, kv.value().to_vec()))
+            })
+            .collect()
+    }
+
+    async fn commit(&self, txn: Txn) -> Result<bool, StoreError> {
+        let compares: Vec<Compare> = txn
+            .conditions
+            .iter()
+            .map(|c| match c {
+                Condition::Absent(k) => Compare::version(k.as_str(), CompareOp::Equal, 0),
+                // etcd fails a value comparison on a missing key, as the trait requires.
+                Condition::Equals(k, v) => Compare::value(k.as_str(), CompareOp::Equal, v.clone()),
+            })
+            .collect();
+        let ops: Vec<TxnOp> = txn
+            .writes
+            .iter()
+            .map(|w| match w {
+                Write::Put(k, v) => TxnOp::put(k.as_str(), v.clone(), None),
+                Write::Delete(k) => TxnOp::delete(k.as_str(), None),
+            })
+            .collect();
+        let r = self.client.clone().txn(etcd_client::Txn::new().when(compares).and_then(ops)).await;
+        Ok(r.map_err(|e| self.err(e))?.succeeded())
+    }
+}
