@@ -10,6 +10,8 @@ pub mod model;
 pub mod scheduler;
 pub mod server;
 pub mod store;
+#[doc(hidden)]
+pub mod testkit;
 
 /// The generated gRPC types and services (`proto/nvpool/v1/control.proto`).
 #[allow(clippy::all, missing_docs)]

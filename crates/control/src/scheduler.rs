@@ -242,7 +242,7 @@ mod tests {
         assert_eq!(choice(&place(&nodes, &req(GIB, Locality::Local, "a"), &p)).unwrap().node, "a");
         assert_eq!(choice(&place(&nodes, &req(GIB, Locality::Remote, "b"), &p)).unwrap().node, "a");
         // The host node cannot fit it: the volume goes elsewhere rather than failing.
-        assert_eq!(choice(&place(&nodes, &req(95 * GIB, Locality::Local, "b"), &p)).unwrap().node, "a");
+        assert_eq!(choice(&place(&nodes, &req(85 * GIB, Locality::Local, "b"), &p)).unwrap().node, "a");
     }
 
     #[test]

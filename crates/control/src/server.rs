@@ -184,12 +184,12 @@ pub async fn run(args: ControllerArgs) -> Result<(), String> {
     let serving = tokio::spawn(server);
     eprintln!("controller {id}: serving on {} with store {}", args.listen, store.describe());
 
-    let (fence, mut lost) = match &etcd {
+    let (fence, mut leadership) = match &etcd {
         Some(e) => {
             let me = to_json(&LeaderRecord { id: id.clone(), address: args.advertise.clone() });
             eprintln!("controller {id}: standing by for leadership");
             let leadership = e.campaign(LEADER_KEY, &me, args.lease_ttl).await.map_err(|e| e.to_string())?;
-            (vec![Condition::Equals(LEADER_KEY.into(), me)], Some(leadership.lost))
+            (vec![Condition::Equals(LEADER_KEY.into(), me)], Some(leadership))
         }
         None => (vec![], None),
     };
@@ -197,9 +197,9 @@ pub async fn run(args: ControllerArgs) -> Result<(), String> {
     eprintln!("controller {id}: leading cluster {}", cluster.cluster_id());
     *service.leader.write().unwrap() = Some(cluster.clone());
     tokio::spawn(cluster.reconcile_forever());
-    match &mut lost {
-        Some(lost) => {
-            let _ = lost.wait_for(|l| *l).await;
+    match &mut leadership {
+        Some(leadership) => {
+            let _ = leadership.lost.wait_for(|l| *l).await;
             Err(format!("controller {id}: lost the leader lease; exiting so that a standby takes over"))
         }
         None => serving.await.map_err(|e| e.to_string())?.map_err(|e| format!("controller server failed: {e}")),

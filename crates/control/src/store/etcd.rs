@@ -39,8 +39,8 @@ impl EtcdStore {
                 .and_then([TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease)))]);
             if client.txn(claim).await.map_err(|e| self.err(e))?.succeeded() {
                 let (lost_tx, lost) = watch::channel(false);
-                tokio::spawn(keep_alive(client.clone(), lease, ttl, lost_tx));
-                return Ok(Leadership { lost });
+                let keeper = tokio::spawn(keep_alive(client.clone(), lease, ttl, lost_tx));
+                return Ok(Leadership { lost, keeper });
             }
             let _ = client.lease_revoke(lease).await;
             tokio::time::sleep(Duration::from_millis(300)).await;
@@ -49,8 +49,16 @@ impl EtcdStore {
 }
 
 /// Held by the leading controller. `lost` turns true when the lease could not be kept.
+/// Dropping it stops renewing the lease, which then expires as if the leader had died.
 pub struct Leadership {
     pub lost: watch::Receiver<bool>,
+    keeper: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Leadership {
+    fn drop(&mut self) {
+        self.keeper.abort();
+    }
 }
 
 async fn keep_alive(mut client: Client, lease: i64, ttl: Duration, lost: watch::Sender<bool>) {

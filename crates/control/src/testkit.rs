@@ -1,0 +1,72 @@
+//! Real peers for tests: an etcd server on 127.0.0.1 with its own data directory.
+//! Tests of this crate and of the `nvpool` binary use it.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct Etcd {
+    pub client_url: String,
+    peer_url: String,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+}
+
+impl Etcd {
+    /// Starts etcd in `dir` (the data and log live there) and waits until it serves.
+    pub fn start(dir: PathBuf) -> Etcd {
+        let mut e = Etcd {
+            client_url: format!("http://127.0.0.1:{}", free_port()),
+            peer_url: format!("http://127.0.0.1:{}", free_port()),
+            dir,
+            child: None,
+        };
+        e.resume();
+        e
+    }
+
+    /// Starts the stopped server again on the same ports and data.
+    pub fn resume(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("etcd.log"))
+            .expect("etcd log file");
+        let child = Command::new("etcd")
+            .args(["--name", "t", "--data-dir"])
+            .arg(self.dir.join("data"))
+            .args(["--listen-client-urls", &self.client_url, "--advertise-client-urls", &self.client_url])
+            .args(["--listen-peer-urls", &self.peer_url, "--initial-advertise-peer-urls", &self.peer_url])
+            .args(["--initial-cluster", &format!("t={}", self.peer_url)])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("etcd is not installed: scripts/setup installs Debian's etcd-server");
+        self.child = Some(child);
+        let address = self.client_url.trim_start_matches("http://").to_string();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(&address).is_err() {
+            assert!(Instant::now() < deadline, "etcd did not start; see {}", self.dir.join("etcd.log").display());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Kills the server; its data stays.
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

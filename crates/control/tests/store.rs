@@ -1,0 +1,77 @@
+//! The store conformance suite against both backends: redb in a file, and a real etcd.
+
+use nvpool_control::store::{self, EtcdStore, RedbStore, Store, Txn};
+use nvpool_control::testkit::Etcd;
+use std::time::Duration;
+
+#[tokio::test]
+async fn redb_conforms() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state/controller.redb");
+    let s = RedbStore::open(&path).unwrap();
+    store::conformance::run(&s, "conformance").await;
+    // What was committed is there after reopening.
+    drop(s);
+    let s = RedbStore::open(&path).unwrap();
+    assert_eq!(s.get("/conformance/a").await.unwrap(), Some(b"1".to_vec()));
+}
+
+#[tokio::test]
+async fn redb_refuses_a_second_opener() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.redb");
+    let _first = RedbStore::open(&path).unwrap();
+    let e = RedbStore::open(&path).err().expect("a second open fails");
+    assert!(e.0.contains("another controller"), "{e}");
+}
+
+#[tokio::test]
+async fn etcd_conforms() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path().to_path_buf());
+    let s = EtcdStore::connect(std::slice::from_ref(&etcd.client_url)).await.unwrap();
+    store::conformance::run(&s, "conformance").await;
+}
+
+#[tokio::test]
+async fn etcd_leadership_passes_on_when_the_leader_stops() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path().to_path_buf());
+    let a = EtcdStore::connect(std::slice::from_ref(&etcd.client_url)).await.unwrap();
+    let b = EtcdStore::connect(std::slice::from_ref(&etcd.client_url)).await.unwrap();
+    let ttl = Duration::from_secs(1);
+    let lead_a = a.campaign("/t/leader", b"a", ttl).await.unwrap();
+    // b waits while a keeps its lease alive.
+    let b_campaign = tokio::spawn(async move { b.campaign("/t/leader", b"b", ttl).await.map(|l| (b, l)) });
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(!b_campaign.is_finished(), "b must not lead while a's lease is kept");
+    assert!(!*lead_a.lost.borrow());
+    // a's fenced writes work; then a dies (its process, and so its keep-alive, ends).
+    let fence = |who: &[u8]| nvpool_control::store::Condition::Equals("/t/leader".into(), who.to_vec());
+    assert!(a.commit(Txn::default().when(fence(b"a")).put("/t/x", b"a".to_vec())).await.unwrap());
+    drop(lead_a);
+    drop(a);
+    let (b, _lead_b) = tokio::time::timeout(Duration::from_secs(10), b_campaign).await.unwrap().unwrap().unwrap();
+    assert_eq!(b.get("/t/leader").await.unwrap(), Some(b"b".to_vec()));
+    // A write fenced on the old leader now fails.
+    assert!(!b.commit(Txn::default().when(fence(b"a")).put("/t/x", b"stale".to_vec())).await.unwrap());
+}
+
+#[tokio::test]
+async fn an_unreachable_etcd_is_an_error_not_a_hang() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut etcd = Etcd::start(dir.path().to_path_buf());
+    let s = EtcdStore::connect(std::slice::from_ref(&etcd.client_url)).await.unwrap();
+    etcd.stop();
+    let started = std::time::Instant::now();
+    let e = s.commit(Txn::default().put("/t/y", b"1".to_vec())).await.expect_err("etcd is down");
+    assert!(e.0.contains("is etcd running"), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(15));
+    etcd.resume();
+    // The client reconnects on its own; the first calls may still time out.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while s.commit(Txn::default().put("/t/y", b"1".to_vec())).await.is_err() {
+        assert!(std::time::Instant::now() < deadline, "the store must work again once etcd is back");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
