@@ -216,7 +216,7 @@ impl Cluster {
         if let Some(v) = existing {
             if !same_request(&v, req, locality) {
                 return Err(Status::already_exists(format!(
-                    "volume {} exists with size {} bytes, {}, locality {:?} to {:?}, include {:?}, exclude {:?}; \
+                    "volume {} exists with size {} bytes, {}, locality {} to {:?}, include {:?}, exclude {:?}; \
                      delete it or use another name",
                     v.name,
                     v.size,

@@ -17,6 +17,16 @@ pub enum Locality {
     Remote,
 }
 
+impl std::fmt::Display for Locality {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Locality::Any => "any",
+            Locality::Local => "local",
+            Locality::Remote => "remote",
+        })
+    }
+}
+
 /// How much each score counts. Both scores lie in [0, 1].
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
 pub struct Weights {

@@ -51,7 +51,10 @@ impl Service {
             _ => String::new(),
         };
         let mut s = Status::unavailable(if leader.is_empty() {
-            "this controller is a standby and no leader is elected yet; retry shortly".to_string()
+            format!(
+                "this controller is a standby and no leader is elected yet (is the store {} reachable?); retry shortly",
+                self.store.describe()
+            )
         } else {
             format!("this controller is a standby; the leader is at {leader}")
         });
@@ -163,7 +166,7 @@ impl proto::controller_server::Controller for Service {
     }
 }
 
-/// Runs a controller until it fails or, under etcd, loses its leadership.
+/// Runs a controller until the process ends or its server fails.
 pub async fn run(args: ControllerArgs) -> Result<(), String> {
     let id = uuid::Uuid::new_v4().to_string();
     let (store, etcd): (Arc<dyn Store>, Option<Arc<EtcdStore>>) = match args.store.strip_prefix("etcd:") {
@@ -184,24 +187,40 @@ pub async fn run(args: ControllerArgs) -> Result<(), String> {
     let serving = tokio::spawn(server);
     eprintln!("controller {id}: serving on {} with store {}", args.listen, store.describe());
 
-    let (fence, mut leadership) = match &etcd {
-        Some(e) => {
-            let me = to_json(&LeaderRecord { id: id.clone(), address: args.advertise.clone() });
-            eprintln!("controller {id}: standing by for leadership");
-            let leadership = e.campaign(LEADER_KEY, &me, args.lease_ttl).await.map_err(|e| e.to_string())?;
-            (vec![Condition::Equals(LEADER_KEY.into(), me)], Some(leadership))
-        }
-        None => (vec![], None),
+    let Some(etcd) = etcd else {
+        let cluster = Cluster::load(store, vec![], args.cluster).await.map_err(|e| e.message().to_string())?;
+        eprintln!("controller {id}: leading cluster {}", cluster.cluster_id());
+        *service.leader.write().unwrap() = Some(cluster.clone());
+        tokio::spawn(cluster.reconcile_forever());
+        return serving.await.map_err(|e| e.to_string())?.map_err(|e| format!("controller server failed: {e}"));
     };
-    let cluster = Cluster::load(store, fence, args.cluster).await.map_err(|e| e.message().to_string())?;
-    eprintln!("controller {id}: leading cluster {}", cluster.cluster_id());
-    *service.leader.write().unwrap() = Some(cluster.clone());
-    tokio::spawn(cluster.reconcile_forever());
-    match &mut leadership {
-        Some(leadership) => {
-            let _ = leadership.lost.wait_for(|l| *l).await;
-            Err(format!("controller {id}: lost the leader lease; exiting so that a standby takes over"))
-        }
-        None => serving.await.map_err(|e| e.to_string())?.map_err(|e| format!("controller server failed: {e}")),
+    // Under etcd: campaign, lead until the lease is lost, then stand by and campaign again.
+    let me = to_json(&LeaderRecord { id: id.clone(), address: args.advertise.clone() });
+    loop {
+        eprintln!("controller {id}: standing by for leadership");
+        let leadership = match etcd.campaign(LEADER_KEY, &me, args.lease_ttl).await {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("controller {id}: cannot campaign: {e}");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        let fence = vec![Condition::Equals(LEADER_KEY.into(), me.clone())];
+        let cluster = match Cluster::load(store.clone(), fence, args.cluster.clone()).await {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("controller {id}: cannot load the cluster: {}", e.message());
+                continue; // dropping the leadership lets the lease lapse
+            }
+        };
+        eprintln!("controller {id}: leading cluster {}", cluster.cluster_id());
+        *service.leader.write().unwrap() = Some(cluster.clone());
+        let background = tokio::spawn(cluster.reconcile_forever());
+        let mut lost = leadership.lost.clone();
+        let _ = lost.wait_for(|l| *l).await;
+        background.abort();
+        *service.leader.write().unwrap() = None;
+        eprintln!("controller {id}: lost the leader lease; standing by");
     }
 }

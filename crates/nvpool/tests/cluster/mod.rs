@@ -1,0 +1,176 @@
+//! Processes of a small nvpool cluster on 127.0.0.1 for tests: engines with a
+//! file-backed pool, node agents and controllers, each a real `nvpool` process.
+
+#![allow(dead_code)] // each test binary uses a different part
+
+use nvpool_control::client::Controllers;
+use nvpool_control::proto;
+use serde_json::Value;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_nvpool");
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn log(dir: &Path, name: &str) -> std::fs::File {
+    std::fs::OpenOptions::new().create(true).append(true).open(dir.join(format!("{name}.log"))).unwrap()
+}
+
+/// Polls `f` until it returns `Some`, or fails the test after `limit`.
+pub async fn wait_for<T>(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(start.elapsed() < limit, "timed out after {limit:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A child process killed (SIGKILL) when dropped.
+pub struct Proc(Option<Child>);
+
+impl Proc {
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+    pub fn pid(&self) -> u32 {
+        self.0.as_ref().map_or(0, Child::id)
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// One node: an engine with one pool on a sparse file, and (when started) its agent.
+pub struct Node {
+    pub name: String,
+    pub dir: PathBuf,
+    pub nvme_port: u16,
+    pub agent_port: u16,
+    pub disk: PathBuf,
+    pub engine: Proc,
+    pub agent: Proc,
+}
+
+impl Node {
+    /// Starts the engine and makes its pool of `size` bytes.
+    pub fn new(root: &Path, name: &str, size: u64) -> Node {
+        let dir = root.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let disk = dir.join("disk0");
+        std::fs::File::create(&disk).unwrap().set_len(size).unwrap();
+        let mut n = Node {
+            name: name.into(),
+            dir,
+            nvme_port: free_port(),
+            agent_port: free_port(),
+            disk,
+            engine: Proc(None),
+            agent: Proc(None),
+        };
+        n.start_engine(false);
+        let out = Command::new(BIN)
+            .args(["engine", "pool", "create", &format!("{name}-pool")])
+            .arg(&n.disk)
+            .arg("--socket")
+            .arg(n.socket())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "pool create: {}", String::from_utf8_lossy(&out.stderr));
+        n
+    }
+
+    pub fn socket(&self) -> PathBuf {
+        self.dir.join("engine.sock")
+    }
+
+    /// Starts the engine; `import` opens the pool made earlier.
+    pub fn start_engine(&mut self, import: bool) {
+        let socket = self.socket();
+        let _ = std::fs::remove_file(&socket);
+        let mut cmd = Command::new(BIN);
+        cmd.args(["engine", "--listen", &format!("127.0.0.1:{}", self.nvme_port), "--discovery-port", "0"])
+            .args(["--reactors", "1", "--mgmt-socket"])
+            .arg(&socket)
+            .stdout(log(&self.dir, "engine"))
+            .stderr(log(&self.dir, "engine"));
+        if import {
+            cmd.arg("--pool").arg(&self.disk);
+        }
+        self.engine = Proc(Some(cmd.spawn().unwrap()));
+        let start = Instant::now();
+        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+            assert!(start.elapsed() < Duration::from_secs(20), "engine of {} did not start", self.name);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn start_agent(&mut self, controllers: &str) {
+        let child = Command::new(BIN)
+            .args(["agent", "--name", &self.name, "--controller", controllers])
+            .args(["--listen", &format!("127.0.0.1:{}", self.agent_port), "--engine-socket"])
+            .arg(self.socket())
+            .stdout(log(&self.dir, "agent"))
+            .stderr(log(&self.dir, "agent"))
+            .spawn()
+            .unwrap();
+        self.agent = Proc(Some(child));
+    }
+
+    /// Calls the engine's management API.
+    pub fn engine_call(&self, method: &str, params: Value) -> Value {
+        nvpool_engine::mgmt::call(&self.socket(), method, params).unwrap()
+    }
+}
+
+pub struct ControllerProc {
+    pub address: String,
+    pub proc: Proc,
+}
+
+/// Starts `nvpool controller` with the given store and fast health settings.
+pub fn start_controller(dir: &Path, store: &str, port: u16, tag: &str) -> ControllerProc {
+    let address = format!("127.0.0.1:{port}");
+    let child = Command::new(BIN)
+        .args(["controller", "--listen", &address, "--store", store])
+        .args(["--node-timeout", "3s", "--heartbeat-interval", "500ms", "--lease-ttl", "2s"])
+        .stdout(log(dir, &format!("controller-{tag}")))
+        .stderr(log(dir, &format!("controller-{tag}")))
+        .spawn()
+        .unwrap();
+    ControllerProc { address, proc: Proc(Some(child)) }
+}
+
+pub async fn nodes(c: &Controllers) -> Vec<proto::Node> {
+    c.call(async |mut c| c.list_nodes(proto::ListNodesRequest {}).await).await.unwrap().nodes
+}
+
+pub async fn volumes(c: &Controllers) -> Vec<proto::Volume> {
+    c.call(async |mut c| c.list_volumes(proto::ListVolumesRequest::default()).await).await.unwrap().volumes
+}
+
+/// Waits until the controller reports these nodes, and only these, as healthy.
+pub async fn wait_healthy(c: &Controllers, names: &[&str]) {
+    wait_for(&format!("healthy nodes {names:?}"), Duration::from_secs(30), async || {
+        let healthy: Vec<String> = nodes(c).await.into_iter().filter(|n| n.healthy).map(|n| n.name).collect();
+        (healthy == names).then_some(())
+    })
+    .await
+}
+
+pub fn create_request(name: &str, size: u64) -> proto::CreateVolumeRequest {
+    proto::CreateVolumeRequest { name: name.into(), size_bytes: size, ..Default::default() }
+}

@@ -1,0 +1,348 @@
+//! The control plane on one machine: three engines with their agents and one
+//! controller (embedded store), all real processes.
+//!
+//! - 100 volumes of mixed sizes, types and locality preferences; each lands where an
+//!   independent model of the policy says (preferred place first, then the fullest pool).
+//! - A controller restart loses nothing.
+//! - A killed agent's node turns unhealthy and gets nothing new; a volume deleted
+//!   meanwhile, and the exports of an engine that restarted meanwhile, are put right
+//!   when the agent comes back.
+//! - Bad input gets a clear error and leaves nothing behind.
+
+mod cluster;
+
+use cluster::*;
+use nvpool_control::client::Controllers;
+use nvpool_control::proto::{self, Locality};
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::time::Duration;
+use tonic::Code;
+
+const MIB: u64 = 1 << 20;
+const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:0c0c0c0c-1111-2222-3333-444455556666";
+
+/// What the test believes each pool holds: node -> (capacity, committed, cluster size).
+type Ledger = BTreeMap<String, (u64, u64, u64)>;
+
+/// The node the policy must pick: healthy and fitting, then matching the locality
+/// preference, then the fullest afterwards, then the first by name.
+fn expected_node(ledger: &Ledger, req: &proto::CreateVolumeRequest, healthy: &[&str]) -> Option<String> {
+    let mut best: Option<(u8, f64, String)> = None;
+    for (node, &(capacity, committed, cluster)) in ledger {
+        if !healthy.contains(&node.as_str()) || req.exclude_nodes.contains(node) {
+            continue;
+        }
+        let need = if req.thin { 0 } else { req.size_bytes.div_ceil(cluster) * cluster };
+        if committed + need > capacity || (req.thin && capacity - committed < cluster) {
+            continue;
+        }
+        let matches = match Locality::try_from(req.locality).unwrap() {
+            Locality::Any => 0,
+            Locality::Local => u8::from(*node == req.host_node),
+            Locality::Remote => u8::from(*node != req.host_node),
+        };
+        let fullness = (committed + need) as f64 / capacity as f64;
+        let better = match &best {
+            None => true,
+            Some((m, f, _)) => (matches, fullness) > (*m, *f),
+        };
+        if better {
+            best = Some((matches, fullness, node.clone()));
+        }
+    }
+    best.map(|b| b.2)
+}
+
+async fn create(
+    c: &Controllers,
+    req: &proto::CreateVolumeRequest,
+) -> Result<proto::CreateVolumeResponse, tonic::Status> {
+    c.call(async |mut c| c.create_volume(req.clone()).await).await
+}
+
+async fn ledger(c: &Controllers) -> Ledger {
+    nodes(c)
+        .await
+        .into_iter()
+        .map(|n| {
+            let p = &n.pools[0];
+            (n.name, (p.capacity_bytes, 0, p.cluster_size))
+        })
+        .collect()
+}
+
+/// The volumes an engine exports: subsystem NQN -> allowed hosts.
+fn exports(node: &Node) -> BTreeMap<String, Vec<String>> {
+    let subsystems = node.engine_call("subsystem_list", json!({}));
+    subsystems
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["nqn"].as_str().unwrap().starts_with("nqn.2024-01.io.nvpool:volume:"))
+        .map(|s| {
+            let hosts = s["hosts"].as_array().unwrap().iter().map(|h| h.as_str().unwrap().to_string()).collect();
+            (s["nqn"].as_str().unwrap().to_string(), hosts)
+        })
+        .collect()
+}
+
+fn engine_volume_count(node: &Node) -> usize {
+    node.engine_call("volume_list", json!({})).as_array().unwrap().len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_nodes_place_survive_restarts_and_reconcile() {
+    let root = tempfile::tempdir().unwrap();
+    let store = format!("redb:{}", root.path().join("controller.redb").display());
+    let port = free_port();
+    let mut controller = start_controller(root.path(), &store, port, "1");
+    let mut nodes_ = vec![
+        Node::new(root.path(), "n1", 3 << 30),
+        Node::new(root.path(), "n2", 4 << 30),
+        Node::new(root.path(), "n3", 5 << 30),
+    ];
+    for n in &mut nodes_ {
+        n.start_agent(&controller.address);
+    }
+    let c = Controllers::new(&controller.address).unwrap();
+    wait_healthy(&c, &["n1", "n2", "n3"]).await;
+
+    // 100 volumes; each must land where the model says.
+    let mut book = ledger(&c).await;
+    let sizes = [8 * MIB, 24 * MIB, 64 * MIB, 100 * MIB, 200 * MIB, 5 * MIB + 123];
+    let mut per_node: BTreeMap<String, usize> = BTreeMap::new();
+    let mut local_hits = 0;
+    for i in 0..100u64 {
+        let host = format!("n{}", 1 + i % 3);
+        let (locality, host_node) = match i % 4 {
+            0 => (Locality::Local, host.clone()),
+            1 => (Locality::Remote, host.clone()),
+            _ => (Locality::Any, String::new()),
+        };
+        let req = proto::CreateVolumeRequest {
+            name: format!("vol-{i:03}"),
+            size_bytes: sizes[(i as usize * 7) % sizes.len()],
+            thin: i % 5 == 0,
+            locality: locality as i32,
+            host_node,
+            include_nodes: vec![],
+            exclude_nodes: if i % 10 == 3 { vec!["n3".into()] } else { vec![] },
+        };
+        let want = expected_node(&book, &req, &["n1", "n2", "n3"]).expect("the volumes fit");
+        let got = create(&c, &req).await.unwrap_or_else(|e| panic!("create {}: {}", req.name, e.message()));
+        let v = got.volume.unwrap();
+        assert_eq!(
+            v.node, want,
+            "{} ({:?} to {:?}, {} bytes): scores {:?}",
+            req.name, locality, req.host_node, req.size_bytes, got.scores
+        );
+        assert_eq!(v.state, "ready");
+        assert!(!v.uuid.is_empty() && !v.nguid.is_empty());
+        assert_eq!(got.scores.len(), 3, "--explain shows every node");
+        if locality == Locality::Local && v.node == req.host_node {
+            local_hits += 1;
+        }
+        let entry = book.get_mut(&v.node).unwrap();
+        if !req.thin {
+            entry.1 += req.size_bytes.div_ceil(entry.2) * entry.2;
+        }
+        *per_node.entry(v.node.clone()).or_default() += 1;
+    }
+    println!("placement: {per_node:?}; local preference met {local_hits} of 25 times; ledger {book:?}");
+
+    // Retrying a create returns the same volume; no second one appears.
+    let again = create(
+        &c,
+        &proto::CreateVolumeRequest { name: "vol-002".into(), size_bytes: sizes[14 % 6], ..Default::default() },
+    )
+    .await
+    .unwrap();
+    assert!(again.existed);
+    let before = volumes(&c).await;
+    assert_eq!(before.len(), 100);
+    let on_engines: usize = nodes_.iter().map(engine_volume_count).sum();
+    assert_eq!(on_engines, 100, "every volume exists once, on one engine");
+
+    // The engines' pools agree with the model (allowing for heartbeat lag).
+    wait_for("pool reports", Duration::from_secs(10), async || {
+        let pools = c.call(async |mut c| c.list_pools(proto::ListPoolsRequest {}).await).await.unwrap().pools;
+        pools.iter().all(|p| p.pool.as_ref().unwrap().used_bytes == book[&p.node].1).then_some(())
+    })
+    .await;
+
+    // Attach one volume and check the engine's allow-list.
+    let target = before.iter().find(|v| v.node == "n2").unwrap().clone();
+    let attach = proto::AttachRequest { volume: target.name.clone(), host_nqn: HOST.into() };
+    let a = c.call(async |mut c| c.attach(attach.clone()).await).await.unwrap();
+    assert_eq!(a.paths.len(), 1);
+    assert_eq!((a.paths[0].address.as_str(), a.paths[0].port), ("127.0.0.1", u32::from(nodes_[1].nvme_port)));
+    assert_eq!(a.paths[0].ana_state, "optimized");
+    assert_eq!(exports(&nodes_[1])[&a.subsystem_nqn], vec![HOST.to_string()]);
+
+    // Restart the controller: every volume is still there, the same.
+    controller.proc.kill();
+    controller = start_controller(root.path(), &store, port, "2");
+    wait_healthy(&c, &["n1", "n2", "n3"]).await;
+    let after = volumes(&c).await;
+    assert_eq!(
+        after,
+        volumes_with_hosts(&before, &target.name),
+        "the restarted controller sees every volume as it was"
+    );
+
+    // Kill n2's agent: the node turns unhealthy and takes nothing new.
+    nodes_[1].agent.kill();
+    wait_healthy(&c, &["n1", "n3"]).await;
+    for i in 0..10 {
+        let req = proto::CreateVolumeRequest {
+            name: format!("late-{i}"),
+            size_bytes: 16 * MIB,
+            locality: Locality::Local as i32,
+            host_node: "n2".into(),
+            ..Default::default()
+        };
+        let v = create(&c, &req).await.unwrap().volume.unwrap();
+        assert_ne!(v.node, "n2", "an unhealthy node must get no new volume");
+    }
+    let only_n2 = proto::CreateVolumeRequest { include_nodes: vec!["n2".into()], ..create_request("only-n2", MIB) };
+    let e = create(&c, &only_n2).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted);
+    assert!(e.message().contains("n2: unhealthy"), "{}", e.message());
+    // Attaching to a volume on the dead node fails cleanly.
+    let e = c
+        .call(async |mut c| {
+            c.attach(proto::AttachRequest { volume: target.name.clone(), host_nqn: format!("{HOST}-2") }).await
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{}", e.message());
+    // Delete a volume of n2 while its agent is away, and restart n2's engine too,
+    // so that it comes back with its pool but no exports.
+    let doomed = after.iter().find(|v| v.node == "n2" && v.name != target.name).unwrap().name.clone();
+    let deleted =
+        c.call(async |mut c| c.delete_volume(proto::VolumeName { name: doomed.clone() }).await).await.unwrap();
+    assert!(deleted.deleted);
+    let n2_count = after.iter().filter(|v| v.node == "n2").count();
+    assert_eq!(engine_volume_count(&nodes_[1]), n2_count, "the engine keeps it until its agent is back");
+    nodes_[1].engine.kill();
+    nodes_[1].start_engine(true);
+    assert!(exports(&nodes_[1]).is_empty());
+
+    // The agent comes back and reconciles.
+    nodes_[1].start_agent(&controller.address);
+    wait_healthy(&c, &["n1", "n2", "n3"]).await;
+    let want: BTreeMap<String, Vec<String>> =
+        volumes(&c).await.into_iter().filter(|v| v.node == "n2").map(|v| (v.subsystem_nqn, v.hosts)).collect();
+    assert_eq!(want.len(), n2_count - 1);
+    wait_for("n2 to reconcile", Duration::from_secs(15), async || {
+        (exports(&nodes_[1]) == want && engine_volume_count(&nodes_[1]) == want.len()).then_some(())
+    })
+    .await;
+    assert_eq!(exports(&nodes_[1])[&a.subsystem_nqn], vec![HOST.to_string()], "the allow-list came back");
+    println!("n2 reconciled: {} exports, the deleted volume removed", want.len());
+}
+
+/// `before` with HOST attached to `name`, as the controller should now report it.
+fn volumes_with_hosts(before: &[proto::Volume], name: &str) -> Vec<proto::Volume> {
+    before
+        .iter()
+        .cloned()
+        .map(|mut v| {
+            if v.name == name {
+                v.hosts = vec![HOST.into()];
+            }
+            v
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_clear_errors_and_leaves_nothing_behind() {
+    let root = tempfile::tempdir().unwrap();
+    let etcd = nvpool_control::testkit::Etcd::start(root.path().to_path_buf());
+    let mut etcd = etcd;
+    let controller = start_controller(root.path(), &format!("etcd:{}", etcd.client_url), free_port(), "1");
+    let mut n1 = Node::new(root.path(), "n1", 1 << 30);
+    n1.start_agent(&controller.address);
+    let c = Controllers::new(&controller.address).unwrap();
+    wait_healthy(&c, &["n1"]).await;
+
+    let expect = async |req: proto::CreateVolumeRequest, code: Code, words: &str| {
+        let e = create(&c, &req).await.unwrap_err();
+        assert_eq!(e.code(), code, "{}: {}", req.name, e.message());
+        assert!(e.message().contains(words), "{:?} lacks {words:?}", e.message());
+        println!("{code:?}: {}", e.message());
+    };
+    expect(create_request("zero", 0), Code::InvalidArgument, "more than 0").await;
+    expect(create_request("absurd", u64::MAX), Code::InvalidArgument, "largest volume").await;
+    expect(create_request("too-big", 100 << 30), Code::ResourceExhausted, "no node can take").await;
+    expect(create_request("bad name", MIB), Code::InvalidArgument, "not valid").await;
+    expect(
+        proto::CreateVolumeRequest { host_node: "nowhere".into(), ..create_request("x", MIB) },
+        Code::NotFound,
+        "unknown node \"nowhere\"",
+    )
+    .await;
+    expect(
+        proto::CreateVolumeRequest { exclude_nodes: vec!["ghost".into()], ..create_request("x", MIB) },
+        Code::NotFound,
+        "ghost",
+    )
+    .await;
+    expect(
+        proto::CreateVolumeRequest { locality: Locality::Local as i32, ..create_request("x", MIB) },
+        Code::InvalidArgument,
+        "host node",
+    )
+    .await;
+    expect(proto::CreateVolumeRequest { locality: 9, ..create_request("x", MIB) }, Code::InvalidArgument, "locality 9")
+        .await;
+
+    // Same name, other parameters.
+    create(&c, &create_request("dup", 8 * MIB)).await.unwrap();
+    expect(create_request("dup", 16 * MIB), Code::AlreadyExists, "exists with size 8388608").await;
+    expect(proto::CreateVolumeRequest { thin: true, ..create_request("dup", 8 * MIB) }, Code::AlreadyExists, "thick")
+        .await;
+
+    // Other calls.
+    let e = c.call(async |mut c| c.get_volume(proto::VolumeName { name: "nope".into() }).await).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    let e = c
+        .call(async |mut c| {
+            c.attach(proto::AttachRequest { volume: "dup".into(), host_nqn: "not-an-nqn".into() }).await
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{}", e.message());
+    let e = c
+        .call(async |mut c| {
+            c.resize_volume(proto::ResizeVolumeRequest { name: "dup".into(), size_bytes: 100 << 30 }).await
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{}", e.message());
+    let gone =
+        c.call(async |mut c| c.delete_volume(proto::VolumeName { name: "never-made".into() }).await).await.unwrap();
+    assert!(!gone.deleted, "deleting what does not exist succeeds and says so");
+
+    // Nothing half-made: only "dup" exists, on the engine too.
+    assert_eq!(volumes(&c).await.iter().map(|v| v.name.as_str()).collect::<Vec<_>>(), ["dup"]);
+    assert_eq!(engine_volume_count(&n1), 1);
+
+    // The store goes away: a clear error, and nothing is created anywhere.
+    etcd.stop();
+    let e = create(&c, &create_request("while-down", MIB)).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{}", e.message());
+    assert!(e.message().contains("store"), "{}", e.message());
+    println!("store down: {}", e.message());
+    assert_eq!(engine_volume_count(&n1), 1, "no engine volume without a stored record");
+    etcd.resume();
+    wait_for("the store to be back", Duration::from_secs(30), async || {
+        create(&c, &create_request("after", MIB)).await.ok()
+    })
+    .await;
+    let names: Vec<String> = volumes(&c).await.into_iter().map(|v| v.name).collect();
+    assert_eq!(names, ["after", "dup"], "the failed call left no volume");
+    assert_eq!(engine_volume_count(&n1), 2);
+}
