@@ -45,10 +45,12 @@ impl Controllers {
         self.endpoints.join(",")
     }
 
-    /// Calls `f` on the leader.
-    pub async fn call<T, F>(&self, f: F) -> Result<T, Status>
+    /// Calls `f` on the leader. (`f` returns a plain future rather than being an async
+    /// closure so that the call stays `Send` for spawned tasks and gRPC handlers.)
+    pub async fn call<T, F, Fut>(&self, f: F) -> Result<T, Status>
     where
-        F: AsyncFn(ControllerClient<Channel>) -> Result<tonic::Response<T>, Status>,
+        F: Fn(ControllerClient<Channel>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
         let deadline = Instant::now() + self.patience;
         let n = self.channels.len();
