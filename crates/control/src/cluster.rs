@@ -91,6 +91,9 @@ pub struct Cluster {
     channels: Mutex<HashMap<String, Channel>>,
 }
 
+/// How many nodes a CreateVolume answer explains (the best ones).
+const EXPLAINED_NODES: usize = 32;
+
 /// Outcome of one volume in an Apply.
 type Results = HashMap<String, proto::VolumeResult>;
 
@@ -248,9 +251,10 @@ impl Cluster {
         let id = uuid::Uuid::new_v4().to_string();
         let (record, scores) = {
             let mut st = self.state.lock().unwrap();
-            let scores = scheduler::place(&self.node_views(&st), &request, &self.cfg.policy);
+            let views = self.node_views(&st);
+            let scores = scheduler::place(&views, &request, &self.cfg.policy, EXPLAINED_NODES);
             let Some(chosen) = scheduler::choice(&scores) else {
-                return Err(Status::resource_exhausted(no_room_message(&request, &scores)));
+                return Err(Status::resource_exhausted(no_room_message(&request, &scores, views.len())));
             };
             let record = VolumeRecord {
                 name: req.name.clone(),
@@ -838,7 +842,7 @@ fn same_request(v: &VolumeRecord, req: &proto::CreateVolumeRequest, locality: Lo
         && v.exclude == req.exclude_nodes
 }
 
-fn no_room_message(req: &Request, scores: &[Score]) -> String {
+fn no_room_message(req: &Request, scores: &[Score], nodes: usize) -> String {
     if scores.is_empty() {
         return "no node has registered yet: start `nvpool agent` on the nodes".into();
     }
@@ -849,7 +853,7 @@ fn no_room_message(req: &Request, scores: &[Score]) -> String {
         if req.thin { "thin" } else { "thick" },
         req.size,
         reasons.join("; "),
-        if scores.len() > 8 { format!("; and {} more", scores.len() - 8) } else { String::new() }
+        if nodes > 8 { format!("; and {} more nodes", nodes - 8) } else { String::new() }
     )
 }
 

@@ -9,6 +9,7 @@ pub mod cluster;
 pub mod model;
 pub mod scheduler;
 pub mod server;
+pub mod sim;
 pub mod store;
 #[doc(hidden)]
 pub mod testkit;

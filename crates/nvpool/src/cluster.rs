@@ -7,6 +7,7 @@ use nvpool_control::client::Controllers;
 use nvpool_control::cluster::ClusterConfig;
 use nvpool_control::proto;
 use nvpool_control::scheduler::{Policy, Weights};
+use nvpool_control::sim::{self, SimConfig};
 use nvpool_control::{agent, server};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -58,6 +59,8 @@ pub enum Command {
         #[command(flatten)]
         api: Api,
     },
+    /// Replay a synthetic cluster through the scheduler and compare placement policies.
+    Sim(SimArgs),
     /// Show which controller leads and which store it uses.
     ClusterInfo {
         #[command(flatten)]
@@ -129,6 +132,34 @@ pub struct AgentArgs {
     /// Topology label KEY=VALUE (repeatable), e.g. zone=a.
     #[arg(long, value_parser = parse_label)]
     label: Vec<(String, String)>,
+}
+
+#[derive(Args)]
+pub struct SimArgs {
+    /// Nodes in the cluster.
+    #[arg(long, default_value_t = SimConfig::default().nodes)]
+    nodes: usize,
+    /// Share of nodes with 8 disks.
+    #[arg(long, default_value_t = SimConfig::default().heavy_fraction)]
+    heavy_fraction: f64,
+    /// Share of nodes without disks.
+    #[arg(long, default_value_t = SimConfig::default().diskless_fraction)]
+    diskless_fraction: f64,
+    /// Median volume size.
+    #[arg(long, value_parser = parse_span, default_value = "200GiB")]
+    median_size: u64,
+    /// Chance that a step deletes a volume rather than creating one.
+    #[arg(long, default_value_t = SimConfig::default().delete_probability)]
+    delete_probability: f64,
+    /// Random seed; the same seed replays the same cluster and stream.
+    #[arg(long, default_value_t = SimConfig::default().seed)]
+    seed: u64,
+    /// Measure scheduler speed (decisions per second, p50 and p99) instead.
+    #[arg(long)]
+    bench: bool,
+    /// Decisions to time with --bench.
+    #[arg(long, default_value_t = 20000)]
+    decisions: usize,
 }
 
 #[derive(Subcommand)]
@@ -307,6 +338,10 @@ pub fn run(cmd: Command) -> Result<(), String> {
             print_or(&api, &serde_json::json!({}), || format!("{host_nqn} detached from volume {volume}"));
             Ok(())
         }),
+        Command::Sim(a) => {
+            run_sim(a);
+            Ok(())
+        }
         Command::ClusterInfo { api } => rt.block_on(async {
             let c = Controllers::new(&api.controller)?;
             let r = c.call(async |mut c| c.cluster_info(proto::ClusterInfoRequest {}).await).await.map_err(status)?;
@@ -541,4 +576,70 @@ fn pool_table(pools: &[proto::PoolOnNode]) -> Vec<Vec<String>> {
         ]);
     }
     rows
+}
+
+fn run_sim(a: SimArgs) {
+    let cfg = SimConfig {
+        nodes: a.nodes,
+        heavy_fraction: a.heavy_fraction,
+        diskless_fraction: a.diskless_fraction,
+        median_size: a.median_size,
+        delete_probability: a.delete_probability,
+        seed: a.seed,
+        ..SimConfig::default()
+    };
+    let disks = format!(
+        "{:.0}% of nodes with {} disks, {:.0}% without disks, the rest with {} disks of {:.2} TB",
+        cfg.heavy_fraction * 100.0,
+        cfg.heavy_disks,
+        cfg.diskless_fraction * 100.0,
+        cfg.light_disks,
+        cfg.disk_bytes as f64 / 1e12
+    );
+    if a.bench {
+        let r = sim::bench(&cfg, a.decisions);
+        println!("Scheduler speed: {} nodes ({disks}), filled to {:.1}%, one thread\n", r.nodes, r.utilisation * 100.0);
+        println!("| path | decisions | decisions/s | p50 µs | p99 µs |\n|---|---:|---:|---:|---:|");
+        for (name, n, rate, p50, p99) in r.rows {
+            println!("| {name} | {n} | {rate:.0} | {p50:.1} | {p99:.1} |");
+        }
+        return;
+    }
+    println!(
+        "Simulated cluster: {} nodes ({disks}); volumes log-normal around {}, {:.0}% asking local, {:.0}% remote; \
+         each step deletes a volume with probability {}; seed {}.\n",
+        cfg.nodes,
+        human(cfg.median_size),
+        cfg.local_share * 100.0,
+        cfg.remote_share * 100.0,
+        cfg.delete_probability,
+        cfg.seed
+    );
+    println!(
+        "| policy | created | deleted | used at first failure | failed request | largest hole | fragmentation | \
+         local requests met | used when 1% failed | decisions/s |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for (name, strategy) in sim::strategies() {
+        let r = sim::run(&cfg, name, strategy);
+        println!(
+            "| {} | {} | {} | {:.1}% | {} | {} | {:.3} | {:.1}% | {:.1}% | {:.0} |",
+            r.name,
+            r.created,
+            r.deleted,
+            r.utilisation * 100.0,
+            human(r.failed_size),
+            human(r.largest_hole),
+            r.fragmentation,
+            r.local_met * 100.0,
+            r.utilisation_at_1pct * 100.0,
+            r.decisions_per_second
+        );
+    }
+    println!("| LightPool's report: local-only | | | | | | | | about 40% | |");
+    println!("| LightPool's report: pooled | | | | | | | | about 65% | |");
+    println!(
+        "\nfragmentation: 1 - (largest free space on one node / all free space) at the first failure.\n\
+         local requests met: requests asking for local placement from nodes with disks that got it."
+    );
 }
