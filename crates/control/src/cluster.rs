@@ -132,8 +132,9 @@ impl Cluster {
             let entry = NodeEntry {
                 pools: record.pools.clone(),
                 record,
-                // A controller that just started gives every node a full timeout to report.
-                last_seen: now,
+                // Unhealthy until it is heard from, so that nothing is placed on a node
+                // that died while no controller was watching.
+                last_seen: now.checked_sub(cfg.node_timeout).unwrap_or(now),
                 usage: HashMap::new(),
                 desired_generation: 0,
                 applied_generation: 0,
