@@ -267,6 +267,7 @@ impl Cluster {
                 engine_name: format!("pv-{id}"),
                 state: VolumeState::Creating,
                 hosts: vec![],
+                readonly_hosts: vec![],
                 subsystem_nqn: format!("{VOLUME_NQN_PREFIX}{id}"),
                 uuid: String::new(),
                 nguid: String::new(),
@@ -418,10 +419,18 @@ impl Cluster {
             .collect()
     }
 
-    pub async fn attach(&self, volume: &str, host: &str) -> Result<proto::AttachResponse, Status> {
+    pub async fn attach(&self, volume: &str, host: &str, readonly: bool) -> Result<proto::AttachResponse, Status> {
         check_host_nqn(host).map_err(Status::invalid_argument)?;
         let _guard = self.volume_locks.lock(volume).await;
         let v = self.ready_volume(volume)?;
+        let attached_readonly = v.readonly_hosts.iter().any(|h| h == host);
+        if v.hosts.iter().any(|h| h == host) && attached_readonly != readonly {
+            return Err(Status::already_exists(format!(
+                "volume {volume} is attached to {host} {}; detach it first to attach it {}",
+                if attached_readonly { "read-only" } else { "read-write" },
+                if readonly { "read-only" } else { "read-write" }
+            )));
+        }
         let node_applied = {
             let st = self.state.lock().unwrap();
             st.nodes.get(&v.node).is_some_and(|n| n.applied_generation == n.desired_generation)
@@ -430,6 +439,9 @@ impl Cluster {
             let mut with = v.clone();
             if !with.hosts.iter().any(|h| h == host) {
                 with.hosts.push(host.to_string());
+                if readonly {
+                    with.readonly_hosts.push(host.to_string());
+                }
             }
             self.put_volume(&with).await?;
             let ok =
@@ -468,7 +480,11 @@ impl Cluster {
             return Ok(());
         };
         if v.hosts.iter().any(|h| h == host) {
-            let without = VolumeRecord { hosts: v.hosts.iter().filter(|h| *h != host).cloned().collect(), ..v.clone() };
+            let without = VolumeRecord {
+                hosts: v.hosts.iter().filter(|h| *h != host).cloned().collect(),
+                readonly_hosts: v.readonly_hosts.iter().filter(|h| *h != host).cloned().collect(),
+                ..v.clone()
+            };
             self.put_volume(&without).await?;
         }
         match self.apply_node(&v.node).await {
@@ -814,6 +830,7 @@ impl Cluster {
             }
             .into(),
             hosts: v.hosts.clone(),
+            readonly_hosts: v.readonly_hosts.clone(),
             subsystem_nqn: v.subsystem_nqn.clone(),
             uuid: v.uuid.clone(),
             nguid: v.nguid.clone(),

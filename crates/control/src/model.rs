@@ -70,6 +70,9 @@ pub struct VolumeRecord {
     pub engine_name: String,
     pub state: VolumeState,
     pub hosts: Vec<String>,
+    /// Those of `hosts` that attached read-only.
+    #[serde(default)]
+    pub readonly_hosts: Vec<String>,
     pub subsystem_nqn: String,
     pub uuid: String,
     pub nguid: String,

@@ -104,7 +104,7 @@ impl proto::controller_server::Controller for Service {
     }
 
     async fn attach(&self, r: Request<proto::AttachRequest>) -> Result<Response<proto::AttachResponse>, Status> {
-        self.with(async |c| c.attach(&r.get_ref().volume, &r.get_ref().host_nqn).await).await
+        self.with(async |c| c.attach(&r.get_ref().volume, &r.get_ref().host_nqn, r.get_ref().readonly).await).await
     }
 
     async fn detach(&self, r: Request<proto::DetachRequest>) -> Result<Response<proto::DetachResponse>, Status> {

@@ -47,6 +47,9 @@ pub enum Command {
         volume: String,
         /// The host's NQN (`cat /etc/nvme/hostnqn` on the host).
         host_nqn: String,
+        /// Record the attachment as read-only.
+        #[arg(long)]
+        readonly: bool,
         #[command(flatten)]
         api: Api,
     },
@@ -61,6 +64,8 @@ pub enum Command {
     },
     /// Replay a synthetic cluster through the scheduler and compare placement policies.
     Sim(SimArgs),
+    /// Serve the CSI driver (controller and/or node plugin) on a Unix socket.
+    Csi(CsiArgs),
     /// Show which controller leads and which store it uses.
     ClusterInfo {
         #[command(flatten)]
@@ -132,6 +137,28 @@ pub struct AgentArgs {
     /// Topology label KEY=VALUE (repeatable), e.g. zone=a.
     #[arg(long, value_parser = parse_label)]
     label: Vec<(String, String)>,
+}
+
+#[derive(Args)]
+pub struct CsiArgs {
+    /// The CSI socket: unix:///path or a path.
+    #[arg(long, default_value = "unix:///csi/csi.sock")]
+    endpoint: String,
+    /// Which services to serve: controller, node or all.
+    #[arg(long, default_value = "all", value_parser = ["controller", "node", "all"])]
+    mode: String,
+    /// nvpool controller addresses, HOST:PORT[,HOST:PORT...] (controller plugin).
+    #[arg(long, env = "NVPOOL_CONTROLLER", default_value = "127.0.0.1:9400")]
+    controller: String,
+    /// This node's name, its topology (default: the host name).
+    #[arg(long)]
+    node_name: Option<String>,
+    /// This host's NQN, the CSI node ID (default: /etc/nvme/hostnqn).
+    #[arg(long)]
+    host_nqn: Option<String>,
+    /// Where the node plugin records staged volumes.
+    #[arg(long, default_value = "/var/lib/nvpool/csi")]
+    state_dir: PathBuf,
 }
 
 #[derive(Args)]
@@ -308,9 +335,9 @@ pub fn run(cmd: Command) -> Result<(), String> {
             Ok(())
         }),
         Command::Volume { verb, api } => rt.block_on(volume(verb, api)),
-        Command::Attach { volume, host_nqn, api } => rt.block_on(async {
+        Command::Attach { volume, host_nqn, readonly, api } => rt.block_on(async {
             let c = Controllers::new(&api.controller)?;
-            let req = proto::AttachRequest { volume: volume.clone(), host_nqn: host_nqn.clone() };
+            let req = proto::AttachRequest { volume: volume.clone(), host_nqn: host_nqn.clone(), readonly };
             let r = c.call(async |mut c| c.attach(req.clone()).await).await.map_err(status)?;
             let paths: Vec<serde_json::Value> = r
                 .paths
@@ -338,6 +365,22 @@ pub fn run(cmd: Command) -> Result<(), String> {
             print_or(&api, &serde_json::json!({}), || format!("{host_nqn} detached from volume {volume}"));
             Ok(())
         }),
+        Command::Csi(a) => {
+            let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
+            let args = nvpool_csi::CsiArgs {
+                endpoint: a.endpoint,
+                mode: match a.mode.as_str() {
+                    "controller" => nvpool_csi::Mode::Controller,
+                    "node" => nvpool_csi::Mode::Node,
+                    _ => nvpool_csi::Mode::All,
+                },
+                controllers: a.controller,
+                node_name: a.node_name.unwrap_or_else(|| read("/etc/hostname")),
+                host_nqn: a.host_nqn.unwrap_or_else(|| read("/etc/nvme/hostnqn")),
+                state_dir: a.state_dir,
+            };
+            rt.block_on(nvpool_csi::run(args))
+        }
         Command::Sim(a) => {
             run_sim(a);
             Ok(())

@@ -173,7 +173,7 @@ async fn three_nodes_place_survive_restarts_and_reconcile() {
 
     // Attach one volume and check the engine's allow-list.
     let target = before.iter().find(|v| v.node == "n2").unwrap().clone();
-    let attach = proto::AttachRequest { volume: target.name.clone(), host_nqn: HOST.into() };
+    let attach = proto::AttachRequest { volume: target.name.clone(), host_nqn: HOST.into(), readonly: false };
     let a = c.call(async |mut c| c.attach(attach.clone()).await).await.unwrap();
     assert_eq!(a.paths.len(), 1);
     assert_eq!((a.paths[0].address.as_str(), a.paths[0].port), ("127.0.0.1", u32::from(nodes_[1].nvme_port)));
@@ -212,7 +212,12 @@ async fn three_nodes_place_survive_restarts_and_reconcile() {
     // Attaching to a volume on the dead node fails cleanly.
     let e = c
         .call(async |mut c| {
-            c.attach(proto::AttachRequest { volume: target.name.clone(), host_nqn: format!("{HOST}-2") }).await
+            c.attach(proto::AttachRequest {
+                volume: target.name.clone(),
+                host_nqn: format!("{HOST}-2"),
+                readonly: false,
+            })
+            .await
         })
         .await
         .unwrap_err();
@@ -310,7 +315,8 @@ async fn bad_input_gets_clear_errors_and_leaves_nothing_behind() {
     assert_eq!(e.code(), Code::NotFound);
     let e = c
         .call(async |mut c| {
-            c.attach(proto::AttachRequest { volume: "dup".into(), host_nqn: "not-an-nqn".into() }).await
+            c.attach(proto::AttachRequest { volume: "dup".into(), host_nqn: "not-an-nqn".into(), readonly: false })
+                .await
         })
         .await
         .unwrap_err();

@@ -1,0 +1,455 @@
+//! The CSI Identity and Controller services. The Controller service turns CSI calls
+//! into calls on the nvpool controller: a CSI volume is an nvpool volume of the same
+//! name (the volume ID is that name), and a CSI node ID is the node's host NQN, so
+//! that publishing a volume to a node is attaching it to that host.
+
+use crate::csi::{self, controller_server::Controller, identity_server::Identity};
+use crate::{PLUGIN_NAME, TOPOLOGY_NODE_KEY, capability_error, not_found_or};
+use nvpool_control::client::Controllers;
+use nvpool_control::proto;
+use std::collections::HashMap;
+use std::sync::Arc;
+use tonic::{Request, Response, Status};
+
+/// Size of a volume created without a capacity range.
+const DEFAULT_SIZE: i64 = 1 << 30;
+/// Sizes are whole 4 KiB blocks.
+const BLOCK: i64 = 4096;
+/// ListVolumes tokens name the last volume of the previous page.
+const TOKEN_PREFIX: &str = "after:";
+
+pub struct IdentityService {
+    /// With no controller to reach (a node-only plugin), Probe only says the plugin runs.
+    pub controllers: Option<Arc<Controllers>>,
+}
+
+#[tonic::async_trait]
+impl Identity for IdentityService {
+    async fn get_plugin_info(
+        &self,
+        _: Request<csi::GetPluginInfoRequest>,
+    ) -> Result<Response<csi::GetPluginInfoResponse>, Status> {
+        Ok(Response::new(csi::GetPluginInfoResponse {
+            name: PLUGIN_NAME.into(),
+            vendor_version: env!("CARGO_PKG_VERSION").into(),
+            manifest: HashMap::new(),
+        }))
+    }
+
+    async fn get_plugin_capabilities(
+        &self,
+        _: Request<csi::GetPluginCapabilitiesRequest>,
+    ) -> Result<Response<csi::GetPluginCapabilitiesResponse>, Status> {
+        use csi::plugin_capability::{Service, Type, VolumeExpansion, service, volume_expansion};
+        let service =
+            |t: service::Type| csi::PluginCapability { r#type: Some(Type::Service(Service { r#type: t as i32 })) };
+        let mut capabilities = vec![service(service::Type::VolumeAccessibilityConstraints)];
+        if self.controllers.is_some() {
+            capabilities.push(service(service::Type::ControllerService));
+        }
+        capabilities.push(csi::PluginCapability {
+            r#type: Some(Type::VolumeExpansion(VolumeExpansion { r#type: volume_expansion::Type::Online as i32 })),
+        });
+        Ok(Response::new(csi::GetPluginCapabilitiesResponse { capabilities }))
+    }
+
+    async fn probe(&self, _: Request<csi::ProbeRequest>) -> Result<Response<csi::ProbeResponse>, Status> {
+        if let Some(c) = &self.controllers {
+            c.call(async |mut c| c.cluster_info(proto::ClusterInfoRequest {}).await).await?;
+        }
+        Ok(Response::new(csi::ProbeResponse { ready: Some(true) }))
+    }
+}
+
+pub struct ControllerService {
+    pub controllers: Arc<Controllers>,
+}
+
+fn required<'a>(value: &'a str, what: &str) -> Result<&'a str, Status> {
+    if value.is_empty() { Err(Status::invalid_argument(format!("{what} is required"))) } else { Ok(value) }
+}
+
+/// The size to create: the required bytes rounded up to whole blocks, within the limit.
+fn size_from(range: Option<&csi::CapacityRange>) -> Result<u64, Status> {
+    let (required, limit) = range.map_or((0, 0), |r| (r.required_bytes, r.limit_bytes));
+    if required < 0 || limit < 0 {
+        return Err(Status::invalid_argument("capacity_range bytes must not be negative"));
+    }
+    if limit > 0 && required > limit {
+        return Err(Status::invalid_argument(format!("required_bytes {required} is more than limit_bytes {limit}")));
+    }
+    let wanted = if required > 0 {
+        required
+    } else if limit > 0 {
+        limit.min(DEFAULT_SIZE)
+    } else {
+        DEFAULT_SIZE
+    };
+    let size = (wanted as u64).div_ceil(BLOCK as u64) as i64 * BLOCK;
+    if limit > 0 && size > limit {
+        return Err(Status::out_of_range(format!(
+            "volumes are whole 4096-byte blocks; none lies between {required} and {limit} bytes"
+        )));
+    }
+    Ok(size as u64)
+}
+
+fn csi_volume(v: &proto::Volume) -> csi::Volume {
+    csi::Volume {
+        capacity_bytes: v.size_bytes as i64,
+        volume_id: v.name.clone(),
+        volume_context: HashMap::from([("uuid".to_string(), v.uuid.clone()), ("node".to_string(), v.node.clone())]),
+        content_source: None,
+        // Every node reaches every volume over NVMe/TCP, so no topology restricts use.
+        accessible_topology: vec![],
+    }
+}
+
+/// The single-node access modes; the others need several hosts on one volume.
+fn single_node(c: &csi::VolumeCapability) -> bool {
+    use csi::volume_capability::access_mode::Mode;
+    let mode = c.access_mode.as_ref().map_or(0, |m| m.mode);
+    matches!(
+        Mode::try_from(mode),
+        Ok(Mode::SingleNodeWriter
+            | Mode::SingleNodeReaderOnly
+            | Mode::SingleNodeSingleWriter
+            | Mode::SingleNodeMultiWriter)
+    )
+}
+
+/// Host NQNs are CSI node IDs; anything else names no node.
+fn host_of(node_id: &str) -> Result<&str, Status> {
+    let node_id = required(node_id, "node_id")?;
+    if node_id.starts_with("nqn.") {
+        Ok(node_id)
+    } else {
+        Err(Status::not_found(format!(
+            "node {node_id:?} is not an nvpool CSI node: node IDs are host NQNs (NodeGetInfo reports them)"
+        )))
+    }
+}
+
+impl ControllerService {
+    async fn volume(&self, name: &str) -> Result<proto::Volume, Status> {
+        let req = proto::VolumeName { name: name.to_string() };
+        self.controllers.call(async |mut c| c.get_volume(req.clone()).await).await
+    }
+
+    /// Maps CSI topology to the scheduler's request: the preferred node becomes a
+    /// local preference, requisite nodes the include list. Topology naming nodes nvpool
+    /// does not know (say, a node without disks or agent) is a preference it cannot use.
+    async fn placement(
+        &self,
+        req: &csi::CreateVolumeRequest,
+        out: &mut proto::CreateVolumeRequest,
+    ) -> Result<(), Status> {
+        let Some(t) = &req.accessibility_requirements else { return Ok(()) };
+        let known: Vec<String> = self
+            .controllers
+            .call(async |mut c| c.list_nodes(proto::ListNodesRequest {}).await)
+            .await?
+            .nodes
+            .into_iter()
+            .map(|n| n.name)
+            .collect();
+        let node_of = |t: &csi::Topology| t.segments.get(TOPOLOGY_NODE_KEY).filter(|n| known.contains(n)).cloned();
+        if let Some(preferred) = t.preferred.iter().find_map(node_of) {
+            out.host_node = preferred;
+            out.locality = proto::Locality::Local as i32;
+        }
+        let requisite: Vec<String> = t.requisite.iter().filter_map(node_of).collect();
+        if !requisite.is_empty() {
+            out.include_nodes = requisite;
+        }
+        Ok(())
+    }
+}
+
+#[tonic::async_trait]
+impl Controller for ControllerService {
+    async fn create_volume(
+        &self,
+        r: Request<csi::CreateVolumeRequest>,
+    ) -> Result<Response<csi::CreateVolumeResponse>, Status> {
+        let req = r.into_inner();
+        let name = required(&req.name, "name")?;
+        if req.volume_capabilities.is_empty() {
+            return Err(Status::invalid_argument("volume_capabilities are required"));
+        }
+        for c in &req.volume_capabilities {
+            capability_error(c).map_or(Ok(()), |e| Err(Status::invalid_argument(e)))?;
+        }
+        if req.volume_content_source.is_some() {
+            return Err(Status::invalid_argument("nvpool does not create volumes from snapshots or other volumes yet"));
+        }
+        let thin = match req.parameters.get("thin").map(String::as_str) {
+            None | Some("false") => false,
+            Some("true") => true,
+            Some(other) => {
+                return Err(Status::invalid_argument(format!("parameter thin={other:?}: use true or false")));
+            }
+        };
+        if let Some(unknown) = req.parameters.keys().find(|k| !k.starts_with("csi.storage.k8s.io/") && *k != "thin") {
+            return Err(Status::invalid_argument(format!(
+                "unknown parameter {unknown:?}: nvpool takes thin=true|false"
+            )));
+        }
+        let mut create = proto::CreateVolumeRequest {
+            name: name.to_string(),
+            size_bytes: size_from(req.capacity_range.as_ref())?,
+            thin,
+            ..Default::default()
+        };
+        self.placement(&req, &mut create).await?;
+        let created = self.controllers.call(async |mut c| c.create_volume(create.clone()).await).await;
+        let v = match created {
+            Ok(r) => r.volume.unwrap_or_default(),
+            // The same name with another size is the CO's mistake; say so in CSI's terms.
+            Err(e) if e.code() == tonic::Code::AlreadyExists => return Err(e),
+            Err(e) if e.code() == tonic::Code::ResourceExhausted => {
+                return Err(Status::resource_exhausted(e.message()));
+            }
+            Err(e) => return Err(e),
+        };
+        Ok(Response::new(csi::CreateVolumeResponse { volume: Some(csi_volume(&v)) }))
+    }
+
+    async fn delete_volume(
+        &self,
+        r: Request<csi::DeleteVolumeRequest>,
+    ) -> Result<Response<csi::DeleteVolumeResponse>, Status> {
+        let req = proto::VolumeName { name: required(&r.get_ref().volume_id, "volume_id")?.to_string() };
+        self.controllers.call(async |mut c| c.delete_volume(req.clone()).await).await?;
+        Ok(Response::new(csi::DeleteVolumeResponse {}))
+    }
+
+    async fn controller_publish_volume(
+        &self,
+        r: Request<csi::ControllerPublishVolumeRequest>,
+    ) -> Result<Response<csi::ControllerPublishVolumeResponse>, Status> {
+        let req = r.into_inner();
+        let volume = required(&req.volume_id, "volume_id")?;
+        required(&req.node_id, "node_id")?;
+        let capability =
+            req.volume_capability.as_ref().ok_or_else(|| Status::invalid_argument("volume_capability is required"))?;
+        capability_error(capability).map_or(Ok(()), |e| Err(Status::invalid_argument(e)))?;
+        let v = self.volume(volume).await?;
+        let host = host_of(&req.node_id)?;
+        if single_node(capability) && v.hosts.iter().any(|h| h != host) {
+            return Err(Status::failed_precondition(format!(
+                "volume {volume} is published to {} and its access mode allows one node",
+                v.hosts.join(", ")
+            )));
+        }
+        let attach =
+            proto::AttachRequest { volume: volume.to_string(), host_nqn: host.to_string(), readonly: req.readonly };
+        let a = self.controllers.call(async |mut c| c.attach(attach.clone()).await).await?;
+        let paths: Vec<String> =
+            a.paths.iter().map(|p| format!("{},{},{},{}", p.transport, p.address, p.port, p.ana_state)).collect();
+        Ok(Response::new(csi::ControllerPublishVolumeResponse {
+            publish_context: HashMap::from([
+                ("nqn".to_string(), a.subsystem_nqn),
+                ("nsid".to_string(), a.nsid.to_string()),
+                ("uuid".to_string(), a.uuid),
+                ("paths".to_string(), paths.join(";")),
+            ]),
+        }))
+    }
+
+    async fn controller_unpublish_volume(
+        &self,
+        r: Request<csi::ControllerUnpublishVolumeRequest>,
+    ) -> Result<Response<csi::ControllerUnpublishVolumeResponse>, Status> {
+        let req = r.into_inner();
+        let volume = required(&req.volume_id, "volume_id")?;
+        // An empty node ID means every node; a node that is not a host NQN was never published.
+        let hosts: Vec<String> = if req.node_id.is_empty() {
+            match self.volume(volume).await {
+                Ok(v) => v.hosts,
+                Err(e) if e.code() == tonic::Code::NotFound => vec![],
+                Err(e) => return Err(e),
+            }
+        } else if req.node_id.starts_with("nqn.") {
+            vec![req.node_id.clone()]
+        } else {
+            vec![]
+        };
+        for host in hosts {
+            let detach = proto::DetachRequest { volume: volume.to_string(), host_nqn: host };
+            self.controllers.call(async |mut c| c.detach(detach.clone()).await).await?;
+        }
+        Ok(Response::new(csi::ControllerUnpublishVolumeResponse {}))
+    }
+
+    async fn validate_volume_capabilities(
+        &self,
+        r: Request<csi::ValidateVolumeCapabilitiesRequest>,
+    ) -> Result<Response<csi::ValidateVolumeCapabilitiesResponse>, Status> {
+        let req = r.into_inner();
+        let volume = required(&req.volume_id, "volume_id")?;
+        if req.volume_capabilities.is_empty() {
+            return Err(Status::invalid_argument("volume_capabilities are required"));
+        }
+        self.volume(volume).await?;
+        let unsupported: Vec<String> = req.volume_capabilities.iter().filter_map(capability_error).collect();
+        Ok(Response::new(if unsupported.is_empty() {
+            csi::ValidateVolumeCapabilitiesResponse {
+                confirmed: Some(csi::validate_volume_capabilities_response::Confirmed {
+                    volume_context: req.volume_context,
+                    volume_capabilities: req.volume_capabilities,
+                    parameters: req.parameters,
+                    mutable_parameters: req.mutable_parameters,
+                }),
+                message: String::new(),
+            }
+        } else {
+            csi::ValidateVolumeCapabilitiesResponse { confirmed: None, message: unsupported.join("; ") }
+        }))
+    }
+
+    async fn list_volumes(
+        &self,
+        r: Request<csi::ListVolumesRequest>,
+    ) -> Result<Response<csi::ListVolumesResponse>, Status> {
+        let req = r.into_inner();
+        if req.max_entries < 0 {
+            return Err(Status::invalid_argument("max_entries must not be negative"));
+        }
+        let after = if req.starting_token.is_empty() {
+            None
+        } else {
+            Some(req.starting_token.strip_prefix(TOKEN_PREFIX).ok_or_else(|| {
+                Status::aborted(format!("starting_token {:?} was not made by this plugin", req.starting_token))
+            })?)
+        };
+        let list = proto::ListVolumesRequest::default();
+        let mut volumes = self.controllers.call(async |mut c| c.list_volumes(list.clone()).await).await?.volumes;
+        volumes.sort_by(|a, b| a.name.cmp(&b.name));
+        let rest: Vec<&proto::Volume> = volumes.iter().filter(|v| after.is_none_or(|a| v.name.as_str() > a)).collect();
+        let take = if req.max_entries == 0 { rest.len() } else { (req.max_entries as usize).min(rest.len()) };
+        let next_token =
+            if take < rest.len() { format!("{TOKEN_PREFIX}{}", rest[take - 1].name) } else { String::new() };
+        let entries = rest[..take]
+            .iter()
+            .map(|v| csi::list_volumes_response::Entry {
+                volume: Some(csi_volume(v)),
+                status: Some(csi::list_volumes_response::VolumeStatus {
+                    published_node_ids: v.hosts.clone(),
+                    volume_condition: None,
+                }),
+            })
+            .collect();
+        Ok(Response::new(csi::ListVolumesResponse { entries, next_token }))
+    }
+
+    async fn get_capacity(
+        &self,
+        r: Request<csi::GetCapacityRequest>,
+    ) -> Result<Response<csi::GetCapacityResponse>, Status> {
+        let req = r.into_inner();
+        let node = req.accessible_topology.as_ref().and_then(|t| t.segments.get(TOPOLOGY_NODE_KEY)).cloned();
+        let nodes = self.controllers.call(async |mut c| c.list_nodes(proto::ListNodesRequest {}).await).await?.nodes;
+        let pools = self.controllers.call(async |mut c| c.list_pools(proto::ListPoolsRequest {}).await).await?.pools;
+        let healthy = |name: &str| nodes.iter().any(|n| n.name == name && n.healthy);
+        let free = pools
+            .iter()
+            .filter(|p| healthy(&p.node) && node.as_ref().is_none_or(|n| *n == p.node))
+            .map(|p| p.pool.as_ref().map_or(0, |r| r.capacity_bytes.saturating_sub(p.committed_bytes)));
+        let (total, largest) = free.fold((0u64, 0u64), |(t, l), f| (t + f, l.max(f)));
+        Ok(Response::new(csi::GetCapacityResponse {
+            available_capacity: total as i64,
+            // A volume lives in one pool, so the largest free space bounds it.
+            maximum_volume_size: Some(largest as i64),
+            minimum_volume_size: Some(BLOCK),
+        }))
+    }
+
+    async fn controller_get_capabilities(
+        &self,
+        _: Request<csi::ControllerGetCapabilitiesRequest>,
+    ) -> Result<Response<csi::ControllerGetCapabilitiesResponse>, Status> {
+        use csi::controller_service_capability::{Rpc, Type, rpc::Type as R};
+        let capabilities = [
+            R::CreateDeleteVolume,
+            R::PublishUnpublishVolume,
+            R::ListVolumes,
+            R::ListVolumesPublishedNodes,
+            R::GetCapacity,
+            R::ExpandVolume,
+            R::PublishReadonly,
+        ]
+        .into_iter()
+        .map(|t| csi::ControllerServiceCapability { r#type: Some(Type::Rpc(Rpc { r#type: t as i32 })) })
+        .collect();
+        Ok(Response::new(csi::ControllerGetCapabilitiesResponse { capabilities }))
+    }
+
+    async fn controller_expand_volume(
+        &self,
+        r: Request<csi::ControllerExpandVolumeRequest>,
+    ) -> Result<Response<csi::ControllerExpandVolumeResponse>, Status> {
+        let req = r.into_inner();
+        let volume = required(&req.volume_id, "volume_id")?;
+        let range =
+            req.capacity_range.as_ref().ok_or_else(|| Status::invalid_argument("capacity_range is required"))?;
+        let size = size_from(Some(range))?;
+        let resize = proto::ResizeVolumeRequest { name: volume.to_string(), size_bytes: size };
+        let v = self
+            .controllers
+            .call(async |mut c| c.resize_volume(resize.clone()).await)
+            .await
+            .map_err(|e| not_found_or(e, volume))?;
+        let block = req
+            .volume_capability
+            .as_ref()
+            .is_some_and(|c| matches!(c.access_type, Some(csi::volume_capability::AccessType::Block(_))));
+        Ok(Response::new(csi::ControllerExpandVolumeResponse {
+            capacity_bytes: v.size_bytes as i64,
+            // A filesystem must grow on the node too; a raw block device needs nothing.
+            node_expansion_required: !block,
+        }))
+    }
+
+    async fn create_snapshot(
+        &self,
+        _: Request<csi::CreateSnapshotRequest>,
+    ) -> Result<Response<csi::CreateSnapshotResponse>, Status> {
+        Err(Status::unimplemented("nvpool has no snapshots yet"))
+    }
+
+    async fn delete_snapshot(
+        &self,
+        _: Request<csi::DeleteSnapshotRequest>,
+    ) -> Result<Response<csi::DeleteSnapshotResponse>, Status> {
+        Err(Status::unimplemented("nvpool has no snapshots yet"))
+    }
+
+    async fn list_snapshots(
+        &self,
+        _: Request<csi::ListSnapshotsRequest>,
+    ) -> Result<Response<csi::ListSnapshotsResponse>, Status> {
+        Err(Status::unimplemented("nvpool has no snapshots yet"))
+    }
+
+    async fn get_snapshot(
+        &self,
+        _: Request<csi::GetSnapshotRequest>,
+    ) -> Result<Response<csi::GetSnapshotResponse>, Status> {
+        Err(Status::unimplemented("nvpool has no snapshots yet"))
+    }
+
+    async fn controller_get_volume(
+        &self,
+        _: Request<csi::ControllerGetVolumeRequest>,
+    ) -> Result<Response<csi::ControllerGetVolumeResponse>, Status> {
+        Err(Status::unimplemented("ControllerGetVolume is not offered (no GET_VOLUME capability)"))
+    }
+
+    async fn controller_modify_volume(
+        &self,
+        _: Request<csi::ControllerModifyVolumeRequest>,
+    ) -> Result<Response<csi::ControllerModifyVolumeResponse>, Status> {
+        Err(Status::unimplemented("ControllerModifyVolume is not offered (no MODIFY_VOLUME capability)"))
+    }
+}

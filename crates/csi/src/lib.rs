@@ -1,0 +1,111 @@
+//! `nvpool csi`: nvpool's CSI driver (CSI v1.12.0). The Controller service calls the
+//! nvpool controller; the Node service attaches volumes with the kernel's NVMe/TCP
+//! host. One process can serve either or both on one Unix socket.
+
+mod controller;
+mod fsinfo;
+mod node;
+
+use nvpool_control::client::Controllers;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// The generated CSI types and services (`proto/csi.proto`).
+#[allow(clippy::all, missing_docs)]
+pub mod csi {
+    tonic::include_proto!("csi.v1");
+}
+
+/// The driver's name, as StorageClasses and CSIDriver objects give it.
+pub const PLUGIN_NAME: &str = "csi.nvpool.io";
+/// The topology key: the nvpool node a CSI node is.
+pub const TOPOLOGY_NODE_KEY: &str = "topology.nvpool.io/node";
+
+/// Why a capability is not supported, if it is not.
+fn capability_error(c: &csi::VolumeCapability) -> Option<String> {
+    use csi::volume_capability::{AccessType, access_mode::Mode};
+    let mode = c.access_mode.as_ref().map(|m| m.mode).and_then(|m| Mode::try_from(m).ok());
+    let block = matches!(c.access_type, Some(AccessType::Block(_)));
+    match (&c.access_type, mode) {
+        (None, _) => Some("a volume capability needs an access type (block or mount)".into()),
+        (_, None | Some(Mode::Unknown)) => Some("a volume capability needs an access mode".into()),
+        (Some(AccessType::Mount(m)), _) if !["", "ext4", "xfs"].contains(&m.fs_type.as_str()) => {
+            Some(format!("filesystem {:?} is not supported: use ext4 or xfs", m.fs_type))
+        }
+        // A filesystem mounted on several nodes at once would be corrupted; raw block
+        // devices shared between nodes are the application's business.
+        (_, Some(Mode::MultiNodeSingleWriter | Mode::MultiNodeMultiWriter)) if !block => {
+            Some("a filesystem volume can be written from one node only; use block access to share it".into())
+        }
+        _ => None,
+    }
+}
+
+/// Keeps NotFound from the controller (with the volume named); other errors as they are.
+fn not_found_or(e: tonic::Status, volume: &str) -> tonic::Status {
+    if e.code() == tonic::Code::NotFound {
+        tonic::Status::not_found(format!("volume {volume} does not exist"))
+    } else {
+        e
+    }
+}
+
+/// Which services to serve.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Controller,
+    Node,
+    All,
+}
+
+pub struct CsiArgs {
+    /// `unix:///path`, `unix:/path` or a path.
+    pub endpoint: String,
+    pub mode: Mode,
+    /// nvpool controller addresses (needed by the Controller service).
+    pub controllers: String,
+    pub node_name: String,
+    pub host_nqn: String,
+    pub state_dir: PathBuf,
+}
+
+/// Serves until the process ends.
+pub async fn run(args: CsiArgs) -> Result<(), String> {
+    let path = args.endpoint.trim_start_matches("unix://").trim_start_matches("unix:").to_string();
+    if path.is_empty() {
+        return Err("--endpoint needs a Unix socket path, e.g. unix:///csi/csi.sock".into());
+    }
+    let _ = std::fs::remove_file(&path);
+    if let Some(dir) = std::path::Path::new(&path).parent() {
+        std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    }
+    let listener = tokio::net::UnixListener::bind(&path).map_err(|e| format!("cannot listen on {path}: {e}"))?;
+    let serves_controller = args.mode != Mode::Node;
+    let controllers = if serves_controller { Some(Arc::new(Controllers::new(&args.controllers)?)) } else { None };
+    let mut router = tonic::transport::Server::builder().add_service(csi::identity_server::IdentityServer::new(
+        controller::IdentityService { controllers: controllers.clone() },
+    ));
+    if let Some(c) = controllers {
+        router = router.add_service(csi::controller_server::ControllerServer::new(controller::ControllerService {
+            controllers: c,
+        }));
+    }
+    if args.mode != Mode::Controller {
+        if !args.host_nqn.starts_with("nqn.") {
+            return Err(format!(
+                "host NQN {:?} is not an NQN: pass --host-nqn, or create /etc/nvme/hostnqn (nvme gen-hostnqn)",
+                args.host_nqn
+            ));
+        }
+        router = router.add_service(csi::node_server::NodeServer::new(node::NodeService {
+            node_name: args.node_name,
+            host_nqn: args.host_nqn,
+            state_dir: args.state_dir,
+        }));
+    }
+    eprintln!("nvpool csi ({:?}) serving {PLUGIN_NAME} on {path}", args.mode);
+    router
+        .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener))
+        .await
+        .map_err(|e| format!("CSI server failed: {e}"))
+}
