@@ -4,7 +4,7 @@
 //! that publishing a volume to a node is attaching it to that host.
 
 use crate::csi::{self, controller_server::Controller, identity_server::Identity};
-use crate::{PLUGIN_NAME, TOPOLOGY_NODE_KEY, capability_error, not_found_or};
+use crate::{PLUGIN_NAME, TOPOLOGY_NODE_KEY, capability_error, not_found_or, required};
 use nvpool_control::client::Controllers;
 use nvpool_control::proto;
 use std::collections::HashMap;
@@ -63,10 +63,6 @@ impl Identity for IdentityService {
 
 pub struct ControllerService {
     pub controllers: Arc<Controllers>,
-}
-
-fn required<'a>(value: &'a str, what: &str) -> Result<&'a str, Status> {
-    if value.is_empty() { Err(Status::invalid_argument(format!("{what} is required"))) } else { Ok(value) }
 }
 
 /// The size to create: the required bytes rounded up to whole blocks, within the limit.

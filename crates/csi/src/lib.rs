@@ -41,6 +41,11 @@ fn capability_error(c: &csi::VolumeCapability) -> Option<String> {
     }
 }
 
+/// A field CSI requires: INVALID_ARGUMENT when empty.
+fn required<'a>(value: &'a str, what: &str) -> Result<&'a str, tonic::Status> {
+    if value.is_empty() { Err(tonic::Status::invalid_argument(format!("{what} is required"))) } else { Ok(value) }
+}
+
 /// Keeps NotFound from the controller (with the volume named); other errors as they are.
 fn not_found_or(e: tonic::Status, volume: &str) -> tonic::Status {
     if e.code() == tonic::Code::NotFound {

@@ -5,7 +5,7 @@
 //! volume, so that unstaging works after a plugin restart.
 
 use crate::csi::{self, node_server::Node, volume_capability::AccessType};
-use crate::{TOPOLOGY_NODE_KEY, capability_error, fsinfo};
+use crate::{TOPOLOGY_NODE_KEY, capability_error, fsinfo, required};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -24,10 +24,6 @@ pub struct NodeService {
 struct Staged {
     nqn: String,
     device: String,
-}
-
-fn required<'a>(value: &'a str, what: &str) -> Result<&'a str, Status> {
-    if value.is_empty() { Err(Status::invalid_argument(format!("{what} is required"))) } else { Ok(value) }
 }
 
 /// Runs a command; its stderr becomes the error.

@@ -1,18 +1,5 @@
 # Guest side of cluster-e2e (busybox sh). Runs in /host, the shared output directory,
 # where the host wrote attach.env: NQN, ADDR, SVC and UUID from `nvpool attach`.
-step() { echo; echo "=== $*"; }
-fail() { echo "FAIL: $*"; dmesg | tail -30; exit 1; }
-wait_for() {   # wait_for SECONDS TEST...
-    n=$(( $1 * 10 )); shift
-    while [ $n -gt 0 ]; do "$@" && return 0; sleep 0.1; n=$((n - 1)); done
-    return 1
-}
-ctrl_of() {
-    for c in /sys/class/nvme/nvme*; do
-        [ "$(cat "$c/subsysnqn" 2>/dev/null)" = "$1" ] && [ "$(cat "$c/state")" = live ] && { basename "$c"; return 0; }
-    done
-    return 1
-}
 ask() {   # ask ACTION: the host performs it and answers with done-ACTION
     touch /host/req-$1
     wait_for 60 test -f /host/done-$1 || fail "the host did not $1"

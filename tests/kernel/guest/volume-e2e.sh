@@ -1,19 +1,6 @@
 # Guest side of volume-e2e (busybox sh). Runs in /host, the shared output directory.
 # Env: NQN, PORT. The engine is at 10.0.2.2.
 T=10.0.2.2
-step() { echo; echo "=== $*"; }
-fail() { echo "FAIL: $*"; dmesg | tail -30; exit 1; }
-wait_for() {   # wait_for SECONDS TEST...
-    n=$(( $1 * 10 )); shift
-    while [ $n -gt 0 ]; do "$@" && return 0; sleep 0.1; n=$((n - 1)); done
-    return 1
-}
-ctrl_of() {
-    for c in /sys/class/nvme/nvme*; do
-        [ "$(cat "$c/subsysnqn" 2>/dev/null)" = "$1" ] && [ "$(cat "$c/state")" = live ] && { basename "$c"; return 0; }
-    done
-    return 1
-}
 connect() {
     nvme connect -t tcp -a $T -s $PORT -n $NQN -i 2 || fail "nvme connect"
     wait_for 20 ctrl_of $NQN >/dev/null || fail "no live controller for $NQN"
