@@ -43,14 +43,14 @@ struct EngineCommand {
 /// Verbs that talk to one engine through its management socket.
 #[derive(Subcommand)]
 enum EngineVerb {
-    /// Manage subsystems of a the engine.
+    /// Manage subsystems of the engine.
     Subsystem {
         #[command(subcommand)]
         verb: SubsystemVerb,
         #[command(flatten)]
         api: Api,
     },
-    /// Manage namespaces of a the engine.
+    /// Manage namespaces of the engine.
     Namespace {
         #[command(subcommand)]
         verb: NamespaceVerb,
@@ -64,21 +64,21 @@ enum EngineVerb {
         #[command(flatten)]
         api: Api,
     },
-    /// Manage the listeners of a the engine.
+    /// Manage the listeners of the engine.
     Listener {
         #[command(subcommand)]
         verb: ListenerVerb,
         #[command(flatten)]
         api: Api,
     },
-    /// Manage disk pools of a the engine.
+    /// Manage disk pools of the engine.
     Pool {
         #[command(subcommand)]
         verb: PoolVerb,
         #[command(flatten)]
         api: Api,
     },
-    /// Manage volumes in the pools of a the engine.
+    /// Manage volumes in the pools of the engine.
     Volume {
         #[command(subcommand)]
         verb: VolumeVerb,
@@ -431,7 +431,7 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
             NamespaceVerb::Add { nqn, backend, nsid, block_size, uuid } => {
                 let p = json!({ "nqn": nqn, "namespace": { "nsid": nsid, "backend": backend, "block_size": block_size, "uuid": uuid } });
                 let r = mgmt::call(&api.socket, "namespace_add", p)?;
-                print_or(&api, &r, || format!("namespace {} added to {nqn}", r["nsid"]));
+                print_or(api.json, &r, || format!("namespace {} added to {nqn}", r["nsid"]));
                 Ok(())
             }
             NamespaceVerb::Remove { nqn, nsid } => done(
@@ -475,12 +475,12 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
             PoolVerb::Create { name, disks, cluster_size, force } => {
                 let p = json!({ "name": name, "disks": disks, "cluster_size": cluster_size, "force": force });
                 let r = mgmt::call(&api.socket, "pool_create", p)?;
-                print_or(&api, &r, || render(&pool_table(&json!([r.clone()]))));
+                print_or(api.json, &r, || render(&pool_table(&json!([r.clone()]))));
                 Ok(())
             }
             PoolVerb::Import { disks } => {
                 let r = mgmt::call(&api.socket, "pool_import", json!({ "disks": disks }))?;
-                print_or(&api, &r, || render(&pool_table(&json!([r.clone()]))));
+                print_or(api.json, &r, || render(&pool_table(&json!([r.clone()]))));
                 Ok(())
             }
             PoolVerb::Export { name } => {
@@ -498,7 +498,7 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
             VolumeVerb::Create { pool, name, size, thin } => {
                 let p = json!({ "pool": pool, "name": name, "size": size, "thin": thin });
                 let r = mgmt::call(&api.socket, "volume_create", p)?;
-                print_or(&api, &r, || render(&volume_table(&json!([r.clone()]))));
+                print_or(api.json, &r, || render(&volume_table(&json!([r.clone()]))));
                 Ok(())
             }
             VolumeVerb::Delete { pool, name } => done(
@@ -509,18 +509,18 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
             ),
             VolumeVerb::Resize { pool, name, size } => {
                 let r = mgmt::call(&api.socket, "volume_resize", json!({ "pool": pool, "name": name, "size": size }))?;
-                print_or(&api, &r, || render(&volume_table(&json!([r.clone()]))));
+                print_or(api.json, &r, || render(&volume_table(&json!([r.clone()]))));
                 Ok(())
             }
             VolumeVerb::Stats { pool, name } => {
                 let r = mgmt::call(&api.socket, "volume_get", json!({ "pool": pool, "name": name }))?;
-                print_or(&api, &r, || render(&volume_table(&json!([r.clone()]))));
+                print_or(api.json, &r, || render(&volume_table(&json!([r.clone()]))));
                 Ok(())
             }
             VolumeVerb::Dirty { pool, name, action } => {
                 let r =
                     mgmt::call(&api.socket, "volume_dirty", json!({ "pool": pool, "name": name, "action": action }))?;
-                print_or(&api, &r, || {
+                print_or(api.json, &r, || {
                     let clusters: Vec<String> =
                         r["clusters"].as_array().map(|a| a.iter().map(s).collect()).unwrap_or_default();
                     format!(
@@ -708,8 +708,9 @@ fn run_engine(a: EngineArgs) -> Result<(), String> {
     Ok(())
 }
 
-fn print_or(api: &Api, v: &Value, text: impl FnOnce() -> String) {
-    if api.json {
+/// Prints `v` as JSON when asked, else the text (a table or a message).
+pub(crate) fn print_or(json: bool, v: &Value, text: impl FnOnce() -> String) {
+    if json {
         println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
     } else {
         println!("{}", text());
@@ -718,13 +719,13 @@ fn print_or(api: &Api, v: &Value, text: impl FnOnce() -> String) {
 
 fn done(api: &Api, method: &str, params: Value, message: &str) -> Result<(), String> {
     let r = mgmt::call(&api.socket, method, params)?;
-    print_or(api, &r, || message.to_string());
+    print_or(api.json, &r, || message.to_string());
     Ok(())
 }
 
 fn show(api: &Api, method: &str, params: Value, table: fn(&Value) -> Vec<Vec<String>>) -> Result<(), String> {
     let r = mgmt::call(&api.socket, method, params)?;
-    print_or(api, &r, || render(&table(&r)));
+    print_or(api.json, &r, || render(&table(&r)));
     Ok(())
 }
 

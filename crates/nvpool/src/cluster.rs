@@ -1,7 +1,7 @@
 //! Command-line verbs of the control plane: running the controller and the agent, and
 //! managing nodes, pools, volumes and attachments through the controller.
 
-use crate::cli::{human, parse_span, render};
+use crate::cli::{human, parse_span, print_or, render};
 use clap::{Args, Subcommand};
 use nvpool_control::client::Controllers;
 use nvpool_control::cluster::ClusterConfig;
@@ -325,13 +325,13 @@ pub fn run(cmd: Command) -> Result<(), String> {
         Command::Node { verb: NodeVerb::List, api } => rt.block_on(async {
             let c = Controllers::new(&api.controller)?;
             let r = c.call(async |mut c| c.list_nodes(proto::ListNodesRequest {}).await).await.map_err(status)?;
-            print_or(&api, &nodes_json(&r.nodes), || render(&node_table(&r.nodes)));
+            print_or(api.json, &nodes_json(&r.nodes), || render(&node_table(&r.nodes)));
             Ok(())
         }),
         Command::Pool { verb: PoolVerb::List, api } => rt.block_on(async {
             let c = Controllers::new(&api.controller)?;
             let r = c.call(async |mut c| c.list_pools(proto::ListPoolsRequest {}).await).await.map_err(status)?;
-            print_or(&api, &pools_json(&r.pools), || render(&pool_table(&r.pools)));
+            print_or(api.json, &pools_json(&r.pools), || render(&pool_table(&r.pools)));
             Ok(())
         }),
         Command::Volume { verb, api } => rt.block_on(volume(verb, api)),
@@ -345,7 +345,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
                 .map(|p| serde_json::json!({ "node": p.node, "transport": p.transport, "address": p.address, "port": p.port, "ana_state": p.ana_state }))
                 .collect();
             let j = serde_json::json!({ "subsystem_nqn": r.subsystem_nqn, "nsid": r.nsid, "uuid": r.uuid, "nguid": r.nguid, "paths": paths });
-            print_or(&api, &j, || {
+            print_or(api.json, &j, || {
                 let mut out = format!("volume {volume} is attached to {host_nqn}: namespace {} of {}, uuid {}\n", r.nsid, r.subsystem_nqn, r.uuid);
                 out += "connect from the host with:\n";
                 for p in &r.paths {
@@ -362,7 +362,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
             let c = Controllers::new(&api.controller)?;
             let req = proto::DetachRequest { volume: volume.clone(), host_nqn: host_nqn.clone() };
             c.call(async |mut c| c.detach(req.clone()).await).await.map_err(status)?;
-            print_or(&api, &serde_json::json!({}), || format!("{host_nqn} detached from volume {volume}"));
+            print_or(api.json, &serde_json::json!({}), || format!("{host_nqn} detached from volume {volume}"));
             Ok(())
         }),
         Command::Csi(a) => {
@@ -389,7 +389,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
             let c = Controllers::new(&api.controller)?;
             let r = c.call(async |mut c| c.cluster_info(proto::ClusterInfoRequest {}).await).await.map_err(status)?;
             let j = serde_json::json!({ "cluster_id": r.cluster_id, "controller_id": r.controller_id, "leader": r.leader, "leader_address": r.leader_address, "store": r.store });
-            print_or(&api, &j, || {
+            print_or(api.json, &j, || {
                 format!(
                     "cluster {}\ncontroller {} ({})\nleader at {}\nstore {}",
                     r.cluster_id,
@@ -428,7 +428,7 @@ async fn volume(verb: VolumeVerb, api: Api) -> Result<(), String> {
             if explain {
                 j["scores"] = scores_json(&r.scores);
             }
-            print_or(&api, &j, || {
+            print_or(api.json, &j, || {
                 let mut out = render(&volume_table(std::slice::from_ref(&v)));
                 if r.existed {
                     out += "\n(the volume already existed with these parameters)";
@@ -448,34 +448,26 @@ async fn volume(verb: VolumeVerb, api: Api) -> Result<(), String> {
             } else {
                 format!("no volume {name}; nothing to delete")
             };
-            print_or(&api, &serde_json::json!({ "deleted": r.deleted }), || msg);
+            print_or(api.json, &serde_json::json!({ "deleted": r.deleted }), || msg);
         }
         VolumeVerb::Resize { name, size } => {
             let req = proto::ResizeVolumeRequest { name, size_bytes: size };
             let v = c.call(async |mut c| c.resize_volume(req.clone()).await).await.map_err(status)?;
-            print_or(&api, &volume_json(&v), || render(&volume_table(std::slice::from_ref(&v))));
+            print_or(api.json, &volume_json(&v), || render(&volume_table(std::slice::from_ref(&v))));
         }
         VolumeVerb::Get { name } => {
             let req = proto::VolumeName { name };
             let v = c.call(async |mut c| c.get_volume(req.clone()).await).await.map_err(status)?;
-            print_or(&api, &volume_json(&v), || render(&volume_table(std::slice::from_ref(&v))));
+            print_or(api.json, &volume_json(&v), || render(&volume_table(std::slice::from_ref(&v))));
         }
         VolumeVerb::List { node } => {
             let req = proto::ListVolumesRequest { node };
             let r = c.call(async |mut c| c.list_volumes(req.clone()).await).await.map_err(status)?;
             let j = serde_json::Value::Array(r.volumes.iter().map(volume_json).collect());
-            print_or(&api, &j, || render(&volume_table(&r.volumes)));
+            print_or(api.json, &j, || render(&volume_table(&r.volumes)));
         }
     }
     Ok(())
-}
-
-fn print_or(api: &Api, v: &serde_json::Value, text: impl FnOnce() -> String) {
-    if api.json {
-        println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
-    } else {
-        println!("{}", text());
-    }
 }
 
 fn locality_name(l: i32) -> &'static str {
