@@ -132,9 +132,10 @@ impl Cluster {
             let entry = NodeEntry {
                 pools: record.pools.clone(),
                 record,
-                // Unhealthy until it is heard from, so that nothing is placed on a node
-                // that died while no controller was watching.
-                last_seen: now.checked_sub(cfg.node_timeout).unwrap_or(now),
+                // A new leader gives every node a full timeout to report, so that creations
+                // go on through a failover. (A node that died meanwhile fails its first
+                // Apply; the volume is given up and the call can be retried.)
+                last_seen: now,
                 usage: HashMap::new(),
                 desired_generation: 0,
                 applied_generation: 0,
