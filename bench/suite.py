@@ -5,11 +5,16 @@ For 4 KiB random read and write and 128 KiB sequential read at QD1, QD32 and QD1
 measures with `nvpool bench` (pinned to one core) against:
   - the protocol-minimal responder (`nvpool responder`): the fastest NVMe/TCP on this
     machine, the denominator of every engine ratio;
+  - for reads, the bare request/response loop (`nvpool responder --bare` driven by
+    `nvpool bench --bare`): the same message sizes with no protocol, which shows what
+    the generator itself costs (responder / bare);
   - the engine with the null, memory and file backends (one reactor on the other core);
   - fio with io_uring and O_DIRECT on the same backing file: the native disk figure the
     file backend is compared with.
 Targets alternate within each configuration and every figure is the median over rounds,
-because absolute numbers drift on shared machines; ratios are taken within a round.
+because absolute numbers drift on shared machines (this machine has spells of several
+seconds at half speed): ratios and latency differences are taken within a round, where
+the runs are seconds apart, and the median of those is reported.
 Writes bench/results/results.{md,json} and results.svg. Standard library only.
 """
 import argparse, json, os, platform, shutil, signal, socket, statistics, subprocess, sys, time
@@ -56,8 +61,9 @@ class Target:
     def __init__(self, kind, core, file_path, reactors_cores=None):
         self.kind, self.port = kind, free_port()
         self.socket = f"/tmp/nvpool-bench-{self.port}.sock"
-        if kind == "responder":
+        if kind in ("responder", "bare"):
             cmd = [BIN, "responder", "--listen", f"127.0.0.1:{self.port}", "--core", str(core)]
+            cmd += ["--bare"] if kind == "bare" else []
         elif kind == "pool":
             # Namespaces are added through the management API.
             cmd = [BIN, "engine", "--listen", f"127.0.0.1:{self.port}", "--cores", reactors_cores or str(core),
@@ -78,10 +84,13 @@ class Target:
             self.proc.kill()
 
 
-def bench(port, workload, bs, qd, args, connections=1):
-    cmd = [BIN, "bench", "--target", f"127.0.0.1:{port}", "--nqn", NQN, "--workload", workload, "--bs", str(bs),
-           "--qd", str(qd), "--connections", str(connections), "--duration", str(args.duration),
-           "--warmup", str(args.warmup), "--core", str(args.bench_core), "--span", "1GiB", "--json"]
+def bench(port, workload, bs, qd, args, connections=1, bare=False):
+    cmd = [BIN, "bench", "--target", f"127.0.0.1:{port}", "--bs", str(bs), "--qd", str(qd),
+           "--duration", str(args.duration), "--warmup", str(args.warmup), "--core", str(args.bench_core), "--json"]
+    if bare:
+        cmd += ["--bare"]
+    else:
+        cmd += ["--nqn", NQN, "--workload", workload, "--connections", str(connections), "--span", "1GiB"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if out.returncode != 0:
         raise SystemExit(f"bench failed: {' '.join(cmd)}\n{out.stderr}")
@@ -149,9 +158,9 @@ def svg(results, path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--duration", type=float, default=3.0)
-    ap.add_argument("--warmup", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--duration", type=float, default=2.0)
+    ap.add_argument("--warmup", type=float, default=0.5)
     ap.add_argument("--target-core", type=int, default=0)
     ap.add_argument("--bench-core", type=int, default=1)
     ap.add_argument("--file", default="/var/tmp/nvpool-bench/disk.img")
@@ -189,14 +198,16 @@ def main():
     cpu = {b: [0.0, 0] for b in ENGINE_BACKENDS}
     # Every target stays up (idle ones sleep) so that each configuration can alternate
     # between them: the responder and the engine are measured moments apart.
-    targets = {kind: Target(kind, args.target_core, args.file) for kind in ("responder",) + ENGINE_BACKENDS}
+    targets = {kind: Target(kind, args.target_core, args.file) for kind in ("bare", "responder") + ENGINE_BACKENDS}
     try:
         for rnd in range(args.rounds):
             for c in CONFIGS:
                 for kind, t in targets.items():
+                    if kind == "bare" and "read" not in c[0]:
+                        continue  # the bare loop has the shape of reads only
                     before = cpu_seconds(t.proc.pid)
-                    r = bench(t.port, *c, args)
-                    if kind != "responder":
+                    r = bench(t.port, *c, args, bare=kind == "bare")
+                    if kind in ENGINE_BACKENDS:
                         cpu[kind][0] += cpu_seconds(t.proc.pid) - before
                         cpu[kind][1] += r["ios"] * (args.duration + args.warmup) / args.duration
                     raw[label(*c)].setdefault(kind, []).append(r)
@@ -211,7 +222,7 @@ def main():
     for c in CONFIGS:
         runs = raw[label(*c)]
         med = lambda k, f: statistics.median(f(r) for r in runs[k])
-        row = {"iops": {}, "mean_us": {}, "p99_us": {}, "ratios": {}}
+        row = {"iops": {}, "mean_us": {}, "p99_us": {}, "ratios": {}, "added_us": {}}
         for k in runs:
             row["iops"][k] = med(k, lambda r: r["iops"])
             row["mean_us"][k] = med(k, lambda r: r["latency"]["mean_us"])
@@ -219,6 +230,14 @@ def main():
         for b in ENGINE_BACKENDS:
             row["ratios"][b] = statistics.median(e["iops"] / r["iops"] for e, r in zip(runs[b], runs["responder"]))
         row["ratios"]["file/fio"] = statistics.median(e["iops"] / f["iops"] for e, f in zip(runs["file"], runs["fio"]))
+        if "bare" in runs:
+            row["ratios"]["responder/bare"] = statistics.median(
+                r["iops"] / b["iops"] for r, b in zip(runs["responder"], runs["bare"]))
+        # Mean latency added over the reference, per round.
+        added = lambda k, ref: statistics.median(a["latency"]["mean_us"] - b["latency"]["mean_us"]
+                                                 for a, b in zip(runs[k], runs[ref]))
+        row["added_us"]["null"] = added("null", "responder")
+        row["added_us"]["file"] = added("file", "fio")
         rows[label(*c)] = row
     results = {"machine": machine(), "rounds": args.rounds, "duration_s": args.duration, "rows": rows,
                "scaling": scaling(args), "volume_layer": volume_layer(args), "soak": soak(args) if args.soak else None,
@@ -334,15 +353,20 @@ def write_outputs(results, args):
     md = [f"# nvpool benchmark results", "",
           f"{m['date']}, revision {m['revision']}: {m['cpu']}, {m['cpus']} CPUs, {m['memory_gib']} GiB, kernel {m['kernel']}.",
           f"Median of {results['rounds']} interleaved rounds of {results['duration_s']:g} s; target on CPU "
-          f"{args.target_core} (engine: 1 reactor), `nvpool bench` and fio on CPU {args.bench_core}. Ratios are taken within a round.", "",
-          "| workload | responder IOPS | null | memory | file | fio (native file) | null / resp. | memory / resp. | file / fio | mean latency us: resp. / null / file / fio |",
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+          f"{args.target_core} (engine: 1 reactor), `nvpool bench` and fio on CPU {args.bench_core}. Ratios and added latencies are "
+          f"taken within a round, then the median over rounds; IOPS columns are medians of their own.", "",
+          "| workload | bare loop IOPS | responder | null | memory | file | fio (native file) | resp. / bare | null / resp. | memory / resp. | file / fio | mean latency us: resp. / null / file / fio | added us: null − resp. / file − fio |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for c in CONFIGS:
         r = rows[label(*c)]
         i, l, q = r["iops"], r["mean_us"], r["ratios"]
-        md.append(f"| {label(*c)} | {i['responder']:,.0f} | {i['null']:,.0f} | {i['memory']:,.0f} | {i['file']:,.0f} | {i['fio']:,.0f} | "
-                  f"{q['null']:.0%} | {q['memory']:.0%} | {q['file/fio']:.0%} | "
-                  f"{l['responder']:.1f} / {l['null']:.1f} / {l['file']:.1f} / {l['fio']:.1f} |")
+        a = r.get("added_us", {})
+        bare = f"{i['bare']:,.0f}" if "bare" in i else "–"
+        rb = f"{q['responder/bare']:.0%}" if "responder/bare" in q else "–"
+        added = f"{a['null']:+.1f} / {a['file']:+.1f}" if a else "–"
+        md.append(f"| {label(*c)} | {bare} | {i['responder']:,.0f} | {i['null']:,.0f} | {i['memory']:,.0f} | {i['file']:,.0f} | {i['fio']:,.0f} | "
+                  f"{rb} | {q['null']:.0%} | {q['memory']:.0%} | {q['file/fio']:.0%} | "
+                  f"{l['responder']:.1f} / {l['null']:.1f} / {l['file']:.1f} / {l['fio']:.1f} | {added} |")
     if results.get("scaling"):
         md += ["", "Scaling (null backend, 4 KiB random read, QD32 per connection; the generator shares CPU 1 with the second reactor):", "",
                "| reactors | connections | IOPS | mean us | engine CPU s / million I/Os |", "|---:|---:|---:|---:|---:|"]

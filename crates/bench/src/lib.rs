@@ -2,6 +2,7 @@
 //! drive any NVMe/TCP target, and `nvpool responder`, the protocol-minimal target that
 //! measures what the machine itself allows.
 
+pub mod bare;
 pub mod histogram;
 pub mod load;
 pub mod responder;

@@ -315,7 +315,8 @@ struct Counters {
     hist: Histogram,
 }
 
-fn thread_cpu_ns() -> u64 {
+/// CPU time the calling thread has used, in nanoseconds.
+pub(crate) fn thread_cpu_ns() -> u64 {
     std::fs::read_to_string("/proc/thread-self/schedstat")
         .ok()
         .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))

@@ -110,6 +110,14 @@ impl Memory {
         true
     }
 
+    /// The address of `len` bytes at `offset`, for the kernel to copy from when a read
+    /// is sent straight out of the backend; None if out of range. Rust code never reads
+    /// through it: other reactors may be writing there at the same time.
+    pub fn address(&self, offset: u64, len: usize) -> Option<*const u8> {
+        let start = self.range(offset, len)?;
+        Some(self.ptr.wrapping_add(start).cast_const())
+    }
+
     /// Copies `src` into the backend at `offset`; false if out of range.
     pub fn write(&self, offset: u64, src: &[u8]) -> bool {
         let Some(start) = self.range(offset, src.len()) else { return false };

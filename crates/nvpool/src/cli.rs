@@ -2,6 +2,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use nvpool_engine::Engine;
@@ -97,9 +98,13 @@ struct BenchArgs {
     /// Target address, IP:PORT.
     #[arg(long)]
     target: SocketAddr,
-    /// Subsystem NQN.
+    /// Subsystem NQN (not used with --bare).
+    #[arg(long, required_unless_present = "bare")]
+    nqn: Option<String>,
+    /// Drive a bare request/response loop (`nvpool responder --bare`) instead of
+    /// NVMe/TCP: the same message sizes with no protocol, the machine's own limit.
     #[arg(long)]
-    nqn: String,
+    bare: bool,
     /// Host NQN to present.
     #[arg(long, default_value = "nqn.2024-01.io.nvpool:bench")]
     hostnqn: String,
@@ -155,6 +160,10 @@ struct ResponderArgs {
     /// Block size of the namespace it pretends to serve.
     #[arg(long, default_value_t = 512)]
     block_size: u32,
+    /// Serve the bare request/response loop (for `nvpool bench --bare`) instead of
+    /// NVMe/TCP.
+    #[arg(long)]
+    bare: bool,
 }
 
 fn parse_io_size(s: &str) -> Result<u32, String> {
@@ -548,24 +557,53 @@ fn pin(core: Option<usize>) -> Result<(), String> {
 
 fn run_bench(a: BenchArgs) -> Result<(), String> {
     pin(a.core)?;
+    let (warmup, duration) = (Duration::from_secs_f64(a.warmup), Duration::from_secs_f64(a.duration));
+    let report = match a.nqn.clone() {
+        _ if a.bare => {
+            if a.workload != nvpool_bench::load::Workload::RandRead || a.connections != 1 || a.verify || a.digests {
+                return Err("--bare measures one connection of read-sized answers: drop --workload, \
+                            --connections, --verify and --digests"
+                    .into());
+            }
+            nvpool_bench::bare::run(a.target, a.bs, a.qd, warmup, duration)?
+        }
+        Some(nqn) => bench_nvme(&a, nqn, warmup, duration)?,
+        None => return Err("give --nqn NQN of the subsystem to drive (or --bare)".into()),
+    };
+    print_report(&report, a.json);
+    if report.errors > 0 || report.verify_failures > 0 {
+        return Err(format!("{} I/O errors and {} verify failures", report.errors, report.verify_failures));
+    }
+    Ok(())
+}
+
+fn bench_nvme(
+    a: &BenchArgs,
+    nqn: String,
+    warmup: Duration,
+    duration: Duration,
+) -> Result<nvpool_bench::load::Report, String> {
     let o = nvpool_bench::load::Options {
         target: a.target,
-        nqn: a.nqn,
-        hostnqn: a.hostnqn,
+        nqn,
+        hostnqn: a.hostnqn.clone(),
         nsid: a.nsid,
         workload: a.workload,
         rwmixread: a.rwmixread,
         io_size: a.bs,
         queue_depth: a.qd,
         connections: a.connections,
-        duration: std::time::Duration::from_secs_f64(a.duration),
-        warmup: std::time::Duration::from_secs_f64(a.warmup),
+        duration,
+        warmup,
         verify: a.verify,
         digests: nvpool_wire::tcp::Digests { header: a.digests, data: a.digests },
         span: a.span,
     };
-    let r = nvpool_bench::load::run(&o)?;
-    if a.json {
+    nvpool_bench::load::run(&o)
+}
+
+fn print_report(r: &nvpool_bench::load::Report, json: bool) {
+    if json {
         println!("{}", serde_json::to_string_pretty(&r).unwrap_or_default());
     } else {
         let rows = vec![
@@ -604,18 +642,22 @@ fn run_bench(a: BenchArgs) -> Result<(), String> {
         ];
         println!("{}", render(&rows));
     }
-    if r.errors > 0 || r.verify_failures > 0 {
-        return Err(format!("{} I/O errors and {} verify failures", r.errors, r.verify_failures));
-    }
-    Ok(())
 }
 
 fn run_responder(a: ResponderArgs) -> Result<(), String> {
     pin(a.core)?;
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    if a.bare {
+        let listener =
+            std::net::TcpListener::bind(a.listen).map_err(|e| format!("cannot listen on {}: {e}", a.listen))?;
+        listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+        println!("nvpool bare request/response loop on {}", a.listen);
+        nvpool_bench::bare::serve(&listener, &stop);
+        return Ok(());
+    }
     let o = nvpool_bench::responder::ResponderOptions { block_size: a.block_size, size: 1 << 40 };
     let r = nvpool_bench::responder::Responder::bind(a.listen, &o)?;
     println!("nvpool responder on {} (namespace 1: 1 TiB of {}-byte blocks)", r.local_addr(), a.block_size);
-    let stop = std::sync::atomic::AtomicBool::new(false);
     r.run(&stop);
     Ok(())
 }

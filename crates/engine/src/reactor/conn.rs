@@ -67,6 +67,14 @@ enum Payload {
     Pool(Buf, usize),
     Owned(Vec<u8>),
     Zeroes(usize),
+    /// Read data sent straight from a memory namespace's RAM, with no copy into a
+    /// buffer first. The namespace is held so the mapping outlives the send. Only made
+    /// without data digests, which would need the bytes in Rust.
+    Mapped {
+        at: *const u8,
+        len: usize,
+        _namespace: Arc<Namespace>,
+    },
 }
 
 struct OutItem {
@@ -81,7 +89,7 @@ impl OutItem {
     fn payload_len(&self) -> usize {
         match &self.payload {
             Payload::None => 0,
-            Payload::Pool(_, n) | Payload::Zeroes(n) => *n,
+            Payload::Pool(_, n) | Payload::Zeroes(n) | Payload::Mapped { len: n, .. } => *n,
             Payload::Owned(v) => v.len(),
         }
     }
@@ -277,8 +285,9 @@ impl Conn {
             }
         }
         self.recv_buf = buf;
+        // The receive is posted again when the output is flushed, after the send, so
+        // responses leave before the kernel arms the socket for the next request.
         r.mark_dirty(idx);
-        self.post_recv(r, idx);
     }
 
     /// Sends a C2HTermReq and closes once it is out.
@@ -550,6 +559,13 @@ impl Conn {
         let mut submitted = 0;
         if let Some(ram) = bdev.ram() {
             match slot.plan {
+                IoPlan::Read { offset, len } if !self.digests.data => {
+                    // Sent from the RAM itself (see `finish`); only the range is checked.
+                    if ram.address(offset, len as usize).is_none() {
+                        slot.status = Status::INTERNAL_ERROR;
+                    }
+                    return self.finish(r, idx, tag);
+                }
                 IoPlan::Read { offset, len } => {
                     let mut buf = r.io_buf(len as usize);
                     if !ram.read(offset, &mut buf.as_mut_slice()[..len as usize]) {
@@ -807,7 +823,8 @@ impl Conn {
         let slot = &mut self.slots[usize::from(tag)];
         let (cid, status, plan) = (slot.cid, slot.status, slot.plan);
         let buf = slot.buf.take();
-        if let Some(ns) = slot.ns.take() {
+        let ns = slot.ns.take();
+        if let Some(ns) = &ns {
             let st = &ns.stats;
             match plan {
                 _ if !status.is_success() => st.count(&st.errors, None),
@@ -819,10 +836,13 @@ impl Conn {
         slot.state = SlotState::Free;
         self.free_slots.push(tag);
         match (plan, status.is_success()) {
-            (IoPlan::Read { len, .. }, true) => {
-                let payload = match buf {
-                    Some(b) => Payload::Pool(b, len as usize),
-                    None => Payload::Zeroes(len as usize),
+            (IoPlan::Read { offset, len }, true) => {
+                let len = len as usize;
+                let mapped = ns.as_ref().and_then(|ns| ns.bdev.ram()).and_then(|ram| ram.address(offset, len));
+                let payload = match (buf, mapped, ns) {
+                    (Some(b), _, _) => Payload::Pool(b, len),
+                    (None, Some(at), Some(ns)) => Payload::Mapped { at, len, _namespace: ns },
+                    (None, _, _) => Payload::Zeroes(len),
                 };
                 let success = self.queue.as_ref().is_some_and(|q| q.flow_control_disabled);
                 self.queue_c2h(&r.zeroes, cid, payload, success);
@@ -886,19 +906,23 @@ impl Conn {
         self.iov.clear();
         let mut skip = self.inflight_sent;
         for item in &self.inflight_out {
-            let parts: [&[u8]; 3] = [
-                &item.header[..item.header_len],
-                payload_bytes(&item.payload, &r.zeroes),
-                &item.digest[..item.digest_len],
-            ];
-            for part in parts {
-                if skip >= part.len() {
-                    skip -= part.len();
+            let payload = match &item.payload {
+                Payload::Mapped { at, len, .. } => (*at, *len),
+                p => {
+                    let bytes = payload_bytes(p, &r.zeroes);
+                    (bytes.as_ptr(), bytes.len())
+                }
+            };
+            let parts = [(item.header.as_ptr(), item.header_len), payload, (item.digest.as_ptr(), item.digest_len)];
+            for (at, len) in parts {
+                if skip >= len {
+                    skip -= len;
                     continue;
                 }
-                let rest = &part[skip..];
+                // Pointer arithmetic only: the kernel reads the bytes, Rust never does.
+                let rest = at.wrapping_add(skip);
+                self.iov.push(libc::iovec { iov_base: rest as *mut libc::c_void, iov_len: len - skip });
                 skip = 0;
-                self.iov.push(libc::iovec { iov_base: rest.as_ptr() as *mut libc::c_void, iov_len: rest.len() });
             }
         }
         self.msg.msg_iov = self.iov.as_mut_ptr();
@@ -964,9 +988,11 @@ fn new_item() -> OutItem {
     OutItem { header: [0; MAX_OUT_HEADER], header_len: 0, payload: Payload::None, digest: [0; 4], digest_len: 0 }
 }
 
+/// The bytes of a payload Rust may read (for digests and sends); a mapped payload has
+/// none: it is made only when no digest needs them, and sent by address.
 fn payload_bytes<'a>(p: &'a Payload, zeroes: &'a [u8]) -> &'a [u8] {
     match p {
-        Payload::None => &[],
+        Payload::None | Payload::Mapped { .. } => &[],
         Payload::Pool(b, n) => &b.as_slice()[..*n],
         Payload::Owned(v) => v,
         Payload::Zeroes(n) => &zeroes[..*n],

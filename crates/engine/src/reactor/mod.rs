@@ -503,7 +503,10 @@ impl Reactor {
     fn flush_dirty(&mut self) {
         while let Some(c) = self.dirty.pop() {
             self.is_dirty[c as usize] = false;
-            self.with_conn(c, |r, conn| conn.post_send(r, c));
+            self.with_conn(c, |r, conn| {
+                conn.post_send(r, c);
+                conn.post_recv(r, c);
+            });
         }
     }
 }
