@@ -240,18 +240,23 @@ def main():
         row["added_us"]["file"] = added("file", "fio")
         rows[label(*c)] = row
     results = {"machine": machine(), "rounds": args.rounds, "duration_s": args.duration, "rows": rows,
-               "scaling": scaling(args), "volume_layer": volume_layer(args), "soak": soak(args) if args.soak else None,
+               "scaling": None, "volume_layer": None, "soak": None,
                "engine_cpu_s_per_million_ios": {b: (v[0] / v[1] * 1e6 if v[1] else None) for b, v in cpu.items()},
                "raw": raw}
     os.makedirs(args.out, exist_ok=True)
+    # Saved now and again after each extra part, so a failure there loses nothing measured.
+    for part, run in (("scaling", scaling), ("volume_layer", volume_layer), ("soak", soak if args.soak else None)):
+        json.dump(results, open(os.path.join(args.out, "results.json"), "w"), indent=1)
+        if run:
+            results[part] = run(args)
     json.dump(results, open(os.path.join(args.out, "results.json"), "w"), indent=1)
     write_outputs(results, args)
 
 
 def cli(socket, *argv):
-    out = subprocess.run([BIN, *argv, "--socket", socket], capture_output=True, text=True)
+    out = subprocess.run([BIN, "engine", *argv, "--socket", socket], capture_output=True, text=True)
     if out.returncode != 0:
-        raise SystemExit(f"nvpool {' '.join(argv)} failed: {out.stderr}")
+        raise SystemExit(f"nvpool engine {' '.join(argv)} failed: {out.stderr}")
 
 
 def volume_layer(args):
