@@ -203,7 +203,6 @@ pub fn run(
         if now >= end_at {
             let seconds = (now - measure_start).as_secs_f64();
             let cpu_seconds = (crate::load::thread_cpu_ns() - cpu_start) as f64 / 1e9;
-            let us = |ns: f64| ns / 1000.0;
             return Ok(Report {
                 workload: Workload::RandRead,
                 io_size,
@@ -213,13 +212,7 @@ pub fn run(
                 ios,
                 iops: ios as f64 / seconds.max(1e-9),
                 mib_per_s: (ios * u64::from(io_size)) as f64 / seconds.max(1e-9) / (1024.0 * 1024.0),
-                latency: Latency {
-                    mean_us: us(hist.mean()),
-                    p50_us: us(hist.quantile(0.5) as f64),
-                    p99_us: us(hist.quantile(0.99) as f64),
-                    p999_us: us(hist.quantile(0.999) as f64),
-                    max_us: us(hist.max() as f64),
-                },
+                latency: Latency::from_histogram(&hist),
                 errors: 0,
                 verify_failures: 0,
                 cpu_seconds,

@@ -97,6 +97,20 @@ pub struct Latency {
     pub max_us: f64,
 }
 
+impl Latency {
+    /// The figures of a histogram of nanoseconds.
+    pub(crate) fn from_histogram(h: &Histogram) -> Latency {
+        let us = |ns: u64| ns as f64 / 1000.0;
+        Latency {
+            mean_us: h.mean() / 1000.0,
+            p50_us: us(h.quantile(0.5)),
+            p99_us: us(h.quantile(0.99)),
+            p999_us: us(h.quantile(0.999)),
+            max_us: us(h.max()),
+        }
+    }
+}
+
 /// The result of a run.
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
@@ -384,7 +398,6 @@ fn drive(plan: &Plan, conns: &mut [Conn], warmup: Duration, duration: Duration) 
         }
     }
     let h = &counters.hist;
-    let us = |ns: f64| ns / 1000.0;
     Ok(Report {
         workload: plan.workload,
         io_size: plan.io_size,
@@ -394,13 +407,7 @@ fn drive(plan: &Plan, conns: &mut [Conn], warmup: Duration, duration: Duration) 
         ios: counters.ios,
         iops: counters.ios as f64 / measured_secs.max(1e-9),
         mib_per_s: counters.bytes as f64 / measured_secs.max(1e-9) / (1024.0 * 1024.0),
-        latency: Latency {
-            mean_us: us(h.mean()),
-            p50_us: us(h.quantile(0.5) as f64),
-            p99_us: us(h.quantile(0.99) as f64),
-            p999_us: us(h.quantile(0.999) as f64),
-            max_us: us(h.max() as f64),
-        },
+        latency: Latency::from_histogram(h),
         errors: counters.errors,
         verify_failures: counters.verify_failures,
         cpu_seconds: cpu_secs,
