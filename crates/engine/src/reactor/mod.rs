@@ -4,9 +4,10 @@
 //! A reactor runs to completion. Each pass of its loop makes one `io_uring_enter`
 //! (submitting everything queued and waiting for at least one completion), reaps
 //! every completion, parses what arrived, queues the disk and socket work, and then
-//! flushes each connection's output as one `sendmsg`. Nothing on the I/O path takes a
-//! lock or allocates once buffers are warm. Other threads talk to a reactor through
-//! its mailbox (a channel plus an eventfd that wakes the ring).
+//! flushes each connection's output as one `sendmsg`. Disk work queued in a pass is
+//! submitted on its own before that (see `Reactor::submit_disk_work`). Nothing on the
+//! I/O path takes a lock or allocates once buffers are warm. Other threads talk to a
+//! reactor through its mailbox (a channel plus an eventfd that wakes the ring).
 //!
 //! Buffer lifetime contract for every submission made here: the memory an SQE points
 //! at belongs to a heap allocation owned by the reactor or one of its connections
