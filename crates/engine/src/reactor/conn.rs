@@ -41,8 +41,10 @@ const RECV_LIMITS: tcp::DataLimits = tcp::DataLimits {
 };
 /// Most output items sent in one `sendmsg`.
 const MAX_SEND_ITEMS: usize = 256;
-/// Largest header an output item carries inline (a termination request).
-const MAX_OUT_HEADER: usize = tcp::TERM_REQ_MAX;
+/// Header room inline in an output item: a data, R2T or response PDU header with its
+/// header digest (28 bytes). Every I/O builds and queues an item, so items stay small;
+/// the rare larger PDUs (ICResp, C2HTermReq) are sent as owned payloads instead.
+const MAX_OUT_HEADER: usize = 32;
 /// A connection must finish ICReq within this long, or it is closed.
 const HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
 /// Connect CATTR bit 2: the host disabled SQ flow control.
@@ -162,9 +164,11 @@ pub(super) struct Conn {
     recv_start: usize,
     recv_end: usize,
     recv_posted: bool,
-    pending_out: VecDeque<OutItem>,
-    inflight_out: Vec<OutItem>,
-    inflight_sent: usize,
+    /// Output in order; the first `sending` items belong to the posted send.
+    out: VecDeque<OutItem>,
+    sending: usize,
+    /// Bytes of those items the kernel has taken so far.
+    sent: usize,
     iov: Vec<libc::iovec>,
     msg: libc::msghdr,
     send_posted: bool,
@@ -186,9 +190,9 @@ impl Conn {
             recv_start: 0,
             recv_end: 0,
             recv_posted: false,
-            pending_out: VecDeque::with_capacity(256),
-            inflight_out: Vec::with_capacity(MAX_SEND_ITEMS),
-            inflight_sent: 0,
+            out: VecDeque::with_capacity(256),
+            sending: 0,
+            sent: 0,
             iov: Vec::with_capacity(MAX_SEND_ITEMS * 3),
             // SAFETY: msghdr is plain data; all-zero is a valid empty header.
             msg: unsafe { std::mem::zeroed() },
@@ -226,7 +230,7 @@ impl Conn {
                 pool.put(b);
             }
         }
-        for item in self.pending_out.drain(..).chain(self.inflight_out.drain(..)) {
+        for item in self.out.drain(..) {
             if let Payload::Pool(b, _) = item.payload {
                 pool.put(b);
             }
@@ -292,9 +296,11 @@ impl Conn {
 
     /// Sends a C2HTermReq and closes once it is out.
     fn fatal(&mut self, r: &mut Reactor, idx: u32, e: FatalError, offending: &[u8]) {
+        let mut pdu = [0u8; tcp::TERM_REQ_MAX];
+        let len = tcp::encode_term_req(true, e.fes, e.fei, offending, &mut pdu);
         let mut item = new_item();
-        item.header_len = tcp::encode_term_req(true, e.fes, e.fei, offending, &mut item.header);
-        self.pending_out.push_back(item);
+        item.payload = Payload::Owned(pdu[..len].to_vec());
+        self.out.push_back(item);
         self.phase = Phase::Draining;
         r.mark_dirty(idx);
     }
@@ -320,12 +326,11 @@ impl Conn {
                 }
                 // Echo the host's digest choice: the Linux host refuses anything else.
                 let resp = IcResp { pfv: 0, cpda: 0, digests: req.digests, maxdata: MAX_H2C_DATA };
+                let mut pdu = [0u8; tcp::IC_SIZE];
+                tcp::encode_ic_resp(&resp, &mut pdu);
                 let mut item = new_item();
-                let mut b = [0u8; tcp::IC_SIZE];
-                tcp::encode_ic_resp(&resp, &mut b);
-                item.header[..tcp::IC_SIZE].copy_from_slice(&b);
-                item.header_len = tcp::IC_SIZE;
-                self.pending_out.push_back(item);
+                item.payload = Payload::Owned(pdu.to_vec());
+                self.out.push_back(item);
                 self.digests = req.digests;
                 self.phase = Phase::Ready;
             }
@@ -509,7 +514,7 @@ impl Conn {
         let h = DataHeader { cccid: cmd.cid, ttag: tag, offset: 0, length: host_len as u32 };
         let mut item = new_item();
         item.header_len = tcp::encode_r2t(&h, self.digests, &mut item.header);
-        self.pending_out.push_back(item);
+        self.out.push_back(item);
     }
 
     fn on_h2c_data(&mut self, r: &mut Reactor, idx: u32, h: DataHeader, last: bool, data: &[u8], digest_ok: bool) {
@@ -868,7 +873,7 @@ impl Conn {
         let c = Completion { result: result as u32, result_hi: (result >> 32) as u32, sqhd, sqid, cid, status };
         let mut item = new_item();
         item.header_len = tcp::encode_capsule_resp(&c, self.digests, &mut item.header);
-        self.pending_out.push_back(item);
+        self.out.push_back(item);
         r.mark_dirty(idx);
     }
 
@@ -882,31 +887,26 @@ impl Conn {
             item.digest = tcp::crc32c(payload_bytes(&item.payload, zeroes)).to_le_bytes();
             item.digest_len = 4;
         }
-        self.pending_out.push_back(item);
+        self.out.push_back(item);
     }
 
     pub(super) fn post_send(&mut self, r: &mut Reactor, idx: u32) {
         if self.send_posted || self.phase == Phase::Closed {
             return;
         }
-        if self.inflight_out.is_empty() {
-            if self.pending_out.is_empty() {
+        if self.sending == 0 {
+            if self.out.is_empty() {
                 if self.phase == Phase::Draining {
                     self.begin_close();
                 }
                 return;
             }
-            while self.inflight_out.len() < MAX_SEND_ITEMS {
-                let Some(item) = self.pending_out.pop_front() else {
-                    break;
-                };
-                self.inflight_out.push(item);
-            }
-            self.inflight_sent = 0;
+            self.sending = self.out.len().min(MAX_SEND_ITEMS);
+            self.sent = 0;
         }
         self.iov.clear();
-        let mut skip = self.inflight_sent;
-        for item in &self.inflight_out {
+        let mut skip = self.sent;
+        for item in self.out.iter().take(self.sending) {
             let payload = match &item.payload {
                 Payload::Mapped { at, len, .. } => (*at, *len),
                 p => {
@@ -944,16 +944,17 @@ impl Conn {
             self.begin_close();
             return;
         }
-        self.inflight_sent += res as usize;
+        self.sent += res as usize;
         let mut done = 0;
-        for item in &self.inflight_out {
-            if self.inflight_sent < item.len() {
+        for item in self.out.iter().take(self.sending) {
+            if self.sent < item.len() {
                 break;
             }
-            self.inflight_sent -= item.len();
+            self.sent -= item.len();
             done += 1;
         }
-        for item in self.inflight_out.drain(..done) {
+        self.sending -= done;
+        for item in self.out.drain(..done) {
             if let Payload::Pool(b, _) = item.payload {
                 r.pool.put(b);
             }
