@@ -298,9 +298,7 @@ impl Conn {
     fn fatal(&mut self, r: &mut Reactor, idx: u32, e: FatalError, offending: &[u8]) {
         let mut pdu = [0u8; tcp::TERM_REQ_MAX];
         let len = tcp::encode_term_req(true, e.fes, e.fei, offending, &mut pdu);
-        let mut item = new_item();
-        item.payload = Payload::Owned(pdu[..len].to_vec());
-        self.out.push_back(item);
+        self.queue_whole_pdu(&pdu[..len]);
         self.phase = Phase::Draining;
         r.mark_dirty(idx);
     }
@@ -328,9 +326,7 @@ impl Conn {
                 let resp = IcResp { pfv: 0, cpda: 0, digests: req.digests, maxdata: MAX_H2C_DATA };
                 let mut pdu = [0u8; tcp::IC_SIZE];
                 tcp::encode_ic_resp(&resp, &mut pdu);
-                let mut item = new_item();
-                item.payload = Payload::Owned(pdu.to_vec());
-                self.out.push_back(item);
+                self.queue_whole_pdu(&pdu);
                 self.digests = req.digests;
                 self.phase = Phase::Ready;
             }
@@ -875,6 +871,14 @@ impl Conn {
         item.header_len = tcp::encode_capsule_resp(&c, self.digests, &mut item.header);
         self.out.push_back(item);
         r.mark_dirty(idx);
+    }
+
+    /// Queues a PDU larger than an item's inline header (ICResp, C2HTermReq) as an
+    /// owned payload; these are rare, so the allocation does not matter.
+    fn queue_whole_pdu(&mut self, pdu: &[u8]) {
+        let mut item = new_item();
+        item.payload = Payload::Owned(pdu.to_vec());
+        self.out.push_back(item);
     }
 
     fn queue_c2h(&mut self, zeroes: &[u8], cid: u16, payload: Payload, success: bool) {
