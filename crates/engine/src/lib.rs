@@ -338,8 +338,7 @@ fn add_namespace_to(engine: &Engine, s: &Subsystem, n: &NamespaceConfig) -> Resu
 }
 
 fn namespace_info(ns: &Namespace) -> NamespaceInfo {
-    let st = &ns.stats;
-    let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    let st = ns.stats.snapshot();
     NamespaceInfo {
         nsid: ns.nsid,
         kind: ns.bdev.kind(),
@@ -350,12 +349,12 @@ fn namespace_info(ns: &Namespace) -> NamespaceInfo {
         nguid: ns.nguid.iter().map(|b| format!("{b:02x}")).collect(),
         direct_io: ns.bdev.direct(),
         stats: NamespaceStatsInfo {
-            reads: get(&st.reads),
-            writes: get(&st.writes),
-            read_bytes: get(&st.read_bytes),
-            write_bytes: get(&st.write_bytes),
-            others: get(&st.others),
-            errors: get(&st.errors),
+            reads: st.reads,
+            writes: st.writes,
+            read_bytes: st.read_bytes,
+            write_bytes: st.write_bytes,
+            others: st.others,
+            errors: st.errors,
         },
     }
 }

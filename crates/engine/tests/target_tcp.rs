@@ -389,6 +389,25 @@ fn namespace_added_at_runtime_raises_an_event() {
 }
 
 #[test]
+fn removed_namespace_is_released_by_connected_queues() {
+    let t = start("memory:16MiB");
+    let (_admin, mut io) = controller(t.addr, &admin_opts(), 1);
+    let subsystem = t.engine.target().subsystem(NQN).unwrap();
+    let held = Arc::downgrade(&subsystem.namespaces()[&1]);
+    // I/O makes the queue keep the namespace for its next commands.
+    io[0].write(1, 0, &pattern(1, 4096), 512, IN_CAPSULE).unwrap();
+    assert_eq!(io[0].read(1, 0, 8, 512).unwrap(), pattern(1, 4096));
+    t.engine.remove_namespace(NQN, 1).unwrap();
+    // The queue stays connected and idle, yet lets go of the namespace.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while held.strong_count() > 0 {
+        assert!(Instant::now() < deadline, "an idle queue still holds the removed namespace");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(status_of(io[0].read(1, 0, 1, 512).unwrap_err()), Status::INVALID_NAMESPACE);
+}
+
+#[test]
 fn discovery_lists_subsystems_and_listeners() {
     let t = start("null:1GiB");
     let mut d =

@@ -23,16 +23,19 @@ pub fn get_u64(b: &[u8], off: usize) -> u64 {
 }
 
 /// Writes a little-endian `u16` at `off`.
+#[inline]
 pub fn put_u16(b: &mut [u8], off: usize, v: u16) {
     b[off..off + 2].copy_from_slice(&v.to_le_bytes());
 }
 
 /// Writes a little-endian `u32` at `off`.
+#[inline]
 pub fn put_u32(b: &mut [u8], off: usize, v: u32) {
     b[off..off + 4].copy_from_slice(&v.to_le_bytes());
 }
 
 /// Writes a little-endian `u64` at `off`.
+#[inline]
 pub fn put_u64(b: &mut [u8], off: usize, v: u64) {
     b[off..off + 8].copy_from_slice(&v.to_le_bytes());
 }

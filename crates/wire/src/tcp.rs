@@ -395,6 +395,7 @@ pub fn parse(buf: &[u8], digests: Digests, limits: DataLimits) -> Result<Option<
     Ok(Some(Parsed { pdu, len: plen, data_digest_ok }))
 }
 
+#[inline]
 fn put_common(b: &mut [u8], ty: u8, fl: u8, hlen: usize, pdo: usize, plen: usize) {
     b[0] = ty;
     b[1] = fl;
@@ -405,6 +406,7 @@ fn put_common(b: &mut [u8], ty: u8, fl: u8, hlen: usize, pdo: usize, plen: usize
 
 /// Appends the header digest to a header of `hlen` bytes at the start of `b`, if
 /// enabled; returns the header length including the digest.
+#[inline]
 fn seal_header(b: &mut [u8], hlen: usize, digests: Digests) -> usize {
     if digests.header {
         let crc = crc32c(&b[..hlen]);
@@ -440,6 +442,7 @@ pub fn encode_ic_resp(r: &IcResp, b: &mut [u8; IC_SIZE]) {
 pub const MAX_HEADER_SIZE: usize = CAPSULE_CMD_HLEN + DIGEST_SIZE;
 
 /// Encodes a response capsule; returns its length.
+#[inline]
 pub fn encode_capsule_resp(c: &Completion, digests: Digests, b: &mut [u8]) -> usize {
     let plen = CAPSULE_RESP_HLEN + digests.header_len();
     put_common(b, pdu_type::CAPSULE_RESP, if digests.header { flags::HDGST } else { 0 }, CAPSULE_RESP_HLEN, 0, plen);
@@ -453,6 +456,7 @@ pub fn encode_capsule_resp(c: &Completion, digests: Digests, b: &mut [u8]) -> us
 /// data after it: H2CData, C2HData or a command capsule's header. The data and, when
 /// enabled, its digest ([`crc32c`] of the data, little endian) follow on the wire.
 /// Returns the header length.
+#[inline]
 fn encode_data_pdu_header(
     b: &mut [u8],
     ty: u8,
@@ -479,6 +483,7 @@ fn encode_data_pdu_header(
 
 /// Encodes a C2HData header; returns its length. `success` asks the host to complete
 /// the command without a response capsule (only valid with `last`).
+#[inline]
 pub fn encode_c2h_data(h: &DataHeader, last: bool, success: bool, digests: Digests, b: &mut [u8]) -> usize {
     let mut fl = 0;
     if last {
@@ -505,6 +510,7 @@ pub fn encode_h2c_data(h: &DataHeader, last: bool, digests: Digests, b: &mut [u8
 }
 
 /// Encodes an R2T; returns its length.
+#[inline]
 pub fn encode_r2t(h: &DataHeader, digests: Digests, b: &mut [u8]) -> usize {
     b[..DATA_HLEN].fill(0);
     let plen = DATA_HLEN + digests.header_len();
@@ -513,6 +519,7 @@ pub fn encode_r2t(h: &DataHeader, digests: Digests, b: &mut [u8]) -> usize {
     seal_header(b, DATA_HLEN, digests)
 }
 
+#[inline]
 fn put_data_header(b: &mut [u8], h: &DataHeader) {
     put_u16(b, 8, h.cccid);
     put_u16(b, 10, h.ttag);

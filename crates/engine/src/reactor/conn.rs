@@ -24,7 +24,9 @@ use crate::pool::{Done, Request, VolumeIo};
 use crate::target::admin::{self, AdminOutcome};
 use crate::target::io::{self, IoPlan};
 use crate::target::subsystem::NamespaceMap;
-use crate::target::{ADMIN_IN_CAPSULE_DATA, Controller, IO_IN_CAPSULE_DATA, MAX_H2C_DATA, Namespace, Target, fabrics};
+use crate::target::{
+    ADMIN_IN_CAPSULE_DATA, Controller, Counted, IO_IN_CAPSULE_DATA, MAX_H2C_DATA, Namespace, Target, fabrics,
+};
 
 /// Receive buffer: one whole PDU of the largest kind (an H2CData of MAXH2CDATA) with
 /// headers and digests, plus room to read ahead.
@@ -87,17 +89,19 @@ struct OutItem {
     digest_len: usize,
 }
 
-impl OutItem {
-    fn payload_len(&self) -> usize {
-        match &self.payload {
+impl Payload {
+    fn len(&self) -> usize {
+        match self {
             Payload::None => 0,
             Payload::Pool(_, n) | Payload::Zeroes(n) | Payload::Mapped { len: n, .. } => *n,
             Payload::Owned(v) => v.len(),
         }
     }
+}
 
+impl OutItem {
     fn len(&self) -> usize {
-        self.header_len + self.payload_len() + self.digest_len
+        self.header_len + self.payload.len() + self.digest_len
     }
 }
 
@@ -110,6 +114,21 @@ struct Queue {
     flow_control_disabled: bool,
     namespaces: Arc<NamespaceMap>,
     generation: u64,
+}
+
+impl Queue {
+    /// Takes the subsystem's current namespace map if it changed; returns whether it
+    /// did. One atomic load: the map is re-read only after a change.
+    fn refresh(&mut self) -> bool {
+        let subsystem = &self.controller.subsystem;
+        let g = subsystem.generation();
+        if g == self.generation {
+            return false;
+        }
+        self.namespaces = subsystem.namespaces();
+        self.generation = g;
+        true
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -450,29 +469,31 @@ impl Conn {
         }
     }
 
-    fn namespace(&mut self, nsid: u32) -> Option<Arc<Namespace>> {
-        let q = self.queue.as_mut()?;
-        let subsystem = &q.controller.subsystem;
-        // One atomic load per command; the map is re-read only after a change.
-        let g = subsystem.generation();
-        if g != q.generation {
-            q.namespaces = subsystem.namespaces();
-            q.generation = g;
+    /// Follows a change of the subsystem's namespaces. Free slots let go of the
+    /// namespaces they kept, so a removed namespace is not held open by an idle queue.
+    fn refresh_namespaces(&mut self) {
+        if self.queue.as_mut().is_some_and(Queue::refresh) {
+            for slot in self.slots.iter_mut().filter(|s| s.state == SlotState::Free) {
+                slot.ns = None;
+            }
         }
-        q.namespaces.get(&nsid).cloned()
     }
 
     fn on_io(&mut self, r: &mut Reactor, idx: u32, cmd: &Command, data: &[u8]) {
-        let Some(ns) = self.namespace(cmd.nsid) else {
+        self.refresh_namespaces();
+        let Some(q) = &self.queue else { return };
+        let Some(ns) = q.namespaces.get(&cmd.nsid) else {
             return self.respond(r, idx, cmd.cid, Status::INVALID_NAMESPACE.with_dnr(), 0);
         };
-        let plan = match io::plan(&ns, cmd) {
+        let plan = match io::plan(ns, cmd) {
             Ok(p) => p,
             Err(s) => {
-                ns.stats.count(&ns.stats.errors, None);
+                ns.stats.count(r.id, Counted::Error);
                 return self.respond(r, idx, cmd.cid, s, 0);
             }
         };
+        // Data written to a null namespace is received and dropped, never copied.
+        let keep_data = !(ns.bdev.kind() == BdevKind::Null && matches!(plan, IoPlan::Write { .. }));
         let host_len = plan.host_data_len() as usize;
         if host_len > 0 && cmd.dptr.id == sgl::IN_CAPSULE && (cmd.dptr.address != 0 || data.len() < host_len) {
             return self.respond(r, idx, cmd.cid, Status::SGL_LENGTH_INVALID.with_dnr(), 0);
@@ -484,14 +505,16 @@ impl Conn {
             // More commands than the queue size the host connected with.
             return self.respond(r, idx, cmd.cid, Status::COMMAND_ID_CONFLICT.with_dnr(), 0);
         };
-        // Data written to a null namespace is received and dropped, never copied.
-        let keep_data = !(ns.bdev.kind() == BdevKind::Null && matches!(plan, IoPlan::Write { .. }));
         let slot = &mut self.slots[usize::from(tag)];
+        // A slot keeps its namespace after it is freed, so a queue doing I/O to one
+        // namespace takes no reference (no atomic) per command.
+        if !slot.ns.as_ref().is_some_and(|held| Arc::ptr_eq(held, ns)) {
+            slot.ns = Some(ns.clone());
+        }
         slot.cid = cmd.cid;
         slot.plan = plan;
         slot.received = 0;
         slot.status = Status::SUCCESS;
-        slot.ns = Some(ns);
         if host_len == 0 {
             return self.start_disk(r, idx, tag);
         }
@@ -546,12 +569,24 @@ impl Conn {
 
     /// Starts the disk work of slot `tag`; backends without storage finish at once.
     fn start_disk(&mut self, r: &mut Reactor, idx: u32, tag: u16) {
-        let slot = &mut self.slots[usize::from(tag)];
-        let Some(ns) = slot.ns.clone() else { return };
-        let bdev = &ns.bdev;
-        if let Some(volume) = bdev.as_volume() {
-            return self.start_volume(r, idx, tag, &ns, volume);
+        // The namespace is lent out of the slot for the call, and put back before the
+        // slot can finish: no reference is taken per command.
+        let Some(ns) = self.slots[usize::from(tag)].ns.take() else { return };
+        let submitted = match ns.bdev.as_volume() {
+            Some(volume) => self.queue_volume_io(r, idx, tag, &ns, volume),
+            None => self.queue_disk_io(r, idx, tag, &ns),
+        };
+        self.slots[usize::from(tag)].ns = Some(ns);
+        if let Some(n) = submitted {
+            self.submitted(r, idx, tag, n);
         }
+    }
+
+    /// Queues slot `tag`'s work on a namespace's own storage; returns how many disk
+    /// operations it queued (none: the command is complete).
+    fn queue_disk_io(&mut self, r: &mut Reactor, idx: u32, tag: u16, ns: &Namespace) -> Option<u32> {
+        let slot = &mut self.slots[usize::from(tag)];
+        let bdev = &ns.bdev;
         let fd = bdev.raw_fd();
         slot.state = SlotState::Disk;
         let ud = Op::Disk(idx, tag).encode();
@@ -565,7 +600,7 @@ impl Conn {
                     if ram.address(offset, len as usize).is_none() {
                         slot.status = Status::INTERNAL_ERROR;
                     }
-                    return self.finish(r, idx, tag);
+                    return Some(0);
                 }
                 IoPlan::Read { offset, len } => {
                     let mut buf = r.io_buf(len as usize);
@@ -573,7 +608,7 @@ impl Conn {
                         slot.status = Status::INTERNAL_ERROR;
                     }
                     slot.buf = Some(buf);
-                    return self.finish(r, idx, tag);
+                    return Some(0);
                 }
                 IoPlan::Write { offset, len, .. } => {
                     if let Some(b) = &slot.buf
@@ -581,9 +616,9 @@ impl Conn {
                     {
                         slot.status = Status::INTERNAL_ERROR;
                     }
-                    return self.finish(r, idx, tag);
+                    return Some(0);
                 }
-                IoPlan::Flush => return self.finish(r, idx, tag),
+                IoPlan::Flush => return Some(0),
                 _ => {}
             }
         }
@@ -629,7 +664,7 @@ impl Conn {
                 }
                 IoPlan::DatasetManagement { ranges, deallocate } => {
                     let data = slot.buf.as_ref().map_or(&[][..], |b| &b.as_slice()[..ranges as usize * 16]);
-                    match io::dsm_byte_ranges(&ns, data, ranges) {
+                    match io::dsm_byte_ranges(ns, data, ranges) {
                         Ok(list) if deallocate => {
                             for (off, len) in list {
                                 let sqe =
@@ -644,13 +679,21 @@ impl Conn {
                 }
             }
         }
-        self.submitted(r, idx, tag, submitted);
+        Some(submitted)
     }
 
     /// Volume I/O: each piece of the transfer goes to the disk and offset its cluster
     /// maps to; reads of unallocated clusters are zeroes; a write to an unallocated
     /// cluster first asks the pool's metadata thread for it.
-    fn start_volume(&mut self, r: &mut Reactor, idx: u32, tag: u16, ns: &Namespace, volume: &VolumeIo) {
+    /// Returns how many disk operations it queued, or `None` if the pool has the command.
+    fn queue_volume_io(
+        &mut self,
+        r: &mut Reactor,
+        idx: u32,
+        tag: u16,
+        ns: &Namespace,
+        volume: &VolumeIo,
+    ) -> Option<u32> {
         let ud = Op::Disk(idx, tag).encode();
         let slot = &mut self.slots[usize::from(tag)];
         slot.state = SlotState::Disk;
@@ -666,7 +709,7 @@ impl Conn {
                 let epoch = pool.enter(r.id);
                 if write && (first..=last).any(|vc| volume.map.get(vc) == 0) {
                     pool.leave(r.id, epoch);
-                    return self.ask_pool(r, idx, tag, |done| Request::Allocate {
+                    return self.ask_pool(r, idx, volume, tag, |done| Request::Allocate {
                         volume: volume.id,
                         first,
                         count: last - first + 1,
@@ -678,7 +721,7 @@ impl Conn {
                 }
                 let Some(buf) = slot.buf.as_mut() else {
                     pool.leave(r.id, epoch);
-                    return self.finish(r, idx, tag);
+                    return Some(0);
                 };
                 let mut at = offset;
                 while at < end {
@@ -727,7 +770,7 @@ impl Conn {
                 }
             }
             IoPlan::WriteZeroes { offset, len } => {
-                return self.ask_pool(r, idx, tag, |done| Request::Zero {
+                return self.ask_pool(r, idx, volume, tag, |done| Request::Zero {
                     volume: volume.id,
                     ranges: vec![(offset, len)],
                     done,
@@ -737,7 +780,7 @@ impl Conn {
                 let data = slot.buf.as_ref().map_or(&[][..], |b| &b.as_slice()[..ranges as usize * 16]);
                 match io::dsm_byte_ranges(ns, data, ranges) {
                     Ok(list) if deallocate && !list.is_empty() => {
-                        return self.ask_pool(r, idx, tag, |done| Request::Zero {
+                        return self.ask_pool(r, idx, volume, tag, |done| Request::Zero {
                             volume: volume.id,
                             ranges: list,
                             done,
@@ -748,7 +791,7 @@ impl Conn {
                 }
             }
         }
-        self.submitted(r, idx, tag, submitted);
+        Some(submitted)
     }
 
     /// Records the disk operations slot `tag` submitted; with none, it is done now.
@@ -763,15 +806,21 @@ impl Conn {
     }
 
     /// Hands slot `tag`'s work to the pool's metadata thread; its answer comes back
-    /// through the reactor's mailbox to [`Conn::on_pool_done`].
-    fn ask_pool(&mut self, r: &mut Reactor, idx: u32, tag: u16, request: impl FnOnce(Done) -> Request) {
-        let Some(volume) = self.slots[usize::from(tag)].ns.as_ref().and_then(|ns| ns.bdev.as_volume().cloned()) else {
-            return;
-        };
+    /// through the reactor's mailbox to [`Conn::on_pool_done`]. Returns `None`: the
+    /// command is not complete yet.
+    fn ask_pool(
+        &mut self,
+        r: &mut Reactor,
+        idx: u32,
+        volume: &VolumeIo,
+        tag: u16,
+        request: impl FnOnce(Done) -> Request,
+    ) -> Option<u32> {
         self.ops_in_flight += 1;
         let (links, reactor) = (r.links.clone(), r.id);
         let done: Done = Box::new(move |status| links[reactor].send(Msg::PoolDone { conn: idx, tag, status }));
         volume.pool.request(request(done));
+        None
     }
 
     pub(super) fn on_pool_done(&mut self, r: &mut Reactor, idx: u32, tag: u16, status: Status) {
@@ -825,26 +874,34 @@ impl Conn {
         let slot = &mut self.slots[usize::from(tag)];
         let (cid, status, plan) = (slot.cid, slot.status, slot.plan);
         let buf = slot.buf.take();
-        let ns = slot.ns.take();
-        if let Some(ns) = &ns {
-            let st = &ns.stats;
-            match plan {
-                _ if !status.is_success() => st.count(&st.errors, None),
-                IoPlan::Read { len, .. } => st.count(&st.reads, Some((&st.read_bytes, u64::from(len)))),
-                IoPlan::Write { len, .. } => st.count(&st.writes, Some((&st.write_bytes, u64::from(len)))),
-                _ => st.count(&st.others, None),
+        // The slot keeps its namespace for the next command (see `on_io`); a read
+        // sent straight from RAM holds its own reference until the send is done.
+        let mut mapped = None;
+        if let Some(ns) = &slot.ns {
+            ns.stats.count(
+                r.id,
+                match plan {
+                    _ if !status.is_success() => Counted::Error,
+                    IoPlan::Read { len, .. } => Counted::Read(u64::from(len)),
+                    IoPlan::Write { len, .. } => Counted::Write(u64::from(len)),
+                    _ => Counted::Other,
+                },
+            );
+            if let (IoPlan::Read { offset, len }, true, None) = (plan, status.is_success(), &buf)
+                && let Some(at) = ns.bdev.ram().and_then(|ram| ram.address(offset, len as usize))
+            {
+                mapped = Some((at, ns.clone()));
             }
         }
         slot.state = SlotState::Free;
         self.free_slots.push(tag);
         match (plan, status.is_success()) {
-            (IoPlan::Read { offset, len }, true) => {
+            (IoPlan::Read { len, .. }, true) => {
                 let len = len as usize;
-                let mapped = ns.as_ref().and_then(|ns| ns.bdev.ram()).and_then(|ram| ram.address(offset, len));
-                let payload = match (buf, mapped, ns) {
-                    (Some(b), _, _) => Payload::Pool(b, len),
-                    (None, Some(at), Some(ns)) => Payload::Mapped { at, len, _namespace: ns },
-                    (None, _, _) => Payload::Zeroes(len),
+                let payload = match (buf, mapped) {
+                    (Some(b), _) => Payload::Pool(b, len),
+                    (None, Some((at, ns))) => Payload::Mapped { at, len, _namespace: ns },
+                    (None, None) => Payload::Zeroes(len),
                 };
                 let success = self.queue.as_ref().is_some_and(|q| q.flow_control_disabled);
                 self.queue_c2h(&r.zeroes, cid, payload, success);
@@ -867,9 +924,10 @@ impl Conn {
     fn respond(&mut self, r: &mut Reactor, idx: u32, cid: u16, status: Status, result: u64) {
         let (sqhd, sqid) = self.queue.as_ref().map_or((0, 0), |q| (q.sqhd, q.qid));
         let c = Completion { result: result as u32, result_hi: (result >> 32) as u32, sqhd, sqid, cid, status };
-        let mut item = new_item();
+        // Encoded in place in the queue, as in `queue_c2h`.
+        self.out.push_back(new_item());
+        let item = self.out.back_mut().expect("just queued");
         item.header_len = tcp::encode_capsule_resp(&c, self.digests, &mut item.header);
-        self.out.push_back(item);
         r.mark_dirty(idx);
     }
 
@@ -881,17 +939,20 @@ impl Conn {
         self.out.push_back(item);
     }
 
+    // Inlined so the payload is built in place in the queued item, and the header is
+    // encoded there too: built elsewhere and copied in, both were stored in pieces and
+    // read back whole, a store-forwarding stall on every read.
+    #[inline(always)]
     fn queue_c2h(&mut self, zeroes: &[u8], cid: u16, payload: Payload, success: bool) {
-        let mut item = new_item();
-        item.payload = payload;
-        let len = item.payload_len();
-        let h = DataHeader { cccid: cid, ttag: 0, offset: 0, length: len as u32 };
+        let h = DataHeader { cccid: cid, ttag: 0, offset: 0, length: payload.len() as u32 };
+        let (digest, digest_len) = if self.digests.data {
+            (tcp::crc32c(payload_bytes(&payload, zeroes)).to_le_bytes(), 4)
+        } else {
+            ([0; 4], 0)
+        };
+        self.out.push_back(OutItem { header: [0; MAX_OUT_HEADER], header_len: 0, payload, digest, digest_len });
+        let item = self.out.back_mut().expect("just queued");
         item.header_len = tcp::encode_c2h_data(&h, true, success, self.digests, &mut item.header);
-        if self.digests.data {
-            item.digest = tcp::crc32c(payload_bytes(&item.payload, zeroes)).to_le_bytes();
-            item.digest_len = 4;
-        }
-        self.out.push_back(item);
     }
 
     pub(super) fn post_send(&mut self, r: &mut Reactor, idx: u32) {
@@ -972,6 +1033,7 @@ impl Conn {
         if self.phase == Phase::Closed {
             return;
         }
+        self.refresh_namespaces();
         let now = r.target.now_ms();
         match &self.queue {
             None if timers && now.saturating_sub(self.accepted_ms) > HANDSHAKE_TIMEOUT_MS => self.begin_close(),

@@ -337,12 +337,15 @@ impl Reactor {
         let ts = types::Timespec::new().nsec(TICK.as_nanos() as u32);
         let mut completions: Vec<(u64, i32, u32)> = Vec::with_capacity(RING_ENTRIES as usize * 4);
         let mut last_activity = Instant::now();
+        // The clock is read once per pass, right after the enter: it serves the busy
+        // check, the activity mark and the timers.
+        let mut now = last_activity;
         loop {
             // Spin while busy: a request that follows a response within BUSY_POLL is
             // picked up without a sleep and a wakeup. Idle, the thread sleeps on the ring.
             // Disk operations in flight keep the reactor polling: a disk answers in tens
             // of microseconds, sooner than a sleeping thread wakes up.
-            let busy = self.disk_in_flight > 0 || last_activity.elapsed() < BUSY_POLL;
+            let busy = self.disk_in_flight > 0 || now.duration_since(last_activity) < BUSY_POLL;
             let entered = if busy {
                 // Submits, runs completion work, and returns without waiting.
                 let pending = self.ring.submission().len() as u32;
@@ -360,10 +363,11 @@ impl Reactor {
                     std::thread::sleep(Duration::from_millis(10));
                 }
             }
+            now = Instant::now();
             completions.clear();
             completions.extend(self.ring.completion().map(|c| (c.user_data(), c.result(), c.flags())));
             if !completions.is_empty() {
-                last_activity = Instant::now();
+                last_activity = now;
             }
             for &(ud, res, flags) in &completions {
                 match Op::decode(ud) {
@@ -375,8 +379,8 @@ impl Reactor {
                     None => {}
                 }
             }
-            if self.last_tick.elapsed() >= TICK {
-                self.last_tick = Instant::now();
+            if now.duration_since(self.last_tick) >= TICK {
+                self.last_tick = now;
                 self.tick();
             }
             self.submit_disk_work();

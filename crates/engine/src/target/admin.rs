@@ -1,8 +1,6 @@
 //! Admin commands (NVMe Base 2.0 §5): Identify, Get Log Page, Set/Get Features,
 //! Asynchronous Event Request, Keep Alive, Abort, and the fabrics Property commands.
 
-use std::sync::atomic::Ordering;
-
 use nvpool_wire::Status;
 use nvpool_wire::bytes::{ascii, nul};
 use nvpool_wire::command::{Command, admin_opcode, io_opcode};
@@ -258,12 +256,12 @@ fn get_log_page(target: &Target, ctrl: &Controller, cmd: &Command) -> AdminOutco
 fn smart_log(ctrl: &Controller) -> SmartLog {
     let mut s = SmartLog { available_spare: 100, available_spare_threshold: 10, ..SmartLog::default() };
     for ns in ctrl.subsystem.namespaces().values() {
-        let st = &ns.stats;
+        let st = ns.stats.snapshot();
         // Data units are thousands of 512-byte units, rounded up.
-        s.data_units_read += st.read_bytes.load(Ordering::Relaxed).div_ceil(512_000);
-        s.data_units_written += st.write_bytes.load(Ordering::Relaxed).div_ceil(512_000);
-        s.host_reads += st.reads.load(Ordering::Relaxed);
-        s.host_writes += st.writes.load(Ordering::Relaxed);
+        s.data_units_read += st.read_bytes.div_ceil(512_000);
+        s.data_units_written += st.write_bytes.div_ceil(512_000);
+        s.host_reads += st.reads;
+        s.host_writes += st.writes;
     }
     s
 }

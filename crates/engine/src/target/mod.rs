@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
 pub use controller::Controller;
-pub use subsystem::{Namespace, NamespaceStats, Subsystem};
+pub use subsystem::{Counted, Namespace, NamespaceStats, StatsSnapshot, Subsystem};
 
 use crate::config::Limits;
 
