@@ -176,6 +176,9 @@ impl Slot {
 
 pub(super) struct Conn {
     socket: TcpStream,
+    /// The socket's slot in the ring's registered-file table, if it has one: operations
+    /// on a registered file skip the kernel's descriptor lookup and reference counting.
+    pub(super) registered_file: Option<u32>,
     phase: Phase,
     accepted_ms: u64,
     digests: Digests,
@@ -202,6 +205,7 @@ impl Conn {
     pub(super) fn new(socket: TcpStream, now_ms: u64) -> Conn {
         Conn {
             socket,
+            registered_file: None,
             phase: Phase::Handshake,
             accepted_ms: now_ms,
             digests: Digests::default(),
@@ -224,7 +228,7 @@ impl Conn {
         }
     }
 
-    fn fd(&self) -> RawFd {
+    pub(super) fn raw_fd(&self) -> RawFd {
         self.socket.as_raw_fd()
     }
 
@@ -276,7 +280,12 @@ impl Conn {
         }
         let room = self.recv_buf.len() - self.recv_end;
         let ptr = self.recv_buf[self.recv_end..].as_mut_ptr();
-        let sqe = opcode::Recv::new(types::Fd(self.fd()), ptr, room as u32).build().user_data(Op::Recv(idx).encode());
+        let len = room as u32;
+        let sqe = match self.registered_file {
+            Some(i) => opcode::Recv::new(types::Fixed(i), ptr, len).build(),
+            None => opcode::Recv::new(types::Fd(self.raw_fd()), ptr, len).build(),
+        };
+        let sqe = sqe.user_data(Op::Recv(idx).encode());
         r.push(sqe);
         self.recv_posted = true;
         self.ops_in_flight += 1;
@@ -924,9 +933,7 @@ impl Conn {
     fn respond(&mut self, r: &mut Reactor, idx: u32, cid: u16, status: Status, result: u64) {
         let (sqhd, sqid) = self.queue.as_ref().map_or((0, 0), |q| (q.sqhd, q.qid));
         let c = Completion { result: result as u32, result_hi: (result >> 32) as u32, sqhd, sqid, cid, status };
-        // Encoded in place in the queue, as in `queue_c2h`.
-        self.out.push_back(new_item());
-        let item = self.out.back_mut().expect("just queued");
+        let item = push_item(&mut self.out);
         item.header_len = tcp::encode_capsule_resp(&c, self.digests, &mut item.header);
         r.mark_dirty(idx);
     }
@@ -939,20 +946,18 @@ impl Conn {
         self.out.push_back(item);
     }
 
-    // Inlined so the payload is built in place in the queued item, and the header is
-    // encoded there too: built elsewhere and copied in, both were stored in pieces and
-    // read back whole, a store-forwarding stall on every read.
+    /// Queues a C2HData PDU carrying `payload`. Inlined so the payload is written
+    /// straight into the queued item (see `push_item`).
     #[inline(always)]
     fn queue_c2h(&mut self, zeroes: &[u8], cid: u16, payload: Payload, success: bool) {
-        let h = DataHeader { cccid: cid, ttag: 0, offset: 0, length: payload.len() as u32 };
-        let (digest, digest_len) = if self.digests.data {
-            (tcp::crc32c(payload_bytes(&payload, zeroes)).to_le_bytes(), 4)
-        } else {
-            ([0; 4], 0)
-        };
-        self.out.push_back(OutItem { header: [0; MAX_OUT_HEADER], header_len: 0, payload, digest, digest_len });
-        let item = self.out.back_mut().expect("just queued");
+        let item = push_item(&mut self.out);
+        item.payload = payload;
+        let h = DataHeader { cccid: cid, ttag: 0, offset: 0, length: item.payload.len() as u32 };
         item.header_len = tcp::encode_c2h_data(&h, true, success, self.digests, &mut item.header);
+        if self.digests.data {
+            item.digest = tcp::crc32c(payload_bytes(&item.payload, zeroes)).to_le_bytes();
+            item.digest_len = 4;
+        }
     }
 
     pub(super) fn post_send(&mut self, r: &mut Reactor, idx: u32) {
@@ -993,10 +998,12 @@ impl Conn {
         }
         self.msg.msg_iov = self.iov.as_mut_ptr();
         self.msg.msg_iovlen = self.iov.len();
-        let sqe = opcode::SendMsg::new(types::Fd(self.fd()), &self.msg)
-            .flags(libc::MSG_NOSIGNAL as u32)
-            .build()
-            .user_data(Op::Send(idx).encode());
+        let flags = libc::MSG_NOSIGNAL as u32;
+        let sqe = match self.registered_file {
+            Some(i) => opcode::SendMsg::new(types::Fixed(i), &self.msg).flags(flags).build(),
+            None => opcode::SendMsg::new(types::Fd(self.raw_fd()), &self.msg).flags(flags).build(),
+        };
+        let sqe = sqe.user_data(Op::Send(idx).encode());
         r.push(sqe);
         self.send_posted = true;
         self.ops_in_flight += 1;
@@ -1050,6 +1057,14 @@ impl Conn {
             }
         }
     }
+}
+
+/// Queues an empty item and returns it, to be filled in place. An item built on the
+/// stack and moved in is written in small pieces and read back in wide ones, which
+/// stalls store forwarding on every I/O.
+fn push_item(out: &mut VecDeque<OutItem>) -> &mut OutItem {
+    out.push_back(new_item());
+    out.back_mut().expect("an item was just queued")
 }
 
 fn new_item() -> OutItem {

@@ -42,6 +42,9 @@ const RING_ENTRIES: u32 = 1024;
 /// Slots in the ring's registered-buffer table. Pool buffers are registered as the
 /// pool grows, so disk I/O uses fixed buffers (no page pinning per operation).
 const REGISTERED_BUFFERS: u32 = 4096;
+/// Slots in the ring's registered-file table: connection `i` uses slot `i`. Further
+/// connections, or all of them if registration fails, use plain descriptors.
+const REGISTERED_FILES: u32 = 1024;
 /// io_uring_enter flag: process completions (run deferred work) before returning.
 const IORING_ENTER_GETEVENTS: u32 = 1;
 
@@ -160,6 +163,7 @@ pub fn spawn(
         if r.ring.submitter().register_buffers_sparse(REGISTERED_BUFFERS).is_err() {
             r.next_registered = REGISTERED_BUFFERS;
         }
+        r.files_registered = r.ring.submitter().register_files_sparse(REGISTERED_FILES).is_ok();
         r.run();
     })?;
     ready_rx.recv().map_err(|_| std::io::Error::other("reactor thread exited during start"))??;
@@ -237,6 +241,8 @@ struct Reactor {
     free_conns: Vec<u32>,
     listeners: BTreeMap<u16, TcpListener>,
     next_owner: usize,
+    /// Whether the ring has a registered-file table for sockets.
+    files_registered: bool,
     /// Disk operations submitted and not yet completed, over all connections.
     disk_in_flight: u32,
     /// Disk operations were queued in this pass and are not yet handed to the kernel.
@@ -272,6 +278,7 @@ impl Reactor {
             free_conns: Vec::new(),
             listeners: BTreeMap::new(),
             next_owner: 0,
+            files_registered: false,
             disk_in_flight: 0,
             disk_queued: false,
             dirty: Vec::with_capacity(256),
@@ -473,13 +480,26 @@ impl Reactor {
             self.conns.push(None);
             (self.conns.len() - 1) as u32
         });
-        let conn = Box::new(Conn::new(stream, self.target.now_ms()));
+        let mut conn = Box::new(Conn::new(stream, self.target.now_ms()));
+        if self.files_registered
+            && idx < REGISTERED_FILES
+            && self.ring.submitter().register_files_update(idx, &[conn.raw_fd()]).is_ok()
+        {
+            conn.registered_file = Some(idx);
+        }
         self.target.connection_opened();
         self.conns[idx as usize] = Some(conn);
         self.with_conn(idx, |r, conn| conn.post_recv(r, idx));
     }
 
     fn free_conn(&mut self, idx: u32, mut conn: Box<Conn>) {
+        // The table holds its own reference to the socket: drop it, or the socket
+        // would stay open after the connection is freed.
+        if let Some(slot) = conn.registered_file.take()
+            && let Err(e) = self.ring.submitter().register_files_update(slot, &[-1])
+        {
+            eprintln!("nvpool: reactor {}: cannot unregister a closed socket: {e}", self.id);
+        }
         conn.release(&self.target, &mut self.pool);
         drop(conn);
         self.target.connection_closed();
