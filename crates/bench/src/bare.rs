@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::histogram::Histogram;
+use crate::idle::IdleBackoff;
 use crate::load::{Latency, Report, Workload};
 
 /// Bytes of one request: the size of an NVMe/TCP command capsule without data.
@@ -31,15 +32,11 @@ pub fn serve(listener: &TcpListener, stop: &AtomicBool) {
     let zeroes = vec![0u8; MAX_RESPONSE];
     let mut conns: Vec<ServerConn> = Vec::new();
     let mut pass: u32 = 0;
-    let mut idle_passes: u32 = 0;
+    let mut idle = IdleBackoff::default();
     while !stop.load(Ordering::Relaxed) {
         pass = pass.wrapping_add(1);
-        idle_passes = idle_passes.saturating_add(1);
-        if idle_passes > 100_000 {
-            // Idle: leave the CPU to whatever runs next to it.
-            std::thread::sleep(Duration::from_micros(200));
-        }
-        if pass.is_multiple_of(256) {
+        let napping = idle.pass();
+        if napping || pass.is_multiple_of(256) {
             while let Ok((s, _)) = listener.accept() {
                 let _ = s.set_nodelay(true);
                 if s.set_nonblocking(true).is_ok() {
@@ -57,7 +54,7 @@ pub fn serve(listener: &TcpListener, stop: &AtomicBool) {
         }
         for c in conns.iter_mut().filter(|c| !c.dead) {
             if c.poll(&zeroes) {
-                idle_passes = 0;
+                idle.busy();
             }
         }
     }

@@ -4,5 +4,6 @@
 
 pub mod bare;
 pub mod histogram;
+pub mod idle;
 pub mod load;
 pub mod responder;

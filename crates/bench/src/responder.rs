@@ -18,12 +18,12 @@ use nvpool_wire::fabrics::{Capabilities, PropertyAccess, VERSION_2_0, csts, fcty
 use nvpool_wire::identify::{self, IdentifyController, IdentifyNamespace};
 use nvpool_wire::tcp::{self, DataHeader, DataLimits, Digests, IcResp, Pdu};
 
+use crate::idle::IdleBackoff;
+
 /// Largest transfer the responder advertises (the same as the engine's).
 const MAX_TRANSFER: usize = 128 * 1024;
 /// In-capsule data accepted (the same as the engine's I/O queues).
 const IN_CAPSULE: usize = 8192;
-/// Quiet polling passes (about a millisecond) before the responder starts napping.
-const IDLE_PASSES: u32 = 100_000;
 /// Most iovecs per write.
 const MAX_IOV: usize = 256;
 
@@ -112,16 +112,11 @@ impl Responder {
         let zeroes = vec![0u8; MAX_TRANSFER];
         let mut conns: Vec<RConn> = Vec::new();
         let mut pass: u32 = 0;
-        let mut idle_passes: u32 = 0;
+        let mut idle = IdleBackoff::default();
         while !stop.load(Ordering::Relaxed) {
             pass = pass.wrapping_add(1);
-            // Poll while there is traffic; after a long quiet spell nap briefly, so an
-            // idle responder leaves the CPU to whatever is measured next to it.
-            idle_passes = idle_passes.saturating_add(1);
-            if idle_passes > IDLE_PASSES {
-                std::thread::sleep(std::time::Duration::from_micros(200));
-            }
-            if pass.is_multiple_of(256) {
+            let napping = idle.pass();
+            if napping || pass.is_multiple_of(256) {
                 while let Ok((s, _)) = self.listener.accept() {
                     let _ = s.set_nodelay(true);
                     if s.set_nonblocking(true).is_ok() {
@@ -134,7 +129,7 @@ impl Responder {
                 match c.stream.read(&mut c.rbuf[c.rend..]) {
                     Ok(0) => c.dead = true,
                     Ok(n) => {
-                        idle_passes = 0;
+                        idle.busy();
                         c.rend += n;
                         c.process(self, &zeroes);
                     }
