@@ -808,9 +808,10 @@ impl Conn {
         self.slots[usize::from(tag)].disk_pending = submitted;
         self.ops_in_flight += submitted;
         r.disk_in_flight += submitted;
-        r.disk_queued |= submitted > 0;
         if submitted == 0 {
             self.finish(r, idx, tag);
+        } else {
+            r.submit_disk_ops();
         }
     }
 

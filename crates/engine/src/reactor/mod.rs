@@ -1,11 +1,12 @@
 //! Reactors: one thread per configured core, each owning one io_uring used for both
 //! socket and disk I/O.
 //!
-//! A reactor runs to completion. Each pass of its loop makes one `io_uring_enter`
-//! (submitting everything queued and waiting for at least one completion), reaps
+//! A reactor runs to completion. Each pass of its loop enters the kernel once if there
+//! is anything to submit or any completion work pending (the ring flags it), reaps
 //! every completion, parses what arrived, queues the disk and socket work, and then
-//! flushes each connection's output as one `sendmsg`. Disk work queued in a pass is
-//! submitted on its own before that (see `Reactor::submit_disk_work`). Nothing on the
+//! flushes each connection's output as one `sendmsg`. A command's disk work is handed
+//! to the kernel as soon as the command is parsed (see `Reactor::submit_disk_ops`).
+//! Idle, the reactor sleeps in the kernel until a completion arrives. Nothing on the
 //! I/O path takes a lock or allocates once buffers are warm. Other threads talk to a
 //! reactor through its mailbox (a channel plus an eventfd that wakes the ring).
 //!
@@ -151,8 +152,8 @@ pub fn spawn(
         {
             eprintln!("nvpool: reactor {id}: cannot pin to CPU {c}: {e}");
         }
-        let ring = match new_ring() {
-            Ok(ring) => ring,
+        let (ring, taskrun_flag) = match new_ring() {
+            Ok(made) => made,
             Err(e) => {
                 let _ = ready_tx.send(Err(e));
                 return;
@@ -160,6 +161,7 @@ pub fn spawn(
         };
         let _ = ready_tx.send(Ok(()));
         let mut r = Reactor::new(id, ring, target, links, rx, wake);
+        r.taskrun_flag = taskrun_flag;
         if r.ring.submitter().register_buffers_sparse(REGISTERED_BUFFERS).is_err() {
             r.next_registered = REGISTERED_BUFFERS;
         }
@@ -172,16 +174,21 @@ pub fn spawn(
 
 /// A ring whose completion work runs only when the reactor asks for it (deferred task
 /// running, one issuer): no interrupts of the polling loop, and the cheapest wakeups.
+/// The kernel flags pending completion work in the shared ring, so the polling loop
+/// can tell without a system call whether entering the kernel would find anything.
 /// Older kernels get cooperative task running, or a plain ring.
-fn new_ring() -> std::io::Result<IoUring> {
+/// Returns the ring and whether it has that flag.
+fn new_ring() -> std::io::Result<(IoUring, bool)> {
     let cq = RING_ENTRIES * 4;
     IoUring::builder()
         .setup_cqsize(cq)
         .setup_single_issuer()
         .setup_defer_taskrun()
+        .setup_taskrun_flag()
         .build(RING_ENTRIES)
-        .or_else(|_| IoUring::builder().setup_cqsize(cq).setup_coop_taskrun().build(RING_ENTRIES))
-        .or_else(|_| IoUring::builder().setup_cqsize(cq).build(RING_ENTRIES))
+        .or_else(|_| IoUring::builder().setup_cqsize(cq).setup_coop_taskrun().setup_taskrun_flag().build(RING_ENTRIES))
+        .map(|ring| (ring, true))
+        .or_else(|_| IoUring::builder().setup_cqsize(cq).build(RING_ENTRIES).map(|ring| (ring, false)))
 }
 
 /// What a completion belongs to, packed into the 64-bit user data:
@@ -243,10 +250,10 @@ struct Reactor {
     next_owner: usize,
     /// Whether the ring has a registered-file table for sockets.
     files_registered: bool,
+    /// Whether the kernel flags pending completion work in the ring (see `new_ring`).
+    taskrun_flag: bool,
     /// Disk operations submitted and not yet completed, over all connections.
     disk_in_flight: u32,
-    /// Disk operations were queued in this pass and are not yet handed to the kernel.
-    disk_queued: bool,
     /// Connections with output to flush at the end of this pass, each once.
     dirty: Vec<u32>,
     is_dirty: Vec<bool>,
@@ -279,8 +286,8 @@ impl Reactor {
             listeners: BTreeMap::new(),
             next_owner: 0,
             files_registered: false,
+            taskrun_flag: false,
             disk_in_flight: 0,
-            disk_queued: false,
             dirty: Vec::with_capacity(256),
             is_dirty: Vec::new(),
             stopping: false,
@@ -354,10 +361,21 @@ impl Reactor {
             // of microseconds, sooner than a sleeping thread wakes up.
             let busy = self.disk_in_flight > 0 || now.duration_since(last_activity) < BUSY_POLL;
             let entered = if busy {
-                // Submits, runs completion work, and returns without waiting.
-                let pending = self.ring.submission().len() as u32;
-                // SAFETY: no argument is passed; the flags are plain io_uring_enter flags.
-                unsafe { self.ring.submitter().enter::<libc::sigset_t>(pending, 0, IORING_ENTER_GETEVENTS, None) }
+                let (pending, kernel_work) = {
+                    let sq = self.ring.submission();
+                    (sq.len() as u32, sq.taskrun() || sq.cq_overflow())
+                };
+                if pending == 0 && self.taskrun_flag && !kernel_work {
+                    // Nothing to submit and no completion work: polling stays in user
+                    // space. A system call per pass would cost CPU that, in a virtual
+                    // machine, the host also needs to run the guest's disks.
+                    std::hint::spin_loop();
+                    Ok(0)
+                } else {
+                    // Submits, runs completion work, and returns without waiting.
+                    // SAFETY: no argument is passed; the flags are plain io_uring_enter flags.
+                    unsafe { self.ring.submitter().enter::<libc::sigset_t>(pending, 0, IORING_ENTER_GETEVENTS, None) }
+                }
             } else {
                 let args = types::SubmitArgs::new().timespec(&ts);
                 self.ring.submitter().submit_with_args(1, &args)
@@ -390,7 +408,6 @@ impl Reactor {
                 self.last_tick = now;
                 self.tick();
             }
-            self.submit_disk_work();
             self.flush_dirty();
             if self.stopping && self.conns.iter().all(Option::is_none) {
                 return;
@@ -518,15 +535,14 @@ impl Reactor {
         }
     }
 
-    /// Hands the disk operations queued in this pass to the kernel before any send is
-    /// queued. The kernel holds the block requests of one `io_uring_enter` back (a block
-    /// plug) until every entry of that call is issued, and sending a batch of read data
-    /// copies it all: a disk read queued with a large send would reach the disk only
-    /// after the copy, tens of microseconds late.
-    fn submit_disk_work(&mut self) {
-        if std::mem::take(&mut self.disk_queued)
-            && let Err(e) = self.ring.submit()
-        {
+    /// Hands a command's disk operations to the kernel as soon as the command is
+    /// parsed, rather than once per pass. The disk starts on the first request of a
+    /// burst while the reactor parses the rest; and an `io_uring_enter` with more than
+    /// two entries holds its block requests back (a block plug) until all are issued,
+    /// so a pass's worth of reads would reach the disk together, late, with one
+    /// notification. On a virtual disk that costs a tenth of its IOPS at depth 32.
+    pub(super) fn submit_disk_ops(&mut self) {
+        if let Err(e) = self.ring.submit() {
             eprintln!("nvpool: reactor {}: io_uring submit failed: {e}", self.id);
         }
     }
