@@ -11,7 +11,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use thiserror::Error;
@@ -144,6 +144,7 @@ pub struct Bdev {
     size: u64,
     block_device: bool,
     direct: bool,
+    on_device: bool,
     description: String,
 }
 
@@ -158,6 +159,7 @@ impl Bdev {
             size,
             block_device: false,
             direct: false,
+            on_device: false,
             description: format!("null:{size}"),
         }
     }
@@ -183,6 +185,7 @@ impl Bdev {
             size,
             block_device: false,
             direct: false,
+            on_device: false,
             description: format!("memory:{size}"),
         })
     }
@@ -214,6 +217,9 @@ impl Bdev {
         };
         let meta = file.metadata().map_err(|source| BdevError::Open { path: path.into(), source })?;
         let block_device = meta.file_type().is_block_device();
+        // Filesystems without a device (tmpfs) have major number 0; their direct I/O
+        // still copies from memory.
+        let on_device = block_device || (direct && libc::major(meta.dev()) != 0);
         let mut size = if block_device { block_device_size(&file)? } else { meta.len() };
         if let (0, false, Some(want)) = (size, block_device, create_size) {
             file.set_len(want).map_err(|e| BdevError::Sys { what: "sizing the backing file", source: e })?;
@@ -233,6 +239,7 @@ impl Bdev {
             size,
             block_device,
             direct,
+            on_device,
             description: path.display().to_string(),
         })
     }
@@ -247,6 +254,7 @@ impl Bdev {
             size,
             block_device: false,
             direct: true,
+            on_device: false,
             description,
         }
     }
@@ -279,6 +287,13 @@ impl Bdev {
     /// Whether I/O bypasses the page cache.
     pub fn direct(&self) -> bool {
         self.direct
+    }
+
+    /// Whether I/O goes to a device and completes later (a block device, or a file with
+    /// direct I/O on a filesystem that has one), rather than copying from memory inside
+    /// the submitting call. A volume's I/O goes to its pool's disks.
+    pub fn on_device(&self) -> bool {
+        self.on_device
     }
 
     /// Whether deallocated blocks are guaranteed to read back as zeroes. Block devices
@@ -377,6 +392,23 @@ mod tests {
         drop(b);
         assert_eq!(Bdev::file(&p, None).unwrap().size(), 1 << 20);
         assert!(Bdev::file(&dir.path().join("missing"), None).is_err());
+    }
+
+    #[test]
+    fn only_storage_with_a_device_counts_as_on_device() {
+        assert!(!Bdev::null(1 << 20).on_device());
+        assert!(!Bdev::memory(1 << 20).unwrap().on_device());
+        // tmpfs has no device (major number 0), even where it accepts O_DIRECT.
+        let shm = Path::new("/dev/shm");
+        if shm.is_dir() {
+            let dir = tempfile::tempdir_in(shm).unwrap();
+            assert!(!Bdev::file(&dir.path().join("disk"), Some(1 << 20)).unwrap().on_device());
+        }
+        // A filesystem on a block device: I/O there completes later, from the device.
+        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let b = Bdev::file(&dir.path().join("disk"), Some(1 << 20)).unwrap();
+        let dev = std::fs::metadata(dir.path()).unwrap().dev();
+        assert_eq!(b.on_device(), b.direct() && libc::major(dev) != 0);
     }
 
     #[test]

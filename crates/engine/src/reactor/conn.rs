@@ -581,13 +581,15 @@ impl Conn {
         // The namespace is lent out of the slot for the call, and put back before the
         // slot can finish: no reference is taken per command.
         let Some(ns) = self.slots[usize::from(tag)].ns.take() else { return };
-        let submitted = match ns.bdev.as_volume() {
-            Some(volume) => self.queue_volume_io(r, idx, tag, &ns, volume),
-            None => self.queue_disk_io(r, idx, tag, &ns),
+        let (submitted, on_device) = match ns.bdev.as_volume() {
+            Some(volume) => {
+                (self.queue_volume_io(r, idx, tag, &ns, volume), volume.pool.disks().iter().any(|d| d.bdev.on_device()))
+            }
+            None => (self.queue_disk_io(r, idx, tag, &ns), ns.bdev.on_device()),
         };
         self.slots[usize::from(tag)].ns = Some(ns);
         if let Some(n) = submitted {
-            self.submitted(r, idx, tag, n);
+            self.submitted(r, idx, tag, n, on_device);
         }
     }
 
@@ -803,15 +805,20 @@ impl Conn {
         Some(submitted)
     }
 
-    /// Records the disk operations slot `tag` submitted; with none, it is done now.
-    fn submitted(&mut self, r: &mut Reactor, idx: u32, tag: u16, submitted: u32) {
+    /// Records the disk operations slot `tag` queued; with none, it is done now.
+    /// I/O to a device is handed to the kernel at once; I/O that copies from memory
+    /// (page cache, tmpfs) completes within the submitting call and waits for the end
+    /// of the pass, when one call submits it all (see `Reactor::submit_disk_ops`).
+    fn submitted(&mut self, r: &mut Reactor, idx: u32, tag: u16, submitted: u32, on_device: bool) {
         self.slots[usize::from(tag)].disk_pending = submitted;
         self.ops_in_flight += submitted;
         r.disk_in_flight += submitted;
         if submitted == 0 {
             self.finish(r, idx, tag);
-        } else {
+        } else if on_device {
             r.submit_disk_ops();
+        } else {
+            r.disk_queued = true;
         }
     }
 

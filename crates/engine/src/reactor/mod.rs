@@ -4,8 +4,9 @@
 //! A reactor runs to completion. Each pass of its loop enters the kernel once if there
 //! is anything to submit or any completion work pending (the ring flags it), reaps
 //! every completion, parses what arrived, queues the disk and socket work, and then
-//! flushes each connection's output as one `sendmsg`. A command's disk work is handed
-//! to the kernel as soon as the command is parsed (see `Reactor::submit_disk_ops`).
+//! flushes each connection's output as one `sendmsg`. I/O to a disk device is handed to
+//! the kernel as soon as its command is parsed, I/O served from memory (page cache) once
+//! per pass before the sends (see `Reactor::submit_disk_ops`).
 //! Idle, the reactor sleeps in the kernel until a completion arrives. Nothing on the
 //! I/O path takes a lock or allocates once buffers are warm. Other threads talk to a
 //! reactor through its mailbox (a channel plus an eventfd that wakes the ring).
@@ -252,6 +253,9 @@ struct Reactor {
     files_registered: bool,
     /// Whether the kernel flags pending completion work in the ring (see `new_ring`).
     taskrun_flag: bool,
+    /// Disk operations that copy from memory were queued in this pass and are not yet
+    /// submitted.
+    disk_queued: bool,
     /// Disk operations submitted and not yet completed, over all connections.
     disk_in_flight: u32,
     /// Connections with output to flush at the end of this pass, each once.
@@ -287,6 +291,7 @@ impl Reactor {
             next_owner: 0,
             files_registered: false,
             taskrun_flag: false,
+            disk_queued: false,
             disk_in_flight: 0,
             dirty: Vec::with_capacity(256),
             is_dirty: Vec::new(),
@@ -407,6 +412,9 @@ impl Reactor {
             if now.duration_since(self.last_tick) >= TICK {
                 self.last_tick = now;
                 self.tick();
+            }
+            if self.disk_queued {
+                self.submit_disk_ops();
             }
             self.flush_dirty();
             if self.stopping && self.conns.iter().all(Option::is_none) {
@@ -535,13 +543,21 @@ impl Reactor {
         }
     }
 
-    /// Hands a command's disk operations to the kernel as soon as the command is
-    /// parsed, rather than once per pass. The disk starts on the first request of a
-    /// burst while the reactor parses the rest; and an `io_uring_enter` with more than
-    /// two entries holds its block requests back (a block plug) until all are issued,
-    /// so a pass's worth of reads would reach the disk together, late, with one
-    /// notification. On a virtual disk that costs a tenth of its IOPS at depth 32.
+    /// Hands queued disk operations to the kernel.
+    ///
+    /// I/O to a device is submitted as soon as its command is parsed (see `Conn::submitted`):
+    /// the device starts on the first request of a burst while the reactor parses the
+    /// rest. Batching a pass's reads cost about a tenth of a virtual disk's IOPS at
+    /// depth 32, because an `io_uring_enter` with more than two entries holds its block
+    /// requests back (a block plug) until all are issued, and the device is notified
+    /// once, late. A system call per command is cheap next to a device's latency.
+    ///
+    /// I/O that copies from memory (page cache, tmpfs) completes inside the submitting
+    /// call, so a call per command would only add system calls (a third fewer IOPS on tmpfs);
+    /// it is submitted once at the end of the pass, before any send is queued (a large
+    /// send copies its data first and would hold the reads back).
     pub(super) fn submit_disk_ops(&mut self) {
+        self.disk_queued = false;
         if let Err(e) = self.ring.submit() {
             eprintln!("nvpool: reactor {}: io_uring submit failed: {e}", self.id);
         }
