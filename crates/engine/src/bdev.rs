@@ -246,6 +246,7 @@ impl Bdev {
 
     /// A volume of a pool, `size` bytes.
     pub fn volume(io: VolumeIo, size: u64, description: String) -> Bdev {
+        let on_device = io.pool.disks().iter().any(|d| d.bdev.on_device());
         Bdev {
             kind: BdevKind::Volume,
             memory: None,
@@ -254,7 +255,7 @@ impl Bdev {
             size,
             block_device: false,
             direct: true,
-            on_device: false,
+            on_device,
             description,
         }
     }
@@ -291,7 +292,8 @@ impl Bdev {
 
     /// Whether I/O goes to a device and completes later (a block device, or a file with
     /// direct I/O on a filesystem that has one), rather than copying from memory inside
-    /// the submitting call. A volume's I/O goes to its pool's disks.
+    /// the submitting call. A volume's I/O goes to its pool's disks, known when the
+    /// volume is opened (a pool's disks do not change).
     pub fn on_device(&self) -> bool {
         self.on_device
     }

@@ -27,7 +27,7 @@ use config::{BackendSpec, EngineConfig, NamespaceConfig, SubsystemConfig};
 use reactor::{Msg, ReactorLink};
 pub use storage::{DirtyAction, DirtyReport};
 use target::subsystem::HostPolicy;
-use target::{ListenerInfo, Namespace, Subsystem, Target, lock};
+use target::{ListenerInfo, Namespace, StatsSnapshot, Subsystem, Target, lock};
 
 /// A running engine.
 pub struct Engine {
@@ -59,24 +59,7 @@ pub struct NamespaceInfo {
     /// Whether I/O bypasses the page cache.
     pub direct_io: bool,
     /// I/O counters.
-    pub stats: NamespaceStatsInfo,
-}
-
-/// I/O counters of a namespace.
-#[derive(Debug, Serialize, Default)]
-pub struct NamespaceStatsInfo {
-    /// Read commands.
-    pub reads: u64,
-    /// Write commands.
-    pub writes: u64,
-    /// Bytes read.
-    pub read_bytes: u64,
-    /// Bytes written.
-    pub write_bytes: u64,
-    /// Flush, Write Zeroes and Dataset Management commands.
-    pub others: u64,
-    /// Failed commands.
-    pub errors: u64,
+    pub stats: StatsSnapshot,
 }
 
 /// A subsystem as the management API reports it.
@@ -338,7 +321,6 @@ fn add_namespace_to(engine: &Engine, s: &Subsystem, n: &NamespaceConfig) -> Resu
 }
 
 fn namespace_info(ns: &Namespace) -> NamespaceInfo {
-    let st = ns.stats.snapshot();
     NamespaceInfo {
         nsid: ns.nsid,
         kind: ns.bdev.kind(),
@@ -348,13 +330,6 @@ fn namespace_info(ns: &Namespace) -> NamespaceInfo {
         uuid: uuid::Uuid::from_bytes(ns.uuid).to_string(),
         nguid: ns.nguid.iter().map(|b| format!("{b:02x}")).collect(),
         direct_io: ns.bdev.direct(),
-        stats: NamespaceStatsInfo {
-            reads: st.reads,
-            writes: st.writes,
-            read_bytes: st.read_bytes,
-            write_bytes: st.write_bytes,
-            others: st.others,
-            errors: st.errors,
-        },
+        stats: ns.stats.snapshot(),
     }
 }

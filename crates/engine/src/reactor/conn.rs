@@ -581,12 +581,11 @@ impl Conn {
         // The namespace is lent out of the slot for the call, and put back before the
         // slot can finish: no reference is taken per command.
         let Some(ns) = self.slots[usize::from(tag)].ns.take() else { return };
-        let (submitted, on_device) = match ns.bdev.as_volume() {
-            Some(volume) => {
-                (self.queue_volume_io(r, idx, tag, &ns, volume), volume.pool.disks().iter().any(|d| d.bdev.on_device()))
-            }
-            None => (self.queue_disk_io(r, idx, tag, &ns), ns.bdev.on_device()),
+        let submitted = match ns.bdev.as_volume() {
+            Some(volume) => self.queue_volume_io(r, idx, tag, &ns, volume),
+            None => self.queue_disk_io(r, idx, tag, &ns),
         };
+        let on_device = ns.bdev.on_device();
         self.slots[usize::from(tag)].ns = Some(ns);
         if let Some(n) = submitted {
             self.submitted(r, idx, tag, n, on_device);

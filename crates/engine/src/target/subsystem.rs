@@ -25,8 +25,9 @@ pub enum Counted {
     Error,
 }
 
-/// Per-namespace I/O counters, summed over all reactors.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// Per-namespace I/O counters, summed over all reactors (also what the management
+/// API reports).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct StatsSnapshot {
     /// Read commands completed.
     pub reads: u64,
@@ -72,10 +73,8 @@ impl NamespaceStats {
     /// Counts a command completed by reactor `reactor`. Only that reactor's thread may
     /// pass its ID.
     pub fn count(&self, reactor: usize, what: Counted) {
-        let (shard, exclusive) = match self.shards.get(reactor) {
-            Some(s) if reactor < OWNED_SHARDS => (s, true),
-            _ => (&self.shards[OWNED_SHARDS], false),
-        };
+        let exclusive = reactor < OWNED_SHARDS;
+        let shard = &self.shards[if exclusive { reactor } else { OWNED_SHARDS }];
         let add = |counter: &AtomicU64, n: u64| {
             if exclusive {
                 counter.store(counter.load(Ordering::Relaxed) + n, Ordering::Relaxed);
