@@ -56,6 +56,18 @@ impl Buf {
         unsafe { std::slice::from_raw_parts_mut(self.pages.as_mut_ptr().cast::<u8>(), self.capacity()) }
     }
 
+    /// Zeroes `len` bytes at `at` (clamped to the buffer) through the raw pointer, so
+    /// no slice of the whole buffer is made while the kernel may be using other parts.
+    pub fn zero_range(&mut self, at: usize, len: usize) {
+        let end = at.saturating_add(len).min(self.capacity());
+        if at < end {
+            // SAFETY: [at, end) lies inside the buffer's allocation, and `&mut self`
+            // means no Rust reference to it exists; parts the kernel may be using are
+            // outside this range by the caller's contract (see `BlockIo::zero`).
+            unsafe { std::ptr::write_bytes(self.as_mut_ptr().add(at), 0, end - at) };
+        }
+    }
+
     /// Raw pointer for io_uring; valid while the buffer lives.
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
         self.pages.as_mut_ptr().cast::<u8>()
@@ -109,6 +121,11 @@ mod tests {
         let mut again = pool.get(8192);
         assert_eq!(again.as_mut_ptr(), p);
         assert_eq!(again.as_slice()[8191], 7);
+        again.as_mut_slice()[4096..4100].fill(9);
+        again.zero_range(4097, 2);
+        assert_eq!(&again.as_slice()[4096..4100], &[9, 0, 0, 9]);
+        again.zero_range(8190, 100);
+        assert_eq!(again.as_slice()[8191], 0);
         assert_eq!(pool.get(128 * 1024).capacity(), 128 * 1024);
     }
 }

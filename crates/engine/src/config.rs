@@ -184,12 +184,12 @@ impl EngineConfig {
             return Err("cores = []: list at least one CPU".into());
         }
         for s in &self.subsystems {
-            crate::target::subsystem::validate_nqn(&s.nqn).map_err(|e| format!("subsystem.nqn: {e}"))?;
+            crate::nvme::subsystem::validate_nqn(&s.nqn).map_err(|e| format!("subsystem.nqn: {e}"))?;
             for h in &s.hosts {
-                crate::target::subsystem::validate_nqn(h).map_err(|e| format!("subsystem {} hosts: {e}", s.nqn))?;
+                crate::nvme::subsystem::validate_nqn(h).map_err(|e| format!("subsystem {} hosts: {e}", s.nqn))?;
             }
             for n in &s.namespaces {
-                BackendSpec::parse(&n.backend).map_err(|e| format!("subsystem {} namespace.backend: {e}", s.nqn))?;
+                crate::backend::check(&n.backend).map_err(|e| format!("subsystem {} namespace.backend: {e}", s.nqn))?;
             }
         }
         Ok(())
@@ -204,50 +204,6 @@ impl EngineConfig {
         let n = self.reactors.unwrap_or(1);
         let allowed = crate::reactor::allowed_cpus();
         (0..n).map(|i| allowed.get(i).copied()).collect()
-    }
-}
-
-/// A parsed backend specification.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum BackendSpec {
-    /// `null:SIZE`.
-    Null(u64),
-    /// `memory:SIZE`.
-    Memory(u64),
-    /// `file:PATH[:SIZE]`.
-    File(PathBuf, Option<u64>),
-    /// `volume:POOL/NAME`.
-    Volume(String, String),
-}
-
-impl BackendSpec {
-    /// Parses `null:1GiB`, `memory:256MiB`, `file:/path` or `file:/path:10GiB`.
-    pub fn parse(s: &str) -> Result<BackendSpec, String> {
-        let usage = "use null:SIZE, memory:SIZE, file:PATH, file:PATH:SIZE or volume:POOL/NAME (e.g. memory:256MiB)";
-        let (kind, rest) = s.split_once(':').ok_or_else(|| format!("backend {s:?} has no kind: {usage}"))?;
-        match kind {
-            "null" => Ok(BackendSpec::Null(parse_size(rest)?)),
-            "memory" => Ok(BackendSpec::Memory(parse_size(rest)?)),
-            "file" => {
-                if rest.is_empty() {
-                    return Err(format!("backend {s:?} has no path: {usage}"));
-                }
-                // A trailing ":SIZE" is a size only if it parses as one.
-                match rest.rsplit_once(':') {
-                    Some((path, size)) if parse_size(size).is_ok() => {
-                        Ok(BackendSpec::File(PathBuf::from(path), Some(parse_size(size)?)))
-                    }
-                    _ => Ok(BackendSpec::File(PathBuf::from(rest), None)),
-                }
-            }
-            "volume" => match rest.split_once('/') {
-                Some((pool, name)) if !pool.is_empty() && !name.is_empty() => {
-                    Ok(BackendSpec::Volume(pool.to_string(), name.to_string()))
-                }
-                _ => Err(format!("backend {s:?} does not name a volume: {usage}")),
-            },
-            _ => Err(format!("backend kind {kind:?} is unknown: {usage}")),
-        }
     }
 }
 
@@ -305,17 +261,6 @@ mod tests {
         assert!(parse_size("0").is_err());
         assert!(parse_size("12XB").unwrap_err().contains("unit"));
         assert!(parse_size("lots").is_err());
-    }
-
-    #[test]
-    fn backends_parse() {
-        assert_eq!(BackendSpec::parse("null:1GiB"), Ok(BackendSpec::Null(1 << 30)));
-        assert_eq!(BackendSpec::parse("file:/a/b"), Ok(BackendSpec::File("/a/b".into(), None)));
-        assert_eq!(BackendSpec::parse("volume:fast/db"), Ok(BackendSpec::Volume("fast".into(), "db".into())));
-        assert!(BackendSpec::parse("volume:fast").is_err());
-        assert_eq!(BackendSpec::parse("file:/a/b:1M"), Ok(BackendSpec::File("/a/b".into(), Some(1 << 20))));
-        assert!(BackendSpec::parse("disk:/x").unwrap_err().contains("unknown"));
-        assert!(BackendSpec::parse("file:").is_err());
     }
 
     #[test]

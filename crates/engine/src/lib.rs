@@ -5,14 +5,14 @@
 //! (subsystems, namespaces, hosts, listeners) go through the `Engine` methods, which
 //! the Unix-socket API in [`mgmt`] exposes.
 
-pub mod bdev;
+pub mod backend;
 pub mod bufpool;
 pub mod config;
 pub mod mgmt;
+pub mod nvme;
 pub mod pool;
 pub mod reactor;
 mod storage;
-pub mod target;
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener};
@@ -22,12 +22,11 @@ use std::thread::JoinHandle;
 
 use serde::Serialize;
 
-use bdev::Bdev;
-use config::{BackendSpec, EngineConfig, NamespaceConfig, SubsystemConfig};
+use config::{EngineConfig, NamespaceConfig, SubsystemConfig};
+use nvme::subsystem::HostPolicy;
+use nvme::{ListenerInfo, Namespace, StatsSnapshot, Subsystem, Target, lock};
 use reactor::{Msg, ReactorLink};
 pub use storage::{DirtyAction, DirtyReport};
-use target::subsystem::HostPolicy;
-use target::{ListenerInfo, Namespace, StatsSnapshot, Subsystem, Target, lock};
 
 /// A running engine.
 pub struct Engine {
@@ -44,8 +43,8 @@ pub struct Engine {
 pub struct NamespaceInfo {
     /// Namespace ID.
     pub nsid: u32,
-    /// Backend kind.
-    pub kind: bdev::BdevKind,
+    /// Backend kind (`null`, `memory`, `file`, `volume`, ...).
+    pub kind: &'static str,
     /// Backend description (path, or kind and size).
     pub backend: String,
     /// Size in bytes.
@@ -297,25 +296,21 @@ fn add_namespace_to(engine: &Engine, s: &Subsystem, n: &NamespaceConfig) -> Resu
     let nsid = match n.nsid {
         Some(id) => id,
         None => {
-            (1..=target::MAX_NSID).find(|id| !s.namespaces().contains_key(id)).ok_or("every namespace ID is in use")?
+            (1..=nvme::MAX_NSID).find(|id| !s.namespaces().contains_key(id)).ok_or("every namespace ID is in use")?
         }
     };
-    let bdev = match BackendSpec::parse(&n.backend)? {
-        BackendSpec::Null(size) => Bdev::null(size),
-        BackendSpec::Memory(size) => Bdev::memory(size).map_err(|e| e.to_string())?,
-        BackendSpec::File(path, size) => Bdev::file(&path, size).map_err(|e| e.to_string())?,
-        BackendSpec::Volume(pool, name) => {
-            if n.uuid.is_some() {
-                return Err(format!("volume {pool}/{name} has its own UUID: leave uuid out of the namespace"));
-            }
-            let ns = engine.volume_namespace(&pool, &name, nsid, n.block_size)?;
-            s.add_namespace(ns)?;
-            return Ok(nsid);
+    let opened = engine.open_backend(&n.backend)?;
+    let (uuid, nguid) = match (opened.identity, n.uuid) {
+        (Some(_), Some(_)) => {
+            return Err(format!("{} has its own UUID: leave uuid out of the namespace", n.backend));
+        }
+        (Some(identity), None) => identity,
+        (None, given) => {
+            let uuid = given.unwrap_or_else(|| config::derived_uuid(&s.nqn, nsid));
+            (*uuid.as_bytes(), config::derived_nguid(&uuid))
         }
     };
-    let uuid = n.uuid.unwrap_or_else(|| config::derived_uuid(&s.nqn, nsid));
-    let nguid = config::derived_nguid(&uuid);
-    let ns = Namespace::new(nsid, Arc::new(bdev), n.block_size, *uuid.as_bytes(), nguid)?;
+    let ns = Namespace::new(nsid, opened.backend, n.block_size, uuid, nguid)?;
     s.add_namespace(ns)?;
     Ok(nsid)
 }
@@ -323,13 +318,13 @@ fn add_namespace_to(engine: &Engine, s: &Subsystem, n: &NamespaceConfig) -> Resu
 fn namespace_info(ns: &Namespace) -> NamespaceInfo {
     NamespaceInfo {
         nsid: ns.nsid,
-        kind: ns.bdev.kind(),
-        backend: ns.bdev.description().to_string(),
+        kind: ns.backend.kind(),
+        backend: ns.backend.description(),
         size: ns.blocks << ns.block_shift,
         block_size: ns.block_size(),
         uuid: uuid::Uuid::from_bytes(ns.uuid).to_string(),
         nguid: ns.nguid.iter().map(|b| format!("{b:02x}")).collect(),
-        direct_io: ns.bdev.direct(),
+        direct_io: ns.backend.direct_io(),
         stats: ns.stats.snapshot(),
     }
 }

@@ -4,9 +4,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::bdev::Bdev;
+use crate::backend::{self, OpenEnv, Opened};
+use crate::nvme::{Namespace, Subsystem, lock};
 use crate::pool::{CreateOptions, DEFAULT_CLUSTER_SIZE, Pool, PoolInfo, VolumeInfo};
-use crate::target::{Namespace, Subsystem, lock};
 use crate::{Engine, Msg};
 
 /// What to do with a volume's dirty-cluster tracking.
@@ -113,9 +113,9 @@ impl Engine {
         let mut out = Vec::new();
         for s in self.target.subsystems() {
             for ns in s.namespaces().values() {
-                if let Some(v) = ns.bdev.as_volume()
-                    && Arc::ptr_eq(&v.pool, pool.shared())
-                    && id.is_none_or(|i| i == v.id)
+                if let Some(v) = ns.backend.as_volume()
+                    && Arc::ptr_eq(&v.volume.pool, pool.shared())
+                    && id.is_none_or(|i| i == v.volume.id)
                 {
                     out.push((s.clone(), ns.clone()));
                 }
@@ -198,9 +198,14 @@ impl Engine {
         nsid: u32,
         block_size: u32,
     ) -> Result<Namespace, String> {
-        let (io, meta) = self.pool(pool)?.open_volume(name)?;
-        let bdev = Bdev::volume(io, meta.size, format!("volume:{pool}/{name}"));
-        Namespace::new(nsid, Arc::new(bdev), block_size, meta.uuid, meta.nguid)
+        let opened = self.open_backend(&format!("volume:{pool}/{name}"))?;
+        let (uuid, nguid) = opened.identity.ok_or("a volume keeps its identity")?;
+        Namespace::new(nsid, opened.backend, block_size, uuid, nguid)
+    }
+
+    /// Opens the backend a namespace spec names (`file:...`, `volume:POOL/NAME`, ...).
+    pub(crate) fn open_backend(&self, spec: &str) -> Result<Opened, String> {
+        backend::open(spec, &OpenEnv { pool: &|name| self.pool(name) })
     }
 
     fn kick_all(&self) {

@@ -29,8 +29,9 @@ use std::time::{Duration, Instant};
 use nvpool_wire::Status;
 use serde::Serialize;
 
-use crate::bdev::Bdev;
-use crate::target::lock;
+use crate::backend::Backend;
+use crate::backend::file::FileBackend;
+use crate::nvme::lock;
 use alloc::FreeClusters;
 use format::{BLOCK, Member, MetaLayout, PoolState, Record, Superblock, VolumeMeta};
 use meta::{MetaIo, MetaStore};
@@ -49,7 +50,7 @@ pub const MAX_REACTORS: usize = 256;
 pub type Done = Box<dyn FnOnce(Status) + Send>;
 
 /// Work a reactor hands to the pool's metadata thread.
-pub enum Request {
+pub enum MetaRequest {
     /// Allocate every unallocated cluster in `first..first + count` of a volume.
     Allocate {
         /// Volume ID.
@@ -75,7 +76,7 @@ pub enum Request {
 /// One member disk, open.
 pub struct PoolDisk {
     /// The disk as the reactors address it (direct I/O where possible).
-    pub bdev: Arc<Bdev>,
+    pub file: Arc<FileBackend>,
     /// Path it was opened by.
     pub path: PathBuf,
     /// First global cluster number on this disk.
@@ -95,7 +96,7 @@ pub struct PoolShared {
     cluster_shift: u32,
     epoch: AtomicU64,
     in_flight: Box<[InFlight]>,
-    requests: Mutex<Sender<Request>>,
+    requests: Mutex<Sender<MetaRequest>>,
 }
 
 impl PoolShared {
@@ -122,17 +123,19 @@ impl PoolShared {
     }
 
     /// The disk and byte offset of `within` bytes into physical cluster `pc`.
-    pub fn locate(&self, pc: u32, within: u64) -> Option<(&Bdev, u64)> {
+    pub fn locate(&self, pc: u32, within: u64) -> Option<(&FileBackend, u64)> {
         let d = self.disks.iter().find(|d| pc >= d.first && pc < d.first + d.clusters)?;
-        Some((&d.bdev, d.data_offset + (u64::from(pc - d.first) << self.cluster_shift) + within))
+        Some((&d.file, d.data_offset + (u64::from(pc - d.first) << self.cluster_shift) + within))
     }
 
     /// Hands work to the metadata thread.
-    pub fn request(&self, r: Request) {
+    pub fn request(&self, r: MetaRequest) {
         if let Err(mpsc::SendError(r)) = lock(&self.requests).send(r) {
             // The pool was exported: nothing can be allocated any more.
             match r {
-                Request::Allocate { done, .. } | Request::Zero { done, .. } => done(Status::NAMESPACE_NOT_READY),
+                MetaRequest::Allocate { done, .. } | MetaRequest::Zero { done, .. } => {
+                    done(Status::NAMESPACE_NOT_READY)
+                }
             }
         }
     }
@@ -316,7 +319,7 @@ impl Pool {
                 o.cluster_size
             ));
         }
-        let mut bdevs = Vec::new();
+        let mut disks_opened = Vec::new();
         for p in paths {
             let head = read_head(p)?;
             if Superblock::has_magic(&head) && !o.force {
@@ -333,15 +336,15 @@ impl Pool {
             {
                 return Err(format!("{} holds {what}: pass force to claim it anyway (its data is lost)", p.display()));
             }
-            let b = Bdev::file(p, None).map_err(|e| e.to_string())?;
-            bdevs.push(b);
+            let b = FileBackend::open(p, None)?;
+            disks_opened.push(b);
         }
         let cs = o.cluster_size;
-        let raw_clusters: u64 = bdevs.iter().map(|b| b.size() / cs).sum();
-        let layout = MetaLayout::for_pool(raw_clusters, JOURNAL_SIZE.min(bdevs[0].size() / 64).max(64 * BLOCK));
+        let raw_clusters: u64 = disks_opened.iter().map(|b| b.size() / cs).sum();
+        let layout = MetaLayout::for_pool(raw_clusters, JOURNAL_SIZE.min(disks_opened[0].size() / 64).max(64 * BLOCK));
         let mut members = Vec::new();
         let mut total: u64 = 0;
-        for (i, b) in bdevs.iter().enumerate() {
+        for (i, b) in disks_opened.iter().enumerate() {
             let data_offset = if i == 0 { layout.end().div_ceil(cs) * cs } else { cs };
             let clusters = b.size().saturating_sub(data_offset) / cs;
             if clusters == 0 {
@@ -362,7 +365,7 @@ impl Pool {
         MetaStore::format(meta, pool_uuid, layout, &PoolState::default())
             .map_err(io_err("writing the pool metadata"))?;
         // Superblocks last, the first disk's very last: a pool half created is not found.
-        for i in (0..bdevs.len()).rev() {
+        for i in (0..disks_opened.len()).rev() {
             let sb = Superblock {
                 pool_uuid,
                 pool_name: name.to_string(),
@@ -408,9 +411,9 @@ impl Pool {
             if sb.disk_uuid() != m.uuid || sb.members != first.members {
                 return Err(format!("{}: its superblock disagrees with the other disks of the pool", p.display()));
             }
-            let bdev = Bdev::file(p, None).map_err(|e| e.to_string())?;
+            let file = FileBackend::open(p, None)?;
             disks.push(PoolDisk {
-                bdev: Arc::new(bdev),
+                file: Arc::new(file),
                 path: p.clone(),
                 first: next,
                 clusters: m.clusters,
@@ -480,15 +483,15 @@ impl Pool {
 
     // ----- the metadata thread -------------------------------------------------------
 
-    fn serve(self: Arc<Self>, rx: Receiver<Request>) {
+    fn serve(self: Arc<Self>, rx: Receiver<MetaRequest>) {
         while let Ok(first) = rx.recv() {
             let mut batch = vec![first];
             batch.extend(rx.try_iter());
             let mut allocs = Vec::new();
             for r in batch {
                 match r {
-                    Request::Allocate { volume, first, count, done } => allocs.push((volume, first, count, done)),
-                    Request::Zero { volume, ranges, done } => {
+                    MetaRequest::Allocate { volume, first, count, done } => allocs.push((volume, first, count, done)),
+                    MetaRequest::Zero { volume, ranges, done } => {
                         let st = self.zero(volume, &ranges);
                         done(st);
                     }
@@ -551,15 +554,15 @@ impl Pool {
     fn map_durably(&self, inner: &mut Inner, new: &[(u32, u64, u32)], before: Vec<Record>) -> Result<(), String> {
         let mut touched = vec![false; self.shared.disks.len()];
         for &(_, _, pc) in new {
-            let (bdev, off) = self.shared.locate(pc, 0).ok_or("cluster outside the pool")?;
-            bdev.zero_now(off, self.cluster_size).map_err(io_err("zeroing a new cluster"))?;
-            if let Some(i) = self.shared.disks.iter().position(|d| std::ptr::eq(&*d.bdev, bdev)) {
+            let (disk, off) = self.shared.locate(pc, 0).ok_or("cluster outside the pool")?;
+            disk.zero_now(off, self.cluster_size).map_err(io_err("zeroing a new cluster"))?;
+            if let Some(i) = self.shared.disks.iter().position(|d| std::ptr::eq(&*d.file, disk)) {
                 touched[i] = true;
             }
         }
         for (d, t) in self.shared.disks.iter().zip(touched) {
             if t {
-                d.bdev.sync_now().map_err(io_err("syncing zeroed clusters"))?;
+                d.file.sync_now().map_err(io_err("syncing zeroed clusters"))?;
             }
         }
         let mut records = before;
@@ -645,8 +648,8 @@ impl Pool {
                 } else {
                     let pc = map.get(vc);
                     if pc != 0 {
-                        let Some((bdev, off)) = self.shared.locate(pc, within) else { return Status::INTERNAL_ERROR };
-                        if bdev.zero_now(off, n).is_err() {
+                        let Some((disk, off)) = self.shared.locate(pc, within) else { return Status::INTERNAL_ERROR };
+                        if disk.zero_now(off, n).is_err() {
                             return Status::INTERNAL_ERROR;
                         }
                     }
@@ -911,7 +914,7 @@ mod tests {
         allocated: BTreeSet<u64>,
     }
 
-    fn ask(pool: &Pool, req: impl FnOnce(Done) -> Request) -> Status {
+    fn ask(pool: &Pool, req: impl FnOnce(Done) -> MetaRequest) -> Status {
         let (tx, rx) = mpsc::channel();
         pool.shared().request(req(Box::new(move |s| tx.send(s).unwrap())));
         rx.recv().unwrap()
@@ -969,7 +972,7 @@ mod tests {
                         let e = model.get_mut(&name).unwrap();
                         let vc = c % e.clusters;
                         let id = pool.open_volume(&name).unwrap().0.id;
-                        let st = ask(&pool, |done| Request::Allocate { volume: id, first: vc, count: 1, done });
+                        let st = ask(&pool, |done| MetaRequest::Allocate { volume: id, first: vc, count: 1, done });
                         let fits = e.allocated.contains(&vc) || used < total;
                         prop_assert_eq!(st, if fits { Status::SUCCESS } else { Status::CAPACITY_EXCEEDED });
                         if fits {
@@ -980,7 +983,7 @@ mod tests {
                         let e = model.get_mut(&name).unwrap();
                         let id = pool.open_volume(&name).unwrap().0.id;
                         let ranges = vec![(c * CLUSTER, n * CLUSTER)];
-                        prop_assert_eq!(ask(&pool, |done| Request::Zero { volume: id, ranges, done }), Status::SUCCESS);
+                        prop_assert_eq!(ask(&pool, |done| MetaRequest::Zero { volume: id, ranges, done }), Status::SUCCESS);
                         if e.thin {
                             e.allocated.retain(|vc| *vc < c || *vc >= c + n);
                         }

@@ -1,9 +1,11 @@
 //! One NVMe/TCP connection (one queue): PDU framing, command dispatch, R2T data
-//! collection, disk submission and the output queue.
+//! collection, command slots and the output queue. What a command does to storage is
+//! its namespace's backend's business (see [`crate::backend`]).
 //!
 //! Output is queued as items (a PDU header, optional data, optional data digest) and
 //! sent in batches with one `sendmsg` per batch, so many responses that became ready
 //! in one reactor pass leave in one system call.
+#![allow(unsafe_code)]
 
 use std::collections::VecDeque;
 use std::net::{Shutdown, TcpStream};
@@ -17,14 +19,13 @@ use nvpool_wire::command::{Command, Completion, admin_opcode, sgl};
 use nvpool_wire::fabrics::fctype;
 use nvpool_wire::tcp::{self, DataHeader, Digests, FatalError, IcResp, Pdu, fes};
 
-use super::{Msg, Op, Reactor};
-use crate::bdev::BdevKind;
+use super::block_io::{BlockIo, DiskQueue, Queued};
+use super::{Op, Reactor};
 use crate::bufpool::{Buf, BufPool};
-use crate::pool::{Done, Request, VolumeIo};
-use crate::target::admin::{self, AdminOutcome};
-use crate::target::io::{self, IoPlan};
-use crate::target::subsystem::NamespaceMap;
-use crate::target::{
+use crate::nvme::admin::{self, AdminOutcome};
+use crate::nvme::nvm::{self, IoPlan};
+use crate::nvme::subsystem::NamespaceMap;
+use crate::nvme::{
     ADMIN_IN_CAPSULE_DATA, Controller, Counted, IO_IN_CAPSULE_DATA, MAX_H2C_DATA, Namespace, Target, fabrics,
 };
 
@@ -43,6 +44,10 @@ const RECV_LIMITS: tcp::DataLimits = tcp::DataLimits {
 };
 /// Most output items sent in one `sendmsg`.
 const MAX_SEND_ITEMS: usize = 256;
+/// Output items queued past which the connection stops receiving until sends drain:
+/// a host that sends commands but does not read its answers cannot grow the queue
+/// without bound. A full queue of commands needs at most three items each.
+const MAX_OUT_BACKLOG: usize = 1024;
 /// Header room inline in an output item: a data, R2T or response PDU header with its
 /// header digest (28 bytes). Every I/O builds and queues an item, so items stay small;
 /// the rare larger PDUs (ICResp, C2HTermReq) are sent as owned payloads instead.
@@ -136,42 +141,31 @@ enum SlotState {
     Free,
     /// Waiting for H2CData after an R2T.
     AwaitingData,
-    /// Disk operations in flight.
-    Disk,
+    /// With the backend: disk operations in flight, or deferred to another thread.
+    Backend,
 }
 
-/// A command that outlives the PDU that carried it (R2T or disk work).
+/// A command that outlives the PDU that carried it (R2T or backend work).
 struct Slot {
     state: SlotState,
     cid: u16,
     ns: Option<Arc<Namespace>>,
-    plan: IoPlan,
-    buf: Option<Buf>,
+    io: BlockIo,
     received: u32,
-    disk_pending: u32,
-    status: Status,
-    /// The pool epoch a volume I/O counted itself under while its disk work runs.
-    epoch: Option<u8>,
-    /// Bytes of submitted reads and writes not yet reported done; a transfer split
-    /// over several disk operations completes in pieces.
-    transfer_left: u64,
 }
 
 impl Slot {
     fn free() -> Slot {
-        Slot {
-            state: SlotState::Free,
-            cid: 0,
-            ns: None,
-            plan: IoPlan::Flush,
-            buf: None,
-            received: 0,
-            disk_pending: 0,
-            status: Status::SUCCESS,
-            epoch: None,
-            transfer_left: 0,
-        }
+        Slot { state: SlotState::Free, cid: 0, ns: None, io: BlockIo::idle(), received: 0 }
     }
+}
+
+/// The bytes of a posted send that live in an output item itself (its PDU header and
+/// data digest), copied out when the send is posted: the output queue may grow, and
+/// so move its items, while the kernel still reads them.
+struct SendArea {
+    headers: [[u8; MAX_OUT_HEADER]; MAX_SEND_ITEMS],
+    digests: [[u8; 4]; MAX_SEND_ITEMS],
 }
 
 pub(super) struct Conn {
@@ -192,6 +186,8 @@ pub(super) struct Conn {
     /// Bytes of those items the kernel has taken so far.
     sent: usize,
     iov: Vec<libc::iovec>,
+    /// Where the posted send's headers and digests are; boxed, so it never moves.
+    send_area: Box<SendArea>,
     msg: libc::msghdr,
     send_posted: bool,
     ops_in_flight: u32,
@@ -217,6 +213,10 @@ impl Conn {
             sending: 0,
             sent: 0,
             iov: Vec::with_capacity(MAX_SEND_ITEMS * 3),
+            send_area: Box::new(SendArea {
+                headers: [[0; MAX_OUT_HEADER]; MAX_SEND_ITEMS],
+                digests: [[0; 4]; MAX_SEND_ITEMS],
+            }),
             // SAFETY: msghdr is plain data; all-zero is a valid empty header.
             msg: unsafe { std::mem::zeroed() },
             send_posted: false,
@@ -249,7 +249,7 @@ impl Conn {
     /// Gives every buffer back and ends the queue's part in its controller.
     pub(super) fn release(&mut self, target: &Target, pool: &mut BufPool) {
         for s in &mut self.slots {
-            if let Some(b) = s.buf.take() {
+            if let Some(b) = s.io.take_buf() {
                 pool.put(b);
             }
         }
@@ -271,7 +271,10 @@ impl Conn {
     // ----- receive path -------------------------------------------------------------
 
     pub(super) fn post_recv(&mut self, r: &mut Reactor, idx: u32) {
-        if self.recv_posted || !matches!(self.phase, Phase::Handshake | Phase::Ready) {
+        if self.recv_posted
+            || !matches!(self.phase, Phase::Handshake | Phase::Ready)
+            || self.out.len() >= MAX_OUT_BACKLOG
+        {
             return;
         }
         if self.recv_start > 0 {
@@ -286,7 +289,11 @@ impl Conn {
             None => opcode::Recv::new(types::Fd(self.raw_fd()), ptr, len).build(),
         };
         let sqe = sqe.user_data(Op::Recv(idx).encode());
-        r.push(sqe);
+        // SAFETY: the receive writes into `recv_buf` past `recv_end`, inside its length.
+        // The vector is never resized, and is moved (not freed) while PDUs are parsed;
+        // the connection is freed only once this operation has completed (see
+        // `can_free`), and a receive is posted only when none is.
+        unsafe { r.push(sqe) };
         self.recv_posted = true;
         self.ops_in_flight += 1;
     }
@@ -494,15 +501,15 @@ impl Conn {
         let Some(ns) = q.namespaces.get(&cmd.nsid) else {
             return self.respond(r, idx, cmd.cid, Status::INVALID_NAMESPACE.with_dnr(), 0);
         };
-        let plan = match io::plan(ns, cmd) {
+        let plan = match nvm::plan(ns, cmd) {
             Ok(p) => p,
             Err(s) => {
                 ns.stats.count(r.id, Counted::Error);
                 return self.respond(r, idx, cmd.cid, s, 0);
             }
         };
-        // Data written to a null namespace is received and dropped, never copied.
-        let keep_data = !(ns.bdev.kind() == BdevKind::Null && matches!(plan, IoPlan::Write { .. }));
+        // Data a backend drops (null) is received and never copied.
+        let keep_data = !matches!(plan, IoPlan::Write { .. }) || ns.backend.keeps_write_data();
         let host_len = plan.host_data_len() as usize;
         if host_len > 0 && cmd.dptr.id == sgl::IN_CAPSULE && (cmd.dptr.address != 0 || data.len() < host_len) {
             return self.respond(r, idx, cmd.cid, Status::SGL_LENGTH_INVALID.with_dnr(), 0);
@@ -521,28 +528,26 @@ impl Conn {
             slot.ns = Some(ns.clone());
         }
         slot.cid = cmd.cid;
-        slot.plan = plan;
+        slot.io.reset(plan);
         slot.received = 0;
-        slot.status = Status::SUCCESS;
         if host_len == 0 {
-            return self.start_disk(r, idx, tag);
+            return self.start_io(r, idx, tag);
         }
         if keep_data {
             let mut buf = r.io_buf(host_len);
             if cmd.dptr.id == sgl::IN_CAPSULE {
                 buf.as_mut_slice()[..host_len].copy_from_slice(&data[..host_len]);
             }
-            slot.buf = Some(buf);
+            slot.io.set_buf(buf);
         }
         if cmd.dptr.id == sgl::IN_CAPSULE {
             slot.received = host_len as u32;
-            return self.start_disk(r, idx, tag);
+            return self.start_io(r, idx, tag);
         }
         slot.state = SlotState::AwaitingData;
         let h = DataHeader { cccid: cmd.cid, ttag: tag, offset: 0, length: host_len as u32 };
-        let mut item = new_item();
+        let item = push_item(&mut self.out);
         item.header_len = tcp::encode_r2t(&h, self.digests, &mut item.header);
-        self.out.push_back(item);
     }
 
     fn on_h2c_data(&mut self, r: &mut Reactor, idx: u32, h: DataHeader, last: bool, data: &[u8], digest_ok: bool) {
@@ -551,21 +556,21 @@ impl Conn {
         else {
             return self.sequence_error(r, idx, "H2CData for no outstanding R2T");
         };
-        let total = slot.plan.host_data_len();
+        let total = slot.io.plan.host_data_len();
         if h.offset != slot.received || h.offset + h.length > total {
             let e = FatalError { fes: fes::DATA_OUT_OF_RANGE, fei: 0, reason: "H2CData outside the R2T" };
             return self.fatal(r, idx, e, &[]);
         }
-        if let Some(b) = slot.buf.as_mut() {
-            b.as_mut_slice()[h.offset as usize..(h.offset + h.length) as usize].copy_from_slice(data);
+        if let Some(b) = slot.io.data_mut() {
+            b[h.offset as usize..(h.offset + h.length) as usize].copy_from_slice(data);
         }
         slot.received += h.length;
         if !digest_ok {
-            slot.status = Status::TRANSIENT_TRANSPORT_ERROR;
+            slot.io.status = Status::TRANSIENT_TRANSPORT_ERROR;
         }
         if slot.received == total {
-            if slot.status.is_success() {
-                self.start_disk(r, idx, h.ttag);
+            if slot.io.status.is_success() {
+                self.start_io(r, idx, h.ttag);
             } else {
                 self.finish(r, idx, h.ttag);
             }
@@ -576,283 +581,55 @@ impl Conn {
         }
     }
 
-    /// Starts the disk work of slot `tag`; backends without storage finish at once.
-    fn start_disk(&mut self, r: &mut Reactor, idx: u32, tag: u16) {
-        // The namespace is lent out of the slot for the call, and put back before the
-        // slot can finish: no reference is taken per command.
-        let Some(ns) = self.slots[usize::from(tag)].ns.take() else { return };
-        let submitted = match ns.bdev.as_volume() {
-            Some(volume) => self.queue_volume_io(r, idx, tag, &ns, volume),
-            None => self.queue_disk_io(r, idx, tag, &ns),
-        };
-        let on_device = ns.bdev.on_device();
-        self.slots[usize::from(tag)].ns = Some(ns);
-        if let Some(n) = submitted {
-            self.submitted(r, idx, tag, n, on_device);
-        }
-    }
-
-    /// Queues slot `tag`'s work on a namespace's own storage; returns how many disk
-    /// operations it queued (none: the command is complete).
-    fn queue_disk_io(&mut self, r: &mut Reactor, idx: u32, tag: u16, ns: &Namespace) -> Option<u32> {
+    /// Hands slot `tag`'s command, its data received, to the namespace's backend.
+    fn start_io(&mut self, r: &mut Reactor, idx: u32, tag: u16) {
         let slot = &mut self.slots[usize::from(tag)];
-        let bdev = &ns.bdev;
-        let fd = bdev.raw_fd();
-        slot.state = SlotState::Disk;
-        let ud = Op::Disk(idx, tag).encode();
-        // Null namespaces have no descriptor: nothing to do on disk. Memory namespaces
-        // copy reads and writes directly; only zeroing and deallocation go to the memfd.
-        let mut submitted = 0;
-        if let Some(ram) = bdev.ram() {
-            match slot.plan {
-                IoPlan::Read { offset, len } if !self.digests.data => {
-                    // Sent from the RAM itself (see `finish`); only the range is checked.
-                    if ram.address(offset, len as usize).is_none() {
-                        slot.status = Status::INTERNAL_ERROR;
-                    }
-                    return Some(0);
-                }
-                IoPlan::Read { offset, len } => {
-                    let mut buf = r.io_buf(len as usize);
-                    if !ram.read(offset, &mut buf.as_mut_slice()[..len as usize]) {
-                        slot.status = Status::INTERNAL_ERROR;
-                    }
-                    slot.buf = Some(buf);
-                    return Some(0);
-                }
-                IoPlan::Write { offset, len, .. } => {
-                    if let Some(b) = &slot.buf
-                        && !ram.write(offset, &b.as_slice()[..len as usize])
-                    {
-                        slot.status = Status::INTERNAL_ERROR;
-                    }
-                    return Some(0);
-                }
-                IoPlan::Flush => return Some(0),
-                _ => {}
-            }
+        let Some(ns) = slot.ns.as_ref() else { return };
+        if let IoPlan::DatasetManagement { ranges, .. } = slot.io.plan
+            && let Err(status) = nvm::check_dsm_ranges(ns, slot.io.data().unwrap_or_default(), ranges)
+        {
+            slot.io.status = status;
+            return self.finish(r, idx, tag);
         }
-        if let Some(fd) = fd {
-            let fd = types::Fd(fd);
-            match slot.plan {
-                IoPlan::Read { offset, len } => {
-                    let mut buf = r.io_buf(len as usize);
-                    let sqe = match buf.registered_index() {
-                        Some(i) => opcode::ReadFixed::new(fd, buf.as_mut_ptr(), len, i).offset(offset).build(),
-                        None => opcode::Read::new(fd, buf.as_mut_ptr(), len).offset(offset).build(),
-                    };
-                    slot.buf = Some(buf);
-                    r.push(sqe.user_data(ud));
-                    submitted = 1;
-                    slot.transfer_left = u64::from(len);
-                }
-                IoPlan::Write { offset, len, fua } => {
-                    if let Some(buf) = slot.buf.as_mut() {
-                        let flags = if fua { libc::RWF_DSYNC } else { 0 };
-                        let sqe = match buf.registered_index() {
-                            Some(i) => opcode::WriteFixed::new(fd, buf.as_mut_ptr(), len, i)
-                                .offset(offset)
-                                .rw_flags(flags)
-                                .build(),
-                            None => {
-                                opcode::Write::new(fd, buf.as_mut_ptr(), len).offset(offset).rw_flags(flags).build()
-                            }
-                        };
-                        r.push(sqe.user_data(ud));
-                        submitted = 1;
-                        slot.transfer_left = u64::from(len);
-                    }
-                }
-                IoPlan::Flush => {
-                    r.push(opcode::Fsync::new(fd).flags(types::FsyncFlags::DATASYNC).build().user_data(ud));
-                    submitted = 1;
-                }
-                IoPlan::WriteZeroes { offset, len } => {
-                    let sqe = opcode::Fallocate::new(fd, len).offset(offset).mode(bdev.zero_range_mode()).build();
-                    r.push(sqe.user_data(ud));
-                    submitted = 1;
-                }
-                IoPlan::DatasetManagement { ranges, deallocate } => {
-                    let data = slot.buf.as_ref().map_or(&[][..], |b| &b.as_slice()[..ranges as usize * 16]);
-                    match io::dsm_byte_ranges(ns, data, ranges) {
-                        Ok(list) if deallocate => {
-                            for (off, len) in list {
-                                let sqe =
-                                    opcode::Fallocate::new(fd, len).offset(off).mode(bdev.deallocate_mode()).build();
-                                r.push(sqe.user_data(ud));
-                                submitted += 1;
-                            }
-                        }
-                        Ok(_) => {}
-                        Err(s) => slot.status = s,
-                    }
-                }
-            }
-        }
-        Some(submitted)
+        slot.state = SlotState::Backend;
+        let mut queue = DiskQueue::new(r, idx, tag, self.digests.data);
+        ns.backend.start(&mut slot.io, &mut queue);
+        let queued = queue.queued();
+        self.queued(r, idx, tag, queued);
     }
 
-    /// Volume I/O: each piece of the transfer goes to the disk and offset its cluster
-    /// maps to; reads of unallocated clusters are zeroes; a write to an unallocated
-    /// cluster first asks the pool's metadata thread for it.
-    /// Returns how many disk operations it queued, or `None` if the pool has the command.
-    fn queue_volume_io(
-        &mut self,
-        r: &mut Reactor,
-        idx: u32,
-        tag: u16,
-        ns: &Namespace,
-        volume: &VolumeIo,
-    ) -> Option<u32> {
-        let ud = Op::Disk(idx, tag).encode();
-        let slot = &mut self.slots[usize::from(tag)];
-        slot.state = SlotState::Disk;
-        let pool = &volume.pool;
-        let shift = pool.cluster_shift();
-        let mut submitted = 0;
-        match slot.plan {
-            IoPlan::Read { offset, len } | IoPlan::Write { offset, len, .. } => {
-                let write = matches!(slot.plan, IoPlan::Write { .. });
-                let flags = if matches!(slot.plan, IoPlan::Write { fua: true, .. }) { libc::RWF_DSYNC } else { 0 };
-                let end = offset + u64::from(len);
-                let (first, last) = (offset >> shift, (end - 1) >> shift);
-                let epoch = pool.enter(r.id);
-                if write && (first..=last).any(|vc| volume.map.get(vc) == 0) {
-                    pool.leave(r.id, epoch);
-                    return self.ask_pool(r, idx, volume, tag, |done| Request::Allocate {
-                        volume: volume.id,
-                        first,
-                        count: last - first + 1,
-                        done,
-                    });
-                }
-                if !write {
-                    slot.buf = Some(r.io_buf(len as usize));
-                }
-                let Some(buf) = slot.buf.as_mut() else {
-                    pool.leave(r.id, epoch);
-                    return Some(0);
-                };
-                let mut at = offset;
-                while at < end {
-                    let (vc, within) = (at >> shift, at & ((1 << shift) - 1));
-                    let n = ((1u64 << shift) - within).min(end - at) as usize;
-                    let piece = &mut buf.as_mut_slice()[(at - offset) as usize..][..n];
-                    let pc = volume.map.get(vc);
-                    match pool.locate(pc, within).and_then(|(disk, pos)| Some((disk.raw_fd()?, pos))) {
-                        None if pc == 0 => piece.fill(0),
-                        None => slot.status = Status::INTERNAL_ERROR,
-                        Some((fd, pos)) => {
-                            let (fd, ptr) = (types::Fd(fd), piece.as_mut_ptr());
-                            let sqe = match (write, buf.registered_index()) {
-                                (false, Some(i)) => opcode::ReadFixed::new(fd, ptr, n as u32, i).offset(pos).build(),
-                                (false, None) => opcode::Read::new(fd, ptr, n as u32).offset(pos).build(),
-                                (true, Some(i)) => {
-                                    opcode::WriteFixed::new(fd, ptr, n as u32, i).offset(pos).rw_flags(flags).build()
-                                }
-                                (true, None) => {
-                                    opcode::Write::new(fd, ptr, n as u32).offset(pos).rw_flags(flags).build()
-                                }
-                            };
-                            r.push(sqe.user_data(ud));
-                            submitted += 1;
-                            slot.transfer_left += n as u64;
-                            if write {
-                                volume.map.mark_written(vc);
-                            }
-                        }
-                    }
-                    at += n as u64;
-                }
-                if submitted > 0 {
-                    slot.epoch = Some(epoch);
-                } else {
-                    pool.leave(r.id, epoch);
-                }
-            }
-            IoPlan::Flush => {
-                for disk in pool.disks() {
-                    if let Some(fd) = disk.bdev.raw_fd() {
-                        let sqe = opcode::Fsync::new(types::Fd(fd)).flags(types::FsyncFlags::DATASYNC).build();
-                        r.push(sqe.user_data(ud));
-                        submitted += 1;
-                    }
-                }
-            }
-            IoPlan::WriteZeroes { offset, len } => {
-                return self.ask_pool(r, idx, volume, tag, |done| Request::Zero {
-                    volume: volume.id,
-                    ranges: vec![(offset, len)],
-                    done,
-                });
-            }
-            IoPlan::DatasetManagement { ranges, deallocate } => {
-                let data = slot.buf.as_ref().map_or(&[][..], |b| &b.as_slice()[..ranges as usize * 16]);
-                match io::dsm_byte_ranges(ns, data, ranges) {
-                    Ok(list) if deallocate && !list.is_empty() => {
-                        return self.ask_pool(r, idx, volume, tag, |done| Request::Zero {
-                            volume: volume.id,
-                            ranges: list,
-                            done,
-                        });
-                    }
-                    Ok(_) => {}
-                    Err(s) => slot.status = s,
-                }
+    /// Accounts for what a backend call queued; with nothing in flight the command is
+    /// done now. I/O to a device is handed to the kernel at once; I/O that copies from
+    /// memory (page cache, tmpfs) completes within the submitting call and waits for
+    /// the end of the pass, when one call submits it all (see `Reactor::submit_disk_ops`).
+    fn queued(&mut self, r: &mut Reactor, idx: u32, tag: u16, queued: Queued) {
+        self.ops_in_flight += queued.ops + u32::from(queued.deferred);
+        r.disk_in_flight += queued.ops;
+        if queued.ops > 0 {
+            if queued.on_device {
+                r.submit_disk_ops();
+            } else {
+                r.disk_queued = true;
             }
         }
-        Some(submitted)
-    }
-
-    /// Records the disk operations slot `tag` queued; with none, it is done now.
-    /// I/O to a device is handed to the kernel at once; I/O that copies from memory
-    /// (page cache, tmpfs) completes within the submitting call and waits for the end
-    /// of the pass, when one call submits it all (see `Reactor::submit_disk_ops`).
-    fn submitted(&mut self, r: &mut Reactor, idx: u32, tag: u16, submitted: u32, on_device: bool) {
-        self.slots[usize::from(tag)].disk_pending = submitted;
-        self.ops_in_flight += submitted;
-        r.disk_in_flight += submitted;
-        if submitted == 0 {
-            self.finish(r, idx, tag);
-        } else if on_device {
-            r.submit_disk_ops();
-        } else {
-            r.disk_queued = true;
+        if self.slots[usize::from(tag)].io.is_idle() {
+            self.backend_done(r, idx, tag);
         }
     }
 
-    /// Hands slot `tag`'s work to the pool's metadata thread; its answer comes back
-    /// through the reactor's mailbox to [`Conn::on_pool_done`]. Returns `None`: the
-    /// command is not complete yet.
-    fn ask_pool(
-        &mut self,
-        r: &mut Reactor,
-        idx: u32,
-        volume: &VolumeIo,
-        tag: u16,
-        request: impl FnOnce(Done) -> Request,
-    ) -> Option<u32> {
-        self.ops_in_flight += 1;
-        let (links, reactor) = (r.links.clone(), r.id);
-        let done: Done = Box::new(move |status| links[reactor].send(Msg::PoolDone { conn: idx, tag, status }));
-        volume.pool.request(request(done));
-        None
-    }
-
-    pub(super) fn on_pool_done(&mut self, r: &mut Reactor, idx: u32, tag: u16, status: Status) {
+    /// The answer of the thread a backend deferred slot `tag`'s command to.
+    pub(super) fn on_deferred(&mut self, r: &mut Reactor, idx: u32, tag: u16, status: Status) {
         self.ops_in_flight -= 1;
+        let Some(slot) = self.slots.get_mut(usize::from(tag)) else { return };
+        slot.io.deferred_done();
         if self.phase == Phase::Closed {
             return;
         }
-        let Some(slot) = self.slots.get_mut(usize::from(tag)) else { return };
-        if status.is_success() && matches!(slot.plan, IoPlan::Write { .. }) {
-            // The clusters exist now (unless released again meanwhile): map the write anew.
-            return self.start_disk(r, idx, tag);
-        }
-        if !status.is_success() {
-            slot.status = status;
-        }
-        self.finish(r, idx, tag);
+        let Some(ns) = slot.ns.as_ref() else { return };
+        let mut queue = DiskQueue::new(r, idx, tag, self.digests.data);
+        ns.backend.resume(&mut slot.io, status, &mut queue);
+        let queued = queue.queued();
+        self.queued(r, idx, tag, queued);
     }
 
     pub(super) fn on_disk(&mut self, r: &mut Reactor, idx: u32, tag: u16, res: i32) {
@@ -861,37 +638,31 @@ impl Conn {
         let Some(slot) = self.slots.get_mut(usize::from(tag)) else {
             return;
         };
-        slot.disk_pending = slot.disk_pending.saturating_sub(1);
-        let transfer = matches!(slot.plan, IoPlan::Read { .. } | IoPlan::Write { .. });
-        let deallocating = matches!(slot.plan, IoPlan::DatasetManagement { .. });
-        if res < 0 && !(deallocating && res == -libc::EOPNOTSUPP) {
-            slot.status = Status::INTERNAL_ERROR;
-        } else if transfer {
-            slot.transfer_left = slot.transfer_left.saturating_sub(res as u64);
+        if slot.io.op_done(res) && slot.io.is_idle() {
+            self.backend_done(r, idx, tag);
         }
-        if slot.disk_pending == 0 {
-            if transfer && std::mem::take(&mut slot.transfer_left) != 0 {
-                // A short read or write: the disk ended before the range did.
-                slot.status = Status::INTERNAL_ERROR;
-            }
-            if let Some(epoch) = slot.epoch.take()
-                && let Some(volume) = slot.ns.as_ref().and_then(|ns| ns.bdev.as_volume())
-            {
-                volume.pool.leave(r.id, epoch);
-            }
-            if self.phase != Phase::Closed {
-                self.finish(r, idx, tag);
-            }
+    }
+
+    /// Slot `tag`'s command has nothing in flight any more: the backend lets go of what
+    /// it held, and the command is answered.
+    fn backend_done(&mut self, r: &mut Reactor, idx: u32, tag: u16) {
+        let slot = &mut self.slots[usize::from(tag)];
+        if let Some(ns) = slot.ns.as_ref() {
+            ns.backend.finished(&mut slot.io, r.id);
+        }
+        if self.phase != Phase::Closed {
+            self.finish(r, idx, tag);
         }
     }
 
     /// Completes slot `tag`: counts it, sends the data or the response, frees the slot.
     fn finish(&mut self, r: &mut Reactor, idx: u32, tag: u16) {
         let slot = &mut self.slots[usize::from(tag)];
-        let (cid, status, plan) = (slot.cid, slot.status, slot.plan);
-        let buf = slot.buf.take();
+        let (cid, status, plan) = (slot.cid, slot.io.status, slot.io.plan);
+        let buf = slot.io.take_buf();
         // The slot keeps its namespace for the next command (see `on_io`); a read
-        // sent straight from RAM holds its own reference until the send is done.
+        // sent straight from the backend's memory holds its own reference until the
+        // send is done.
         let mut mapped = None;
         if let Some(ns) = &slot.ns {
             ns.stats.count(
@@ -904,7 +675,7 @@ impl Conn {
                 },
             );
             if let (IoPlan::Read { offset, len }, true, None) = (plan, status.is_success(), &buf)
-                && let Some(at) = ns.bdev.ram().and_then(|ram| ram.address(offset, len as usize))
+                && let Some(at) = ns.backend.mapped(offset, len as usize)
             {
                 mapped = Some((at, ns.clone()));
             }
@@ -916,8 +687,9 @@ impl Conn {
                 let len = len as usize;
                 let payload = match (buf, mapped) {
                     (Some(b), _) => Payload::Pool(b, len),
-                    (None, Some((at, ns))) => Payload::Mapped { at, len, _namespace: ns },
-                    (None, None) => Payload::Zeroes(len),
+                    // Only made without data digests, which would need the bytes here.
+                    (None, Some((at, ns))) if !self.digests.data => Payload::Mapped { at, len, _namespace: ns },
+                    _ => Payload::Zeroes(len),
                 };
                 let success = self.queue.as_ref().is_some_and(|q| q.flow_control_disabled);
                 self.queue_c2h(&r.zeroes, cid, payload, success);
@@ -980,10 +752,15 @@ impl Conn {
             }
             self.sending = self.out.len().min(MAX_SEND_ITEMS);
             self.sent = 0;
+            let area = &mut *self.send_area;
+            for (i, item) in self.out.iter().take(self.sending).enumerate() {
+                area.headers[i][..item.header_len].copy_from_slice(&item.header[..item.header_len]);
+                area.digests[i] = item.digest;
+            }
         }
         self.iov.clear();
         let mut skip = self.sent;
-        for item in self.out.iter().take(self.sending) {
+        for (i, item) in self.out.iter().take(self.sending).enumerate() {
             let payload = match &item.payload {
                 Payload::Mapped { at, len, .. } => (*at, *len),
                 p => {
@@ -991,8 +768,9 @@ impl Conn {
                     (bytes.as_ptr(), bytes.len())
                 }
             };
-            let parts = [(item.header.as_ptr(), item.header_len), payload, (item.digest.as_ptr(), item.digest_len)];
-            for (at, len) in parts {
+            let header = (self.send_area.headers[i].as_ptr(), item.header_len);
+            let digest = (self.send_area.digests[i].as_ptr(), item.digest_len);
+            for (at, len) in [header, payload, digest] {
                 if skip >= len {
                     skip -= len;
                     continue;
@@ -1011,7 +789,14 @@ impl Conn {
             None => opcode::SendMsg::new(types::Fd(self.raw_fd()), &self.msg).flags(flags).build(),
         };
         let sqe = sqe.user_data(Op::Send(idx).encode());
-        r.push(sqe);
+        // SAFETY: the send reads `msg`, `iov` (never grown past its capacity), the
+        // headers and digests in the boxed `send_area`, and the payloads of the first
+        // `sending` items: pool buffers, owned vectors, the reactor's zeroes or a mapped
+        // backend held by the item, all heap memory that stays put when the output
+        // queue moves its items. None of them is changed or freed before this send
+        // completes (`on_send` drains only sent items, and copies into `send_area` only
+        // when no send is posted), and the connection outlives it (see `can_free`).
+        unsafe { r.push(sqe) };
         self.send_posted = true;
         self.ops_in_flight += 1;
     }
@@ -1039,6 +824,8 @@ impl Conn {
             }
         }
         self.post_send(r, idx);
+        // Receiving may have stopped for a full output queue (see `MAX_OUT_BACKLOG`).
+        self.post_recv(r, idx);
     }
 
     /// Periodic and on-demand checks: keep-alive, ended associations, handshakes that

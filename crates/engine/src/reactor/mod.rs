@@ -11,13 +11,15 @@
 //! I/O path takes a lock or allocates once buffers are warm. Other threads talk to a
 //! reactor through its mailbox (a channel plus an eventfd that wakes the ring).
 //!
-//! Buffer lifetime contract for every submission made here: the memory an SQE points
-//! at belongs to a heap allocation owned by the reactor or one of its connections
-//! (boxed, never reallocated while an operation is in flight), and a connection is
-//! freed only after its count of in-flight operations drops to zero.
+//! Every submission goes through [`Reactor::push`], an `unsafe fn` whose callers each
+//! say why the memory their entry points at outlives the operation. Disk operations
+//! are built in one place, [`block_io`], where the command's buffer owns that rule.
 #![allow(unsafe_code)]
 
+mod block_io;
 mod conn;
+
+pub use block_io::{BlockIo, DiskFd, DiskQueue};
 
 use std::collections::BTreeMap;
 use std::net::{TcpListener, TcpStream};
@@ -30,7 +32,7 @@ use std::time::{Duration, Instant};
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
 
 use crate::bufpool::BufPool;
-use crate::target::{MAX_TRANSFER, Target};
+use crate::nvme::{MAX_TRANSFER, Target};
 use conn::Conn;
 
 /// How long a reactor keeps polling after its last completion before it sleeps on the
@@ -65,8 +67,8 @@ pub enum Msg {
     Unlisten(u16),
     /// Something changed (namespaces, hosts, events): check connections now.
     Kick,
-    /// A pool finished work a connection asked for.
-    PoolDone {
+    /// Another thread finished a command a backend deferred to it.
+    Deferred {
         /// Connection slot.
         conn: u32,
         /// Command slot.
@@ -229,6 +231,11 @@ impl Op {
     }
 }
 
+/// One reactor's state.
+///
+/// Drop order matters: `ring` is declared first, so it is torn down (and the kernel
+/// lets go of every registered buffer and pending operation) before the buffer pool,
+/// the zeroes and the connections whose memory those operations point at.
 struct Reactor {
     ring: IoUring,
     id: usize,
@@ -323,10 +330,14 @@ impl Reactor {
     }
 
     /// Queues an SQE, submitting first if the submission queue is full.
-    fn push(&mut self, sqe: squeue::Entry) {
+    ///
+    /// # Safety
+    /// Every buffer, descriptor array and header the entry points at must stay
+    /// allocated, and must not be written by Rust (or read, where the kernel writes
+    /// it), until the operation's completion has been reaped.
+    unsafe fn push(&mut self, sqe: squeue::Entry) {
         loop {
-            // SAFETY: every SQE built in this module points at memory that outlives the
-            // operation (see the module's buffer lifetime contract).
+            // SAFETY: the caller answers for the memory the entry points at.
             if unsafe { self.ring.submission().push(&sqe) }.is_ok() {
                 return;
             }
@@ -340,14 +351,16 @@ impl Reactor {
         let ptr: *mut u64 = self.wake_buf;
         let sqe =
             opcode::Read::new(types::Fd(self.wake_fd.as_raw_fd()), ptr.cast(), 8).build().user_data(Op::Wake.encode());
-        self.push(sqe);
+        // SAFETY: the read lands in `wake_buf`, which is leaked and so lives for ever.
+        unsafe { self.push(sqe) };
     }
 
     fn post_accept(&mut self, port_id: u16) {
         if let Some(l) = self.listeners.get(&port_id) {
             let sqe =
                 opcode::AcceptMulti::new(types::Fd(l.as_raw_fd())).build().user_data(Op::Accept(port_id).encode());
-            self.push(sqe);
+            // SAFETY: an accept points at no memory (no peer address is asked for).
+            unsafe { self.push(sqe) };
         }
     }
 
@@ -447,9 +460,7 @@ impl Reactor {
                 }
                 Msg::Unlisten(port_id) => self.unlisten(port_id),
                 Msg::Kick => self.kick(),
-                Msg::PoolDone { conn, tag, status } => {
-                    self.with_conn(conn, |r, c| c.on_pool_done(r, conn, tag, status))
-                }
+                Msg::Deferred { conn, tag, status } => self.with_conn(conn, |r, c| c.on_deferred(r, conn, tag, status)),
                 Msg::Stop => {
                     self.stopping = true;
                     let ports: Vec<u16> = self.listeners.keys().copied().collect();
@@ -472,7 +483,8 @@ impl Reactor {
             // The ring holds its own reference to the socket: cancel the armed accept
             // so the socket really closes.
             let sqe = opcode::AsyncCancel::new(Op::Accept(port_id).encode()).build().user_data(0);
-            self.push(sqe);
+            // SAFETY: a cancellation points at no memory.
+            unsafe { self.push(sqe) };
         }
     }
 
@@ -545,7 +557,7 @@ impl Reactor {
 
     /// Hands queued disk operations to the kernel.
     ///
-    /// I/O to a device is submitted as soon as its command is parsed (see `Conn::submitted`):
+    /// I/O to a device is submitted as soon as its command is parsed (see `Conn::queued`):
     /// the device starts on the first request of a burst while the reactor parses the
     /// rest. Batching a pass's reads cost about a tenth of a virtual disk's IOPS at
     /// depth 32, because an `io_uring_enter` with more than two entries holds its block

@@ -258,7 +258,7 @@ impl Controller {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::target::subsystem::HostPolicy;
+    use crate::nvme::subsystem::HostPolicy;
 
     fn ctrl() -> Controller {
         let s = Subsystem::new("nqn.2024-01.io.nvpool:t", "SN", "m", HostPolicy::default()).unwrap();

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, RwLock, Weak};
 use nvpool_wire::fabrics::DISCOVERY_NQN;
 
 use super::{Controller, MAX_NSID, lock, read, write};
-use crate::bdev::Bdev;
+use crate::backend::Backend;
 
 /// Reactors with their own counter shard; any further reactors share one more shard.
 const OWNED_SHARDS: usize = 64;
@@ -112,13 +112,13 @@ impl NamespaceStats {
     }
 }
 
-/// A namespace: a bdev exported under an NSID with stable identifiers.
+/// A namespace: a backend exported under an NSID with stable identifiers.
 #[derive(Debug)]
 pub struct Namespace {
     /// Namespace ID.
     pub nsid: u32,
     /// The storage.
-    pub bdev: Arc<Bdev>,
+    pub backend: Arc<dyn Backend>,
     /// log2 of the block size (9 or 12).
     pub block_shift: u32,
     /// Size in blocks.
@@ -132,10 +132,10 @@ pub struct Namespace {
 }
 
 impl Namespace {
-    /// A namespace over `bdev` with `block_size`-byte blocks (512 or 4096).
+    /// A namespace over `backend` with `block_size`-byte blocks (512 or 4096).
     pub fn new(
         nsid: u32,
-        bdev: Arc<Bdev>,
+        backend: Arc<dyn Backend>,
         block_size: u32,
         uuid: [u8; 16],
         nguid: [u8; 16],
@@ -146,13 +146,13 @@ impl Namespace {
         if block_size != 512 && block_size != 4096 {
             return Err(format!("block size {block_size} is not supported: use 512 or 4096"));
         }
-        let blocks = bdev.size() / u64::from(block_size);
+        let blocks = backend.size() / u64::from(block_size);
         if blocks == 0 {
-            return Err(format!("the backend ({} bytes) is smaller than one {block_size}-byte block", bdev.size()));
+            return Err(format!("the backend ({} bytes) is smaller than one {block_size}-byte block", backend.size()));
         }
         Ok(Namespace {
             nsid,
-            bdev,
+            backend,
             block_shift: block_size.trailing_zeros(),
             blocks,
             nguid,
@@ -382,7 +382,7 @@ mod tests {
     use super::*;
 
     fn ns(nsid: u32, id: u8) -> Namespace {
-        Namespace::new(nsid, Arc::new(Bdev::null(1 << 20)), 512, [id; 16], [id; 16]).unwrap()
+        Namespace::new(nsid, Arc::new(crate::backend::null::Null::new(1 << 20)), 512, [id; 16], [id; 16]).unwrap()
     }
 
     #[test]
@@ -445,7 +445,7 @@ mod tests {
     fn bad_names_are_refused_with_a_reason() {
         assert!(Subsystem::new("bad nqn", "S", "m", HostPolicy::default()).unwrap_err().contains("nqn."));
         assert!(Subsystem::new(DISCOVERY_NQN, "S", "m", HostPolicy::default()).is_err());
-        assert!(Namespace::new(0, Arc::new(Bdev::null(4096)), 512, [0; 16], [0; 16]).is_err());
-        assert!(Namespace::new(1, Arc::new(Bdev::null(4096)), 1024, [0; 16], [0; 16]).is_err());
+        assert!(Namespace::new(0, Arc::new(crate::backend::null::Null::new(4096)), 512, [0; 16], [0; 16]).is_err());
+        assert!(Namespace::new(1, Arc::new(crate::backend::null::Null::new(4096)), 1024, [0; 16], [0; 16]).is_err());
     }
 }

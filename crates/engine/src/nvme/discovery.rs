@@ -54,7 +54,7 @@ pub fn log_page(target: &Target, hostnqn: &str) -> Vec<u8> {
 mod tests {
     use super::*;
     use crate::config::Limits;
-    use crate::target::subsystem::{HostPolicy, Subsystem};
+    use crate::nvme::subsystem::{HostPolicy, Subsystem};
     use nvpool_wire::bytes::get_nul_padded;
 
     #[test]

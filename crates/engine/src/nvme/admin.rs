@@ -209,7 +209,7 @@ pub fn identify_namespace(ns: &Namespace) -> IdentifyNamespace {
         nlbaf: 0,
         flbas: 0,
         nmic: identify::NMIC_SHARED,
-        dlfeat: if ns.bdev.deallocated_reads_zeroes() { identify::DLFEAT_READS_ZEROES } else { 0 },
+        dlfeat: if ns.backend.deallocated_reads_zeroes() { identify::DLFEAT_READS_ZEROES } else { 0 },
         anagrpid: DEFAULT_ANA_GROUP,
         nguid: ns.nguid,
         lbaf0: identify::lba_format(ns.block_size()),
@@ -345,9 +345,9 @@ fn get_features(ctrl: &Controller, cmd: &Command) -> AdminOutcome {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bdev::Bdev;
+    use crate::backend::null::Null;
     use crate::config::Limits;
-    use crate::target::subsystem::{HostPolicy, Subsystem};
+    use crate::nvme::subsystem::{HostPolicy, Subsystem};
     use nvpool_wire::fabrics::{PropertyAccess, cc, property};
     use std::sync::Arc;
 
@@ -360,9 +360,9 @@ mod tests {
             HostPolicy { allow_any: true, ..Default::default() },
         )
         .unwrap();
-        s.add_namespace(Namespace::new(1, Arc::new(Bdev::null(1 << 30)), 4096, [1; 16], [2; 16]).unwrap()).unwrap();
+        s.add_namespace(Namespace::new(1, Arc::new(Null::new(1 << 30)), 4096, [1; 16], [2; 16]).unwrap()).unwrap();
         t.add_subsystem(s.clone()).unwrap();
-        let a = crate::target::controller::Association {
+        let a = crate::nvme::controller::Association {
             subsystem: s.clone(),
             hostnqn: "nqn.h".into(),
             hostid: [0; 16],

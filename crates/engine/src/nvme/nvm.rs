@@ -39,6 +39,8 @@ pub enum IoPlan {
         ranges: u32,
         /// Whether the host asked to deallocate.
         deallocate: bool,
+        /// log2 of the namespace's block size, to turn the ranges into bytes.
+        block_shift: u32,
     },
 }
 
@@ -88,32 +90,44 @@ pub fn plan(ns: &Namespace, cmd: &Command) -> Result<IoPlan, Status> {
             if u64::from(cmd.dptr.length) < u64::from(ranges) * 16 {
                 return Err(Status::SGL_LENGTH_INVALID.with_dnr());
             }
-            Ok(IoPlan::DatasetManagement { ranges, deallocate: cmd.cdw11() & DSM_ATTR_DEALLOCATE != 0 })
+            Ok(IoPlan::DatasetManagement {
+                ranges,
+                deallocate: cmd.cdw11() & DSM_ATTR_DEALLOCATE != 0,
+                block_shift: ns.block_shift,
+            })
         }
         _ => Err(Status::INVALID_OPCODE.with_dnr()),
     }
 }
 
-/// Converts Dataset Management ranges (from the command's data) into byte ranges,
-/// checking each against the namespace.
-pub fn dsm_byte_ranges(ns: &Namespace, data: &[u8], ranges: u32) -> Result<Vec<(u64, u64)>, Status> {
+/// Checks the Dataset Management ranges in a command's data against the namespace.
+pub fn check_dsm_ranges(ns: &Namespace, data: &[u8], ranges: u32) -> Result<(), Status> {
     data.chunks_exact(nvpool_wire::command::DSM_RANGE_SIZE)
         .take(ranges as usize)
         .map(nvpool_wire::command::DsmRange::decode)
         .filter(|r| r.nlb > 0)
-        .map(|r| range(ns, r.slba, u64::from(r.nlb)))
-        .collect()
+        .try_for_each(|r| range(ns, r.slba, u64::from(r.nlb)).map(drop))
+}
+
+/// The non-empty Dataset Management ranges in a command's data, as (offset, length)
+/// in bytes; checked beforehand with [`check_dsm_ranges`].
+pub fn dsm_byte_ranges(data: &[u8], ranges: u32, block_shift: u32) -> impl Iterator<Item = (u64, u64)> + '_ {
+    data.chunks_exact(nvpool_wire::command::DSM_RANGE_SIZE)
+        .take(ranges as usize)
+        .map(nvpool_wire::command::DsmRange::decode)
+        .filter(|r| r.nlb > 0)
+        .map(move |r| (r.slba << block_shift, u64::from(r.nlb) << block_shift))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bdev::Bdev;
+    use crate::backend::null::Null;
     use nvpool_wire::command::{DsmRange, SglDescriptor};
     use std::sync::Arc;
 
     fn ns() -> Namespace {
-        Namespace::new(1, Arc::new(Bdev::null(1 << 20)), 512, [1; 16], [1; 16]).unwrap()
+        Namespace::new(1, Arc::new(Null::new(1 << 20)), 512, [1; 16], [1; 16]).unwrap()
     }
 
     #[test]
@@ -142,12 +156,13 @@ mod tests {
             cdw: [1, DSM_ATTR_DEALLOCATE, 0, 0, 0, 0],
             ..Command::default()
         };
-        assert_eq!(plan(&ns, &c), Ok(IoPlan::DatasetManagement { ranges: 2, deallocate: true }));
+        assert_eq!(plan(&ns, &c), Ok(IoPlan::DatasetManagement { ranges: 2, deallocate: true, block_shift: 9 }));
         let mut d = [0u8; 32];
         DsmRange { attributes: 0, nlb: 8, slba: 0 }.encode(&mut d[..16]);
         DsmRange { attributes: 0, nlb: 8, slba: 2048 }.encode(&mut d[16..]);
-        assert_eq!(dsm_byte_ranges(&ns, &d, 2).unwrap_err().base(), Status::LBA_OUT_OF_RANGE);
+        assert_eq!(check_dsm_ranges(&ns, &d, 2).unwrap_err().base(), Status::LBA_OUT_OF_RANGE);
         DsmRange { attributes: 0, nlb: 8, slba: 16 }.encode(&mut d[16..]);
-        assert_eq!(dsm_byte_ranges(&ns, &d, 2).unwrap(), vec![(0, 4096), (8192, 4096)]);
+        assert_eq!(check_dsm_ranges(&ns, &d, 2), Ok(()));
+        assert_eq!(dsm_byte_ranges(&d, 2, 9).collect::<Vec<_>>(), vec![(0, 4096), (8192, 4096)]);
     }
 }

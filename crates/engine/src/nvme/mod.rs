@@ -7,7 +7,7 @@ pub mod admin;
 pub mod controller;
 pub mod discovery;
 pub mod fabrics;
-pub mod io;
+pub mod nvm;
 pub mod subsystem;
 
 use std::collections::BTreeMap;

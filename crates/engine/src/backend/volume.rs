@@ -1,0 +1,169 @@
+//! `volume:POOL/NAME`: a logical volume of a disk pool (see [`crate::pool`]).
+//!
+//! Each piece of a transfer goes to the disk and offset its cluster maps to, so a
+//! transfer that crosses a cluster boundary becomes several operations. Reads of
+//! unallocated clusters are zeroes. A write to an unallocated cluster, and zeroing or
+//! deallocation (which may release clusters), go to the pool's metadata thread first.
+//! Every I/O that reads a cluster map is counted under the pool's epoch until its
+//! operations complete, so a released cluster is never reused under it.
+
+use std::sync::Arc;
+
+use nvpool_wire::Status;
+
+use super::{Backend, BackendType, BlockIo, DiskQueue, OpenEnv, Opened, deallocated_ranges};
+use crate::nvme::nvm::IoPlan;
+use crate::pool::{MetaRequest, VolumeIo};
+
+/// The registration of `volume:POOL/NAME`.
+pub const TYPE: BackendType = BackendType {
+    name: "volume",
+    usage: "volume:POOL/NAME",
+    check: |arg| parse(arg).map(drop),
+    open: |arg, env: &OpenEnv<'_>| {
+        let (pool, name) = parse(arg)?;
+        let (volume, meta) = (env.pool)(pool)?.open_volume(name)?;
+        let backend = VolumeBackend { volume, size: meta.size, description: format!("volume:{pool}/{name}") };
+        Ok(Opened { backend: Arc::new(backend), identity: Some((meta.uuid, meta.nguid)) })
+    },
+};
+
+fn parse(arg: &str) -> Result<(&str, &str), String> {
+    match arg.split_once('/') {
+        Some((pool, name)) if !pool.is_empty() && !name.is_empty() => Ok((pool, name)),
+        _ => Err("does not name a volume".into()),
+    }
+}
+
+/// A volume served as a namespace.
+#[derive(Debug)]
+pub struct VolumeBackend {
+    /// The pool and cluster map the I/O goes through.
+    pub volume: VolumeIo,
+    size: u64,
+    description: String,
+}
+
+impl VolumeBackend {
+    /// Queues a read or write piece by piece; returns whether anything was queued.
+    fn transfer(&self, io: &mut BlockIo, queue: &mut DiskQueue<'_>, offset: u64, len: u32, write: bool) -> bool {
+        let (pool, map) = (&self.volume.pool, &self.volume.map);
+        let fua = matches!(io.plan, IoPlan::Write { fua: true, .. });
+        let shift = pool.cluster_shift();
+        let end = offset + u64::from(len);
+        let mut queued = false;
+        let mut at = offset;
+        while at < end {
+            let (vc, within) = (at >> shift, at & ((1 << shift) - 1));
+            let n = ((1u64 << shift) - within).min(end - at) as u32;
+            let in_buf = (at - offset) as usize;
+            let pc = map.get(vc);
+            match pool.locate(pc, within) {
+                None if pc == 0 => io.zero(in_buf, n as usize),
+                None => io.status = Status::INTERNAL_ERROR,
+                Some((disk, pos)) => {
+                    let disk = disk.disk_fd();
+                    let ok = if write {
+                        queue.write(io, disk, in_buf, n, pos, fua)
+                    } else {
+                        queue.read(io, disk, in_buf, n, pos)
+                    };
+                    if !ok {
+                        io.status = Status::INTERNAL_ERROR;
+                    }
+                    queued |= ok;
+                    if write {
+                        map.mark_written(vc);
+                    }
+                }
+            }
+            at += u64::from(n);
+        }
+        queued
+    }
+
+    /// Hands zeroing of `ranges` to the metadata thread (it may release clusters).
+    fn zero(&self, io: &mut BlockIo, queue: &mut DiskQueue<'_>, ranges: Vec<(u64, u64)>) {
+        let done = queue.defer(io);
+        self.volume.pool.request(MetaRequest::Zero { volume: self.volume.id, ranges, done });
+    }
+}
+
+impl Backend for VolumeBackend {
+    fn kind(&self) -> &'static str {
+        "volume"
+    }
+
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn description(&self) -> String {
+        self.description.clone()
+    }
+
+    fn direct_io(&self) -> bool {
+        true
+    }
+
+    fn start(&self, io: &mut BlockIo, queue: &mut DiskQueue<'_>) {
+        let pool = &self.volume.pool;
+        match io.plan {
+            IoPlan::Read { offset, len } | IoPlan::Write { offset, len, .. } => {
+                let write = matches!(io.plan, IoPlan::Write { .. });
+                let shift = pool.cluster_shift();
+                let (first, last) = (offset >> shift, (offset + u64::from(len) - 1) >> shift);
+                let epoch = pool.enter(queue.reactor_id());
+                if write && (first..=last).any(|vc| self.volume.map.get(vc) == 0) {
+                    // The clusters are allocated first; `resume` maps the write anew.
+                    pool.leave(queue.reactor_id(), epoch);
+                    let done = queue.defer(io);
+                    let count = last - first + 1;
+                    pool.request(MetaRequest::Allocate { volume: self.volume.id, first, count, done });
+                    return;
+                }
+                if !write {
+                    queue.give_buf(io, len as usize);
+                }
+                if self.transfer(io, queue, offset, len, write) {
+                    io.hold = Some(epoch);
+                } else {
+                    pool.leave(queue.reactor_id(), epoch);
+                }
+            }
+            IoPlan::Flush => {
+                for disk in pool.disks() {
+                    queue.sync(io, disk.file.disk_fd());
+                }
+            }
+            IoPlan::WriteZeroes { offset, len } => self.zero(io, queue, vec![(offset, len)]),
+            IoPlan::DatasetManagement { deallocate: true, .. } => {
+                let (ranges, n) = deallocated_ranges(io);
+                if n > 0 {
+                    self.zero(io, queue, ranges[..n].to_vec());
+                }
+            }
+            IoPlan::DatasetManagement { .. } => {}
+        }
+    }
+
+    fn resume(&self, io: &mut BlockIo, status: Status, queue: &mut DiskQueue<'_>) {
+        if status.is_success() && matches!(io.plan, IoPlan::Write { .. }) {
+            // The clusters exist now (unless released again meanwhile): map the write anew.
+            return self.start(io, queue);
+        }
+        if !status.is_success() {
+            io.status = status;
+        }
+    }
+
+    fn finished(&self, io: &mut BlockIo, reactor: usize) {
+        if let Some(epoch) = io.hold.take() {
+            self.volume.pool.leave(reactor, epoch);
+        }
+    }
+
+    fn as_volume(&self) -> Option<&VolumeBackend> {
+        Some(self)
+    }
+}

@@ -1,0 +1,284 @@
+//! The seam between a connection and the backends: one command's I/O state
+//! ([`BlockIo`]) and the queue its disk operations go on ([`DiskQueue`]).
+//!
+//! This is the only place disk submission entries are built. Each one points into the
+//! command's own buffer, so the rule that makes them sound lives here too: a
+//! [`BlockIo`] counts the operations it has in flight, hands out its buffer only while
+//! that count is zero, and never frees a buffer the kernel may still be writing or
+//! reading (dropped early, it leaks it instead). Backends build operations from byte
+//! offsets into that buffer, never from slices of it, because slicing a buffer
+//! mutably while the kernel writes other parts of it would alias.
+#![allow(unsafe_code)]
+
+use std::os::fd::RawFd;
+
+use io_uring::{opcode, types};
+use nvpool_wire::Status;
+
+use super::{Msg, Op, Reactor};
+use crate::bufpool::Buf;
+use crate::nvme::nvm::IoPlan;
+
+/// A descriptor disk operations go to, and how its operations complete.
+#[derive(Clone, Copy, Debug)]
+pub struct DiskFd {
+    fd: RawFd,
+    on_device: bool,
+}
+
+impl DiskFd {
+    /// `fd`; `on_device`: whether its I/O goes to a device and completes later (and so
+    /// is handed to the kernel at once) rather than copying memory inside the
+    /// submitting call (and so waits for the end of the reactor's pass).
+    pub fn new(fd: RawFd, on_device: bool) -> DiskFd {
+        DiskFd { fd, on_device }
+    }
+}
+
+/// One command's I/O as a backend sees it: what to do, its data buffer, how it ends.
+pub struct BlockIo {
+    /// What the command asks for.
+    pub plan: IoPlan,
+    /// How it ends so far.
+    pub status: Status,
+    /// What a backend holds while the command's disk work runs and lets go of in
+    /// [`crate::backend::Backend::finished`] (the volume backend's pool epoch).
+    pub hold: Option<u8>,
+    buf: Option<Buf>,
+    /// Disk operations queued and not yet completed.
+    pending: u32,
+    /// Whether another thread has the command and will answer through the mailbox.
+    deferred: bool,
+    /// Bytes of queued reads and writes not yet reported done: a transfer split over
+    /// several operations completes in pieces, and one that ends short is an error.
+    transfer_left: u64,
+}
+
+impl BlockIo {
+    /// A command slot's I/O state, idle.
+    pub fn idle() -> BlockIo {
+        BlockIo {
+            plan: IoPlan::Flush,
+            status: Status::SUCCESS,
+            hold: None,
+            buf: None,
+            pending: 0,
+            deferred: false,
+            transfer_left: 0,
+        }
+    }
+
+    /// Starts a new command.
+    pub(super) fn reset(&mut self, plan: IoPlan) {
+        debug_assert!(self.is_idle() && self.buf.is_none());
+        self.plan = plan;
+        self.status = Status::SUCCESS;
+        self.hold = None;
+        self.transfer_left = 0;
+    }
+
+    /// Whether nothing is in flight for this command.
+    pub fn is_idle(&self) -> bool {
+        self.pending == 0 && !self.deferred
+    }
+
+    /// The data buffer, if the command has one.
+    pub fn has_buf(&self) -> bool {
+        self.buf.is_some()
+    }
+
+    /// Gives the command a data buffer.
+    pub fn set_buf(&mut self, buf: Buf) {
+        debug_assert!(self.buf.is_none());
+        self.buf = Some(buf);
+    }
+
+    /// The data buffer's bytes, to fill or read while no operation is in flight.
+    pub fn data_mut(&mut self) -> Option<&mut [u8]> {
+        if self.pending != 0 {
+            return None;
+        }
+        self.buf.as_mut().map(Buf::as_mut_slice)
+    }
+
+    /// The data buffer's bytes, while no operation is in flight.
+    pub fn data(&self) -> Option<&[u8]> {
+        if self.pending != 0 {
+            return None;
+        }
+        self.buf.as_ref().map(Buf::as_slice)
+    }
+
+    /// Takes the buffer once nothing is in flight (to send it, or give it back).
+    pub fn take_buf(&mut self) -> Option<Buf> {
+        if self.pending != 0 {
+            return None;
+        }
+        self.buf.take()
+    }
+
+    /// Zeroes `len` bytes of the buffer at `at`, which no queued operation covers.
+    pub fn zero(&mut self, at: usize, len: usize) {
+        if let Some(b) = self.buf.as_mut() {
+            b.zero_range(at, len);
+        }
+    }
+
+    /// Records one completed disk operation; returns whether the command's disk work
+    /// is all done.
+    pub(super) fn op_done(&mut self, res: i32) -> bool {
+        self.pending = self.pending.saturating_sub(1);
+        let transfer = matches!(self.plan, IoPlan::Read { .. } | IoPlan::Write { .. });
+        // Deallocation is advisory: storage that cannot punch holes may decline it.
+        let advisory = matches!(self.plan, IoPlan::DatasetManagement { .. }) && res == -libc::EOPNOTSUPP;
+        if res < 0 && !advisory {
+            self.status = Status::INTERNAL_ERROR;
+        } else if transfer {
+            self.transfer_left = self.transfer_left.saturating_sub(res as u64);
+        }
+        if self.pending != 0 {
+            return false;
+        }
+        if std::mem::take(&mut self.transfer_left) != 0 {
+            // A short read or write: the disk ended before the range did.
+            self.status = Status::INTERNAL_ERROR;
+        }
+        true
+    }
+
+    /// Records the answer of the thread the command was deferred to.
+    pub(super) fn deferred_done(&mut self) {
+        self.deferred = false;
+    }
+}
+
+impl Drop for BlockIo {
+    fn drop(&mut self) {
+        if self.pending != 0
+            && let Some(b) = self.buf.take()
+        {
+            // The kernel may still use this memory: never give it back.
+            std::mem::forget(b);
+        }
+    }
+}
+
+/// Where one command's disk operations go: the reactor's ring, with the completion
+/// routed back to the command. Handed to a backend for the length of one call.
+pub struct DiskQueue<'a> {
+    reactor: &'a mut Reactor,
+    conn: u32,
+    tag: u16,
+    /// Whether reads must land in a buffer because the transport needs their bytes
+    /// (data digests), rather than being sent straight from where they are.
+    pub needs_bytes: bool,
+    /// Operations queued in this call.
+    queued: u32,
+    /// Whether the command was handed to another thread in this call.
+    deferred: bool,
+    /// Whether a queued operation goes to a device.
+    on_device: bool,
+}
+
+/// What a [`DiskQueue`] saw during one backend call.
+pub(super) struct Queued {
+    pub ops: u32,
+    pub deferred: bool,
+    pub on_device: bool,
+}
+
+impl<'a> DiskQueue<'a> {
+    pub(super) fn new(reactor: &'a mut Reactor, conn: u32, tag: u16, needs_bytes: bool) -> DiskQueue<'a> {
+        DiskQueue { reactor, conn, tag, needs_bytes, queued: 0, deferred: false, on_device: false }
+    }
+
+    pub(super) fn queued(&self) -> Queued {
+        Queued { ops: self.queued, deferred: self.deferred, on_device: self.on_device }
+    }
+
+    /// The reactor this runs on.
+    pub fn reactor_id(&self) -> usize {
+        self.reactor.id
+    }
+
+    /// Gives `io` a data buffer of `len` bytes if it has none.
+    pub fn give_buf(&mut self, io: &mut BlockIo, len: usize) {
+        if io.buf.is_none() {
+            io.buf = Some(self.reactor.io_buf(len));
+        }
+    }
+
+    fn push(&mut self, io: &mut BlockIo, disk: DiskFd, sqe: io_uring::squeue::Entry) {
+        let sqe = sqe.user_data(Op::Disk(self.conn, self.tag).encode());
+        // SAFETY: the entry points either at nothing or into `io`'s buffer, at a range
+        // checked against its capacity by the caller. Counting the operation in
+        // `io.pending` keeps that buffer allocated and out of Rust's hands until the
+        // completion is reaped (see `BlockIo`), and the ring is dropped before any
+        // buffer (see `Reactor`).
+        unsafe { self.reactor.push(sqe) };
+        io.pending += 1;
+        self.queued += 1;
+        self.on_device |= disk.on_device;
+    }
+
+    /// The address of `len` bytes at `at` in `io`'s buffer, checked against its size.
+    fn buf_range(io: &mut BlockIo, at: usize, len: u32) -> Option<(*mut u8, Option<u16>)> {
+        let b = io.buf.as_mut()?;
+        let end = at.checked_add(len as usize)?;
+        if end > b.capacity() {
+            return None;
+        }
+        Some((b.as_mut_ptr().wrapping_add(at), b.registered_index()))
+    }
+
+    /// Reads `len` bytes at `pos` of `disk` into `io`'s buffer at `at`. False if the
+    /// range is not inside the buffer.
+    pub fn read(&mut self, io: &mut BlockIo, disk: DiskFd, at: usize, len: u32, pos: u64) -> bool {
+        let Some((ptr, registered)) = Self::buf_range(io, at, len) else { return false };
+        let fd = types::Fd(disk.fd);
+        let sqe = match registered {
+            Some(i) => opcode::ReadFixed::new(fd, ptr, len, i).offset(pos).build(),
+            None => opcode::Read::new(fd, ptr, len).offset(pos).build(),
+        };
+        self.push(io, disk, sqe);
+        io.transfer_left += u64::from(len);
+        true
+    }
+
+    /// Writes `len` bytes of `io`'s buffer at `at` to `pos` of `disk`, durably before
+    /// it completes if `fua`. False if the range is not inside the buffer.
+    pub fn write(&mut self, io: &mut BlockIo, disk: DiskFd, at: usize, len: u32, pos: u64, fua: bool) -> bool {
+        let Some((ptr, registered)) = Self::buf_range(io, at, len) else { return false };
+        let fd = types::Fd(disk.fd);
+        let flags = if fua { libc::RWF_DSYNC } else { 0 };
+        let sqe = match registered {
+            Some(i) => opcode::WriteFixed::new(fd, ptr, len, i).offset(pos).rw_flags(flags).build(),
+            None => opcode::Write::new(fd, ptr, len).offset(pos).rw_flags(flags).build(),
+        };
+        self.push(io, disk, sqe);
+        io.transfer_left += u64::from(len);
+        true
+    }
+
+    /// Makes every completed write to `disk` durable (`fdatasync`).
+    pub fn sync(&mut self, io: &mut BlockIo, disk: DiskFd) {
+        let sqe = opcode::Fsync::new(types::Fd(disk.fd)).flags(types::FsyncFlags::DATASYNC).build();
+        self.push(io, disk, sqe);
+    }
+
+    /// `fallocate(mode)` on `len` bytes at `pos` of `disk` (zeroing, deallocation).
+    pub fn fallocate(&mut self, io: &mut BlockIo, disk: DiskFd, mode: i32, pos: u64, len: u64) {
+        let sqe = opcode::Fallocate::new(types::Fd(disk.fd), len).offset(pos).mode(mode).build();
+        self.push(io, disk, sqe);
+    }
+
+    /// Hands the command to another thread: the returned callback, called once with
+    /// the outcome, routes it back to this command on this reactor, where the
+    /// backend's `resume` continues it.
+    pub fn defer(&mut self, io: &mut BlockIo) -> Box<dyn FnOnce(Status) + Send> {
+        io.deferred = true;
+        self.deferred = true;
+        let (links, reactor, conn, tag) = (self.reactor.links.clone(), self.reactor.id, self.conn, self.tag);
+        Box::new(move |status| links[reactor].send(Msg::Deferred { conn, tag, status }))
+    }
+}
