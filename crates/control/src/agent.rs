@@ -7,8 +7,11 @@
 
 use crate::client::Controllers;
 use crate::proto::{self, agent_server::AgentServer};
-use nvpool_engine::mgmt;
-use serde_json::{Value, json};
+use nvpool_api::{
+    AddHost, AddNamespace, AddSubsystem, CreateVolume, DeleteVolume, GetVolume, ListListeners, ListPools,
+    ListSubsystems, ListVolumes, Method, NamespaceConfig, RemoveHost, RemoveSubsystem, ResizeVolume, SubsystemConfig,
+    SubsystemInfo, VolumeInfo,
+};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -64,46 +67,44 @@ impl proto::agent_server::Agent for Service {
     }
 }
 
-fn call(engine: &Path, method: &str, params: Value) -> Result<Value, String> {
-    mgmt::call(engine, method, params)
+fn call<M: Method>(engine: &Path, request: M) -> Result<M::Reply, String> {
+    nvpool_api::call(engine, &request).map_err(String::from)
+}
+
+/// The result of one desired volume: its identity and allocation, or why it failed.
+fn result(id: &str, outcome: Result<Option<VolumeInfo>, String>) -> proto::VolumeResult {
+    match outcome {
+        Ok(info) => proto::VolumeResult {
+            id: id.to_string(),
+            error: String::new(),
+            uuid: info.as_ref().map(|i| i.uuid.clone()).unwrap_or_default(),
+            nguid: info.as_ref().map(|i| i.nguid.clone()).unwrap_or_default(),
+            allocated_bytes: info.as_ref().map_or(0, |i| i.allocated_bytes),
+        },
+        Err(error) => proto::VolumeResult { id: id.to_string(), error, ..Default::default() },
+    }
 }
 
 /// Makes the engine match `state`; one result per volume.
 fn reconcile(engine: &Path, state: &proto::NodeState) -> Vec<proto::VolumeResult> {
     let listed =
-        call(engine, "volume_list", json!({})).and_then(|v| Ok((v, call(engine, "subsystem_list", json!({}))?)));
+        call(engine, ListVolumes { pool: None }).and_then(|volumes| Ok((volumes, call(engine, ListSubsystems {})?)));
     let (volumes, subsystems) = match listed {
-        Ok((Value::Array(v), Value::Array(s))) => (v, s),
-        Ok(_) => (vec![], vec![]),
-        Err(e) => {
-            return state
-                .volumes
-                .iter()
-                .map(|d| proto::VolumeResult { id: d.id.clone(), error: e.clone(), ..Default::default() })
-                .collect();
-        }
+        Ok(found) => found,
+        Err(e) => return state.volumes.iter().map(|d| result(&d.id, Err(e.clone()))).collect(),
     };
     state
         .volumes
         .iter()
         .map(|d| {
-            let volume = volumes.iter().find(|v| v["pool"] == d.pool.as_str() && v["name"] == d.engine_name.as_str());
-            let subsystem = subsystems.iter().find(|s| s["nqn"] == d.subsystem_nqn.as_str());
+            let volume = volumes.iter().find(|v| v.pool == d.pool && v.name == d.engine_name);
+            let subsystem = subsystems.iter().find(|s| s.nqn == d.subsystem_nqn);
             let outcome = if d.present {
-                ensure(engine, d, volume, subsystem)
+                ensure(engine, d, volume, subsystem).map(Some)
             } else {
-                remove(engine, d, volume.is_some(), subsystem.is_some()).map(|()| Value::Null)
+                remove(engine, d, volume.is_some(), subsystem.is_some()).map(|()| None)
             };
-            match outcome {
-                Ok(info) => proto::VolumeResult {
-                    id: d.id.clone(),
-                    error: String::new(),
-                    uuid: info["uuid"].as_str().unwrap_or_default().to_string(),
-                    nguid: info["nguid"].as_str().unwrap_or_default().to_string(),
-                    allocated_bytes: info["allocated_bytes"].as_u64().unwrap_or(0),
-                },
-                Err(error) => proto::VolumeResult { id: d.id.clone(), error, ..Default::default() },
-            }
+            result(&d.id, outcome)
         })
         .collect()
 }
@@ -112,89 +113,81 @@ fn reconcile(engine: &Path, state: &proto::NodeState) -> Vec<proto::VolumeResult
 fn ensure(
     engine: &Path,
     d: &proto::DesiredVolume,
-    volume: Option<&Value>,
-    subsystem: Option<&Value>,
-) -> Result<Value, String> {
-    let reference = json!({ "pool": d.pool, "name": d.engine_name });
+    volume: Option<&VolumeInfo>,
+    subsystem: Option<&SubsystemInfo>,
+) -> Result<VolumeInfo, String> {
+    let (pool, name) = (d.pool.clone(), d.engine_name.clone());
     let mut info = match volume {
-        None => call(
-            engine,
-            "volume_create",
-            json!({ "pool": d.pool, "name": d.engine_name, "size": d.size_bytes, "thin": d.thin }),
-        )?,
+        None => {
+            call(engine, CreateVolume { pool: pool.clone(), name: name.clone(), size: d.size_bytes, thin: d.thin })?
+        }
         Some(v) => v.clone(),
     };
-    if info["size"].as_u64().unwrap_or(0) < d.size_bytes {
-        info = call(engine, "volume_resize", json!({ "pool": d.pool, "name": d.engine_name, "size": d.size_bytes }))?;
+    if info.size < d.size_bytes {
+        info = call(engine, ResizeVolume { pool: pool.clone(), name: name.clone(), size: d.size_bytes })?;
     }
-    let backend = format!("volume:{}/{}", d.pool, d.engine_name);
+    let namespace =
+        NamespaceConfig { nsid: Some(1), backend: format!("volume:{pool}/{name}"), block_size: 4096, uuid: None };
+    let nqn = d.subsystem_nqn.clone();
     match subsystem {
         None => {
-            let config = json!({
-                "nqn": d.subsystem_nqn,
-                "allow_any_host": false,
-                "hosts": d.hosts,
-                "namespace": [{ "nsid": 1, "backend": backend, "block_size": 4096 }],
-            });
-            call(engine, "subsystem_add", config)?;
+            let config = SubsystemConfig {
+                nqn,
+                serial: None,
+                model: "nvpool".into(),
+                allow_any_host: false,
+                hosts: d.hosts.clone(),
+                namespaces: vec![namespace],
+            };
+            call(engine, AddSubsystem(config))?;
         }
         Some(s) => {
-            let has_namespace = s["namespaces"].as_array().is_some_and(|n| n.iter().any(|n| n["nsid"] == 1));
-            if !has_namespace {
-                call(
-                    engine,
-                    "namespace_add",
-                    json!({ "nqn": d.subsystem_nqn, "namespace": { "nsid": 1, "backend": backend, "block_size": 4096 } }),
-                )?;
+            if !s.namespaces.iter().any(|n| n.nsid == 1) {
+                call(engine, AddNamespace { nqn: nqn.clone(), namespace })?;
             }
-            let allowed: Vec<&str> =
-                s["hosts"].as_array().map(|h| h.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
-            for h in d.hosts.iter().filter(|h| !allowed.contains(&h.as_str())) {
-                call(engine, "host_add", json!({ "nqn": d.subsystem_nqn, "host": h }))?;
+            for h in d.hosts.iter().filter(|h| !s.hosts.contains(h)) {
+                call(engine, AddHost { nqn: nqn.clone(), host: h.clone() })?;
             }
-            for h in allowed.iter().filter(|h| !d.hosts.iter().any(|d| d == *h)) {
-                call(engine, "host_remove", json!({ "nqn": d.subsystem_nqn, "host": h }))?;
+            for h in s.hosts.iter().filter(|h| !d.hosts.contains(h)) {
+                call(engine, RemoveHost { nqn: nqn.clone(), host: h.clone() })?;
             }
         }
     }
     if volume.is_some() {
-        info = call(engine, "volume_get", reference)?;
+        info = call(engine, GetVolume { pool, name })?;
     }
     Ok(info)
 }
 
 fn remove(engine: &Path, d: &proto::DesiredVolume, has_volume: bool, has_subsystem: bool) -> Result<(), String> {
     if has_subsystem {
-        call(engine, "subsystem_remove", json!({ "nqn": d.subsystem_nqn }))?;
+        call(engine, RemoveSubsystem { nqn: d.subsystem_nqn.clone() })?;
     }
     if has_volume {
-        call(engine, "volume_delete", json!({ "pool": d.pool, "name": d.engine_name }))?;
+        call(engine, DeleteVolume { pool: d.pool.clone(), name: d.engine_name.clone() })?;
     }
     Ok(())
 }
 
 /// The node's pools and its volumes' allocations, as the engine reports them.
 fn usage(engine: &Path) -> (Vec<proto::PoolReport>, Vec<proto::VolumeUsage>) {
-    let pools = call(engine, "pool_list", json!({})).ok().and_then(|v| v.as_array().cloned()).unwrap_or_default();
-    let volumes = call(engine, "volume_list", json!({})).ok().and_then(|v| v.as_array().cloned()).unwrap_or_default();
+    let pools = call(engine, ListPools {}).unwrap_or_default();
+    let volumes = call(engine, ListVolumes { pool: None }).unwrap_or_default();
     let pools = pools
-        .iter()
+        .into_iter()
         .map(|p| proto::PoolReport {
-            name: p["name"].as_str().unwrap_or_default().into(),
-            capacity_bytes: p["capacity_bytes"].as_u64().unwrap_or(0),
-            used_bytes: p["used_bytes"].as_u64().unwrap_or(0),
-            provisioned_bytes: p["provisioned_bytes"].as_u64().unwrap_or(0),
-            cluster_size: p["cluster_size"].as_u64().unwrap_or(0),
-            volumes: p["volumes"].as_u64().unwrap_or(0) as u32,
-            failed: p["failed"].as_str().unwrap_or_default().into(),
+            name: p.name,
+            capacity_bytes: p.capacity_bytes,
+            used_bytes: p.used_bytes,
+            provisioned_bytes: p.provisioned_bytes,
+            cluster_size: p.cluster_size,
+            volumes: p.volumes as u32,
+            failed: p.failed.unwrap_or_default(),
         })
         .collect();
     let volumes = volumes
-        .iter()
-        .map(|v| proto::VolumeUsage {
-            engine_name: v["name"].as_str().unwrap_or_default().into(),
-            allocated_bytes: v["allocated_bytes"].as_u64().unwrap_or(0),
-        })
+        .into_iter()
+        .map(|v| proto::VolumeUsage { engine_name: v.name, allocated_bytes: v.allocated_bytes })
         .collect();
     (pools, volumes)
 }
@@ -204,17 +197,15 @@ fn nvme_address(engine: &Path, given: &Option<String>) -> Result<String, String>
     if let Some(a) = given {
         return Ok(a.clone());
     }
-    let listeners = call(engine, "listener_list", json!({}))?;
-    let first = listeners
-        .as_array()
-        .and_then(|l| l.first())
-        .ok_or("the engine has no listener: add one, or pass --nvme-address")?;
-    let ip: std::net::IpAddr =
-        first["addr"].as_str().unwrap_or_default().parse().map_err(|e| format!("engine listener: {e}"))?;
-    if ip.is_unspecified() {
-        return Err(format!("the engine listens on {ip}: pass --nvme-address with the address hosts should use"));
+    let listeners = call(engine, ListListeners {})?;
+    let first = listeners.first().ok_or("the engine has no listener: add one, or pass --nvme-address")?;
+    if first.addr.is_unspecified() {
+        return Err(format!(
+            "the engine listens on {}: pass --nvme-address with the address hosts should use",
+            first.addr
+        ));
     }
-    Ok(SocketAddr::new(ip, first["port"].as_u64().unwrap_or(4420) as u16).to_string())
+    Ok(SocketAddr::new(first.addr, first.port).to_string())
 }
 
 /// Runs the agent until the process ends.

@@ -32,6 +32,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+pub use nvpool_api::{NamespaceConfig, SubsystemConfig};
+
 /// Limits the target enforces.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields, default)]
@@ -66,52 +68,6 @@ impl Limits {
 pub struct ListenerConfig {
     /// IP address and port.
     pub address: SocketAddr,
-}
-
-/// A namespace.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct NamespaceConfig {
-    /// Namespace ID; the next free one when absent.
-    pub nsid: Option<u32>,
-    /// `null:SIZE`, `memory:SIZE`, `file:PATH`, `file:PATH:SIZE` or `volume:POOL/NAME`.
-    pub backend: String,
-    /// Block size: 512 or 4096.
-    #[serde(default = "default_block_size")]
-    pub block_size: u32,
-    /// UUID; derived from the subsystem NQN and NSID when absent, so it is stable.
-    /// Volumes always use the UUID and NGUID stored with them.
-    pub uuid: Option<uuid::Uuid>,
-}
-
-fn default_block_size() -> u32 {
-    512
-}
-
-/// A subsystem.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct SubsystemConfig {
-    /// NQN.
-    pub nqn: String,
-    /// Serial number; derived from the NQN when absent.
-    pub serial: Option<String>,
-    /// Model number.
-    #[serde(default = "default_model")]
-    pub model: String,
-    /// Whether any host may connect.
-    #[serde(default)]
-    pub allow_any_host: bool,
-    /// Hosts allowed to connect.
-    #[serde(default)]
-    pub hosts: Vec<String>,
-    /// Namespaces.
-    #[serde(default, rename = "namespace")]
-    pub namespaces: Vec<NamespaceConfig>,
-}
-
-fn default_model() -> String {
-    "nvpool".into()
 }
 
 /// The whole engine configuration.

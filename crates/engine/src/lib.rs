@@ -20,13 +20,11 @@ use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use serde::Serialize;
-
 use config::{EngineConfig, NamespaceConfig, SubsystemConfig};
 use nvme::subsystem::HostPolicy;
-use nvme::{ListenerInfo, Namespace, StatsSnapshot, Subsystem, Target, lock};
+use nvme::{ListenerInfo, Namespace, Subsystem, Target, lock};
+pub use nvpool_api::{DirtyAction, DirtyReport, NamespaceInfo, SubsystemInfo};
 use reactor::{Msg, ReactorLink};
-pub use storage::{DirtyAction, DirtyReport};
 
 /// A running engine.
 pub struct Engine {
@@ -36,48 +34,6 @@ pub struct Engine {
     listeners: Mutex<BTreeMap<u16, SocketAddr>>,
     next_port_id: AtomicU16,
     pools: Mutex<BTreeMap<String, Arc<pool::Pool>>>,
-}
-
-/// A namespace as the management API reports it.
-#[derive(Debug, Serialize)]
-pub struct NamespaceInfo {
-    /// Namespace ID.
-    pub nsid: u32,
-    /// Backend kind (`null`, `memory`, `file`, `volume`, ...).
-    pub kind: &'static str,
-    /// Backend description (path, or kind and size).
-    pub backend: String,
-    /// Size in bytes.
-    pub size: u64,
-    /// Block size in bytes.
-    pub block_size: u32,
-    /// UUID.
-    pub uuid: String,
-    /// NGUID, as 32 hex digits.
-    pub nguid: String,
-    /// Whether I/O bypasses the page cache.
-    pub direct_io: bool,
-    /// I/O counters.
-    pub stats: StatsSnapshot,
-}
-
-/// A subsystem as the management API reports it.
-#[derive(Debug, Serialize)]
-pub struct SubsystemInfo {
-    /// NQN.
-    pub nqn: String,
-    /// Serial number.
-    pub serial: String,
-    /// Model number.
-    pub model: String,
-    /// Whether any host may connect.
-    pub allow_any_host: bool,
-    /// Allowed hosts.
-    pub hosts: Vec<String>,
-    /// Live controllers.
-    pub controllers: usize,
-    /// Namespaces.
-    pub namespaces: Vec<NamespaceInfo>,
 }
 
 impl Engine {
@@ -318,7 +274,7 @@ fn add_namespace_to(engine: &Engine, s: &Subsystem, n: &NamespaceConfig) -> Resu
 fn namespace_info(ns: &Namespace) -> NamespaceInfo {
     NamespaceInfo {
         nsid: ns.nsid,
-        kind: ns.backend.kind(),
+        kind: ns.backend.kind().into(),
         backend: ns.backend.description(),
         size: ns.blocks << ns.block_shift,
         block_size: ns.block_size(),

@@ -1,40 +1,17 @@
-//! The management API: newline-delimited JSON requests on a Unix socket.
-//!
-//! Each request is one line, `{"method": "...", "params": {...}}`; each reply is one
-//! line, `{"result": ...}` or `{"error": "what was wrong and what to do"}`.
-//!
-//! | method | params |
-//! |---|---|
-//! | `engine_info` | |
-//! | `subsystem_list` | |
-//! | `subsystem_add` | a subsystem as in the TOML configuration |
-//! | `subsystem_remove` | `nqn` |
-//! | `namespace_add` | `nqn`, `namespace` (as in the TOML configuration) |
-//! | `namespace_remove` | `nqn`, `nsid` |
-//! | `host_add`, `host_remove` | `nqn`, `host` |
-//! | `allow_any_host` | `nqn`, `allow` |
-//! | `listener_list` | |
-//! | `listener_add`, `listener_remove` | `address` |
-//! | `pool_create` | `name`, `disks`, optional `cluster_size` (bytes), `force` |
-//! | `pool_import` | `disks` |
-//! | `pool_export`, `pool_check` | `name` |
-//! | `pool_list` | |
-//! | `volume_create` | `pool`, `name`, `size` (bytes), `thin` |
-//! | `volume_delete`, `volume_get` | `pool`, `name` |
-//! | `volume_resize` | `pool`, `name`, `size` (bytes; grow only) |
-//! | `volume_list` | optional `pool` |
-//! | `volume_dirty` | `pool`, `name`, `action`: `start`, `stop`, `report` or `reset` |
+//! The management API's server: newline-delimited JSON requests on a Unix socket,
+//! each decoded as the [`nvpool_api`] type its method names and answered with that
+//! method's reply type (the wire form and every method are documented there).
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use nvpool_api::*;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::config::{NamespaceConfig, SubsystemConfig};
-use crate::{DirtyAction, Engine};
+use crate::Engine;
 
 /// Binds the management socket and serves it on a background thread.
 pub fn serve(engine: Arc<Engine>, path: &Path) -> Result<PathBuf, String> {
@@ -84,211 +61,62 @@ fn client(engine: &Engine, stream: UnixStream) {
 }
 
 #[derive(Deserialize)]
-struct Request {
+struct ApiCall {
     method: String,
     #[serde(default)]
     params: Value,
 }
 
-fn params<T: for<'de> Deserialize<'de>>(method: &str, v: Value) -> Result<T, String> {
-    let v = if v.is_null() { json!({}) } else { v };
-    serde_json::from_value(v).map_err(|e| format!("{method}: bad params: {e}"))
+/// Decodes `params` as method `M`'s request, runs it, and encodes the reply.
+fn answer<M: Method>(params: Value, run: impl FnOnce(M) -> Result<M::Reply, String>) -> Result<Value, String> {
+    let params = if params.is_null() { json!({}) } else { params };
+    let request: M = serde_json::from_value(params).map_err(|e| format!("{}: bad params: {e}", M::NAME))?;
+    let reply = run(request)?;
+    serde_json::to_value(reply).map_err(|e| format!("{}: cannot encode the reply: {e}", M::NAME))
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Nqn {
-    nqn: String,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct NsAdd {
-    nqn: String,
-    namespace: NamespaceConfig,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct NsRemove {
-    nqn: String,
-    nsid: u32,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Host {
-    nqn: String,
-    host: String,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct AllowAny {
-    nqn: String,
-    allow: bool,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Address {
-    address: std::net::SocketAddr,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct PoolCreate {
-    name: String,
-    disks: Vec<PathBuf>,
-    cluster_size: Option<u64>,
-    #[serde(default)]
-    force: bool,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Disks {
-    disks: Vec<PathBuf>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Name {
-    name: String,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct VolumeCreate {
-    pool: String,
-    name: String,
-    size: u64,
-    #[serde(default)]
-    thin: bool,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct VolumeRef {
-    pool: String,
-    name: String,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct VolumeResize {
-    pool: String,
-    name: String,
-    size: u64,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct PoolFilter {
-    pool: Option<String>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct VolumeDirty {
-    pool: String,
-    name: String,
-    action: DirtyAction,
+fn ok(r: Result<(), String>) -> Result<Empty, String> {
+    r.map(|()| Empty {})
 }
 
 /// Handles one request line; public so tests can drive the API without a socket.
 pub fn handle(engine: &Engine, line: &str) -> Result<Value, String> {
-    let req: Request = serde_json::from_str(line)
+    let call: ApiCall = serde_json::from_str(line)
         .map_err(|e| format!("request is not valid JSON of the form {{\"method\": ..., \"params\": ...}}: {e}"))?;
-    let m = req.method.as_str();
-    let p = req.params;
-    let ok = |r: Result<(), String>| r.map(|()| json!({}));
-    match m {
-        "engine_info" => Ok(json!({
-            "version": env!("CARGO_PKG_VERSION"),
-            "controllers": engine.target().controller_count(),
-            "connections": engine.target().connection_count(),
-            "listeners": engine.listeners(),
-        })),
-        "subsystem_list" => Ok(json!(engine.subsystems())),
-        "subsystem_add" => ok(engine.add_subsystem(&params::<SubsystemConfig>(m, p)?)),
-        "subsystem_remove" => ok(engine.remove_subsystem(&params::<Nqn>(m, p)?.nqn)),
-        "namespace_add" => {
-            let a: NsAdd = params(m, p)?;
-            engine.add_namespace(&a.nqn, &a.namespace).map(|nsid| json!({ "nsid": nsid }))
+    let p = call.params;
+    match call.method.as_str() {
+        GetEngineInfo::NAME => answer(p, |GetEngineInfo {}| {
+            Ok(EngineInfo {
+                version: env!("CARGO_PKG_VERSION").into(),
+                controllers: engine.target().controller_count(),
+                connections: engine.target().connection_count(),
+                listeners: engine.listeners(),
+            })
+        }),
+        ListSubsystems::NAME => answer(p, |ListSubsystems {}| Ok(engine.subsystems())),
+        AddSubsystem::NAME => answer(p, |AddSubsystem(s)| ok(engine.add_subsystem(&s))),
+        RemoveSubsystem::NAME => answer(p, |r: RemoveSubsystem| ok(engine.remove_subsystem(&r.nqn))),
+        AddNamespace::NAME => {
+            answer(p, |r: AddNamespace| engine.add_namespace(&r.nqn, &r.namespace).map(|nsid| NamespaceAdded { nsid }))
         }
-        "namespace_remove" => {
-            let a: NsRemove = params(m, p)?;
-            ok(engine.remove_namespace(&a.nqn, a.nsid))
-        }
-        "host_add" => {
-            let h: Host = params(m, p)?;
-            ok(engine.add_host(&h.nqn, &h.host))
-        }
-        "host_remove" => {
-            let h: Host = params(m, p)?;
-            ok(engine.remove_host(&h.nqn, &h.host))
-        }
-        "allow_any_host" => {
-            let a: AllowAny = params(m, p)?;
-            ok(engine.set_allow_any_host(&a.nqn, a.allow))
-        }
-        "listener_list" => Ok(json!(engine.listeners())),
-        "listener_add" => engine.add_listener(params::<Address>(m, p)?.address).map(|l| json!(l)),
-        "listener_remove" => ok(engine.remove_listener(params::<Address>(m, p)?.address)),
-        "pool_create" => {
-            let a: PoolCreate = params(m, p)?;
-            engine.create_pool(&a.name, &a.disks, a.cluster_size, a.force).map(|i| json!(i))
-        }
-        "pool_import" => engine.import_pool(&params::<Disks>(m, p)?.disks).map(|i| json!(i)),
-        "pool_export" => ok(engine.export_pool(&params::<Name>(m, p)?.name)),
-        "pool_check" => ok(engine.check_pool(&params::<Name>(m, p)?.name)),
-        "pool_list" => Ok(json!(engine.pools())),
-        "volume_create" => {
-            let a: VolumeCreate = params(m, p)?;
-            engine.create_volume(&a.pool, &a.name, a.size, a.thin).map(|i| json!(i))
-        }
-        "volume_delete" => {
-            let a: VolumeRef = params(m, p)?;
-            ok(engine.delete_volume(&a.pool, &a.name))
-        }
-        "volume_get" => {
-            let a: VolumeRef = params(m, p)?;
-            engine.volume(&a.pool, &a.name).map(|i| json!(i))
-        }
-        "volume_resize" => {
-            let a: VolumeResize = params(m, p)?;
-            engine.resize_volume(&a.pool, &a.name, a.size).map(|i| json!(i))
-        }
-        "volume_list" => engine.volumes(params::<PoolFilter>(m, p)?.pool.as_deref()).map(|v| json!(v)),
-        "volume_dirty" => {
-            let a: VolumeDirty = params(m, p)?;
-            engine.volume_dirty(&a.pool, &a.name, a.action).map(|r| json!(r))
-        }
-        _ => Err(format!(
-            "unknown method {m:?}: use engine_info, subsystem_list, subsystem_add, subsystem_remove, namespace_add, \
-             namespace_remove, host_add, host_remove, allow_any_host, listener_list, listener_add, listener_remove, \
-             pool_create, pool_import, pool_export, pool_check, pool_list, volume_create, volume_delete, volume_get, \
-             volume_resize, volume_list or volume_dirty"
-        )),
+        RemoveNamespace::NAME => answer(p, |r: RemoveNamespace| ok(engine.remove_namespace(&r.nqn, r.nsid))),
+        AddHost::NAME => answer(p, |r: AddHost| ok(engine.add_host(&r.nqn, &r.host))),
+        RemoveHost::NAME => answer(p, |r: RemoveHost| ok(engine.remove_host(&r.nqn, &r.host))),
+        AllowAnyHost::NAME => answer(p, |r: AllowAnyHost| ok(engine.set_allow_any_host(&r.nqn, r.allow))),
+        ListListeners::NAME => answer(p, |ListListeners {}| Ok(engine.listeners())),
+        AddListener::NAME => answer(p, |r: AddListener| engine.add_listener(r.address)),
+        RemoveListener::NAME => answer(p, |r: RemoveListener| ok(engine.remove_listener(r.address))),
+        CreatePool::NAME => answer(p, |r: CreatePool| engine.create_pool(&r.name, &r.disks, r.cluster_size, r.force)),
+        ImportPool::NAME => answer(p, |r: ImportPool| engine.import_pool(&r.disks)),
+        ExportPool::NAME => answer(p, |r: ExportPool| ok(engine.export_pool(&r.name))),
+        CheckPool::NAME => answer(p, |r: CheckPool| ok(engine.check_pool(&r.name))),
+        ListPools::NAME => answer(p, |ListPools {}| Ok(engine.pools())),
+        CreateVolume::NAME => answer(p, |r: CreateVolume| engine.create_volume(&r.pool, &r.name, r.size, r.thin)),
+        DeleteVolume::NAME => answer(p, |r: DeleteVolume| ok(engine.delete_volume(&r.pool, &r.name))),
+        GetVolume::NAME => answer(p, |r: GetVolume| engine.volume(&r.pool, &r.name)),
+        ResizeVolume::NAME => answer(p, |r: ResizeVolume| engine.resize_volume(&r.pool, &r.name, r.size)),
+        ListVolumes::NAME => answer(p, |r: ListVolumes| engine.volumes(r.pool.as_deref())),
+        VolumeDirty::NAME => answer(p, |r: VolumeDirty| engine.volume_dirty(&r.pool, &r.name, r.action)),
+        other => Err(format!("unknown method {other:?}: use {}", METHODS.join(", "))),
     }
-}
-
-/// Sends one request to an engine's management socket and returns its result.
-pub fn call(socket: &Path, method: &str, params: Value) -> Result<Value, String> {
-    let mut s = UnixStream::connect(socket).map_err(|e| {
-        format!(
-            "cannot reach the engine at {}: {e} (is `nvpool engine` running? pass --socket if it uses another path)",
-            socket.display()
-        )
-    })?;
-    let req = json!({ "method": method, "params": params });
-    writeln!(s, "{req}").map_err(|e| format!("sending to {}: {e}", socket.display()))?;
-    let mut line = String::new();
-    BufReader::new(s).read_line(&mut line).map_err(|e| format!("reading from {}: {e}", socket.display()))?;
-    let reply: Value = serde_json::from_str(&line).map_err(|e| format!("the engine sent a malformed reply: {e}"))?;
-    if let Some(e) = reply.get("error") {
-        return Err(e.as_str().unwrap_or("unknown error").to_string());
-    }
-    Ok(reply.get("result").cloned().unwrap_or(Value::Null))
 }

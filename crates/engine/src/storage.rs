@@ -7,32 +7,7 @@ use std::sync::Arc;
 use crate::backend::{self, OpenEnv, Opened};
 use crate::nvme::{Namespace, Subsystem, lock};
 use crate::pool::{CreateOptions, DEFAULT_CLUSTER_SIZE, Pool, PoolInfo, VolumeInfo};
-use crate::{Engine, Msg};
-
-/// What to do with a volume's dirty-cluster tracking.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DirtyAction {
-    /// Start tracking (clears the set).
-    Start,
-    /// Stop tracking.
-    Stop,
-    /// Report the set.
-    Report,
-    /// Report the set and clear it.
-    Reset,
-}
-
-/// The dirty clusters of a volume.
-#[derive(Debug, serde::Serialize)]
-pub struct DirtyReport {
-    /// Whether tracking is on.
-    pub tracking: bool,
-    /// Bytes per cluster.
-    pub cluster_size: u64,
-    /// Indexes of the clusters written since tracking started or the last reset.
-    pub clusters: Vec<u64>,
-}
+use crate::{DirtyAction, DirtyReport, Engine, Msg};
 
 fn canonical(p: &Path) -> PathBuf {
     p.canonicalize().unwrap_or_else(|_| p.to_path_buf())

@@ -5,12 +5,18 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use nvpool_api::{
+    AddHost, AddListener, AddNamespace, AddSubsystem, AllowAnyHost, CheckPool, CreatePool, CreateVolume, DeleteVolume,
+    DirtyAction, ExportPool, GetVolume, ImportPool, ListListeners, ListPools, ListSubsystems, ListVolumes,
+    ListenerInfo, Method, PoolInfo, RemoveHost, RemoveListener, RemoveNamespace, RemoveSubsystem, ResizeVolume,
+    SubsystemInfo, VolumeDirty, VolumeInfo,
+};
 use nvpool_engine::Engine;
 use nvpool_engine::config::{
     EngineConfig, ListenerConfig, NamespaceConfig, PoolConfig, SubsystemConfig, default_socket,
 };
 use nvpool_engine::mgmt;
-use serde_json::{Value, json};
+use serde::Serialize;
 
 /// nvpool: pool every node's NVMe SSDs and serve volumes over NVMe/TCP.
 #[derive(Parser)]
@@ -268,7 +274,7 @@ enum NamespaceVerb {
         block_size: u32,
         /// UUID (derived from the NQN and NSID by default).
         #[arg(long)]
-        uuid: Option<String>,
+        uuid: Option<uuid::Uuid>,
     },
     /// Remove a namespace.
     Remove {
@@ -366,8 +372,8 @@ enum VolumeVerb {
         /// Volume name.
         name: String,
         /// start, stop, report, or reset (report and clear).
-        #[arg(value_parser = ["start", "stop", "report", "reset"])]
-        action: String,
+        #[arg(value_parser = parse_dirty_action)]
+        action: DirtyAction,
     },
 }
 
@@ -427,115 +433,88 @@ pub fn run(cli: Cli) -> Result<(), String> {
 fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
     match verb {
         EngineVerb::Subsystem { verb, api } => match verb {
-            SubsystemVerb::List => show(&api, "subsystem_list", json!({}), subsystem_table),
+            SubsystemVerb::List => show(&api, ListSubsystems {}, |r| subsystem_table(r)),
             SubsystemVerb::Add { nqn, serial, model, allow_any_host } => {
-                let p = json!({ "nqn": nqn, "serial": serial, "model": model, "allow_any_host": allow_any_host });
-                done(&api, "subsystem_add", p, &format!("subsystem {nqn} added"))
+                let message = format!("subsystem {nqn} added");
+                let config = SubsystemConfig { nqn, serial, model, allow_any_host, hosts: vec![], namespaces: vec![] };
+                done(&api, AddSubsystem(config), &message)
             }
             SubsystemVerb::Remove { nqn } => {
-                done(&api, "subsystem_remove", json!({ "nqn": nqn }), &format!("subsystem {nqn} removed"))
+                let message = format!("subsystem {nqn} removed");
+                done(&api, RemoveSubsystem { nqn }, &message)
             }
         },
         EngineVerb::Namespace { verb, api } => match verb {
             NamespaceVerb::Add { nqn, backend, nsid, block_size, uuid } => {
-                let p = json!({ "nqn": nqn, "namespace": { "nsid": nsid, "backend": backend, "block_size": block_size, "uuid": uuid } });
-                let r = mgmt::call(&api.socket, "namespace_add", p)?;
-                print_or(api.json, &r, || format!("namespace {} added to {nqn}", r["nsid"]));
+                let namespace = NamespaceConfig { nsid, backend, block_size, uuid };
+                let r = api.call(AddNamespace { nqn: nqn.clone(), namespace })?;
+                print_or(api.json, &r, || format!("namespace {} added to {nqn}", r.nsid));
                 Ok(())
             }
-            NamespaceVerb::Remove { nqn, nsid } => done(
-                &api,
-                "namespace_remove",
-                json!({ "nqn": nqn, "nsid": nsid }),
-                &format!("namespace {nsid} removed from {nqn}"),
-            ),
+            NamespaceVerb::Remove { nqn, nsid } => {
+                let message = format!("namespace {nsid} removed from {nqn}");
+                done(&api, RemoveNamespace { nqn, nsid }, &message)
+            }
         },
         EngineVerb::Host { verb, api } => match verb {
             HostVerb::Add { nqn, host } => {
-                done(&api, "host_add", json!({ "nqn": nqn, "host": host }), &format!("host {host} allowed on {nqn}"))
+                let message = format!("host {host} allowed on {nqn}");
+                done(&api, AddHost { nqn, host }, &message)
             }
-            HostVerb::Remove { nqn, host } => done(
-                &api,
-                "host_remove",
-                json!({ "nqn": nqn, "host": host }),
-                &format!("host {host} removed from {nqn}"),
-            ),
+            HostVerb::Remove { nqn, host } => {
+                let message = format!("host {host} removed from {nqn}");
+                done(&api, RemoveHost { nqn, host }, &message)
+            }
             HostVerb::AllowAny { nqn, state } => {
-                let allow = state == "on";
-                done(
-                    &api,
-                    "allow_any_host",
-                    json!({ "nqn": nqn, "allow": allow }),
-                    &format!("allow any host on {nqn}: {state}"),
-                )
+                let message = format!("allow any host on {nqn}: {state}");
+                done(&api, AllowAnyHost { nqn, allow: state == "on" }, &message)
             }
         },
         EngineVerb::Listener { verb, api } => match verb {
-            ListenerVerb::List => show(&api, "listener_list", json!({}), listener_table),
-            ListenerVerb::Add { address } => {
-                done(&api, "listener_add", json!({ "address": address }), &format!("listening on {address}"))
-            }
+            ListenerVerb::List => show(&api, ListListeners {}, |r| listener_table(r)),
+            ListenerVerb::Add { address } => done(&api, AddListener { address }, &format!("listening on {address}")),
             ListenerVerb::Remove { address } => {
-                done(&api, "listener_remove", json!({ "address": address }), &format!("stopped listening on {address}"))
+                done(&api, RemoveListener { address }, &format!("stopped listening on {address}"))
             }
         },
         EngineVerb::Pool { verb, api } => match verb {
-            PoolVerb::List => show(&api, "pool_list", json!({}), pool_table),
+            PoolVerb::List => show(&api, ListPools {}, |r| pool_table(r)),
             PoolVerb::Create { name, disks, cluster_size, force } => {
-                let p = json!({ "name": name, "disks": disks, "cluster_size": cluster_size, "force": force });
-                let r = mgmt::call(&api.socket, "pool_create", p)?;
-                print_or(api.json, &r, || render(&pool_table(&json!([r.clone()]))));
-                Ok(())
+                show(&api, CreatePool { name, disks, cluster_size, force }, |r| pool_table(std::slice::from_ref(r)))
             }
-            PoolVerb::Import { disks } => {
-                let r = mgmt::call(&api.socket, "pool_import", json!({ "disks": disks }))?;
-                print_or(api.json, &r, || render(&pool_table(&json!([r.clone()]))));
-                Ok(())
-            }
+            PoolVerb::Import { disks } => show(&api, ImportPool { disks }, |r| pool_table(std::slice::from_ref(r))),
             PoolVerb::Export { name } => {
-                done(&api, "pool_export", json!({ "name": name }), &format!("pool {name} exported"))
+                let message = format!("pool {name} exported");
+                done(&api, ExportPool { name }, &message)
             }
-            PoolVerb::Check { name } => done(
-                &api,
-                "pool_check",
-                json!({ "name": name }),
-                &format!("pool {name}: metadata and space accounting are consistent"),
-            ),
+            PoolVerb::Check { name } => {
+                let message = format!("pool {name}: metadata and space accounting are consistent");
+                done(&api, CheckPool { name }, &message)
+            }
         },
         EngineVerb::Volume { verb, api } => match verb {
-            VolumeVerb::List { pool } => show(&api, "volume_list", json!({ "pool": pool }), volume_table),
+            VolumeVerb::List { pool } => show(&api, ListVolumes { pool }, |r| volume_table(r)),
             VolumeVerb::Create { pool, name, size, thin } => {
-                let p = json!({ "pool": pool, "name": name, "size": size, "thin": thin });
-                let r = mgmt::call(&api.socket, "volume_create", p)?;
-                print_or(api.json, &r, || render(&volume_table(&json!([r.clone()]))));
-                Ok(())
+                show(&api, CreateVolume { pool, name, size, thin }, |r| volume_table(std::slice::from_ref(r)))
             }
-            VolumeVerb::Delete { pool, name } => done(
-                &api,
-                "volume_delete",
-                json!({ "pool": pool, "name": name }),
-                &format!("volume {pool}/{name} deleted"),
-            ),
+            VolumeVerb::Delete { pool, name } => {
+                let message = format!("volume {pool}/{name} deleted");
+                done(&api, DeleteVolume { pool, name }, &message)
+            }
             VolumeVerb::Resize { pool, name, size } => {
-                let r = mgmt::call(&api.socket, "volume_resize", json!({ "pool": pool, "name": name, "size": size }))?;
-                print_or(api.json, &r, || render(&volume_table(&json!([r.clone()]))));
-                Ok(())
+                show(&api, ResizeVolume { pool, name, size }, |r| volume_table(std::slice::from_ref(r)))
             }
             VolumeVerb::Stats { pool, name } => {
-                let r = mgmt::call(&api.socket, "volume_get", json!({ "pool": pool, "name": name }))?;
-                print_or(api.json, &r, || render(&volume_table(&json!([r.clone()]))));
-                Ok(())
+                show(&api, GetVolume { pool, name }, |r| volume_table(std::slice::from_ref(r)))
             }
             VolumeVerb::Dirty { pool, name, action } => {
-                let r =
-                    mgmt::call(&api.socket, "volume_dirty", json!({ "pool": pool, "name": name, "action": action }))?;
+                let r = api.call(VolumeDirty { pool, name, action })?;
                 print_or(api.json, &r, || {
-                    let clusters: Vec<String> =
-                        r["clusters"].as_array().map(|a| a.iter().map(s).collect()).unwrap_or_default();
+                    let clusters: Vec<String> = r.clusters.iter().map(u64::to_string).collect();
                     format!(
                         "tracking: {}; cluster size {}; {} dirty clusters{}{}",
-                        if r["tracking"].as_bool() == Some(true) { "on" } else { "off" },
-                        human(r["cluster_size"].as_u64().unwrap_or(0)),
+                        if r.tracking { "on" } else { "off" },
+                        human(r.cluster_size),
                         clusters.len(),
                         if clusters.is_empty() { "" } else { ": " },
                         clusters.join(" ")
@@ -544,8 +523,13 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
                 Ok(())
             }
         },
-        EngineVerb::Stats { api } => show(&api, "subsystem_list", json!({}), stats_table),
+        EngineVerb::Stats { api } => show(&api, ListSubsystems {}, |r| stats_table(r)),
     }
+}
+
+fn parse_dirty_action(s: &str) -> Result<DirtyAction, String> {
+    serde_json::from_value(serde_json::Value::String(s.into()))
+        .map_err(|_| format!("{s:?} is not an action: use start, stop, report or reset"))
 }
 
 fn pin(core: Option<usize>) -> Result<(), String> {
@@ -751,7 +735,7 @@ fn run_engine(a: EngineArgs) -> Result<(), String> {
 }
 
 /// Prints `v` as JSON when asked, else the text (a table or a message).
-pub(crate) fn print_or(json: bool, v: &Value, text: impl FnOnce() -> String) {
+pub(crate) fn print_or(json: bool, v: &impl Serialize, text: impl FnOnce() -> String) {
     if json {
         println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
     } else {
@@ -759,46 +743,39 @@ pub(crate) fn print_or(json: bool, v: &Value, text: impl FnOnce() -> String) {
     }
 }
 
-fn done(api: &Api, method: &str, params: Value, message: &str) -> Result<(), String> {
-    let r = mgmt::call(&api.socket, method, params)?;
+impl Api {
+    fn call<M: Method>(&self, request: M) -> Result<M::Reply, String> {
+        nvpool_api::call(&self.socket, &request).map_err(String::from)
+    }
+}
+
+fn done<M: Method>(api: &Api, request: M, message: &str) -> Result<(), String> {
+    let r = api.call(request)?;
     print_or(api.json, &r, || message.to_string());
     Ok(())
 }
 
-fn show(api: &Api, method: &str, params: Value, table: fn(&Value) -> Vec<Vec<String>>) -> Result<(), String> {
-    let r = mgmt::call(&api.socket, method, params)?;
+fn show<M: Method>(api: &Api, request: M, table: impl FnOnce(&M::Reply) -> Vec<Vec<String>>) -> Result<(), String> {
+    let r = api.call(request)?;
     print_or(api.json, &r, || render(&table(&r)));
     Ok(())
 }
 
-fn s(v: &Value) -> String {
-    match v {
-        Value::String(x) => x.clone(),
-        Value::Null => "-".into(),
-        other => other.to_string(),
-    }
-}
-
-fn subsystem_table(v: &Value) -> Vec<Vec<String>> {
+fn subsystem_table(subsystems: &[SubsystemInfo]) -> Vec<Vec<String>> {
     let mut rows = vec![["NQN", "NSID", "BACKEND", "SIZE", "BLOCK", "UUID", "HOSTS"].map(String::from).to_vec()];
-    for sub in v.as_array().into_iter().flatten() {
-        let hosts = if sub["allow_any_host"].as_bool() == Some(true) {
-            "any".to_string()
-        } else {
-            sub["hosts"].as_array().map(|h| h.iter().map(s).collect::<Vec<_>>().join(",")).unwrap_or_default()
-        };
-        let nss = sub["namespaces"].as_array().cloned().unwrap_or_default();
-        if nss.is_empty() {
-            rows.push(vec![s(&sub["nqn"]), "-".into(), "-".into(), "-".into(), "-".into(), "-".into(), hosts.clone()]);
+    for sub in subsystems {
+        let hosts = if sub.allow_any_host { "any".to_string() } else { sub.hosts.join(",") };
+        if sub.namespaces.is_empty() {
+            rows.push(vec![sub.nqn.clone(), "-".into(), "-".into(), "-".into(), "-".into(), "-".into(), hosts.clone()]);
         }
-        for ns in nss {
+        for ns in &sub.namespaces {
             rows.push(vec![
-                s(&sub["nqn"]),
-                s(&ns["nsid"]),
-                s(&ns["backend"]),
-                human(ns["size"].as_u64().unwrap_or(0)),
-                s(&ns["block_size"]),
-                s(&ns["uuid"]),
+                sub.nqn.clone(),
+                ns.nsid.to_string(),
+                ns.backend.clone(),
+                human(ns.size),
+                ns.block_size.to_string(),
+                ns.uuid.clone(),
                 hosts.clone(),
             ]);
         }
@@ -806,72 +783,70 @@ fn subsystem_table(v: &Value) -> Vec<Vec<String>> {
     rows
 }
 
-fn stats_table(v: &Value) -> Vec<Vec<String>> {
+fn stats_table(subsystems: &[SubsystemInfo]) -> Vec<Vec<String>> {
     let mut rows =
         vec![["NQN", "NSID", "READS", "WRITES", "READ", "WRITTEN", "OTHER", "ERRORS"].map(String::from).to_vec()];
-    for sub in v.as_array().into_iter().flatten() {
-        for ns in sub["namespaces"].as_array().into_iter().flatten() {
-            let st = &ns["stats"];
+    for sub in subsystems {
+        for ns in &sub.namespaces {
+            let st = &ns.stats;
             rows.push(vec![
-                s(&sub["nqn"]),
-                s(&ns["nsid"]),
-                s(&st["reads"]),
-                s(&st["writes"]),
-                human(st["read_bytes"].as_u64().unwrap_or(0)),
-                human(st["write_bytes"].as_u64().unwrap_or(0)),
-                s(&st["others"]),
-                s(&st["errors"]),
+                sub.nqn.clone(),
+                ns.nsid.to_string(),
+                st.reads.to_string(),
+                st.writes.to_string(),
+                human(st.read_bytes),
+                human(st.write_bytes),
+                st.others.to_string(),
+                st.errors.to_string(),
             ]);
         }
     }
     rows
 }
 
-fn pool_table(v: &Value) -> Vec<Vec<String>> {
+fn pool_table(pools: &[PoolInfo]) -> Vec<Vec<String>> {
     let mut rows = vec![
         ["NAME", "DISKS", "CLUSTER", "CAPACITY", "USED", "FREE", "PROVISIONED", "VOLUMES", "STATE"]
             .map(String::from)
             .to_vec(),
     ];
-    let size = |x: &Value| human(x.as_u64().unwrap_or(0));
-    for p in v.as_array().into_iter().flatten() {
-        let disks: Vec<String> = p["disks"].as_array().map(|a| a.iter().map(s).collect()).unwrap_or_default();
+    for p in pools {
         rows.push(vec![
-            s(&p["name"]),
-            disks.join(","),
-            size(&p["cluster_size"]),
-            size(&p["capacity_bytes"]),
-            size(&p["used_bytes"]),
-            size(&p["free_bytes"]),
-            size(&p["provisioned_bytes"]),
-            s(&p["volumes"]),
-            p["failed"].as_str().map_or("online".to_string(), |f| format!("failed: {f}")),
+            p.name.clone(),
+            p.disks.join(","),
+            human(p.cluster_size),
+            human(p.capacity_bytes),
+            human(p.used_bytes),
+            human(p.free_bytes),
+            human(p.provisioned_bytes),
+            p.volumes.to_string(),
+            p.failed.as_ref().map_or("online".to_string(), |f| format!("failed: {f}")),
         ]);
     }
     rows
 }
 
-fn volume_table(v: &Value) -> Vec<Vec<String>> {
+fn volume_table(volumes: &[VolumeInfo]) -> Vec<Vec<String>> {
     let mut rows =
         vec![["POOL", "NAME", "SIZE", "TYPE", "ALLOCATED", "UUID", "DIRTY TRACKING"].map(String::from).to_vec()];
-    for x in v.as_array().into_iter().flatten() {
+    for x in volumes {
         rows.push(vec![
-            s(&x["pool"]),
-            s(&x["name"]),
-            human(x["size"].as_u64().unwrap_or(0)),
-            if x["thin"].as_bool() == Some(true) { "thin" } else { "thick" }.to_string(),
-            human(x["allocated_bytes"].as_u64().unwrap_or(0)),
-            s(&x["uuid"]),
-            if x["dirty_tracking"].as_bool() == Some(true) { "on" } else { "off" }.to_string(),
+            x.pool.clone(),
+            x.name.clone(),
+            human(x.size),
+            if x.thin { "thin" } else { "thick" }.to_string(),
+            human(x.allocated_bytes),
+            x.uuid.clone(),
+            if x.dirty_tracking { "on" } else { "off" }.to_string(),
         ]);
     }
     rows
 }
 
-fn listener_table(v: &Value) -> Vec<Vec<String>> {
+fn listener_table(listeners: &[ListenerInfo]) -> Vec<Vec<String>> {
     let mut rows = vec![["PORT ID", "ADDRESS", "PORT"].map(String::from).to_vec()];
-    for l in v.as_array().into_iter().flatten() {
-        rows.push(vec![s(&l["port_id"]), s(&l["addr"]), s(&l["port"])]);
+    for l in listeners {
+        rows.push(vec![l.port_id.to_string(), l.addr.to_string(), l.port.to_string()]);
     }
     rows
 }

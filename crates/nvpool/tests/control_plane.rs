@@ -14,7 +14,6 @@ mod cluster;
 use cluster::*;
 use nvpool_control::client::Controllers;
 use nvpool_control::proto::{self, Locality};
-use serde_json::json;
 use std::collections::BTreeMap;
 use std::time::Duration;
 use tonic::Code;
@@ -74,21 +73,16 @@ async fn ledger(c: &Controllers) -> Ledger {
 
 /// The volumes an engine exports: subsystem NQN -> allowed hosts.
 fn exports(node: &Node) -> BTreeMap<String, Vec<String>> {
-    let subsystems = node.engine_call("subsystem_list", json!({}));
+    let subsystems = node.engine_call(nvpool_api::ListSubsystems {});
     subsystems
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|s| s["nqn"].as_str().unwrap().starts_with("nqn.2024-01.io.nvpool:volume:"))
-        .map(|s| {
-            let hosts = s["hosts"].as_array().unwrap().iter().map(|h| h.as_str().unwrap().to_string()).collect();
-            (s["nqn"].as_str().unwrap().to_string(), hosts)
-        })
+        .into_iter()
+        .filter(|s| s.nqn.starts_with("nqn.2024-01.io.nvpool:volume:"))
+        .map(|s| (s.nqn, s.hosts))
         .collect()
 }
 
 fn engine_volume_count(node: &Node) -> usize {
-    node.engine_call("volume_list", json!({})).as_array().unwrap().len()
+    node.engine_call(nvpool_api::ListVolumes { pool: None }).len()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

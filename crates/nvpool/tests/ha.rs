@@ -9,7 +9,6 @@ use cluster::*;
 use nvpool_control::client::Controllers;
 use nvpool_control::proto;
 use nvpool_control::testkit::Etcd;
-use serde_json::json;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -94,10 +93,10 @@ async fn leader_dies_under_a_stream_of_creates() {
     let want: Vec<String> = (0..CALLS).map(|i| format!("ha-{i:02}")).collect();
     assert_eq!(names, want, "no call lost or duplicated");
     wait_for("the engine to hold exactly the listed volumes", Duration::from_secs(20), async || {
-        let on_engine = node.engine_call("volume_list", json!({})).as_array().unwrap().len();
+        let on_engine = node.engine_call(nvpool_api::ListVolumes { pool: None }).len();
         (on_engine == CALLS).then_some(())
     })
     .await;
-    let subsystems = node.engine_call("subsystem_list", json!({})).as_array().unwrap().len();
+    let subsystems = node.engine_call(nvpool_api::ListSubsystems {}).len();
     assert_eq!(subsystems, CALLS, "one export per volume");
 }

@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
 pub use controller::Controller;
+pub use nvpool_api::ListenerInfo;
 pub use subsystem::{Counted, Namespace, NamespaceStats, StatsSnapshot, Subsystem};
 
 use crate::config::Limits;
@@ -53,17 +54,6 @@ pub struct Target {
     started: Instant,
     /// Limits from the configuration.
     pub limits: Limits,
-}
-
-/// A listener, as the discovery log reports it.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
-pub struct ListenerInfo {
-    /// Port ID reported in the discovery log.
-    pub port_id: u16,
-    /// IP address.
-    pub addr: std::net::IpAddr,
-    /// TCP port.
-    pub port: u16,
 }
 
 impl Target {

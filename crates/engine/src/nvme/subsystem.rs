@@ -8,6 +8,7 @@ use nvpool_wire::fabrics::DISCOVERY_NQN;
 
 use super::{Controller, MAX_NSID, lock, read, write};
 use crate::backend::Backend;
+pub use nvpool_api::StatsSnapshot;
 
 /// Reactors with their own counter shard; any further reactors share one more shard.
 const OWNED_SHARDS: usize = 64;
@@ -23,24 +24,6 @@ pub enum Counted {
     Other,
     /// A command that failed.
     Error,
-}
-
-/// Per-namespace I/O counters, summed over all reactors (also what the management
-/// API reports).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct StatsSnapshot {
-    /// Read commands completed.
-    pub reads: u64,
-    /// Write commands completed.
-    pub writes: u64,
-    /// Bytes read.
-    pub read_bytes: u64,
-    /// Bytes written.
-    pub write_bytes: u64,
-    /// Other commands (flush, write zeroes, dataset management).
-    pub others: u64,
-    /// Commands that failed.
-    pub errors: u64,
 }
 
 /// One reactor's counters, alone on its cache line so reactors never share one.

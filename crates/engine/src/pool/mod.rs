@@ -26,8 +26,8 @@ use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
+pub use nvpool_api::{PoolInfo, VolumeInfo};
 use nvpool_wire::Status;
-use serde::Serialize;
 
 use crate::backend::Backend;
 use crate::backend::file::FileBackend;
@@ -192,52 +192,6 @@ struct Inner {
     maps: BTreeMap<u32, Arc<VolumeMap>>,
     /// Set when metadata could not be written: the pool refuses every change after.
     failed: Option<String>,
-}
-
-/// A pool as the management API reports it.
-#[derive(Debug, Serialize)]
-pub struct PoolInfo {
-    /// Name.
-    pub name: String,
-    /// UUID.
-    pub uuid: String,
-    /// Member disks, in order.
-    pub disks: Vec<String>,
-    /// Bytes per cluster.
-    pub cluster_size: u64,
-    /// Bytes of data space.
-    pub capacity_bytes: u64,
-    /// Bytes allocated to volumes.
-    pub used_bytes: u64,
-    /// Bytes free.
-    pub free_bytes: u64,
-    /// Sum of the volumes' sizes (more than the capacity when thin volumes overcommit).
-    pub provisioned_bytes: u64,
-    /// Number of volumes.
-    pub volumes: usize,
-    /// Why the pool stopped accepting changes, if it did.
-    pub failed: Option<String>,
-}
-
-/// A volume as the management API reports it.
-#[derive(Debug, Serialize)]
-pub struct VolumeInfo {
-    /// Pool name.
-    pub pool: String,
-    /// Volume name.
-    pub name: String,
-    /// Size in bytes.
-    pub size: u64,
-    /// Thin (allocated on write) or thick.
-    pub thin: bool,
-    /// Bytes of clusters allocated to the volume.
-    pub allocated_bytes: u64,
-    /// Namespace UUID.
-    pub uuid: String,
-    /// Namespace NGUID (32 hex digits).
-    pub nguid: String,
-    /// Whether written clusters are being tracked.
-    pub dirty_tracking: bool,
 }
 
 /// An open pool.

@@ -5,7 +5,6 @@
 
 use nvpool_control::client::Controllers;
 use nvpool_control::proto;
-use serde_json::Value;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
@@ -131,8 +130,8 @@ impl Node {
     }
 
     /// Calls the engine's management API.
-    pub fn engine_call(&self, method: &str, params: Value) -> Value {
-        nvpool_engine::mgmt::call(&self.socket(), method, params).unwrap()
+    pub fn engine_call<M: nvpool_api::Method>(&self, request: M) -> M::Reply {
+        nvpool_api::call(&self.socket(), &request).unwrap()
     }
 }
 

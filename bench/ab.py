@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""A/B: two nvpool binaries' engines side by side, alternating run by run.
+
+    bench/ab.py OLD_BINARY NEW_BINARY [--rounds 5] [--backend null:1GiB ...]
+
+Each backend runs as one engine per binary (one reactor on --target-core), both up for
+the whole run; `nvpool bench` (from NEW_BINARY, on --bench-core) drives them in turns,
+A then B, then B then A, so drift on a shared machine falls on both. It prints, per
+workload, the median IOPS of each and the median of the per-round ratios B/A, plus
+the mean latency difference at QD1. Run as root, it moves into a network namespace of
+its own with cubic, as the suite does. Standard library only; timings are reported,
+never asserted.
+"""
+import argparse, json, os, shutil, socket, statistics, subprocess, sys, tempfile, time
+
+WORKLOADS = [("randread", 4096, 1), ("randread", 4096, 32), ("randread", 4096, 128),
+             ("randwrite", 4096, 32), ("read", 131072, 32)]
+NQN = "nqn.2024-01.io.nvpool:ab"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port):
+    end = time.time() + 10
+    while time.time() < end:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit(f"nothing listens on port {port}")
+
+
+def own_network():
+    if os.environ.get("NVPOOL_AB_NETNS"):
+        subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+        try:
+            with open("/proc/sys/net/ipv4/tcp_congestion_control", "w") as f:
+                f.write("cubic")
+        except OSError as e:
+            print(f"note: cannot set cubic in the namespace ({e}); TCP uses "
+                  f"{open('/proc/sys/net/ipv4/tcp_congestion_control').read().strip()}", file=sys.stderr)
+        return
+    if os.geteuid() == 0 and shutil.which("unshare") and shutil.which("ip"):
+        os.environ["NVPOOL_AB_NETNS"] = "1"
+        os.execvp("unshare", ["unshare", "--net", "--", sys.executable, *sys.argv])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("old")
+    ap.add_argument("new")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--duration", type=float, default=2.0)
+    ap.add_argument("--backend", action="append", help="default: null:1GiB and a file on /dev/shm")
+    ap.add_argument("--workload", action="append", metavar="NAME:BS:QD",
+                    help="e.g. randread:4096:1 (default: 4K random read at QD1/32/128, 4K random write QD32, 128K read QD32)")
+    ap.add_argument("--target-core", type=int, default=0)
+    ap.add_argument("--bench-core", type=int, default=1)
+    args = ap.parse_args()
+    own_network()
+    workloads = [(w, int(bs), int(qd)) for w, bs, qd in (x.split(":") for x in args.workload)] if args.workload else WORKLOADS
+    tmp = tempfile.mkdtemp(prefix="nvpool-ab-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    backends = args.backend or ["null:1GiB", f"file:{tmp}/disk.img:1GiB"]
+    procs = []
+    try:
+        for backend in backends:
+            ports = {}
+            for name, binary in (("A", args.old), ("B", args.new)):
+                port = free_port()
+                procs.append(subprocess.Popen(
+                    [binary, "engine", "--listen", f"127.0.0.1:{port}", "--subsystem", NQN, "--namespace", backend,
+                     "--cores", str(args.target_core), "--discovery-port", "0",
+                     "--mgmt-socket", f"{tmp}/{name}-{port}.sock"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                wait_port(port)
+                ports[name] = port
+            print(f"\n{backend}: A = {args.old}, B = {args.new}; {args.rounds} rounds of {args.duration} s")
+            print(f"| workload | A IOPS | B IOPS | B/A | A mean us | B mean us |")
+            print(f"|---|---:|---:|---:|---:|---:|")
+            for (w, bs, qd) in workloads:
+                res = {"A": [], "B": []}
+                ratios = []
+                for r in range(args.rounds):
+                    order = ("A", "B") if r % 2 == 0 else ("B", "A")
+                    got = {}
+                    for name in order:
+                        out = subprocess.run(
+                            [args.new, "bench", "--target", f"127.0.0.1:{ports[name]}", "--nqn", NQN,
+                             "--workload", w, "--bs", str(bs), "--qd", str(qd), "--duration", str(args.duration),
+                             "--warmup", "0.5", "--core", str(args.bench_core), "--json"],
+                            capture_output=True, text=True, check=True)
+                        got[name] = json.loads(out.stdout)
+                        res[name].append(got[name])
+                    ratios.append(got["B"]["iops"] / got["A"]["iops"])
+                med = lambda name, key: statistics.median(x[key] if key == "iops" else x["latency"]["mean_us"] for x in res[name])
+                print(f"| {w} {bs // 1024}K QD{qd} | {med('A', 'iops'):,.0f} | {med('B', 'iops'):,.0f} | "
+                      f"{statistics.median(ratios):.1%} | {med('A', 'lat'):.1f} | {med('B', 'lat'):.1f} |", flush=True)
+            for p in procs:
+                p.terminate()
+                p.wait()
+            procs.clear()
+    finally:
+        for p in procs:
+            p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+//! The engine's management API, defined once for the engine, the agent and the CLI.
+//!
+//! The wire form is newline-delimited JSON on a Unix socket. Each request is one line,
+//! `{"method": NAME, "params": {...}}`; each reply is one line, `{"result": ...}` or
+//! `{"error": "what was wrong and what to do"}`. Every request is a type implementing
+//! [`Method`], which names its method and its reply type; [`call`] sends one and
+//! decodes the reply as that type, so a renamed or missing field is an error, never a
+//! silent zero.
+
+mod client;
+mod types;
+
+pub use client::{ApiError, ErrorKind, call};
+pub use types::*;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+/// A management request: its method name and the type of its reply.
+pub trait Method: Serialize + DeserializeOwned {
+    /// The method name on the wire.
+    const NAME: &'static str;
+    /// What a successful call returns.
+    type Reply: Serialize + DeserializeOwned;
+}
+
+macro_rules! methods {
+    ($( $(#[$doc:meta])* $name:literal => $req:ident -> $reply:ty { $($(#[$fdoc:meta])* $field:ident : $ty:ty),* $(,)? } )*) => {
+        $(
+            $(#[$doc])*
+            #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+            #[serde(deny_unknown_fields)]
+            pub struct $req {
+                $( $(#[$fdoc])* pub $field: $ty, )*
+            }
+            impl Method for $req {
+                const NAME: &'static str = $name;
+                type Reply = $reply;
+            }
+        )*
+        /// Every method name, for error messages.
+        pub const METHODS: &[&str] = &[$($name),*];
+    };
+}
+
+methods! {
+    /// The engine's version, connections and listeners.
+    "engine_info" => GetEngineInfo -> EngineInfo {}
+    /// Every subsystem, the discovery subsystem included, with namespaces and counters.
+    "subsystem_list" => ListSubsystems -> Vec<SubsystemInfo> {}
+    /// Removes a subsystem and ends its controllers.
+    "subsystem_remove" => RemoveSubsystem -> Empty {
+        /// Subsystem NQN.
+        nqn: String,
+    }
+    /// Adds a namespace to a subsystem.
+    "namespace_add" => AddNamespace -> NamespaceAdded {
+        /// Subsystem NQN.
+        nqn: String,
+        /// The namespace, as in the TOML configuration.
+        namespace: NamespaceConfig,
+    }
+    /// Removes a namespace.
+    "namespace_remove" => RemoveNamespace -> Empty {
+        /// Subsystem NQN.
+        nqn: String,
+        /// Namespace ID.
+        nsid: u32,
+    }
+    /// Allows a host on a subsystem.
+    "host_add" => AddHost -> Empty {
+        /// Subsystem NQN.
+        nqn: String,
+        /// Host NQN.
+        host: String,
+    }
+    /// Disallows a host; its controllers are ended.
+    "host_remove" => RemoveHost -> Empty {
+        /// Subsystem NQN.
+        nqn: String,
+        /// Host NQN.
+        host: String,
+    }
+    /// Lets any host connect, or only the allowed ones.
+    "allow_any_host" => AllowAnyHost -> Empty {
+        /// Subsystem NQN.
+        nqn: String,
+        /// Whether any host may connect.
+        allow: bool,
+    }
+    /// The listeners.
+    "listener_list" => ListListeners -> Vec<ListenerInfo> {}
+    /// Listens on an address.
+    "listener_add" => AddListener -> ListenerInfo {
+        /// IP and port.
+        address: std::net::SocketAddr,
+    }
+    /// Stops listening on an address.
+    "listener_remove" => RemoveListener -> Empty {
+        /// IP and port.
+        address: std::net::SocketAddr,
+    }
+    /// Creates a pool on disks.
+    "pool_create" => CreatePool -> PoolInfo {
+        /// Pool name.
+        name: String,
+        /// Member disks.
+        disks: Vec<std::path::PathBuf>,
+        /// Bytes per cluster; the default when absent.
+        cluster_size: Option<u64>,
+        /// Claim disks that hold something else.
+        #[serde(default)]
+        force: bool,
+    }
+    /// Opens a pool from its disks.
+    "pool_import" => ImportPool -> PoolInfo {
+        /// Member disks.
+        disks: Vec<std::path::PathBuf>,
+    }
+    /// Closes a pool none of whose volumes is exported.
+    "pool_export" => ExportPool -> Empty {
+        /// Pool name.
+        name: String,
+    }
+    /// Checks a pool's metadata and space accounting.
+    "pool_check" => CheckPool -> Empty {
+        /// Pool name.
+        name: String,
+    }
+    /// Every open pool.
+    "pool_list" => ListPools -> Vec<PoolInfo> {}
+    /// Creates a volume.
+    "volume_create" => CreateVolume -> VolumeInfo {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        name: String,
+        /// Size in bytes.
+        size: u64,
+        /// Allocate on first write.
+        #[serde(default)]
+        thin: bool,
+    }
+    /// Deletes a volume that is not exported.
+    "volume_delete" => DeleteVolume -> Empty {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        name: String,
+    }
+    /// One volume.
+    "volume_get" => GetVolume -> VolumeInfo {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        name: String,
+    }
+    /// Grows a volume; namespaces serving it take the new size.
+    "volume_resize" => ResizeVolume -> VolumeInfo {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        name: String,
+        /// New size in bytes (grow only).
+        size: u64,
+    }
+    /// The volumes of one pool, or of all.
+    "volume_list" => ListVolumes -> Vec<VolumeInfo> {
+        /// Pool name; all pools when absent.
+        pool: Option<String>,
+    }
+    /// Tracks a volume's written clusters (for migration).
+    "volume_dirty" => VolumeDirty -> DirtyReport {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        name: String,
+        /// What to do.
+        action: DirtyAction,
+    }
+}
+
+/// Adds a subsystem, as in the TOML configuration.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(transparent)]
+pub struct AddSubsystem(pub SubsystemConfig);
+
+impl Method for AddSubsystem {
+    const NAME: &'static str = "subsystem_add";
+    type Reply = Empty;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_keep_their_wire_names_and_fields() {
+        let r = ResizeVolume { pool: "p".into(), name: "v".into(), size: 4096 };
+        assert_eq!(serde_json::to_value(&r).unwrap(), serde_json::json!({"pool": "p", "name": "v", "size": 4096}));
+        assert_eq!(ResizeVolume::NAME, "volume_resize");
+        let empty: ListPools = serde_json::from_value(serde_json::json!({})).unwrap();
+        assert_eq!(empty, ListPools {});
+        assert!(
+            serde_json::from_value::<GetVolume>(serde_json::json!({"pool": "p"})).is_err(),
+            "a missing field fails"
+        );
+        assert!(serde_json::from_value::<GetVolume>(serde_json::json!({"pool": "p", "name": "v", "x": 1})).is_err());
+        assert!(METHODS.contains(&"volume_dirty"));
+    }
+
+    #[test]
+    fn replies_fail_on_a_renamed_field() {
+        let good = serde_json::json!({"nsid": 3});
+        assert_eq!(serde_json::from_value::<NamespaceAdded>(good).unwrap().nsid, 3);
+        assert!(serde_json::from_value::<NamespaceAdded>(serde_json::json!({"ns_id": 3})).is_err());
+    }
+}

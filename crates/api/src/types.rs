@@ -1,0 +1,216 @@
+//! What the requests carry and the replies hold.
+
+use std::net::IpAddr;
+
+use serde::{Deserialize, Serialize};
+
+/// The reply of a call that returns nothing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Empty {}
+
+/// The engine as a whole.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineInfo {
+    /// The engine's version.
+    pub version: String,
+    /// Live controllers.
+    pub controllers: usize,
+    /// Open TCP connections.
+    pub connections: usize,
+    /// Listeners.
+    pub listeners: Vec<ListenerInfo>,
+}
+
+/// A listener, as the discovery log reports it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ListenerInfo {
+    /// Port ID reported in the discovery log.
+    pub port_id: u16,
+    /// IP address.
+    pub addr: IpAddr,
+    /// TCP port.
+    pub port: u16,
+}
+
+/// A subsystem.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SubsystemInfo {
+    /// NQN.
+    pub nqn: String,
+    /// Serial number.
+    pub serial: String,
+    /// Model number.
+    pub model: String,
+    /// Whether any host may connect.
+    pub allow_any_host: bool,
+    /// Allowed hosts.
+    pub hosts: Vec<String>,
+    /// Live controllers.
+    pub controllers: usize,
+    /// Namespaces.
+    pub namespaces: Vec<NamespaceInfo>,
+}
+
+/// A namespace.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NamespaceInfo {
+    /// Namespace ID.
+    pub nsid: u32,
+    /// Backend kind (`null`, `memory`, `file`, `volume`, ...).
+    pub kind: String,
+    /// Backend description (path, or kind and size).
+    pub backend: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Block size in bytes.
+    pub block_size: u32,
+    /// UUID.
+    pub uuid: String,
+    /// NGUID, as 32 hex digits.
+    pub nguid: String,
+    /// Whether I/O bypasses the page cache.
+    pub direct_io: bool,
+    /// I/O counters.
+    pub stats: StatsSnapshot,
+}
+
+/// Per-namespace I/O counters, summed over all reactors.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatsSnapshot {
+    /// Read commands completed.
+    pub reads: u64,
+    /// Write commands completed.
+    pub writes: u64,
+    /// Bytes read.
+    pub read_bytes: u64,
+    /// Bytes written.
+    pub write_bytes: u64,
+    /// Other commands (flush, write zeroes, dataset management).
+    pub others: u64,
+    /// Commands that failed.
+    pub errors: u64,
+}
+
+/// What `namespace_add` made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NamespaceAdded {
+    /// The namespace ID it got.
+    pub nsid: u32,
+}
+
+/// A pool.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolInfo {
+    /// Name.
+    pub name: String,
+    /// UUID.
+    pub uuid: String,
+    /// Member disks, in order.
+    pub disks: Vec<String>,
+    /// Bytes per cluster.
+    pub cluster_size: u64,
+    /// Bytes of data space.
+    pub capacity_bytes: u64,
+    /// Bytes allocated to volumes.
+    pub used_bytes: u64,
+    /// Bytes free.
+    pub free_bytes: u64,
+    /// Sum of the volumes' sizes (more than the capacity when thin volumes overcommit).
+    pub provisioned_bytes: u64,
+    /// Number of volumes.
+    pub volumes: usize,
+    /// Why the pool stopped accepting changes, if it did.
+    pub failed: Option<String>,
+}
+
+/// A volume.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeInfo {
+    /// Pool name.
+    pub pool: String,
+    /// Volume name.
+    pub name: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Thin (allocated on write) or thick.
+    pub thin: bool,
+    /// Bytes of clusters allocated to the volume.
+    pub allocated_bytes: u64,
+    /// Namespace UUID.
+    pub uuid: String,
+    /// Namespace NGUID (32 hex digits).
+    pub nguid: String,
+    /// Whether written clusters are being tracked.
+    pub dirty_tracking: bool,
+}
+
+/// What `volume_dirty` does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DirtyAction {
+    /// Start tracking (clears the set).
+    Start,
+    /// Stop tracking.
+    Stop,
+    /// Report the set.
+    Report,
+    /// Report the set and clear it.
+    Reset,
+}
+
+/// The dirty clusters of a volume.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirtyReport {
+    /// Whether tracking is on.
+    pub tracking: bool,
+    /// Bytes per cluster.
+    pub cluster_size: u64,
+    /// Indexes of the clusters written since tracking started or the last reset.
+    pub clusters: Vec<u64>,
+}
+
+/// A namespace, in the configuration file and in `namespace_add`.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct NamespaceConfig {
+    /// Namespace ID; the next free one when absent.
+    pub nsid: Option<u32>,
+    /// `null:SIZE`, `memory:SIZE`, `file:PATH`, `file:PATH:SIZE` or `volume:POOL/NAME`.
+    pub backend: String,
+    /// Block size: 512 or 4096.
+    #[serde(default = "default_block_size")]
+    pub block_size: u32,
+    /// UUID; derived from the subsystem NQN and NSID when absent, so it is stable.
+    /// Volumes always use the UUID and NGUID stored with them.
+    pub uuid: Option<uuid::Uuid>,
+}
+
+fn default_block_size() -> u32 {
+    512
+}
+
+/// A subsystem, in the configuration file and in `subsystem_add`.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct SubsystemConfig {
+    /// NQN.
+    pub nqn: String,
+    /// Serial number; derived from the NQN when absent.
+    pub serial: Option<String>,
+    /// Model number.
+    #[serde(default = "default_model")]
+    pub model: String,
+    /// Whether any host may connect.
+    #[serde(default)]
+    pub allow_any_host: bool,
+    /// Hosts allowed to connect.
+    #[serde(default)]
+    pub hosts: Vec<String>,
+    /// Namespaces.
+    #[serde(default, rename = "namespace")]
+    pub namespaces: Vec<NamespaceConfig>,
+}
+
+fn default_model() -> String {
+    "nvpool".into()
+}
