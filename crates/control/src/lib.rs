@@ -11,7 +11,9 @@ pub mod scheduler;
 pub mod server;
 pub mod sim;
 pub mod store;
-#[doc(hidden)]
+/// Real peers for tests (an etcd server); only with the `testkit` feature, which the
+/// tests of this crate and of the binary turn on.
+#[cfg(feature = "testkit")]
 pub mod testkit;
 
 /// The generated gRPC types and services (`proto/nvpool/v1/control.proto`).

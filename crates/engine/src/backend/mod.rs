@@ -9,7 +9,7 @@
 //! |---|---|---|
 //! | [`null`] | `null:SIZE` | no storage: reads return zeroes, writes are dropped |
 //! | [`memory`] | `memory:SIZE` | RAM (a memfd), lost on exit |
-//! | [`file`] | `file:PATH[:SIZE]` | a file or block device, with `O_DIRECT` where possible |
+//! | [`file`](mod@file) | `file:PATH[:SIZE]` | a file or block device, with `O_DIRECT` where possible |
 //! | [`volume`] | `volume:POOL/NAME` | a logical volume of a disk pool, split at cluster boundaries |
 //!
 //! A new backend is one file here that implements [`Backend`] and exports a

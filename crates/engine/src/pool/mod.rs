@@ -3,8 +3,10 @@
 //! A pool claims one or more disks (block devices, or files standing in for them),
 //! splits their space into clusters, and hands clusters to volumes: all at creation for
 //! thick volumes, on first write for thin ones. The metadata (volume table and cluster
-//! maps) lives on the first disk ([`meta`]); the reactors read cluster maps lock-free
-//! ([`volume`]) and ask the pool's metadata thread for anything that changes them.
+//! maps) lives on the first disk ([`journal`]); the reactors read cluster maps lock-free
+//! ([`cluster_map`], through [`PoolShared`]) and ask the pool's metadata thread
+//! (`meta_thread.rs`) for anything that changes them. This file holds the pool's
+//! administration: creation, import, volumes, checks.
 //!
 //! Two rules keep volumes from ever seeing each other's data:
 //! - a cluster is zeroed, and the zeroes made durable, before the record that maps it;
@@ -14,28 +16,30 @@
 
 pub mod alloc;
 pub mod format;
-pub mod meta;
-pub mod volume;
+pub mod journal;
+mod meta_thread;
+mod shared;
+pub mod cluster_map;
+
+use shared::InFlight;
+pub use shared::{Done, MAX_REACTORS, MetaRequest, PoolDisk, PoolShared, VolumeIo};
 
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, Sender};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, mpsc};
-use std::time::{Duration, Instant};
 
 pub use nvpool_api::{PoolInfo, VolumeInfo};
-use nvpool_wire::Status;
 
 use crate::backend::Backend;
 use crate::backend::file::FileBackend;
 use crate::nvme::lock;
 use alloc::FreeClusters;
 use format::{BLOCK, Member, MetaLayout, PoolState, Record, Superblock, VolumeMeta};
-use meta::{MetaIo, MetaStore};
-use volume::VolumeMap;
+use journal::{MetaIo, MetaStore};
+use cluster_map::VolumeMap;
 
 /// Default cluster size: the unit of thin allocation.
 pub const DEFAULT_CLUSTER_SIZE: u64 = 1 << 20;
@@ -43,133 +47,6 @@ pub const DEFAULT_CLUSTER_SIZE: u64 = 1 << 20;
 pub const MIN_CLUSTER_SIZE: u64 = 128 << 10;
 /// Journal size on the first disk.
 const JOURNAL_SIZE: u64 = 8 << 20;
-/// Most reactors whose in-flight I/O a pool tracks.
-pub const MAX_REACTORS: usize = 256;
-
-/// How a pool request ends: called once, on the metadata thread.
-pub type Done = Box<dyn FnOnce(Status) + Send>;
-
-/// Work a reactor hands to the pool's metadata thread.
-pub enum MetaRequest {
-    /// Allocate every unallocated cluster in `first..first + count` of a volume.
-    Allocate {
-        /// Volume ID.
-        volume: u32,
-        /// First virtual cluster.
-        first: u64,
-        /// Number of clusters.
-        count: u64,
-        /// Completion.
-        done: Done,
-    },
-    /// Zero byte ranges of a volume, releasing whole clusters of thin volumes.
-    Zero {
-        /// Volume ID.
-        volume: u32,
-        /// (offset, length) in bytes.
-        ranges: Vec<(u64, u64)>,
-        /// Completion.
-        done: Done,
-    },
-}
-
-/// One member disk, open.
-pub struct PoolDisk {
-    /// The disk as the reactors address it (direct I/O where possible).
-    pub file: Arc<FileBackend>,
-    /// Path it was opened by.
-    pub path: PathBuf,
-    /// First global cluster number on this disk.
-    first: u32,
-    clusters: u32,
-    data_offset: u64,
-}
-
-#[repr(align(64))]
-#[derive(Default)]
-struct InFlight([AtomicU32; 2]);
-
-/// What the reactors need of a pool: where clusters live, the epochs, and the way to
-/// the metadata thread.
-pub struct PoolShared {
-    disks: Vec<PoolDisk>,
-    cluster_shift: u32,
-    epoch: AtomicU64,
-    in_flight: Box<[InFlight]>,
-    requests: Mutex<Sender<MetaRequest>>,
-}
-
-impl PoolShared {
-    /// log2 of the cluster size.
-    pub fn cluster_shift(&self) -> u32 {
-        self.cluster_shift
-    }
-
-    /// The member disks.
-    pub fn disks(&self) -> &[PoolDisk] {
-        &self.disks
-    }
-
-    /// Counts an I/O that is about to read cluster maps; returns the epoch to leave.
-    pub fn enter(&self, reactor: usize) -> u8 {
-        let e = (self.epoch.load(Ordering::SeqCst) & 1) as u8;
-        self.in_flight[reactor % MAX_REACTORS].0[usize::from(e)].fetch_add(1, Ordering::SeqCst);
-        e
-    }
-
-    /// Uncounts an I/O counted by [`PoolShared::enter`].
-    pub fn leave(&self, reactor: usize, epoch: u8) {
-        self.in_flight[reactor % MAX_REACTORS].0[usize::from(epoch)].fetch_sub(1, Ordering::Release);
-    }
-
-    /// The disk and byte offset of `within` bytes into physical cluster `pc`.
-    pub fn locate(&self, pc: u32, within: u64) -> Option<(&FileBackend, u64)> {
-        let d = self.disks.iter().find(|d| pc >= d.first && pc < d.first + d.clusters)?;
-        Some((&d.file, d.data_offset + (u64::from(pc - d.first) << self.cluster_shift) + within))
-    }
-
-    /// Hands work to the metadata thread.
-    pub fn request(&self, r: MetaRequest) {
-        if let Err(mpsc::SendError(r)) = lock(&self.requests).send(r) {
-            // The pool was exported: nothing can be allocated any more.
-            match r {
-                MetaRequest::Allocate { done, .. } | MetaRequest::Zero { done, .. } => {
-                    done(Status::NAMESPACE_NOT_READY)
-                }
-            }
-        }
-    }
-
-    /// Waits until no I/O that might have read a map before now is in flight.
-    fn drain(&self) {
-        let old = (self.epoch.fetch_add(1, Ordering::SeqCst) & 1) as usize;
-        let start = Instant::now();
-        while self.in_flight.iter().any(|c| c.0[old].load(Ordering::SeqCst) != 0) {
-            if start.elapsed() > Duration::from_secs(30) {
-                eprintln!("nvpool: pool I/O has been in flight for 30 s while releasing clusters; still waiting");
-            }
-            std::thread::sleep(Duration::from_micros(50));
-        }
-    }
-}
-
-/// A volume as the data path sees it.
-#[derive(Clone)]
-pub struct VolumeIo {
-    /// The pool.
-    pub pool: Arc<PoolShared>,
-    /// The cluster map at the size the namespace was created with.
-    pub map: Arc<VolumeMap>,
-    /// Volume ID.
-    pub id: u32,
-}
-
-impl std::fmt::Debug for VolumeIo {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "volume {}", self.id)
-    }
-}
-
 /// The buffered descriptor the metadata goes through.
 struct MetaFile(File);
 
@@ -435,194 +312,6 @@ impl Pool {
         &self.shared
     }
 
-    // ----- the metadata thread -------------------------------------------------------
-
-    fn serve(self: Arc<Self>, rx: Receiver<MetaRequest>) {
-        while let Ok(first) = rx.recv() {
-            let mut batch = vec![first];
-            batch.extend(rx.try_iter());
-            let mut allocs = Vec::new();
-            for r in batch {
-                match r {
-                    MetaRequest::Allocate { volume, first, count, done } => allocs.push((volume, first, count, done)),
-                    MetaRequest::Zero { volume, ranges, done } => {
-                        let st = self.zero(volume, &ranges);
-                        done(st);
-                    }
-                }
-            }
-            if !allocs.is_empty() {
-                self.allocate(allocs);
-            }
-        }
-    }
-
-    /// Allocates clusters for a batch of requests with one metadata commit.
-    fn allocate(&self, reqs: Vec<(u32, u64, u64, Done)>) {
-        let mut inner = lock(&self.inner);
-        let mut new: Vec<(u32, u64, u32)> = Vec::new();
-        let mut replies = Vec::new();
-        for (volume, first, count, done) in reqs {
-            if inner.failed.is_some() {
-                replies.push((done, Status::INTERNAL_ERROR));
-                continue;
-            }
-            let Some(map) = inner.maps.get(&volume).cloned() else {
-                replies.push((done, Status::NAMESPACE_NOT_READY));
-                continue;
-            };
-            let mut status = Status::SUCCESS;
-            for vc in first..(first + count).min(map.clusters()) {
-                if map.get(vc) != 0 || new.iter().any(|&(v, c, _)| v == volume && c == vc) {
-                    continue;
-                }
-                match inner.free.take() {
-                    Some(pc) => new.push((volume, vc, pc)),
-                    None => {
-                        status = Status::CAPACITY_EXCEEDED;
-                        break;
-                    }
-                }
-            }
-            replies.push((done, status));
-        }
-        if !new.is_empty()
-            && let Err(e) = self.map_durably(&mut inner, &new, Vec::new())
-        {
-            for &(_, _, pc) in &new {
-                inner.free.put(pc);
-            }
-            eprintln!("nvpool: pool {}: allocation failed: {e}", self.name);
-            for r in &mut replies {
-                r.1 = Status::INTERNAL_ERROR;
-            }
-        }
-        drop(inner);
-        for (done, st) in replies {
-            done(st);
-        }
-    }
-
-    /// Zeroes the new clusters, then commits `before` plus their Map records, then
-    /// publishes the mappings. On an error the pool is marked failed.
-    fn map_durably(&self, inner: &mut Inner, new: &[(u32, u64, u32)], before: Vec<Record>) -> Result<(), String> {
-        let mut touched = vec![false; self.shared.disks.len()];
-        for &(_, _, pc) in new {
-            let (disk, off) = self.shared.locate(pc, 0).ok_or("cluster outside the pool")?;
-            disk.zero_now(off, self.cluster_size).map_err(io_err("zeroing a new cluster"))?;
-            if let Some(i) = self.shared.disks.iter().position(|d| std::ptr::eq(&*d.file, disk)) {
-                touched[i] = true;
-            }
-        }
-        for (d, t) in self.shared.disks.iter().zip(touched) {
-            if t {
-                d.file.sync_now().map_err(io_err("syncing zeroed clusters"))?;
-            }
-        }
-        let mut records = before;
-        let mut sorted = new.to_vec();
-        sorted.sort_unstable();
-        for &(id, vc, pc) in &sorted {
-            match records.last_mut() {
-                Some(Record::Map { id: i, vstart, pstart, count })
-                    if *i == id && u64::from(*vstart + *count) == vc && *pstart + *count == pc =>
-                {
-                    *count += 1
-                }
-                _ => records.push(Record::Map { id, vstart: vc as u32, pstart: pc, count: 1 }),
-            }
-        }
-        self.commit(inner, &records)?;
-        for &(id, vc, pc) in new {
-            if let Some(m) = inner.maps.get(&id) {
-                m.set(vc, pc);
-            }
-        }
-        Ok(())
-    }
-
-    /// Applies and commits records; a failed commit marks the pool failed.
-    fn commit(&self, inner: &mut Inner, records: &[Record]) -> Result<(), String> {
-        if let Some(f) = &inner.failed {
-            return Err(format!("pool {} refuses changes: {f}", self.name));
-        }
-        for r in records {
-            inner.state.apply(r, self.cluster_size)?;
-        }
-        let Inner { store, state, .. } = inner;
-        if let Err(e) = store.commit(records, state) {
-            let why = format!("writing metadata failed ({e}); export and import the pool to recover");
-            inner.failed = Some(why.clone());
-            return Err(why);
-        }
-        Ok(())
-    }
-
-    /// Releases virtual clusters of a volume: clears them, waits out I/O that might use
-    /// them, commits their Unmap records followed by `then`, and frees them.
-    fn release(&self, inner: &mut Inner, id: u32, vcs: &[u64], then: Option<Record>) -> Result<(), String> {
-        let map = inner.maps.get(&id).cloned();
-        let mut freed = Vec::new();
-        if let Some(m) = &map {
-            freed.extend(vcs.iter().map(|&vc| m.clear(vc)).filter(|&pc| pc != 0));
-        }
-        self.shared.drain();
-        let mut records: Vec<Record> = Vec::new();
-        for &vc in vcs {
-            match records.last_mut() {
-                Some(Record::Unmap { vstart, count, .. }) if u64::from(*vstart + *count) == vc => *count += 1,
-                _ => records.push(Record::Unmap { id, vstart: vc as u32, count: 1 }),
-            }
-        }
-        records.extend(then);
-        self.commit(inner, &records)?;
-        for pc in freed {
-            inner.free.put(pc);
-        }
-        Ok(())
-    }
-
-    /// Write Zeroes and Deallocate: whole clusters of thin volumes are released, the
-    /// rest is zeroed in place.
-    fn zero(&self, id: u32, ranges: &[(u64, u64)]) -> Status {
-        let mut inner = lock(&self.inner);
-        let Some(map) = inner.maps.get(&id).cloned() else { return Status::NAMESPACE_NOT_READY };
-        let thin = inner.state.volumes.get(&id).is_some_and(|v| v.meta.thin);
-        let cs = self.cluster_size;
-        let mut whole = Vec::new();
-        for &(offset, len) in ranges {
-            let mut at = offset;
-            let end = offset + len;
-            while at < end {
-                let vc = at / cs;
-                let within = at % cs;
-                let n = (cs - within).min(end - at);
-                if thin && n == cs {
-                    whole.push(vc);
-                } else {
-                    let pc = map.get(vc);
-                    if pc != 0 {
-                        let Some((disk, off)) = self.shared.locate(pc, within) else { return Status::INTERNAL_ERROR };
-                        if disk.zero_now(off, n).is_err() {
-                            return Status::INTERNAL_ERROR;
-                        }
-                    }
-                }
-                at += n;
-            }
-        }
-        whole.retain(|&vc| map.get(vc) != 0);
-        whole.sort_unstable();
-        whole.dedup();
-        if !whole.is_empty()
-            && let Err(e) = self.release(&mut inner, id, &whole, None)
-        {
-            eprintln!("nvpool: pool {}: releasing clusters failed: {e}", self.name);
-            return Status::INTERNAL_ERROR;
-        }
-        Status::SUCCESS
-    }
-
     // ----- management ----------------------------------------------------------------
 
     /// Creates a volume of `size` bytes (rounded up to 4 KiB).
@@ -834,6 +523,7 @@ impl Pool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use nvpool_wire::Status;
     use proptest::prelude::*;
     use std::collections::BTreeSet;
 

@@ -11,9 +11,9 @@
 //! I/O path takes a lock or allocates once buffers are warm. Other threads talk to a
 //! reactor through its mailbox (a channel plus an eventfd that wakes the ring).
 //!
-//! Every submission goes through [`Reactor::push`], an `unsafe fn` whose callers each
+//! Every submission goes through `Reactor::push`, an `unsafe fn` whose callers each
 //! say why the memory their entry points at outlives the operation. Disk operations
-//! are built in one place, [`block_io`], where the command's buffer owns that rule.
+//! are built in one place, `block_io.rs`, where the command's buffer owns that rule.
 #![allow(unsafe_code)]
 
 mod block_io;
