@@ -1,14 +1,45 @@
-//! `nvpool`: the engine and the command-line verbs that manage it.
+//! `nvpool`: the engine, the control plane's services, and the command-line verbs that
+//! manage them. Each family of commands has its file in `commands/`; `output.rs`
+//! prints what they return.
 
-mod cli;
-mod cluster;
+mod commands;
+mod output;
 mod signals;
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
+
+/// nvpool: pool every node's NVMe SSDs and serve volumes over NVMe/TCP.
+#[derive(Parser)]
+#[command(version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the engine (an NVMe/TCP target), or manage a running one with its verbs.
+    Engine(commands::engine::EngineCommand),
+    #[command(flatten)]
+    Cluster(commands::cluster::Command),
+    /// Drive an NVMe/TCP target with I/O and report IOPS, bandwidth and latency.
+    Bench(commands::bench::BenchArgs),
+    /// Run the protocol-minimal NVMe/TCP responder (the machine's limit for benchmarks).
+    Responder(commands::bench::ResponderArgs),
+}
+
+/// Runs a parsed command line.
+fn run(cli: Cli) -> Result<(), String> {
+    match cli.command {
+        Command::Engine(c) => commands::engine::run(c),
+        Command::Cluster(c) => commands::cluster::run(c),
+        Command::Bench(a) => commands::bench::run_bench(a),
+        Command::Responder(a) => commands::bench::run_responder(a),
+    }
+}
 
 fn main() {
-    let args = cli::Cli::parse();
-    if let Err(e) = cli::run(args) {
+    if let Err(e) = run(Cli::parse()) {
         eprintln!("nvpool: {e}");
         std::process::exit(1);
     }

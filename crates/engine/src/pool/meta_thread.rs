@@ -8,8 +8,8 @@ use std::sync::mpsc::Receiver;
 
 use nvpool_wire::Status;
 
-use super::shared::{Done, MetaRequest};
 use super::format::Record;
+use super::shared::{Done, MetaRequest};
 use super::{Inner, Pool, io_err};
 use crate::nvme::lock;
 
@@ -82,7 +82,12 @@ impl Pool {
 
     /// Zeroes the new clusters, then commits `before` plus their Map records, then
     /// publishes the mappings. On an error the pool is marked failed.
-    pub(super) fn map_durably(&self, inner: &mut Inner, new: &[(u32, u64, u32)], before: Vec<Record>) -> Result<(), String> {
+    pub(super) fn map_durably(
+        &self,
+        inner: &mut Inner,
+        new: &[(u32, u64, u32)],
+        before: Vec<Record>,
+    ) -> Result<(), String> {
         let mut touched = vec![false; self.shared.disks.len()];
         for &(_, _, pc) in new {
             let (disk, off) = self.shared.locate(pc, 0).ok_or("cluster outside the pool")?;

@@ -15,11 +15,11 @@
 //!   release clears the map, switches the epoch and waits for the old one to drain.
 
 pub mod alloc;
+pub mod cluster_map;
 pub mod format;
 pub mod journal;
 mod meta_thread;
 mod shared;
-pub mod cluster_map;
 
 use shared::InFlight;
 pub use shared::{Done, MAX_REACTORS, MetaRequest, PoolDisk, PoolShared, VolumeIo};
@@ -37,9 +37,9 @@ use crate::backend::Backend;
 use crate::backend::file::FileBackend;
 use crate::nvme::lock;
 use alloc::FreeClusters;
+use cluster_map::VolumeMap;
 use format::{BLOCK, Member, MetaLayout, PoolState, Record, Superblock, VolumeMeta};
 use journal::{MetaIo, MetaStore};
-use cluster_map::VolumeMap;
 
 /// Default cluster size: the unit of thin allocation.
 pub const DEFAULT_CLUSTER_SIZE: u64 = 1 << 20;

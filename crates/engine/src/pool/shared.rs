@@ -140,4 +140,3 @@ impl std::fmt::Debug for VolumeIo {
         write!(f, "volume {}", self.id)
     }
 }
-

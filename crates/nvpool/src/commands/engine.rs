@@ -1,10 +1,10 @@
-//! Command-line interface.
+//! `nvpool engine`: run the engine, or manage a running one through its management
+//! socket (subsystems, namespaces, hosts, listeners, pools, volumes, stats).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Subcommand};
 use nvpool_api::{
     AddHost, AddListener, AddNamespace, AddSubsystem, AllowAnyHost, CheckPool, CreatePool, CreateVolume, DeleteVolume,
     DirtyAction, ExportPool, GetVolume, ImportPool, ListListeners, ListPools, ListSubsystems, ListVolumes,
@@ -16,31 +16,12 @@ use nvpool_engine::config::{
     EngineConfig, ListenerConfig, NamespaceConfig, PoolConfig, SubsystemConfig, default_socket,
 };
 use nvpool_engine::mgmt;
-use serde::Serialize;
 
-/// nvpool: pool every node's NVMe SSDs and serve volumes over NVMe/TCP.
-#[derive(Parser)]
-#[command(version, about)]
-pub struct Cli {
-    #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Subcommand)]
-enum Command {
-    /// Run the engine (an NVMe/TCP target), or manage a running one with its verbs.
-    Engine(EngineCommand),
-    #[command(flatten)]
-    Cluster(crate::cluster::Command),
-    /// Drive an NVMe/TCP target with I/O and report IOPS, bandwidth and latency.
-    Bench(BenchArgs),
-    /// Run the protocol-minimal NVMe/TCP responder (the machine's limit for benchmarks).
-    Responder(ResponderArgs),
-}
+use crate::output::{human, parse_size, print_or, render};
 
 #[derive(Args)]
 #[command(args_conflicts_with_subcommands = true)]
-struct EngineCommand {
+pub struct EngineCommand {
     #[command(subcommand)]
     verb: Option<EngineVerb>,
     #[command(flatten)]
@@ -55,137 +36,52 @@ enum EngineVerb {
         #[command(subcommand)]
         verb: SubsystemVerb,
         #[command(flatten)]
-        api: Api,
+        api: EngineSocket,
     },
     /// Manage namespaces of the engine.
     Namespace {
         #[command(subcommand)]
         verb: NamespaceVerb,
         #[command(flatten)]
-        api: Api,
+        api: EngineSocket,
     },
     /// Manage the hosts allowed on a subsystem.
     Host {
         #[command(subcommand)]
         verb: HostVerb,
         #[command(flatten)]
-        api: Api,
+        api: EngineSocket,
     },
     /// Manage the listeners of the engine.
     Listener {
         #[command(subcommand)]
         verb: ListenerVerb,
         #[command(flatten)]
-        api: Api,
+        api: EngineSocket,
     },
     /// Manage disk pools of the engine.
     Pool {
         #[command(subcommand)]
-        verb: PoolVerb,
+        verb: EnginePoolVerb,
         #[command(flatten)]
-        api: Api,
+        api: EngineSocket,
     },
     /// Manage volumes in the pools of the engine.
     Volume {
         #[command(subcommand)]
-        verb: VolumeVerb,
+        verb: EngineVolumeVerb,
         #[command(flatten)]
-        api: Api,
+        api: EngineSocket,
     },
     /// Show per-namespace I/O statistics.
     Stats {
         #[command(flatten)]
-        api: Api,
+        api: EngineSocket,
     },
 }
 
 #[derive(Args)]
-struct BenchArgs {
-    /// Target address, IP:PORT.
-    #[arg(long)]
-    target: SocketAddr,
-    /// Subsystem NQN (not used with --bare).
-    #[arg(long, required_unless_present = "bare")]
-    nqn: Option<String>,
-    /// Drive a bare request/response loop (`nvpool responder --bare`) instead of
-    /// NVMe/TCP: the same message sizes with no protocol, the machine's own limit.
-    #[arg(long)]
-    bare: bool,
-    /// Host NQN to present.
-    #[arg(long, default_value = "nqn.2024-01.io.nvpool:bench")]
-    hostnqn: String,
-    /// Namespace ID.
-    #[arg(long, default_value_t = 1)]
-    nsid: u32,
-    /// randread, randwrite, read, write or randrw.
-    #[arg(long, default_value = "randread")]
-    workload: nvpool_bench::load::Workload,
-    /// Percent reads for randrw.
-    #[arg(long, default_value_t = 70)]
-    rwmixread: u8,
-    /// I/O size (512 B to 1 MiB; the target's MDTS applies), e.g. 4k or 128KiB.
-    #[arg(long, default_value = "4k", value_parser = parse_io_size)]
-    bs: u32,
-    /// Commands in flight per connection.
-    #[arg(long, default_value_t = 32)]
-    qd: u32,
-    /// I/O queues, one TCP connection each.
-    #[arg(long, default_value_t = 1)]
-    connections: u32,
-    /// Measured seconds.
-    #[arg(long, default_value_t = 10.0)]
-    duration: f64,
-    /// Seconds run before measuring.
-    #[arg(long, default_value_t = 2.0)]
-    warmup: f64,
-    /// CPU to pin the generator to.
-    #[arg(long)]
-    core: Option<usize>,
-    /// Stamp written blocks and check every block read back.
-    #[arg(long)]
-    verify: bool,
-    /// Header and data digests.
-    #[arg(long)]
-    digests: bool,
-    /// Use only the first SIZE bytes of the namespace.
-    #[arg(long, value_parser = parse_span)]
-    span: Option<u64>,
-    /// Print JSON.
-    #[arg(long)]
-    json: bool,
-}
-
-#[derive(Args)]
-struct ResponderArgs {
-    /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1:4420")]
-    listen: SocketAddr,
-    /// CPU to pin the responder to.
-    #[arg(long)]
-    core: Option<usize>,
-    /// Block size of the namespace it pretends to serve.
-    #[arg(long, default_value_t = 512)]
-    block_size: u32,
-    /// Serve the bare request/response loop (for `nvpool bench --bare`) instead of
-    /// NVMe/TCP.
-    #[arg(long)]
-    bare: bool,
-}
-
-fn parse_io_size(s: &str) -> Result<u32, String> {
-    let v = nvpool_engine::config::parse_size(s)?;
-    if !(512..=1 << 20).contains(&v) {
-        return Err(format!("{s}: the I/O size must be 512 B to 1 MiB"));
-    }
-    Ok(v as u32)
-}
-
-pub(crate) fn parse_span(s: &str) -> Result<u64, String> {
-    nvpool_engine::config::parse_size(s)
-}
-
-#[derive(Args)]
-struct Api {
+struct EngineSocket {
     /// The engine's management socket.
     #[arg(long, global = true, default_value_os_t = default_socket())]
     socket: PathBuf,
@@ -286,7 +182,7 @@ enum NamespaceVerb {
 }
 
 #[derive(Subcommand)]
-enum PoolVerb {
+enum EnginePoolVerb {
     /// List pools with capacity and use.
     List,
     /// Claim disks (block devices or files) as a new pool.
@@ -297,7 +193,7 @@ enum PoolVerb {
         #[arg(required = true)]
         disks: Vec<PathBuf>,
         /// Cluster size, the unit of thin allocation (128KiB to 1GiB).
-        #[arg(long, value_parser = parse_span)]
+        #[arg(long, value_parser = parse_size)]
         cluster_size: Option<u64>,
         /// Claim disks that hold a filesystem or another pool (their data is lost).
         #[arg(long)]
@@ -322,7 +218,7 @@ enum PoolVerb {
 }
 
 #[derive(Subcommand)]
-enum VolumeVerb {
+enum EngineVolumeVerb {
     /// List volumes (of one pool, or all).
     List {
         /// Pool name.
@@ -335,7 +231,7 @@ enum VolumeVerb {
         /// Volume name.
         name: String,
         /// Size, e.g. 10GiB.
-        #[arg(value_parser = parse_span)]
+        #[arg(value_parser = parse_size)]
         size: u64,
         /// Allocate clusters on first write instead of now.
         #[arg(long)]
@@ -355,7 +251,7 @@ enum VolumeVerb {
         /// Volume name.
         name: String,
         /// New size, e.g. 20GiB.
-        #[arg(value_parser = parse_span)]
+        #[arg(value_parser = parse_size)]
         size: u64,
     },
     /// Show one volume: size, allocation, identity.
@@ -419,14 +315,11 @@ enum ListenerVerb {
     },
 }
 
-/// Runs a parsed command line.
-pub fn run(cli: Cli) -> Result<(), String> {
-    match cli.command {
-        Command::Engine(EngineCommand { verb: None, run }) => run_engine(run),
-        Command::Engine(EngineCommand { verb: Some(verb), .. }) => run_engine_verb(verb),
-        Command::Cluster(c) => crate::cluster::run(c),
-        Command::Bench(a) => run_bench(a),
-        Command::Responder(a) => run_responder(a),
+/// Runs the engine, or one verb against a running engine.
+pub fn run(c: EngineCommand) -> Result<(), String> {
+    match c.verb {
+        None => run_engine(c.run),
+        Some(verb) => run_engine_verb(verb),
     }
 }
 
@@ -478,36 +371,38 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
             }
         },
         EngineVerb::Pool { verb, api } => match verb {
-            PoolVerb::List => show(&api, ListPools {}, |r| pool_table(r)),
-            PoolVerb::Create { name, disks, cluster_size, force } => {
+            EnginePoolVerb::List => show(&api, ListPools {}, |r| pool_table(r)),
+            EnginePoolVerb::Create { name, disks, cluster_size, force } => {
                 show(&api, CreatePool { name, disks, cluster_size, force }, |r| pool_table(std::slice::from_ref(r)))
             }
-            PoolVerb::Import { disks } => show(&api, ImportPool { disks }, |r| pool_table(std::slice::from_ref(r))),
-            PoolVerb::Export { name } => {
+            EnginePoolVerb::Import { disks } => {
+                show(&api, ImportPool { disks }, |r| pool_table(std::slice::from_ref(r)))
+            }
+            EnginePoolVerb::Export { name } => {
                 let message = format!("pool {name} exported");
                 done(&api, ExportPool { name }, &message)
             }
-            PoolVerb::Check { name } => {
+            EnginePoolVerb::Check { name } => {
                 let message = format!("pool {name}: metadata and space accounting are consistent");
                 done(&api, CheckPool { name }, &message)
             }
         },
         EngineVerb::Volume { verb, api } => match verb {
-            VolumeVerb::List { pool } => show(&api, ListVolumes { pool }, |r| volume_table(r)),
-            VolumeVerb::Create { pool, name, size, thin } => {
+            EngineVolumeVerb::List { pool } => show(&api, ListVolumes { pool }, |r| volume_table(r)),
+            EngineVolumeVerb::Create { pool, name, size, thin } => {
                 show(&api, CreateVolume { pool, name, size, thin }, |r| volume_table(std::slice::from_ref(r)))
             }
-            VolumeVerb::Delete { pool, name } => {
+            EngineVolumeVerb::Delete { pool, name } => {
                 let message = format!("volume {pool}/{name} deleted");
                 done(&api, DeleteVolume { pool, name }, &message)
             }
-            VolumeVerb::Resize { pool, name, size } => {
+            EngineVolumeVerb::Resize { pool, name, size } => {
                 show(&api, ResizeVolume { pool, name, size }, |r| volume_table(std::slice::from_ref(r)))
             }
-            VolumeVerb::Stats { pool, name } => {
+            EngineVolumeVerb::Stats { pool, name } => {
                 show(&api, GetVolume { pool, name }, |r| volume_table(std::slice::from_ref(r)))
             }
-            VolumeVerb::Dirty { pool, name, action } => {
+            EngineVolumeVerb::Dirty { pool, name, action } => {
                 let r = api.call(VolumeDirty { pool, name, action })?;
                 print_or(api.json, &r, || {
                     let clusters: Vec<String> = r.clusters.iter().map(u64::to_string).collect();
@@ -530,120 +425,6 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
 fn parse_dirty_action(s: &str) -> Result<DirtyAction, String> {
     serde_json::from_value(serde_json::Value::String(s.into()))
         .map_err(|_| format!("{s:?} is not an action: use start, stop, report or reset"))
-}
-
-fn pin(core: Option<usize>) -> Result<(), String> {
-    match core {
-        Some(c) => nvpool_engine::reactor::pin_current_thread(c).map_err(|e| format!("cannot pin to CPU {c}: {e}")),
-        None => Ok(()),
-    }
-}
-
-fn run_bench(a: BenchArgs) -> Result<(), String> {
-    pin(a.core)?;
-    let (warmup, duration) = (Duration::from_secs_f64(a.warmup), Duration::from_secs_f64(a.duration));
-    let report = match a.nqn.clone() {
-        _ if a.bare => {
-            if a.workload != nvpool_bench::load::Workload::RandRead || a.connections != 1 || a.verify || a.digests {
-                return Err("--bare measures one connection of read-sized answers: drop --workload, \
-                            --connections, --verify and --digests"
-                    .into());
-            }
-            nvpool_bench::bare::run(a.target, a.bs, a.qd, warmup, duration)?
-        }
-        Some(nqn) => bench_nvme(&a, nqn, warmup, duration)?,
-        None => return Err("give --nqn NQN of the subsystem to drive (or --bare)".into()),
-    };
-    print_report(&report, a.json);
-    if report.errors > 0 || report.verify_failures > 0 {
-        return Err(format!("{} I/O errors and {} verify failures", report.errors, report.verify_failures));
-    }
-    Ok(())
-}
-
-fn bench_nvme(
-    a: &BenchArgs,
-    nqn: String,
-    warmup: Duration,
-    duration: Duration,
-) -> Result<nvpool_bench::load::Report, String> {
-    let o = nvpool_bench::load::Options {
-        target: a.target,
-        nqn,
-        hostnqn: a.hostnqn.clone(),
-        nsid: a.nsid,
-        workload: a.workload,
-        rwmixread: a.rwmixread,
-        io_size: a.bs,
-        queue_depth: a.qd,
-        connections: a.connections,
-        duration,
-        warmup,
-        verify: a.verify,
-        digests: nvpool_wire::tcp::Digests { header: a.digests, data: a.digests },
-        span: a.span,
-    };
-    nvpool_bench::load::run(&o)
-}
-
-fn print_report(r: &nvpool_bench::load::Report, json: bool) {
-    if json {
-        println!("{}", serde_json::to_string_pretty(&r).unwrap_or_default());
-    } else {
-        let rows = vec![
-            [
-                "WORKLOAD",
-                "BS",
-                "QD",
-                "CONNS",
-                "IOPS",
-                "MiB/s",
-                "MEAN us",
-                "P50 us",
-                "P99 us",
-                "P99.9 us",
-                "MAX us",
-                "ERRORS",
-                "VERIFY FAIL",
-            ]
-            .map(String::from)
-            .to_vec(),
-            vec![
-                format!("{:?}", r.workload).to_lowercase(),
-                human(u64::from(r.io_size)),
-                r.queue_depth.to_string(),
-                r.connections.to_string(),
-                format!("{:.0}", r.iops),
-                format!("{:.1}", r.mib_per_s),
-                format!("{:.1}", r.latency.mean_us),
-                format!("{:.1}", r.latency.p50_us),
-                format!("{:.1}", r.latency.p99_us),
-                format!("{:.1}", r.latency.p999_us),
-                format!("{:.1}", r.latency.max_us),
-                r.errors.to_string(),
-                r.verify_failures.to_string(),
-            ],
-        ];
-        println!("{}", render(&rows));
-    }
-}
-
-fn run_responder(a: ResponderArgs) -> Result<(), String> {
-    pin(a.core)?;
-    let stop = std::sync::atomic::AtomicBool::new(false);
-    if a.bare {
-        let listener =
-            std::net::TcpListener::bind(a.listen).map_err(|e| format!("cannot listen on {}: {e}", a.listen))?;
-        listener.set_nonblocking(true).map_err(|e| e.to_string())?;
-        println!("nvpool bare request/response loop on {}", a.listen);
-        nvpool_bench::bare::serve(&listener, &stop);
-        return Ok(());
-    }
-    let o = nvpool_bench::responder::ResponderOptions { block_size: a.block_size, size: 1 << 40 };
-    let r = nvpool_bench::responder::Responder::bind(a.listen, &o)?;
-    println!("nvpool responder on {} (namespace 1: 1 TiB of {}-byte blocks)", r.local_addr(), a.block_size);
-    r.run(&stop);
-    Ok(())
 }
 
 fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
@@ -734,28 +515,23 @@ fn run_engine(a: EngineArgs) -> Result<(), String> {
     Ok(())
 }
 
-/// Prints `v` as JSON when asked, else the text (a table or a message).
-pub(crate) fn print_or(json: bool, v: &impl Serialize, text: impl FnOnce() -> String) {
-    if json {
-        println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
-    } else {
-        println!("{}", text());
-    }
-}
-
-impl Api {
+impl EngineSocket {
     fn call<M: Method>(&self, request: M) -> Result<M::Reply, String> {
         nvpool_api::call(&self.socket, &request).map_err(String::from)
     }
 }
 
-fn done<M: Method>(api: &Api, request: M, message: &str) -> Result<(), String> {
+fn done<M: Method>(api: &EngineSocket, request: M, message: &str) -> Result<(), String> {
     let r = api.call(request)?;
     print_or(api.json, &r, || message.to_string());
     Ok(())
 }
 
-fn show<M: Method>(api: &Api, request: M, table: impl FnOnce(&M::Reply) -> Vec<Vec<String>>) -> Result<(), String> {
+fn show<M: Method>(
+    api: &EngineSocket,
+    request: M,
+    table: impl FnOnce(&M::Reply) -> Vec<Vec<String>>,
+) -> Result<(), String> {
     let r = api.call(request)?;
     print_or(api.json, &r, || render(&table(&r)));
     Ok(())
@@ -849,33 +625,4 @@ fn listener_table(listeners: &[ListenerInfo]) -> Vec<Vec<String>> {
         rows.push(vec![l.port_id.to_string(), l.addr.to_string(), l.port.to_string()]);
     }
     rows
-}
-
-pub(crate) fn human(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = bytes as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 { format!("{bytes}B") } else { format!("{v:.1}{}", UNITS[u]) }
-}
-
-pub(crate) fn render(rows: &[Vec<String>]) -> String {
-    let cols = rows.iter().map(Vec::len).max().unwrap_or(0);
-    let widths: Vec<usize> =
-        (0..cols).map(|c| rows.iter().map(|r| r.get(c).map_or(0, String::len)).max().unwrap_or(0)).collect();
-    rows.iter()
-        .map(|r| {
-            r.iter()
-                .enumerate()
-                .map(|(i, cell)| format!("{cell:<w$}", w = widths[i]))
-                .collect::<Vec<_>>()
-                .join("  ")
-                .trim_end()
-                .to_string()
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
 }

@@ -1,0 +1,680 @@
+//! Command-line verbs of the control plane: running the controller and the agent, and
+//! managing nodes, pools, volumes and attachments through the controller.
+
+use crate::output::{human, parse_size, print_or, render};
+use clap::{Args, Subcommand};
+use nvpool_control::client::Controllers;
+use nvpool_control::cluster::ClusterConfig;
+use nvpool_control::proto;
+use nvpool_control::scheduler::{Policy, Weights};
+use nvpool_control::sim::{self, SimConfig};
+use nvpool_control::{agent, server};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Run the controller: cluster state, scheduler and the Controller API.
+    Controller(ControllerArgs),
+    /// Run a node agent: registers the node and drives its engine.
+    Agent(AgentArgs),
+    /// Show the cluster's nodes.
+    Node {
+        #[command(subcommand)]
+        verb: NodeVerb,
+        #[command(flatten)]
+        api: ControllerApi,
+    },
+    /// Show the cluster's pools (to manage one node's pools: `nvpool engine pool`).
+    Pool {
+        #[command(subcommand)]
+        verb: ClusterPoolVerb,
+        #[command(flatten)]
+        api: ControllerApi,
+    },
+    /// Create, resize, delete and list the cluster's volumes.
+    Volume {
+        #[command(subcommand)]
+        verb: ClusterVolumeVerb,
+        #[command(flatten)]
+        api: ControllerApi,
+    },
+    /// Allow a host on a volume and print how it connects.
+    Attach {
+        /// Volume name.
+        volume: String,
+        /// The host's NQN (`cat /etc/nvme/hostnqn` on the host).
+        host_nqn: String,
+        /// Record the attachment as read-only.
+        #[arg(long)]
+        readonly: bool,
+        #[command(flatten)]
+        api: ControllerApi,
+    },
+    /// Remove a host from a volume's allow-list.
+    Detach {
+        /// Volume name.
+        volume: String,
+        /// The host's NQN.
+        host_nqn: String,
+        #[command(flatten)]
+        api: ControllerApi,
+    },
+    /// Replay a synthetic cluster through the scheduler and compare placement policies.
+    Sim(SimArgs),
+    /// Serve the CSI driver (controller and/or node plugin) on a Unix socket.
+    Csi(CsiArgs),
+    /// Show which controller leads and which store it uses.
+    ClusterInfo {
+        #[command(flatten)]
+        api: ControllerApi,
+    },
+}
+
+#[derive(Args)]
+pub struct ControllerApi {
+    /// Controller addresses, HOST:PORT[,HOST:PORT...]; the leader is found among them.
+    #[arg(long, global = true, env = "NVPOOL_CONTROLLER", default_value = "127.0.0.1:9400")]
+    controller: String,
+    /// Print JSON instead of a table.
+    #[arg(long, global = true)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct ControllerArgs {
+    /// Address to serve the Controller API on.
+    #[arg(long, default_value = "127.0.0.1:9400")]
+    listen: SocketAddr,
+    /// Address clients are told to use for this controller (default: --listen).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// Store: redb:PATH (embedded, the default) or etcd:http://HOST:PORT[,...] (HA).
+    #[arg(long, default_value = "redb:/var/lib/nvpool/controller.redb")]
+    store: String,
+    /// A node whose heartbeats stop for this long is unhealthy.
+    #[arg(long, value_parser = parse_duration, default_value = "5s")]
+    node_timeout: Duration,
+    /// How often agents heartbeat.
+    #[arg(long, value_parser = parse_duration, default_value = "1s")]
+    heartbeat_interval: Duration,
+    /// How long a dead leader keeps leadership (etcd only).
+    #[arg(long, value_parser = parse_duration, default_value = "2s")]
+    lease_ttl: Duration,
+    /// Scheduler weight of the locality preference.
+    #[arg(long, default_value_t = Weights::default().locality)]
+    weight_locality: f64,
+    /// Scheduler weight of fullness (fuller pools score higher).
+    #[arg(long, default_value_t = Weights::default().space)]
+    weight_space: f64,
+    /// Thin volumes may promise up to this multiple of a pool's capacity.
+    #[arg(long, default_value_t = Policy::default().thin_overcommit)]
+    thin_overcommit: f64,
+}
+
+#[derive(Args)]
+pub struct AgentArgs {
+    /// Node name (default: the host name).
+    #[arg(long)]
+    name: Option<String>,
+    /// Controller addresses, HOST:PORT[,HOST:PORT...].
+    #[arg(long, env = "NVPOOL_CONTROLLER", default_value = "127.0.0.1:9400")]
+    controller: String,
+    /// Address to serve the Agent API on.
+    #[arg(long, default_value = "127.0.0.1:9401")]
+    listen: SocketAddr,
+    /// Address the controller uses to reach this agent (default: --listen).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// The engine's management socket.
+    #[arg(long, default_value_os_t = nvpool_engine::config::default_socket())]
+    engine_socket: PathBuf,
+    /// Where hosts reach the engine over NVMe/TCP (default: its first listener).
+    #[arg(long)]
+    nvme_address: Option<String>,
+    /// Topology label KEY=VALUE (repeatable), e.g. zone=a.
+    #[arg(long, value_parser = parse_label)]
+    label: Vec<(String, String)>,
+}
+
+#[derive(Args)]
+pub struct CsiArgs {
+    /// The CSI socket: unix:///path or a path.
+    #[arg(long, default_value = "unix:///csi/csi.sock")]
+    endpoint: String,
+    /// Which services to serve: controller, node or all.
+    #[arg(long, default_value = "all", value_parser = ["controller", "node", "all"])]
+    mode: String,
+    /// nvpool controller addresses, HOST:PORT[,HOST:PORT...] (controller plugin).
+    #[arg(long, env = "NVPOOL_CONTROLLER", default_value = "127.0.0.1:9400")]
+    controller: String,
+    /// This node's name, its topology (default: the host name).
+    #[arg(long)]
+    node_name: Option<String>,
+    /// This host's NQN, the CSI node ID (default: /etc/nvme/hostnqn).
+    #[arg(long)]
+    host_nqn: Option<String>,
+    /// Where the node plugin records staged volumes.
+    #[arg(long, default_value = "/var/lib/nvpool/csi")]
+    state_dir: PathBuf,
+}
+
+#[derive(Args)]
+pub struct SimArgs {
+    /// Nodes in the cluster.
+    #[arg(long, default_value_t = SimConfig::default().nodes)]
+    nodes: usize,
+    /// Share of nodes with 8 disks.
+    #[arg(long, default_value_t = SimConfig::default().heavy_fraction)]
+    heavy_fraction: f64,
+    /// Share of nodes without disks.
+    #[arg(long, default_value_t = SimConfig::default().diskless_fraction)]
+    diskless_fraction: f64,
+    /// Median volume size.
+    #[arg(long, value_parser = parse_size, default_value = "200GiB")]
+    median_size: u64,
+    /// Chance that a step deletes a volume rather than creating one.
+    #[arg(long, default_value_t = SimConfig::default().delete_probability)]
+    delete_probability: f64,
+    /// Random seed; the same seed replays the same cluster and stream.
+    #[arg(long, default_value_t = SimConfig::default().seed)]
+    seed: u64,
+    /// Measure scheduler speed (decisions per second, p50 and p99) instead.
+    #[arg(long)]
+    bench: bool,
+    /// Decisions to time with --bench.
+    #[arg(long, default_value_t = 20000)]
+    decisions: usize,
+}
+
+#[derive(Subcommand)]
+pub enum NodeVerb {
+    /// List nodes with health, address and capacity.
+    List,
+}
+
+#[derive(Subcommand)]
+pub enum ClusterPoolVerb {
+    /// List every node's pools.
+    List,
+}
+
+#[derive(Subcommand)]
+pub enum ClusterVolumeVerb {
+    /// Create a volume; the scheduler picks the node and pool.
+    Create {
+        /// Volume name.
+        name: String,
+        /// Size, e.g. 10GiB.
+        #[arg(value_parser = parse_size)]
+        size: u64,
+        /// Allocate space on first write instead of now.
+        #[arg(long)]
+        thin: bool,
+        /// Where the volume should be relative to --host-node: local, remote or any.
+        #[arg(long, default_value = "any", value_parser = ["any", "local", "remote"])]
+        locality: String,
+        /// The node the volume's consumer runs on.
+        #[arg(long, default_value = "")]
+        host_node: String,
+        /// Only these nodes may hold the volume (comma separated).
+        #[arg(long, value_delimiter = ',')]
+        include: Vec<String>,
+        /// These nodes may not hold the volume (comma separated).
+        #[arg(long, value_delimiter = ',')]
+        exclude: Vec<String>,
+        /// Show every node's score.
+        #[arg(long)]
+        explain: bool,
+    },
+    /// Delete a volume.
+    Delete {
+        /// Volume name.
+        name: String,
+    },
+    /// Grow a volume; attached hosts see the new size.
+    Resize {
+        /// Volume name.
+        name: String,
+        /// New size, e.g. 20GiB.
+        #[arg(value_parser = parse_size)]
+        size: u64,
+    },
+    /// Show one volume.
+    Get {
+        /// Volume name.
+        name: String,
+    },
+    /// List volumes.
+    List {
+        /// Only volumes on this node.
+        #[arg(long, default_value = "")]
+        node: String,
+    },
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let (num, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len()));
+    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration like 500ms, 5s or 1m"))?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "s" | "" => n,
+        "m" => n * 60.0,
+        _ => return Err(format!("{s:?} is not a duration like 500ms, 5s or 1m")),
+    };
+    Ok(Duration::from_secs_f64(secs))
+}
+
+fn parse_label(s: &str) -> Result<(String, String), String> {
+    s.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())).ok_or(format!("label {s:?} is not KEY=VALUE"))
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, String> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the async runtime: {e}"))
+}
+
+fn status(e: tonic::Status) -> String {
+    e.message().to_string()
+}
+
+pub fn run(cmd: Command) -> Result<(), String> {
+    let rt = runtime()?;
+    match cmd {
+        Command::Controller(a) => {
+            let args = server::ControllerArgs {
+                listen: a.listen,
+                advertise: a.advertise.unwrap_or_else(|| a.listen.to_string()),
+                store: a.store,
+                cluster: ClusterConfig {
+                    policy: Policy {
+                        weights: Weights { locality: a.weight_locality, space: a.weight_space },
+                        thin_overcommit: a.thin_overcommit,
+                    },
+                    node_timeout: a.node_timeout,
+                    heartbeat_interval: a.heartbeat_interval,
+                    ..ClusterConfig::default()
+                },
+                lease_ttl: a.lease_ttl,
+            };
+            rt.block_on(server::run(args))
+        }
+        Command::Agent(a) => {
+            let name = match a.name {
+                Some(n) => n,
+                None => std::fs::read_to_string("/etc/hostname")
+                    .map(|h| h.trim().to_string())
+                    .map_err(|e| format!("cannot read the host name ({e}); pass --name"))?,
+            };
+            let args = agent::AgentArgs {
+                name,
+                controllers: a.controller,
+                listen: a.listen,
+                advertise: a.advertise,
+                engine_socket: a.engine_socket,
+                nvme_address: a.nvme_address,
+                labels: a.label.into_iter().collect::<BTreeMap<_, _>>(),
+            };
+            rt.block_on(agent::run(args))
+        }
+        Command::Node { verb: NodeVerb::List, api } => rt.block_on(async {
+            let c = Controllers::new(&api.controller)?;
+            let r = c.call(async |mut c| c.list_nodes(proto::ListNodesRequest {}).await).await.map_err(status)?;
+            print_or(api.json, &nodes_json(&r.nodes), || render(&node_table(&r.nodes)));
+            Ok(())
+        }),
+        Command::Pool { verb: ClusterPoolVerb::List, api } => rt.block_on(async {
+            let c = Controllers::new(&api.controller)?;
+            let r = c.call(async |mut c| c.list_pools(proto::ListPoolsRequest {}).await).await.map_err(status)?;
+            print_or(api.json, &pools_json(&r.pools), || render(&pool_table(&r.pools)));
+            Ok(())
+        }),
+        Command::Volume { verb, api } => rt.block_on(volume(verb, api)),
+        Command::Attach { volume, host_nqn, readonly, api } => rt.block_on(async {
+            let c = Controllers::new(&api.controller)?;
+            let req = proto::AttachRequest { volume: volume.clone(), host_nqn: host_nqn.clone(), readonly };
+            let r = c.call(async |mut c| c.attach(req.clone()).await).await.map_err(status)?;
+            let paths: Vec<serde_json::Value> = r
+                .paths
+                .iter()
+                .map(|p| serde_json::json!({ "node": p.node, "transport": p.transport, "address": p.address, "port": p.port, "ana_state": p.ana_state }))
+                .collect();
+            let j = serde_json::json!({ "subsystem_nqn": r.subsystem_nqn, "nsid": r.nsid, "uuid": r.uuid, "nguid": r.nguid, "paths": paths });
+            print_or(api.json, &j, || {
+                let mut out = format!("volume {volume} is attached to {host_nqn}: namespace {} of {}, uuid {}\n", r.nsid, r.subsystem_nqn, r.uuid);
+                out += "connect from the host with:\n";
+                for p in &r.paths {
+                    out += &format!(
+                        "  nvme connect -t {} -a {} -s {} -n {} --hostnqn {host_nqn}    # {} path via {}\n",
+                        p.transport, p.address, p.port, r.subsystem_nqn, p.ana_state, p.node
+                    );
+                }
+                out.trim_end().to_string()
+            });
+            Ok(())
+        }),
+        Command::Detach { volume, host_nqn, api } => rt.block_on(async {
+            let c = Controllers::new(&api.controller)?;
+            let req = proto::DetachRequest { volume: volume.clone(), host_nqn: host_nqn.clone() };
+            c.call(async |mut c| c.detach(req.clone()).await).await.map_err(status)?;
+            print_or(api.json, &serde_json::json!({}), || format!("{host_nqn} detached from volume {volume}"));
+            Ok(())
+        }),
+        Command::Csi(a) => {
+            let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
+            let args = nvpool_csi::CsiArgs {
+                endpoint: a.endpoint,
+                mode: match a.mode.as_str() {
+                    "controller" => nvpool_csi::Mode::Controller,
+                    "node" => nvpool_csi::Mode::Node,
+                    _ => nvpool_csi::Mode::All,
+                },
+                controllers: a.controller,
+                node_name: a.node_name.unwrap_or_else(|| read("/etc/hostname")),
+                host_nqn: a.host_nqn.unwrap_or_else(|| read("/etc/nvme/hostnqn")),
+                state_dir: a.state_dir,
+            };
+            rt.block_on(nvpool_csi::run(args))
+        }
+        Command::Sim(a) => {
+            run_sim(a);
+            Ok(())
+        }
+        Command::ClusterInfo { api } => rt.block_on(async {
+            let c = Controllers::new(&api.controller)?;
+            let r = c.call(async |mut c| c.cluster_info(proto::ClusterInfoRequest {}).await).await.map_err(status)?;
+            let j = serde_json::json!({ "cluster_id": r.cluster_id, "controller_id": r.controller_id, "leader": r.leader, "leader_address": r.leader_address, "store": r.store });
+            print_or(api.json, &j, || {
+                format!(
+                    "cluster {}\ncontroller {} ({})\nleader at {}\nstore {}",
+                    r.cluster_id,
+                    r.controller_id,
+                    if r.leader { "leader" } else { "standby" },
+                    r.leader_address,
+                    r.store
+                )
+            });
+            Ok(())
+        }),
+    }
+}
+
+async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), String> {
+    let c = Controllers::new(&api.controller)?;
+    match verb {
+        ClusterVolumeVerb::Create { name, size, thin, locality, host_node, include, exclude, explain } => {
+            let locality = match locality.as_str() {
+                "local" => proto::Locality::Local,
+                "remote" => proto::Locality::Remote,
+                _ => proto::Locality::Any,
+            };
+            let req = proto::CreateVolumeRequest {
+                name,
+                size_bytes: size,
+                thin,
+                locality: locality as i32,
+                host_node,
+                include_nodes: include,
+                exclude_nodes: exclude,
+            };
+            let r = c.call(async |mut c| c.create_volume(req.clone()).await).await.map_err(status)?;
+            let v = r.volume.unwrap_or_default();
+            let mut j = volume_json(&v);
+            if explain {
+                j["scores"] = scores_json(&r.scores);
+            }
+            print_or(api.json, &j, || {
+                let mut out = render(&volume_table(std::slice::from_ref(&v)));
+                if r.existed {
+                    out += "\n(the volume already existed with these parameters)";
+                }
+                if explain && !r.scores.is_empty() {
+                    out += "\n\n";
+                    out += &render(&score_table(&r.scores));
+                }
+                out
+            });
+        }
+        ClusterVolumeVerb::Delete { name } => {
+            let req = proto::VolumeName { name: name.clone() };
+            let r = c.call(async |mut c| c.delete_volume(req.clone()).await).await.map_err(status)?;
+            let msg = if r.deleted {
+                format!("volume {name} deleted")
+            } else {
+                format!("no volume {name}; nothing to delete")
+            };
+            print_or(api.json, &serde_json::json!({ "deleted": r.deleted }), || msg);
+        }
+        ClusterVolumeVerb::Resize { name, size } => {
+            let req = proto::ResizeVolumeRequest { name, size_bytes: size };
+            let v = c.call(async |mut c| c.resize_volume(req.clone()).await).await.map_err(status)?;
+            print_or(api.json, &volume_json(&v), || render(&volume_table(std::slice::from_ref(&v))));
+        }
+        ClusterVolumeVerb::Get { name } => {
+            let req = proto::VolumeName { name };
+            let v = c.call(async |mut c| c.get_volume(req.clone()).await).await.map_err(status)?;
+            print_or(api.json, &volume_json(&v), || render(&volume_table(std::slice::from_ref(&v))));
+        }
+        ClusterVolumeVerb::List { node } => {
+            let req = proto::ListVolumesRequest { node };
+            let r = c.call(async |mut c| c.list_volumes(req.clone()).await).await.map_err(status)?;
+            let j = serde_json::Value::Array(r.volumes.iter().map(volume_json).collect());
+            print_or(api.json, &j, || render(&volume_table(&r.volumes)));
+        }
+    }
+    Ok(())
+}
+
+fn locality_name(l: i32) -> &'static str {
+    match proto::Locality::try_from(l) {
+        Ok(proto::Locality::Local) => "local",
+        Ok(proto::Locality::Remote) => "remote",
+        _ => "any",
+    }
+}
+
+fn volume_json(v: &proto::Volume) -> serde_json::Value {
+    serde_json::json!({
+        "name": v.name, "id": v.id, "size_bytes": v.size_bytes, "thin": v.thin, "node": v.node, "pool": v.pool,
+        "state": v.state, "hosts": v.hosts, "subsystem_nqn": v.subsystem_nqn, "uuid": v.uuid, "nguid": v.nguid,
+        "allocated_bytes": v.allocated_bytes, "locality": locality_name(v.locality), "host_node": v.host_node,
+        "include_nodes": v.include_nodes, "exclude_nodes": v.exclude_nodes,
+    })
+}
+
+fn volume_table(vs: &[proto::Volume]) -> Vec<Vec<String>> {
+    let mut rows =
+        vec![["NAME", "SIZE", "TYPE", "NODE", "POOL", "STATE", "ALLOCATED", "HOSTS"].map(String::from).to_vec()];
+    for v in vs {
+        rows.push(vec![
+            v.name.clone(),
+            human(v.size_bytes),
+            if v.thin { "thin" } else { "thick" }.into(),
+            v.node.clone(),
+            v.pool.clone(),
+            v.state.clone(),
+            human(v.allocated_bytes),
+            if v.hosts.is_empty() { "-".into() } else { v.hosts.join(",") },
+        ]);
+    }
+    rows
+}
+
+fn scores_json(scores: &[proto::NodeScore]) -> serde_json::Value {
+    scores
+        .iter()
+        .map(|s| {
+            serde_json::json!({
+                "node": s.node, "pool": s.pool, "filtered_out": s.filtered_out, "locality": s.locality_score,
+                "space": s.space_score, "total": s.total, "used_ratio_after": s.used_ratio_after,
+            })
+        })
+        .collect()
+}
+
+fn score_table(scores: &[proto::NodeScore]) -> Vec<Vec<String>> {
+    let mut rows =
+        vec![["NODE", "POOL", "LOCALITY", "SPACE", "TOTAL", "USED AFTER", "VERDICT"].map(String::from).to_vec()];
+    for (i, s) in scores.iter().enumerate() {
+        let passed = s.filtered_out.is_empty();
+        rows.push(vec![
+            s.node.clone(),
+            if passed { s.pool.clone() } else { "-".into() },
+            if passed { format!("{:.2}", s.locality_score) } else { "-".into() },
+            if passed { format!("{:.3}", s.space_score) } else { "-".into() },
+            if passed { format!("{:.3}", s.total) } else { "-".into() },
+            if passed { format!("{:.1}%", s.used_ratio_after * 100.0) } else { "-".into() },
+            if !passed {
+                format!("filtered out: {}", s.filtered_out)
+            } else if i == 0 {
+                "chosen".into()
+            } else {
+                "eligible".into()
+            },
+        ]);
+    }
+    rows
+}
+
+fn nodes_json(nodes: &[proto::Node]) -> serde_json::Value {
+    nodes
+        .iter()
+        .map(|n| {
+            serde_json::json!({
+                "name": n.name, "agent_address": n.agent_address, "nvme_address": n.nvme_address, "labels": n.labels,
+                "healthy": n.healthy, "last_heartbeat_ms_ago": n.last_heartbeat_ms_ago, "volumes": n.volumes,
+                "pools": n.pools.iter().map(pool_json).collect::<Vec<_>>(),
+            })
+        })
+        .collect()
+}
+
+fn pool_json(p: &proto::PoolReport) -> serde_json::Value {
+    serde_json::json!({
+        "name": p.name, "capacity_bytes": p.capacity_bytes, "used_bytes": p.used_bytes,
+        "provisioned_bytes": p.provisioned_bytes, "cluster_size": p.cluster_size, "volumes": p.volumes,
+        "failed": if p.failed.is_empty() { serde_json::Value::Null } else { p.failed.clone().into() },
+    })
+}
+
+fn node_table(nodes: &[proto::Node]) -> Vec<Vec<String>> {
+    let mut rows = vec![
+        ["NODE", "HEALTH", "NVME ADDRESS", "POOLS", "CAPACITY", "USED", "VOLUMES", "LAST SEEN"]
+            .map(String::from)
+            .to_vec(),
+    ];
+    for n in nodes {
+        rows.push(vec![
+            n.name.clone(),
+            if n.healthy { "healthy" } else { "unhealthy" }.into(),
+            n.nvme_address.clone(),
+            n.pools.len().to_string(),
+            human(n.pools.iter().map(|p| p.capacity_bytes).sum()),
+            human(n.pools.iter().map(|p| p.used_bytes).sum()),
+            n.volumes.to_string(),
+            format!("{:.1}s ago", n.last_heartbeat_ms_ago as f64 / 1000.0),
+        ]);
+    }
+    rows
+}
+
+fn pools_json(pools: &[proto::PoolOnNode]) -> serde_json::Value {
+    pools
+        .iter()
+        .map(|p| {
+            let mut j = pool_json(&p.pool.clone().unwrap_or_default());
+            j["node"] = p.node.clone().into();
+            j["committed_bytes"] = p.committed_bytes.into();
+            j
+        })
+        .collect()
+}
+
+fn pool_table(pools: &[proto::PoolOnNode]) -> Vec<Vec<String>> {
+    let mut rows =
+        vec![["NODE", "POOL", "CAPACITY", "USED", "COMMITTED", "PROVISIONED", "VOLUMES"].map(String::from).to_vec()];
+    for p in pools {
+        let r = p.pool.clone().unwrap_or_default();
+        rows.push(vec![
+            p.node.clone(),
+            r.name,
+            human(r.capacity_bytes),
+            human(r.used_bytes),
+            human(p.committed_bytes),
+            human(r.provisioned_bytes),
+            r.volumes.to_string(),
+        ]);
+    }
+    rows
+}
+
+fn run_sim(a: SimArgs) {
+    let cfg = SimConfig {
+        nodes: a.nodes,
+        heavy_fraction: a.heavy_fraction,
+        diskless_fraction: a.diskless_fraction,
+        median_size: a.median_size,
+        delete_probability: a.delete_probability,
+        seed: a.seed,
+        ..SimConfig::default()
+    };
+    let disks = format!(
+        "{:.0}% of nodes with {} disks, {:.0}% without disks, the rest with {} disks of {:.2} TB",
+        cfg.heavy_fraction * 100.0,
+        cfg.heavy_disks,
+        cfg.diskless_fraction * 100.0,
+        cfg.light_disks,
+        cfg.disk_bytes as f64 / 1e12
+    );
+    if a.bench {
+        let r = sim::bench(&cfg, a.decisions);
+        println!("Scheduler speed: {} nodes ({disks}), filled to {:.1}%, one thread\n", r.nodes, r.utilisation * 100.0);
+        println!("| path | decisions | decisions/s | p50 µs | p99 µs |\n|---|---:|---:|---:|---:|");
+        for (name, n, rate, p50, p99) in r.rows {
+            println!("| {name} | {n} | {rate:.0} | {p50:.1} | {p99:.1} |");
+        }
+        return;
+    }
+    println!(
+        "Simulated cluster: {} nodes ({disks}); volumes log-normal around {}, {:.0}% asking local, {:.0}% remote; \
+         each step deletes a volume with probability {}; seed {}.\n",
+        cfg.nodes,
+        human(cfg.median_size),
+        cfg.local_share * 100.0,
+        cfg.remote_share * 100.0,
+        cfg.delete_probability,
+        cfg.seed
+    );
+    println!(
+        "| policy | created | deleted | used at first failure | failed request | largest hole | fragmentation | \
+         local requests met | used when 1% failed | decisions/s |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for (name, strategy) in sim::strategies() {
+        let r = sim::run(&cfg, name, strategy);
+        println!(
+            "| {} | {} | {} | {:.1}% | {} | {} | {:.3} | {:.1}% | {:.1}% | {:.0} |",
+            r.name,
+            r.created,
+            r.deleted,
+            r.utilisation * 100.0,
+            human(r.failed_size),
+            human(r.largest_hole),
+            r.fragmentation,
+            r.local_met * 100.0,
+            r.utilisation_at_1pct * 100.0,
+            r.decisions_per_second
+        );
+    }
+    println!("| LightPool's report: local-only | | | | | | | | about 40% | |");
+    println!("| LightPool's report: pooled | | | | | | | | about 65% | |");
+    println!(
+        "\nfragmentation: 1 - (largest free space on one node / all free space) at the first failure.\n\
+         local requests met: requests asking for local placement from nodes with disks that got it."
+    );
+}

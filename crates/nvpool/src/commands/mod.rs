@@ -1,0 +1,5 @@
+//! The command families of the `nvpool` binary.
+
+pub mod bench;
+pub mod cluster;
+pub mod engine;
