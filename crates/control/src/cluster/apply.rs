@@ -1,0 +1,150 @@
+//! Carrying the desired state to the node agents: each node's whole `NodeState`, sent
+//! after every change and again by the background loop until the agent is current.
+
+use super::*;
+
+impl Cluster {
+    /// Sends a node its desired state and records what the agent reports: creations
+    /// confirmed or rolled back, removals done.
+    pub async fn apply_node(&self, node: &str) -> Result<Results, String> {
+        let _guard = self.node_locks.lock(node).await;
+        let (state, address) = {
+            let st = self.state.lock().unwrap();
+            let Some(n) = st.nodes.get(node) else {
+                return Err(format!("unknown node {node}"));
+            };
+            let mut volumes: Vec<proto::DesiredVolume> = st
+                .volumes
+                .values()
+                .filter(|v| v.node == node)
+                .map(|v| proto::DesiredVolume {
+                    id: v.id.clone(),
+                    engine_name: v.engine_name.clone(),
+                    pool: v.pool.clone(),
+                    size_bytes: v.size,
+                    thin: v.thin,
+                    present: true,
+                    subsystem_nqn: v.subsystem_nqn.clone(),
+                    hosts: v.hosts.clone(),
+                })
+                .collect();
+            volumes.extend(st.tombstones.values().filter(|t| t.node == node).map(|t| proto::DesiredVolume {
+                id: t.id.clone(),
+                engine_name: t.engine_name.clone(),
+                pool: t.pool.clone(),
+                size_bytes: t.size,
+                thin: t.thin,
+                present: false,
+                subsystem_nqn: t.subsystem_nqn.clone(),
+                hosts: vec![],
+            }));
+            let state = proto::NodeState { node: node.to_string(), generation: n.desired_generation, volumes };
+            (state, n.record.agent_address.clone())
+        };
+        let generation = state.generation;
+        let mut client = AgentClient::new(self.channel(&address)?);
+        let reply = tokio::time::timeout(self.cfg.apply_timeout, client.apply(state))
+            .await
+            .map_err(|_| format!("agent at {address} took longer than {:?}", self.cfg.apply_timeout))?
+            .map_err(|e| format!("agent at {address}: {}", e.message()))?
+            .into_inner();
+        let results: Results = reply.results.into_iter().map(|r| (r.id.clone(), r)).collect();
+        self.absorb(node, generation, &results).await;
+        Ok(results)
+    }
+
+    pub(super) async fn absorb(&self, node: &str, generation: u64, results: &Results) {
+        let (mut confirmed, mut failed, mut removed) = (vec![], vec![], vec![]);
+        {
+            let st = self.state.lock().unwrap();
+            for v in st.volumes.values().filter(|v| v.node == node) {
+                match results.get(&v.id) {
+                    Some(r)
+                        if r.error.is_empty()
+                            && (v.state == VolumeState::Creating || v.uuid != r.uuid || v.nguid != r.nguid) =>
+                    {
+                        let mut now = v.clone();
+                        now.state = VolumeState::Ready;
+                        now.uuid = r.uuid.clone();
+                        now.nguid = r.nguid.clone();
+                        confirmed.push(now);
+                    }
+                    Some(r) if !r.error.is_empty() && v.state == VolumeState::Creating => failed.push(v.clone()),
+                    _ => {}
+                }
+            }
+            for t in st.tombstones.values().filter(|t| t.node == node) {
+                if results.get(&t.id).is_some_and(|r| r.error.is_empty()) {
+                    removed.push(t.id.clone());
+                }
+            }
+        }
+        let all_ok = results.values().all(|r| r.error.is_empty());
+        for v in confirmed {
+            if self.commit(Txn::default().put(format!("{VOLUMES}{}", v.name), to_json(&v))).await.is_ok() {
+                self.state.lock().unwrap().volumes.insert(v.name.clone(), v);
+            }
+        }
+        for v in failed {
+            let _ = self.bury(&v).await;
+        }
+        for id in removed {
+            if self.commit(Txn::default().delete(format!("{TOMBSTONES}{id}"))).await.is_ok() {
+                self.state.lock().unwrap().tombstones.remove(&id);
+            }
+        }
+        let mut st = self.state.lock().unwrap();
+        if let Some(n) = st.nodes.get_mut(node)
+            && all_ok
+        {
+            n.applied_generation = n.applied_generation.max(generation);
+        }
+    }
+
+    pub(super) fn channel(&self, address: &str) -> Result<Channel, String> {
+        let mut channels = self.channels.lock().unwrap();
+        if let Some(c) = channels.get(address) {
+            return Ok(c.clone());
+        }
+        let endpoint = Endpoint::from_shared(format!("http://{address}"))
+            .map_err(|e| format!("agent address {address:?}: {e}"))?
+            .connect_timeout(Duration::from_secs(2));
+        let c = endpoint.connect_lazy();
+        channels.insert(address.to_string(), c.clone());
+        Ok(c)
+    }
+
+    /// Runs until the process ends: brings behind nodes up to date and finishes
+    /// creations and removals that an earlier controller left open.
+    pub async fn reconcile_forever(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(self.cfg.heartbeat_interval / 2).await;
+            let due: Vec<String> = {
+                let mut st = self.state.lock().unwrap();
+                let open: HashSet<String> = st
+                    .volumes
+                    .values()
+                    .filter(|v| v.state == VolumeState::Creating)
+                    .map(|v| v.node.clone())
+                    .chain(st.tombstones.values().map(|t| t.node.clone()))
+                    .collect();
+                let due: Vec<String> = st
+                    .nodes
+                    .values()
+                    .filter(|n| self.healthy(n) && !st.applying.contains(&n.record.name))
+                    .filter(|n| n.applied_generation != n.desired_generation || open.contains(&n.record.name))
+                    .map(|n| n.record.name.clone())
+                    .collect();
+                st.applying.extend(due.iter().cloned());
+                due
+            };
+            for node in due {
+                let me = self.clone();
+                tokio::spawn(async move {
+                    let _ = me.apply_node(&node).await;
+                    me.state.lock().unwrap().applying.remove(&node);
+                });
+            }
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! Between the store's records and the gRPC API's messages.
+
+use super::*;
+
+impl Cluster {
+    pub(super) fn volume_proto(&self, v: &VolumeRecord) -> proto::Volume {
+        let st = self.state.lock().unwrap();
+        self.volume_proto_locked(&st, v)
+    }
+
+    pub(super) fn volume_proto_locked(&self, st: &State, v: &VolumeRecord) -> proto::Volume {
+        let allocated = if v.thin {
+            st.nodes.get(&v.node).and_then(|n| n.usage.get(&v.engine_name)).copied().unwrap_or(0)
+        } else {
+            let cs = st
+                .nodes
+                .get(&v.node)
+                .and_then(|n| n.pools.iter().find(|p| p.name == v.pool))
+                .map_or(1, |p| p.cluster_size);
+            scheduler::thick_bytes(v.size, cs)
+        };
+        proto::Volume {
+            name: v.name.clone(),
+            id: v.id.clone(),
+            size_bytes: v.size,
+            thin: v.thin,
+            node: v.node.clone(),
+            pool: v.pool.clone(),
+            state: match v.state {
+                VolumeState::Creating => "creating",
+                VolumeState::Ready => "ready",
+            }
+            .into(),
+            hosts: v.hosts.clone(),
+            readonly_hosts: v.readonly_hosts.clone(),
+            subsystem_nqn: v.subsystem_nqn.clone(),
+            uuid: v.uuid.clone(),
+            nguid: v.nguid.clone(),
+            allocated_bytes: allocated,
+            locality: locality_to(v.locality) as i32,
+            host_node: v.host_node.clone(),
+            include_nodes: v.include.clone(),
+            exclude_nodes: v.exclude.clone(),
+        }
+    }
+}
+
+pub(super) fn corrupt(e: serde_json::Error) -> Status {
+    Status::data_loss(format!("a record in the controller's store is damaged ({e}); restore the store from a backup"))
+}
+
+pub(super) fn no_volume(name: &str) -> Status {
+    Status::not_found(format!("no volume {name}: `nvpool volume list` shows the volumes"))
+}
+
+pub(super) fn same_request(v: &VolumeRecord, req: &proto::CreateVolumeRequest, locality: Locality) -> bool {
+    v.size == req.size_bytes
+        && v.thin == req.thin
+        && v.locality == locality
+        && v.host_node == req.host_node
+        && v.include == req.include_nodes
+        && v.exclude == req.exclude_nodes
+}
+
+pub(super) fn no_room_message(req: &Request, scores: &[Score], nodes: usize) -> String {
+    if scores.is_empty() {
+        return "no node has registered yet: start `nvpool agent` on the nodes".into();
+    }
+    let reasons: Vec<String> =
+        scores.iter().take(8).map(|s| format!("{}: {}", s.node, s.filtered_out.as_deref().unwrap_or(""))).collect();
+    format!(
+        "no node can take a {} volume of {} bytes ({}{}); free space, add disks, or ask for less",
+        if req.thin { "thin" } else { "thick" },
+        req.size,
+        reasons.join("; "),
+        if nodes > 8 { format!("; and {} more nodes", nodes - 8) } else { String::new() }
+    )
+}
+
+pub(super) fn locality_from(v: i32) -> Result<Locality, Status> {
+    match proto::Locality::try_from(v) {
+        Ok(proto::Locality::Any) => Ok(Locality::Any),
+        Ok(proto::Locality::Local) => Ok(Locality::Local),
+        Ok(proto::Locality::Remote) => Ok(Locality::Remote),
+        Err(_) => Err(Status::invalid_argument(format!("locality {v} is not one of any (0), local (1) or remote (2)"))),
+    }
+}
+
+pub(super) fn locality_to(l: Locality) -> proto::Locality {
+    match l {
+        Locality::Any => proto::Locality::Any,
+        Locality::Local => proto::Locality::Local,
+        Locality::Remote => proto::Locality::Remote,
+    }
+}
+
+pub(super) fn score_proto(s: &Score) -> proto::NodeScore {
+    proto::NodeScore {
+        node: s.node.clone(),
+        pool: s.pool.clone(),
+        filtered_out: s.filtered_out.clone().unwrap_or_default(),
+        locality_score: s.locality,
+        space_score: s.space,
+        total: s.total,
+        used_ratio_after: s.used_ratio_after,
+    }
+}
+
+pub(super) fn pool_record(p: &proto::PoolReport) -> PoolRecord {
+    PoolRecord {
+        name: p.name.clone(),
+        capacity_bytes: p.capacity_bytes,
+        used_bytes: p.used_bytes,
+        provisioned_bytes: p.provisioned_bytes,
+        cluster_size: p.cluster_size,
+        volumes: p.volumes,
+        failed: (!p.failed.is_empty()).then(|| p.failed.clone()),
+    }
+}
+
+pub(super) fn pool_report(p: &PoolRecord) -> proto::PoolReport {
+    proto::PoolReport {
+        name: p.name.clone(),
+        capacity_bytes: p.capacity_bytes,
+        used_bytes: p.used_bytes,
+        provisioned_bytes: p.provisioned_bytes,
+        cluster_size: p.cluster_size,
+        volumes: p.volumes,
+        failed: p.failed.clone().unwrap_or_default(),
+    }
+}
+
+pub(super) fn split_address(a: &str) -> (String, u32) {
+    match a.parse::<std::net::SocketAddr>() {
+        Ok(s) => (s.ip().to_string(), u32::from(s.port())),
+        Err(_) => (a.to_string(), 4420),
+    }
+}

@@ -1,0 +1,199 @@
+//! The controller's logic: the cluster's state in memory, written through to the store,
+//! and the orders it sends to the node agents.
+//!
+//! Only the leading controller holds a `Cluster`, so its memory is the truth and the
+//! store is the record of it. Every change is committed to the store before it is
+//! acted on. A change to a volume then goes to its node's agent as the node's whole
+//! desired state (`NodeState`), which the agent makes its engine match. A node whose
+//! agent is behind gets its state again from the background loop.
+
+use crate::model::*;
+use crate::proto::{self, agent_client::AgentClient};
+use crate::scheduler::{self, Locality, NodeView, Policy, PoolView, Request, Score};
+use crate::store::{Condition, Store, Txn};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+use tonic::Status;
+use tonic::transport::{Channel, Endpoint};
+
+mod apply;
+mod convert;
+mod nodes;
+mod volumes;
+
+use convert::*;
+
+#[derive(Clone, Debug)]
+pub struct ClusterConfig {
+    pub policy: Policy,
+    /// A node whose last heartbeat is older than this is unhealthy.
+    pub node_timeout: Duration,
+    pub heartbeat_interval: Duration,
+    /// How long an agent may take to apply a node's state.
+    pub apply_timeout: Duration,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> ClusterConfig {
+        ClusterConfig {
+            policy: Policy::default(),
+            node_timeout: Duration::from_secs(5),
+            heartbeat_interval: Duration::from_secs(1),
+            apply_timeout: Duration::from_secs(20),
+        }
+    }
+}
+
+struct NodeEntry {
+    record: NodeRecord,
+    last_seen: Instant,
+    /// Pools as the last heartbeat reported them.
+    pools: Vec<PoolRecord>,
+    /// Allocated bytes per engine volume, from the last heartbeat.
+    usage: HashMap<String, u64>,
+    desired_generation: u64,
+    applied_generation: u64,
+}
+
+struct State {
+    cluster_id: String,
+    nodes: BTreeMap<String, NodeEntry>,
+    volumes: BTreeMap<String, VolumeRecord>,
+    tombstones: BTreeMap<String, Tombstone>,
+    /// Nodes with an Apply in flight, so the background loop does not pile them up.
+    applying: HashSet<String>,
+    next_generation: u64,
+}
+
+impl State {
+    /// Marks that a node's desired state changed.
+    fn touch(&mut self, node: &str) {
+        self.next_generation += 1;
+        if let Some(n) = self.nodes.get_mut(node) {
+            n.desired_generation = self.next_generation;
+        }
+    }
+}
+
+/// Serialises work per key (a volume name, a node name) across awaits.
+#[derive(Default)]
+struct KeyedLocks(Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>);
+
+impl KeyedLocks {
+    async fn lock(&self, key: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let m = self.0.lock().unwrap().entry(key.to_string()).or_default().clone();
+        m.lock_owned().await
+    }
+}
+
+pub struct Cluster {
+    store: Arc<dyn Store>,
+    /// Conditions added to every write: under etcd, "this controller still leads".
+    fence: Vec<Condition>,
+    pub cfg: ClusterConfig,
+    state: Mutex<State>,
+    volume_locks: KeyedLocks,
+    node_locks: KeyedLocks,
+    channels: Mutex<HashMap<String, Channel>>,
+}
+
+/// How many nodes a CreateVolume answer explains (the best ones).
+const EXPLAINED_NODES: usize = 32;
+
+/// Outcome of one volume in an Apply.
+type Results = HashMap<String, proto::VolumeResult>;
+
+fn store_status(e: impl std::fmt::Display) -> Status {
+    Status::unavailable(format!("the controller's store failed: {e}; nothing was changed, retry when it is back"))
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(1)
+}
+
+impl Cluster {
+    /// Loads the cluster from the store, creating its identity on first use.
+    pub async fn load(
+        store: Arc<dyn Store>,
+        fence: Vec<Condition>,
+        cfg: ClusterConfig,
+    ) -> Result<Arc<Cluster>, Status> {
+        let cluster_id = match store.get(CLUSTER_KEY).await.map_err(store_status)? {
+            Some(b) => serde_json::from_slice::<ClusterRecord>(&b).map_err(corrupt)?.id,
+            None => {
+                let rec = ClusterRecord { id: uuid::Uuid::new_v4().to_string() };
+                let mut txn =
+                    Txn::default().when(Condition::Absent(CLUSTER_KEY.into())).put(CLUSTER_KEY, to_json(&rec));
+                txn.conditions.extend(fence.iter().cloned());
+                if !store.commit(txn).await.map_err(store_status)? {
+                    return Err(Status::aborted("another controller initialised the cluster at the same time; retry"));
+                }
+                rec.id
+            }
+        };
+        let now = Instant::now();
+        let mut nodes = BTreeMap::new();
+        for (_, b) in store.list(NODES).await.map_err(store_status)? {
+            let record: NodeRecord = serde_json::from_slice(&b).map_err(corrupt)?;
+            let entry = NodeEntry {
+                pools: record.pools.clone(),
+                record,
+                // A new leader gives every node a full timeout to report, so that creations
+                // go on through a failover. (A node that died meanwhile fails its first
+                // Apply; the volume is given up and the call can be retried.)
+                last_seen: now,
+                usage: HashMap::new(),
+                desired_generation: 0,
+                applied_generation: 0,
+            };
+            nodes.insert(entry.record.name.clone(), entry);
+        }
+        let mut volumes = BTreeMap::new();
+        for (_, b) in store.list(VOLUMES).await.map_err(store_status)? {
+            let v: VolumeRecord = serde_json::from_slice(&b).map_err(corrupt)?;
+            volumes.insert(v.name.clone(), v);
+        }
+        let mut tombstones = BTreeMap::new();
+        for (_, b) in store.list(TOMBSTONES).await.map_err(store_status)? {
+            let t: Tombstone = serde_json::from_slice(&b).map_err(corrupt)?;
+            tombstones.insert(t.id.clone(), t);
+        }
+        // Generations start from the clock so that they never repeat one an agent
+        // applied under an earlier controller.
+        let mut state =
+            State { cluster_id, nodes, volumes, tombstones, applying: HashSet::new(), next_generation: now_ms() };
+        let names: Vec<String> = state.nodes.keys().cloned().collect();
+        for n in names {
+            state.touch(&n);
+        }
+        Ok(Arc::new(Cluster {
+            store,
+            fence,
+            cfg,
+            state: Mutex::new(state),
+            volume_locks: KeyedLocks::default(),
+            node_locks: KeyedLocks::default(),
+            channels: Mutex::new(HashMap::new()),
+        }))
+    }
+
+    pub fn cluster_id(&self) -> String {
+        self.state.lock().unwrap().cluster_id.clone()
+    }
+
+    pub fn store_description(&self) -> String {
+        self.store.describe()
+    }
+
+    async fn commit(&self, mut txn: Txn) -> Result<(), Status> {
+        txn.conditions.extend(self.fence.iter().cloned());
+        if self.store.commit(txn).await.map_err(store_status)? {
+            Ok(())
+        } else {
+            Err(Status::unavailable(
+                "this controller is no longer the leader; nothing was changed, retry against the new leader",
+            ))
+        }
+    }
+}

@@ -1,0 +1,142 @@
+//! Nodes: registration, heartbeats, health, and the views the scheduler sees.
+
+use super::*;
+
+impl Cluster {
+    pub async fn register_node(&self, node: proto::Node) -> Result<(), Status> {
+        check_name("node", &node.name).map_err(Status::invalid_argument)?;
+        if node.nvme_address.parse::<std::net::SocketAddr>().is_err() {
+            return Err(Status::invalid_argument(format!(
+                "node {}: NVMe/TCP address {:?} is not IP:PORT",
+                node.name, node.nvme_address
+            )));
+        }
+        let record = NodeRecord {
+            name: node.name.clone(),
+            agent_address: node.agent_address.clone(),
+            nvme_address: node.nvme_address.clone(),
+            labels: node.labels.into_iter().collect(),
+            pools: node.pools.iter().map(pool_record).collect(),
+        };
+        let _guard = self.node_locks.lock(&record.name).await;
+        let changed = self.state.lock().unwrap().nodes.get(&record.name).is_none_or(|n| n.record != record);
+        if changed {
+            self.commit(Txn::default().put(format!("{NODES}{}", record.name), to_json(&record))).await?;
+        }
+        let mut st = self.state.lock().unwrap();
+        let entry = st.nodes.entry(record.name.clone()).or_insert_with(|| NodeEntry {
+            record: record.clone(),
+            last_seen: Instant::now(),
+            pools: vec![],
+            usage: HashMap::new(),
+            desired_generation: 0,
+            applied_generation: 0,
+        });
+        entry.pools = record.pools.clone();
+        entry.record = record.clone();
+        entry.last_seen = Instant::now();
+        // A (re)registered agent has applied nothing yet.
+        entry.applied_generation = 0;
+        st.touch(&record.name);
+        Ok(())
+    }
+
+    pub fn heartbeat(&self, hb: proto::HeartbeatRequest) -> bool {
+        let mut st = self.state.lock().unwrap();
+        let Some(n) = st.nodes.get_mut(&hb.node) else {
+            return false;
+        };
+        n.last_seen = Instant::now();
+        n.pools = hb.pools.iter().map(pool_record).collect();
+        n.usage = hb.volumes.into_iter().map(|u| (u.engine_name, u.allocated_bytes)).collect();
+        n.applied_generation = hb.applied_generation;
+        true
+    }
+
+    pub fn list_nodes(&self) -> Vec<proto::Node> {
+        let st = self.state.lock().unwrap();
+        st.nodes
+            .values()
+            .map(|n| proto::Node {
+                name: n.record.name.clone(),
+                agent_address: n.record.agent_address.clone(),
+                nvme_address: n.record.nvme_address.clone(),
+                labels: n.record.labels.clone().into_iter().collect(),
+                pools: n.pools.iter().map(pool_report).collect(),
+                healthy: self.healthy(n),
+                last_heartbeat_ms_ago: n.last_seen.elapsed().as_millis() as u64,
+                volumes: st.volumes.values().filter(|v| v.node == n.record.name).count() as u32,
+            })
+            .collect()
+    }
+
+    pub fn list_pools(&self) -> Vec<proto::PoolOnNode> {
+        let st = self.state.lock().unwrap();
+        let views = self.node_views(&st);
+        let mut out = Vec::new();
+        for n in st.nodes.values() {
+            for p in &n.pools {
+                let committed = views
+                    .iter()
+                    .find(|v| v.name == n.record.name)
+                    .and_then(|v| v.pools.iter().find(|q| q.name == p.name))
+                    .map_or(p.used_bytes, |q| q.committed);
+                out.push(proto::PoolOnNode {
+                    node: n.record.name.clone(),
+                    pool: Some(pool_report(p)),
+                    committed_bytes: committed,
+                });
+            }
+        }
+        out
+    }
+
+    pub(super) fn healthy(&self, n: &NodeEntry) -> bool {
+        n.last_seen.elapsed() < self.cfg.node_timeout
+    }
+
+    /// The scheduler's view: reported pools, with what this controller has promised
+    /// on them counted in even before the node reports it.
+    pub(super) fn node_views(&self, st: &State) -> Vec<NodeView> {
+        let cluster_size = |node: &str, pool: &str| {
+            st.nodes.get(node).and_then(|n| n.pools.iter().find(|p| p.name == pool)).map_or(1, |p| p.cluster_size)
+        };
+        let live = st.volumes.values().map(|v| (&v.node, &v.pool, &v.engine_name, v.size, v.thin));
+        let dying = st.tombstones.values().map(|t| (&t.node, &t.pool, &t.engine_name, t.size, t.thin));
+        // (node, pool) -> (bytes taken, bytes promised)
+        let mut promised: HashMap<(&str, &str), (u64, u64)> = HashMap::new();
+        for (node, pool, engine_name, size, thin) in live.chain(dying) {
+            let taken = if thin {
+                st.nodes.get(node).and_then(|n| n.usage.get(engine_name)).copied().unwrap_or(0)
+            } else {
+                scheduler::thick_bytes(size, cluster_size(node, pool))
+            };
+            let e = promised.entry((node.as_str(), pool.as_str())).or_default();
+            e.0 += taken;
+            e.1 += size;
+        }
+        st.nodes
+            .values()
+            .map(|n| NodeView {
+                name: n.record.name.clone(),
+                healthy: self.healthy(n),
+                pools: n
+                    .pools
+                    .iter()
+                    .map(|p| {
+                        let (taken, provisioned) =
+                            promised.get(&(n.record.name.as_str(), p.name.as_str())).copied().unwrap_or_default();
+                        PoolView {
+                            name: p.name.clone(),
+                            capacity: p.capacity_bytes,
+                            committed: p.used_bytes.max(taken),
+                            provisioned: p.provisioned_bytes.max(provisioned),
+                            cluster_size: p.cluster_size,
+                            failed: p.failed.clone(),
+                        }
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+}
