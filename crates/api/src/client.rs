@@ -4,19 +4,29 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::Method;
 
-/// What went wrong with a call, as a caller can act on it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What went wrong, as a caller can act on it (the kinds follow gRPC's codes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ErrorKind {
-    /// The engine could not be reached (not running, or another socket path).
+    /// What the request names does not exist.
+    NotFound,
+    /// What the request would create exists already.
+    AlreadyExists,
+    /// The request itself is wrong (a bad name, size or field).
+    InvalidArgument,
+    /// The request is sound but something must change first (a volume still exported,
+    /// a pool that stopped accepting changes).
+    FailedPrecondition,
+    /// The engine could not be reached, or is stopping.
     Unavailable,
-    /// The engine answered with an error: the request was refused.
-    Refused,
-    /// The engine's reply could not be read as the method's reply.
-    Malformed,
+    /// A disk or file operation failed.
+    Io,
+    /// Anything else: a bug, or a reply this version cannot read.
+    Internal,
 }
 
 /// A failed call.
@@ -47,6 +57,16 @@ impl From<ApiError> for String {
 struct Reply<R> {
     result: Option<R>,
     error: Option<String>,
+    kind: Option<ErrorKind>,
+}
+
+/// An error reply as the engine sends it.
+#[derive(Serialize)]
+pub struct ErrorReply<'a> {
+    /// What was wrong and what to do.
+    pub error: &'a str,
+    /// What kind of failure.
+    pub kind: ErrorKind,
 }
 
 /// Sends one request to the engine's management socket and returns its reply.
@@ -70,13 +90,13 @@ pub fn call<M: Method>(socket: &Path, request: &M) -> Result<M::Reply, ApiError>
         return Err(fail(ErrorKind::Unavailable, format!("the engine at {} closed the connection", socket.display())));
     }
     let reply: Reply<M::Reply> = serde_json::from_str(&answer).map_err(|e| {
-        fail(ErrorKind::Malformed, format!("the engine's reply to {} is not what this version expects: {e}", M::NAME))
+        fail(ErrorKind::Internal, format!("the engine's reply to {} is not what this version expects: {e}", M::NAME))
     })?;
     match reply {
-        Reply { error: Some(e), .. } => Err(fail(ErrorKind::Refused, e)),
+        Reply { error: Some(e), kind, .. } => Err(fail(kind.unwrap_or(ErrorKind::Internal), e)),
         Reply { result: Some(r), .. } => Ok(r),
-        Reply { result: None, error: None } => {
-            Err(fail(ErrorKind::Malformed, format!("the engine's reply to {} has no result", M::NAME)))
+        Reply { result: None, error: None, .. } => {
+            Err(fail(ErrorKind::Internal, format!("the engine's reply to {} has no result", M::NAME)))
         }
     }
 }

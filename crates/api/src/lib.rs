@@ -2,7 +2,7 @@
 //!
 //! The wire form is newline-delimited JSON on a Unix socket. Each request is one line,
 //! `{"method": NAME, "params": {...}}`; each reply is one line, `{"result": ...}` or
-//! `{"error": "what was wrong and what to do"}`. Every request is a type implementing
+//! `{"error": "what was wrong and what to do", "kind": "not_found"}` (see [`ErrorKind`]). Every request is a type implementing
 //! [`Method`], which names its method and its reply type; [`call`] sends one and
 //! decodes the reply as that type, so a renamed or missing field is an error, never a
 //! silent zero.
@@ -10,7 +10,7 @@
 mod client;
 mod types;
 
-pub use client::{ApiError, ErrorKind, call};
+pub use client::{ApiError, ErrorKind, ErrorReply, call};
 pub use types::*;
 
 use serde::Serialize;

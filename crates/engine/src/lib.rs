@@ -8,6 +8,7 @@
 pub mod backend;
 pub mod bufpool;
 pub mod config;
+pub mod error;
 pub mod mgmt;
 pub mod nvme;
 pub mod pool;
@@ -21,6 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use config::{EngineConfig, NamespaceConfig, SubsystemConfig};
+use error::{Error, ErrorKind, Result};
 use nvme::subsystem::HostPolicy;
 use nvme::{ListenerInfo, Namespace, Subsystem, Target, lock};
 pub use nvpool_api::{DirtyAction, DirtyReport, NamespaceInfo, SubsystemInfo};
@@ -38,14 +40,14 @@ pub struct Engine {
 
 impl Engine {
     /// Starts reactors, listeners and everything the configuration describes.
-    pub fn start(cfg: &EngineConfig) -> Result<Arc<Engine>, String> {
+    pub fn start(cfg: &EngineConfig) -> Result<Arc<Engine>> {
         cfg.validate()?;
         let target = Target::new(cfg.limits.clone());
         let cores = cfg.reactor_cores();
         let mut links = Vec::new();
         let mut ends = Vec::new();
         for _ in &cores {
-            let (link, rx, wake) = reactor::mailbox().map_err(|e| format!("cannot create a reactor mailbox: {e}"))?;
+            let (link, rx, wake) = reactor::mailbox().map_err(|e| Error::io("cannot create a reactor mailbox", e))?;
             links.push(link);
             ends.push((rx, wake));
         }
@@ -53,7 +55,7 @@ impl Engine {
         let mut threads = Vec::new();
         for (id, (core, (rx, wake))) in cores.iter().zip(ends).enumerate() {
             let t = reactor::spawn(id, *core, target.clone(), links.clone(), rx, wake)
-                .map_err(|e| format!("cannot start reactor {id} (io_uring setup failed: {e}); is io_uring disabled by the kernel or a seccomp policy?"))?;
+                .map_err(|e| Error::unavailable(format!("cannot start reactor {id} (io_uring setup failed: {e}); is io_uring disabled by the kernel or a seccomp policy?")))?;
             threads.push(t);
         }
         let engine = Arc::new(Engine {
@@ -64,7 +66,7 @@ impl Engine {
             next_port_id: AtomicU16::new(1),
             pools: Mutex::new(BTreeMap::new()),
         });
-        let setup = || -> Result<(), String> {
+        let setup = || -> Result<()> {
             for p in &cfg.pools {
                 engine.import_pool(&p.disks)?;
             }
@@ -78,7 +80,7 @@ impl Engine {
                 let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
                 loop {
                     match engine.add_listener(l.address) {
-                        Err(e) if e.contains("in use") && std::time::Instant::now() < deadline => {
+                        Err(e) if e.kind == ErrorKind::AlreadyExists && std::time::Instant::now() < deadline => {
                             std::thread::sleep(std::time::Duration::from_millis(50))
                         }
                         r => break r.map(|_| ())?,
@@ -106,13 +108,14 @@ impl Engine {
     }
 
     /// Binds and serves a listener; returns it with the port the system chose for 0.
-    pub fn add_listener(&self, addr: SocketAddr) -> Result<ListenerInfo, String> {
+    pub fn add_listener(&self, addr: SocketAddr) -> Result<ListenerInfo> {
         let listener = TcpListener::bind(addr).map_err(|e| {
-            format!(
+            let message = format!(
                 "cannot listen on {addr}: {e} (is another engine or nvmet using the port? pick another with --listen)"
-            )
+            );
+            if e.kind() == std::io::ErrorKind::AddrInUse { Error::exists(message) } else { Error::invalid(message) }
         })?;
-        let local = listener.local_addr().map_err(|e| format!("listener {addr}: {e}"))?;
+        let local = listener.local_addr().map_err(|e| Error::io(format!("listener {addr}"), e))?;
         let port_id = self.next_port_id.fetch_add(1, Ordering::Relaxed);
         lock(&self.listeners).insert(port_id, local);
         let info = ListenerInfo { port_id, addr: local.ip(), port: local.port() };
@@ -124,11 +127,13 @@ impl Engine {
     }
 
     /// Stops a listener. Connections it accepted stay up.
-    pub fn remove_listener(&self, addr: SocketAddr) -> Result<(), String> {
+    pub fn remove_listener(&self, addr: SocketAddr) -> Result<()> {
         let port_id = {
             let mut map = lock(&self.listeners);
             let id = map.iter().find(|(_, a)| **a == addr).map(|(id, _)| *id);
-            let id = id.ok_or_else(|| format!("no listener on {addr}: `nvpool engine listener list` shows them"))?;
+            let id = id.ok_or_else(|| {
+                Error::not_found(format!("no listener on {addr}: `nvpool engine listener list` shows them"))
+            })?;
             map.remove(&id);
             id
         };
@@ -144,7 +149,7 @@ impl Engine {
     }
 
     /// Creates a subsystem with its hosts and namespaces.
-    pub fn add_subsystem(&self, c: &SubsystemConfig) -> Result<(), String> {
+    pub fn add_subsystem(&self, c: &SubsystemConfig) -> Result<()> {
         let serial = c.serial.clone().unwrap_or_else(|| config::derived_serial(&c.nqn));
         let policy = HostPolicy { allow_any: c.allow_any_host, hosts: Default::default() };
         let s = Subsystem::new(&c.nqn, &serial, &c.model, policy)?;
@@ -160,22 +165,21 @@ impl Engine {
     }
 
     /// Removes a subsystem; its controllers end.
-    pub fn remove_subsystem(&self, nqn: &str) -> Result<(), String> {
+    pub fn remove_subsystem(&self, nqn: &str) -> Result<()> {
         self.target.remove_subsystem(nqn)?;
         self.kick();
         Ok(())
     }
 
-    fn subsystem(&self, nqn: &str) -> Result<Arc<Subsystem>, String> {
-        self.target
-            .subsystem(nqn)
-            .filter(|s| !s.is_discovery())
-            .ok_or_else(|| format!("no subsystem {nqn}: `nvpool engine subsystem list` shows the NQNs"))
+    fn subsystem(&self, nqn: &str) -> Result<Arc<Subsystem>> {
+        self.target.subsystem(nqn).filter(|s| !s.is_discovery()).ok_or_else(|| {
+            Error::not_found(format!("no subsystem {nqn}: `nvpool engine subsystem list` shows the NQNs"))
+        })
     }
 
     /// Adds a namespace to a subsystem at runtime; connected hosts get an event.
     /// Returns the NSID.
-    pub fn add_namespace(&self, nqn: &str, n: &NamespaceConfig) -> Result<u32, String> {
+    pub fn add_namespace(&self, nqn: &str, n: &NamespaceConfig) -> Result<u32> {
         let s = self.subsystem(nqn)?;
         let nsid = add_namespace_to(self, &s, n)?;
         self.kick();
@@ -183,14 +187,14 @@ impl Engine {
     }
 
     /// Removes a namespace; connected hosts get an event.
-    pub fn remove_namespace(&self, nqn: &str, nsid: u32) -> Result<(), String> {
+    pub fn remove_namespace(&self, nqn: &str, nsid: u32) -> Result<()> {
         self.subsystem(nqn)?.remove_namespace(nsid)?;
         self.kick();
         Ok(())
     }
 
     /// Allows a host on a subsystem.
-    pub fn add_host(&self, nqn: &str, host: &str) -> Result<(), String> {
+    pub fn add_host(&self, nqn: &str, host: &str) -> Result<()> {
         self.subsystem(nqn)?.add_host(host)?;
         self.target.discovery_changed();
         self.kick();
@@ -198,7 +202,7 @@ impl Engine {
     }
 
     /// Disallows a host; its controllers on that subsystem end.
-    pub fn remove_host(&self, nqn: &str, host: &str) -> Result<(), String> {
+    pub fn remove_host(&self, nqn: &str, host: &str) -> Result<()> {
         self.subsystem(nqn)?.remove_host(host)?;
         self.target.discovery_changed();
         self.kick();
@@ -206,7 +210,7 @@ impl Engine {
     }
 
     /// Sets whether any host may connect to a subsystem.
-    pub fn set_allow_any_host(&self, nqn: &str, allow: bool) -> Result<(), String> {
+    pub fn set_allow_any_host(&self, nqn: &str, allow: bool) -> Result<()> {
         self.subsystem(nqn)?.set_allow_any(allow);
         self.target.discovery_changed();
         self.kick();
@@ -248,17 +252,17 @@ impl Engine {
     }
 }
 
-fn add_namespace_to(engine: &Engine, s: &Subsystem, n: &NamespaceConfig) -> Result<u32, String> {
+fn add_namespace_to(engine: &Engine, s: &Subsystem, n: &NamespaceConfig) -> Result<u32> {
     let nsid = match n.nsid {
         Some(id) => id,
-        None => {
-            (1..=nvme::MAX_NSID).find(|id| !s.namespaces().contains_key(id)).ok_or("every namespace ID is in use")?
-        }
+        None => (1..=nvme::MAX_NSID)
+            .find(|id| !s.namespaces().contains_key(id))
+            .ok_or_else(|| Error::precondition("every namespace ID is in use: remove a namespace first"))?,
     };
     let opened = engine.open_backend(&n.backend)?;
     let (uuid, nguid) = match (opened.identity, n.uuid) {
         (Some(_), Some(_)) => {
-            return Err(format!("{} has its own UUID: leave uuid out of the namespace", n.backend));
+            return Err(Error::invalid(format!("{} has its own UUID: leave uuid out of the namespace", n.backend)));
         }
         (Some(identity), None) => identity,
         (None, given) => {

@@ -12,9 +12,10 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::Engine;
+use crate::error::{Error, Result};
 
 /// Binds the management socket and serves it on a background thread.
-pub fn serve(engine: Arc<Engine>, path: &Path) -> Result<PathBuf, String> {
+pub fn serve(engine: Arc<Engine>, path: &Path) -> std::result::Result<PathBuf, String> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     }
@@ -52,7 +53,7 @@ fn client(engine: &Engine, stream: UnixStream) {
         }
         let reply = match handle(engine, &line) {
             Ok(v) => json!({ "result": v }),
-            Err(e) => json!({ "error": e }),
+            Err(e) => json!(ErrorReply { error: &e.message, kind: e.kind }),
         };
         if writeln!(out, "{reply}").is_err() {
             return;
@@ -68,21 +69,23 @@ struct ApiCall {
 }
 
 /// Decodes `params` as method `M`'s request, runs it, and encodes the reply.
-fn answer<M: Method>(params: Value, run: impl FnOnce(M) -> Result<M::Reply, String>) -> Result<Value, String> {
+fn answer<M: Method>(params: Value, run: impl FnOnce(M) -> Result<M::Reply>) -> Result<Value> {
     let params = if params.is_null() { json!({}) } else { params };
-    let request: M = serde_json::from_value(params).map_err(|e| format!("{}: bad params: {e}", M::NAME))?;
+    let request: M =
+        serde_json::from_value(params).map_err(|e| Error::invalid(format!("{}: bad params: {e}", M::NAME)))?;
     let reply = run(request)?;
-    serde_json::to_value(reply).map_err(|e| format!("{}: cannot encode the reply: {e}", M::NAME))
+    serde_json::to_value(reply).map_err(|e| Error::internal(format!("{}: cannot encode the reply: {e}", M::NAME)))
 }
 
-fn ok(r: Result<(), String>) -> Result<Empty, String> {
+fn ok(r: Result<()>) -> Result<Empty> {
     r.map(|()| Empty {})
 }
 
 /// Handles one request line; public so tests can drive the API without a socket.
-pub fn handle(engine: &Engine, line: &str) -> Result<Value, String> {
-    let call: ApiCall = serde_json::from_str(line)
-        .map_err(|e| format!("request is not valid JSON of the form {{\"method\": ..., \"params\": ...}}: {e}"))?;
+pub fn handle(engine: &Engine, line: &str) -> Result<Value> {
+    let call: ApiCall = serde_json::from_str(line).map_err(|e| {
+        Error::invalid(format!("request is not valid JSON of the form {{\"method\": ..., \"params\": ...}}: {e}"))
+    })?;
     let p = call.params;
     match call.method.as_str() {
         GetEngineInfo::NAME => answer(p, |GetEngineInfo {}| {
@@ -117,6 +120,6 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value, String> {
         ResizeVolume::NAME => answer(p, |r: ResizeVolume| engine.resize_volume(&r.pool, &r.name, r.size)),
         ListVolumes::NAME => answer(p, |r: ListVolumes| engine.volumes(r.pool.as_deref())),
         VolumeDirty::NAME => answer(p, |r: VolumeDirty| engine.volume_dirty(&r.pool, &r.name, r.action)),
-        other => Err(format!("unknown method {other:?}: use {}", METHODS.join(", "))),
+        other => Err(Error::invalid(format!("unknown method {other:?}: use {}", METHODS.join(", ")))),
     }
 }

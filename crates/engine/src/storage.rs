@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::backend::{self, OpenEnv, Opened};
+use crate::error::{Error, Result};
 use crate::nvme::{Namespace, Subsystem, lock};
 use crate::pool::{CreateOptions, DEFAULT_CLUSTER_SIZE, Pool, PoolInfo, VolumeInfo};
 use crate::{DirtyAction, DirtyReport, Engine, Msg};
@@ -14,28 +15,30 @@ fn canonical(p: &Path) -> PathBuf {
 }
 
 impl Engine {
-    fn pool(&self, name: &str) -> Result<Arc<Pool>, String> {
+    fn pool(&self, name: &str) -> Result<Arc<Pool>> {
         lock(&self.pools).get(name).cloned().ok_or_else(|| {
-            format!("no pool {name}: `nvpool engine pool list` shows the pools, `nvpool engine pool import` opens one")
+            Error::not_found(format!(
+                "no pool {name}: `nvpool engine pool list` shows the pools, `nvpool engine pool import` opens one"
+            ))
         })
     }
 
-    fn check_disks_free(&self, disks: &[PathBuf]) -> Result<(), String> {
+    fn check_disks_free(&self, disks: &[PathBuf]) -> Result<()> {
         for p in lock(&self.pools).values() {
             for d in p.shared().disks() {
                 if let Some(dup) = disks.iter().find(|x| canonical(x) == canonical(&d.path)) {
-                    return Err(format!("{} is already a disk of pool {}", dup.display(), p.name));
+                    return Err(Error::precondition(format!("{} is already a disk of pool {}", dup.display(), p.name)));
                 }
             }
         }
         Ok(())
     }
 
-    fn add_pool(&self, pool: Arc<Pool>) -> Result<PoolInfo, String> {
+    fn add_pool(&self, pool: Arc<Pool>) -> Result<PoolInfo> {
         let mut pools = lock(&self.pools);
         if pools.contains_key(&pool.name) {
             pool.close();
-            return Err(format!("a pool named {} is already open: export it first", pool.name));
+            return Err(Error::exists(format!("a pool named {} is already open: export it first", pool.name)));
         }
         let info = pool.info();
         pools.insert(pool.name.clone(), pool);
@@ -49,9 +52,9 @@ impl Engine {
         disks: &[PathBuf],
         cluster_size: Option<u64>,
         force: bool,
-    ) -> Result<PoolInfo, String> {
+    ) -> Result<PoolInfo> {
         if lock(&self.pools).contains_key(name) {
-            return Err(format!("a pool named {name} already exists: pick another name"));
+            return Err(Error::exists(format!("a pool named {name} already exists: pick another name")));
         }
         self.check_disks_free(disks)?;
         let o = CreateOptions { cluster_size: cluster_size.unwrap_or(DEFAULT_CLUSTER_SIZE), force };
@@ -59,19 +62,19 @@ impl Engine {
     }
 
     /// Opens an existing pool from its disks.
-    pub fn import_pool(&self, disks: &[PathBuf]) -> Result<PoolInfo, String> {
+    pub fn import_pool(&self, disks: &[PathBuf]) -> Result<PoolInfo> {
         self.check_disks_free(disks)?;
         self.add_pool(Pool::import(disks)?)
     }
 
     /// Closes a pool; its disks keep everything. Refused while a volume is exported.
-    pub fn export_pool(&self, name: &str) -> Result<(), String> {
+    pub fn export_pool(&self, name: &str) -> Result<()> {
         let pool = self.pool(name)?;
         if let Some((s, ns)) = self.exports(&pool, None).first() {
-            return Err(format!(
+            return Err(Error::precondition(format!(
                 "pool {name} has a volume exported as namespace {} of {}: remove the namespace first",
                 ns.nsid, s.nqn
-            ));
+            )));
         }
         pool.close();
         lock(&self.pools).remove(name);
@@ -100,25 +103,25 @@ impl Engine {
     }
 
     /// Creates a volume.
-    pub fn create_volume(&self, pool: &str, name: &str, size: u64, thin: bool) -> Result<VolumeInfo, String> {
+    pub fn create_volume(&self, pool: &str, name: &str, size: u64, thin: bool) -> Result<VolumeInfo> {
         self.pool(pool)?.create_volume(name, size, thin)
     }
 
     /// Deletes a volume. Refused while it is exported.
-    pub fn delete_volume(&self, pool: &str, name: &str) -> Result<(), String> {
+    pub fn delete_volume(&self, pool: &str, name: &str) -> Result<()> {
         let p = self.pool(pool)?;
         let (io, _) = p.open_volume(name)?;
         if let Some((s, ns)) = self.exports(&p, Some(io.id)).first() {
-            return Err(format!(
+            return Err(Error::precondition(format!(
                 "volume {pool}/{name} is exported as namespace {} of {}: remove the namespace first",
                 ns.nsid, s.nqn
-            ));
+            )));
         }
         p.delete_volume(name)
     }
 
     /// Grows a volume; namespaces serving it take the new size and hosts are told.
-    pub fn resize_volume(&self, pool: &str, name: &str, size: u64) -> Result<VolumeInfo, String> {
+    pub fn resize_volume(&self, pool: &str, name: &str, size: u64) -> Result<VolumeInfo> {
         let p = self.pool(pool)?;
         let info = p.resize_volume(name, size)?;
         let (io, _) = p.open_volume(name)?;
@@ -131,7 +134,7 @@ impl Engine {
     }
 
     /// Volumes of one pool, or of all.
-    pub fn volumes(&self, pool: Option<&str>) -> Result<Vec<VolumeInfo>, String> {
+    pub fn volumes(&self, pool: Option<&str>) -> Result<Vec<VolumeInfo>> {
         match pool {
             Some(p) => Ok(self.pool(p)?.volumes()),
             None => Ok(lock(&self.pools).values().flat_map(|p| p.volumes()).collect()),
@@ -139,12 +142,12 @@ impl Engine {
     }
 
     /// One volume.
-    pub fn volume(&self, pool: &str, name: &str) -> Result<VolumeInfo, String> {
+    pub fn volume(&self, pool: &str, name: &str) -> Result<VolumeInfo> {
         self.pool(pool)?.volume(name)
     }
 
     /// Starts, stops, reports or resets a volume's dirty-cluster tracking.
-    pub fn volume_dirty(&self, pool: &str, name: &str, action: DirtyAction) -> Result<DirtyReport, String> {
+    pub fn volume_dirty(&self, pool: &str, name: &str, action: DirtyAction) -> Result<DirtyReport> {
         let p = self.pool(pool)?;
         match action {
             DirtyAction::Start => p.set_dirty_tracking(name, true)?,
@@ -161,25 +164,19 @@ impl Engine {
     }
 
     /// Checks a pool's metadata and space accounting.
-    pub fn check_pool(&self, pool: &str) -> Result<(), String> {
+    pub fn check_pool(&self, pool: &str) -> Result<()> {
         self.pool(pool)?.check()
     }
 
     /// A namespace serving volume `pool/name` with the identity stored with it.
-    pub(crate) fn volume_namespace(
-        &self,
-        pool: &str,
-        name: &str,
-        nsid: u32,
-        block_size: u32,
-    ) -> Result<Namespace, String> {
+    pub(crate) fn volume_namespace(&self, pool: &str, name: &str, nsid: u32, block_size: u32) -> Result<Namespace> {
         let opened = self.open_backend(&format!("volume:{pool}/{name}"))?;
-        let (uuid, nguid) = opened.identity.ok_or("a volume keeps its identity")?;
+        let (uuid, nguid) = opened.identity.ok_or_else(|| Error::internal("a volume backend without its identity"))?;
         Namespace::new(nsid, opened.backend, block_size, uuid, nguid)
     }
 
     /// Opens the backend a namespace spec names (`file:...`, `volume:POOL/NAME`, ...).
-    pub(crate) fn open_backend(&self, spec: &str) -> Result<Opened, String> {
+    pub(crate) fn open_backend(&self, spec: &str) -> Result<Opened> {
         backend::open(spec, &OpenEnv { pool: &|name| self.pool(name) })
     }
 

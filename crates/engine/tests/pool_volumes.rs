@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use nvpool_engine::config::{EngineConfig, ListenerConfig, PoolConfig};
+use nvpool_engine::error::{Error as ApiError, ErrorKind};
 use nvpool_engine::{Engine, mgmt};
 use nvpool_initiator::{ConnectOptions, Error, Queue, connect_admin, pattern};
 use nvpool_wire::Status;
@@ -44,7 +45,7 @@ impl Node {
         Node { engine, addr }
     }
 
-    fn call(&self, method: &str, params: Value) -> Result<Value, String> {
+    fn call(&self, method: &str, params: Value) -> Result<Value, ApiError> {
         mgmt::handle(&self.engine, &json!({ "method": method, "params": params }).to_string())
     }
 
@@ -160,7 +161,8 @@ fn a_full_pool_answers_capacity_exceeded_and_spares_other_volumes() {
     node.ok("volume_create", json!({ "pool": "small", "name": "thick", "size": 8 * MIB }));
     node.ok("volume_create", json!({ "pool": "small", "name": "big", "size": 1 << 30, "thin": true }));
     let err = node.call("volume_create", json!({ "pool": "small", "name": "huge", "size": 1 << 30 })).unwrap_err();
-    assert!(err.contains("free") && err.contains("thin"), "{err}");
+    assert!(err.message.contains("free") && err.message.contains("thin"), "{err}");
+    assert_eq!(err.kind, ErrorKind::FailedPrecondition);
     let thick = node.export("small", "thick");
     let big = node.export("small", "big");
     let (_admin, mut q) = node.queue();
@@ -222,10 +224,12 @@ fn volumes_keep_data_and_identity_across_restarts() {
     node.ok("volume_resize", json!({ "pool": "keep", "name": "a", "size": 96 * MIB }));
     assert_eq!(admin.identify_namespace(nsid).unwrap().nsze, 96 * MIB / 4096);
     let shrink = node.call("volume_resize", json!({ "pool": "keep", "name": "a", "size": MIB })).unwrap_err();
-    assert!(shrink.contains("shrinking is not supported"), "{shrink}");
+    assert!(shrink.message.contains("shrinking is not supported"), "{shrink}");
+    assert_eq!(shrink.kind, ErrorKind::InvalidArgument);
     // Exported volumes cannot be deleted, nor their pool exported.
     let e = node.call("volume_delete", json!({ "pool": "keep", "name": "a" })).unwrap_err();
-    assert!(e.contains("remove the namespace first"), "{e}");
+    assert!(e.message.contains("remove the namespace first"), "{e}");
+    assert_eq!(e.kind, ErrorKind::FailedPrecondition);
     assert!(node.call("pool_export", json!({ "name": "keep" })).is_err());
     node.ok("namespace_remove", json!({ "nqn": NQN, "nsid": nsid }));
     node.ok("pool_export", json!({ "name": "keep" }));
@@ -268,20 +272,20 @@ fn disks_in_use_or_with_filesystems_are_refused_unless_forced() {
     let node = Node::start(vec![]);
     node.ok("pool_create", json!({ "name": "one", "disks": [d[0]] }));
     let e = node.call("pool_create", json!({ "name": "two", "disks": [d[0]] })).unwrap_err();
-    assert!(e.contains("already a disk of pool one"), "{e}");
+    assert!(e.message.contains("already a disk of pool one"), "{e}");
     node.ok("pool_export", json!({ "name": "one" }));
     let e = node.call("pool_create", json!({ "name": "two", "disks": [d[0]] })).unwrap_err();
-    assert!(e.contains("belongs to pool \"one\"") && e.contains("force"), "{e}");
+    assert!(e.message.contains("belongs to pool \"one\"") && e.message.contains("force"), "{e}");
     // An ext4 superblock magic at byte 1080.
     let f = std::fs::OpenOptions::new().write(true).open(&d[1]).unwrap();
     std::os::unix::fs::FileExt::write_all_at(&f, &[0x53, 0xEF], 1080).unwrap();
     let e = node.call("pool_create", json!({ "name": "two", "disks": [d[1]] })).unwrap_err();
-    assert!(e.contains("ext2/3/4") && e.contains("force"), "{e}");
+    assert!(e.message.contains("ext2/3/4") && e.message.contains("force"), "{e}");
     node.ok("pool_create", json!({ "name": "two", "disks": [d[0], d[1]], "force": true }));
     // The old pool's disk now belongs to the new one only.
     node.ok("pool_export", json!({ "name": "two" }));
     let e = node.call("pool_import", json!({ "disks": [d[0]] })).unwrap_err();
-    assert!(e.contains("has 2 disks"), "{e}");
+    assert!(e.message.contains("has 2 disks"), "{e}");
     node.ok("pool_import", json!({ "disks": [d[0], d[1]] }));
     for bad in
         [json!({ "name": "x y", "disks": [d[2]] }), json!({ "name": "c", "disks": [d[2]], "cluster_size": 4096 })]
@@ -289,5 +293,9 @@ fn disks_in_use_or_with_filesystems_are_refused_unless_forced() {
         assert!(node.call("pool_create", bad).is_err());
     }
     let e = node.call("volume_create", json!({ "pool": "nope", "name": "v", "size": 4096 })).unwrap_err();
-    assert!(e.contains("no pool nope"), "{e}");
+    assert!(e.message.contains("no pool nope"), "{e}");
+    assert_eq!(e.kind, ErrorKind::NotFound);
+    node.ok("volume_create", json!({ "pool": "two", "name": "v", "size": 4096 }));
+    let e = node.call("volume_create", json!({ "pool": "two", "name": "v", "size": 4096 })).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::AlreadyExists, "{e}");
 }

@@ -487,13 +487,15 @@ fn management_api_reports_and_refuses_clearly() {
         r#"{"method":"namespace_add","params":{"nqn":"nqn.x:none","namespace":{"backend":"memory:1MiB"}}}"#,
     )
     .unwrap_err();
-    assert!(err.contains("no subsystem"), "{err}");
+    assert!(err.message.contains("no subsystem"), "{err}");
+    assert_eq!(err.kind, nvpool_engine::error::ErrorKind::NotFound);
     let err = nvpool_engine::mgmt::handle(e, r#"{"method":"namespace_add","params":{"nqn":"nqn.2024-01.io.nvpool:test","namespace":{"backend":"ram:1MiB"}}}"#).unwrap_err();
-    assert!(err.contains("unknown"), "{err}");
+    assert!(err.message.contains("unknown"), "{err}");
+    assert_eq!(err.kind, nvpool_engine::error::ErrorKind::InvalidArgument);
     let err = nvpool_engine::mgmt::handle(e, r#"{"method":"frobnicate"}"#).unwrap_err();
-    assert!(err.contains("unknown method"), "{err}");
+    assert!(err.message.contains("unknown method"), "{err}");
     let err = nvpool_engine::mgmt::handle(e, "not json").unwrap_err();
-    assert!(err.contains("JSON"), "{err}");
+    assert!(err.message.contains("JSON"), "{err}");
     // I/O counters move.
     let (_admin, mut io) = controller(t.addr, &admin_opts(), 1);
     io[0].write(1, 0, &pattern(1, 4096), 512, IN_CAPSULE).unwrap();

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use nvpool_wire::Status;
 
 use super::{Backend, BackendType, BlockIo, DiskFd, DiskQueue, OpenEnv, Opened, deallocated_ranges, size_arg};
+use crate::error::{Error, Result};
 use crate::nvme::nvm::IoPlan;
 
 /// The registration of `file:PATH[:SIZE]`.
@@ -25,7 +26,7 @@ pub const TYPE: BackendType = BackendType {
 };
 
 /// `PATH` or `PATH:SIZE`: a trailing `:SIZE` is a size only if it parses as one.
-fn parse(arg: &str) -> Result<(PathBuf, Option<u64>), String> {
+fn parse(arg: &str) -> std::result::Result<(PathBuf, Option<u64>), String> {
     if arg.is_empty() {
         return Err("no path".into());
     }
@@ -52,8 +53,8 @@ pub struct FileBackend {
 impl FileBackend {
     /// Opens a file or block device. A regular file that does not exist (or is empty)
     /// is created with `create_size` bytes; an existing one keeps its size.
-    pub fn open(path: &Path, create_size: Option<u64>) -> Result<FileBackend, String> {
-        let cannot = |e: std::io::Error| format!("cannot open {}: {e}", path.display());
+    pub fn open(path: &Path, create_size: Option<u64>) -> Result<FileBackend> {
+        let cannot = |e: std::io::Error| Error::io(format!("cannot open {}", path.display()), e);
         let open = |direct: bool| {
             let mut o = OpenOptions::new();
             o.read(true).write(true);
@@ -79,11 +80,14 @@ impl FileBackend {
         let on_device = block_device || (direct && libc::major(meta.dev()) != 0);
         let mut size = if block_device { block_device_size(&file).map_err(cannot)? } else { meta.len() };
         if let (0, false, Some(want)) = (size, block_device, create_size) {
-            file.set_len(want).map_err(|e| format!("cannot size {} to {want} bytes: {e}", path.display()))?;
+            file.set_len(want).map_err(|e| Error::io(format!("cannot size {} to {want} bytes", path.display()), e))?;
             size = want;
         }
         if size == 0 {
-            return Err(format!("{} is empty: give a size (file:PATH:SIZE) to create it", path.display()));
+            return Err(Error::invalid(format!(
+                "{} is empty: give a size (file:PATH:SIZE) to create it",
+                path.display()
+            )));
         }
         Ok(FileBackend { fd: file.into(), path: path.into(), size, block_device, direct, on_device })
     }

@@ -9,6 +9,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use nvpool_wire::Status;
 
 use super::{Backend, BackendType, BlockIo, DiskFd, DiskQueue, OpenEnv, Opened, deallocated_ranges, size_arg};
+use crate::error::{Error, Result};
 use crate::nvme::nvm::IoPlan;
 
 /// The registration of `memory:SIZE`.
@@ -38,7 +39,7 @@ unsafe impl Send for Mapping {}
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
-    fn new(fd: &OwnedFd, len: usize) -> Result<Mapping, String> {
+    fn new(fd: &OwnedFd, len: usize) -> Result<Mapping> {
         // SAFETY: maps `len` bytes of a memfd we own, shared, with no fixed address; the
         // result is checked before use.
         let ptr = unsafe {
@@ -54,7 +55,7 @@ impl Mapping {
             )
         };
         if ptr == libc::MAP_FAILED {
-            return Err(format!("cannot map the memory backend: {}", std::io::Error::last_os_error()));
+            return Err(Error::io("cannot map the memory backend", std::io::Error::last_os_error()));
         }
         Ok(Mapping { ptr: ptr.cast(), len })
     }
@@ -103,16 +104,16 @@ pub struct Memory {
 
 impl Memory {
     /// A RAM backend of `size` bytes.
-    pub fn new(size: u64) -> Result<Memory, String> {
+    pub fn new(size: u64) -> Result<Memory> {
         // SAFETY: memfd_create reads a NUL-terminated name and returns a new fd or -1.
         let fd = unsafe { libc::memfd_create(c"nvpool-memory-bdev".as_ptr(), libc::MFD_CLOEXEC) };
         if fd < 0 {
-            return Err(format!("memfd_create: {}", std::io::Error::last_os_error()));
+            return Err(Error::io("memfd_create", std::io::Error::last_os_error()));
         }
         // SAFETY: fd was just returned by memfd_create and nothing else owns it.
         let file = unsafe { File::from_raw_fd(fd) };
-        file.set_len(size).map_err(|e| format!("cannot size the memory backend to {size} bytes: {e}"))?;
-        let len = usize::try_from(size).map_err(|_| format!("memory:{size} does not fit in memory"))?;
+        file.set_len(size).map_err(|e| Error::io(format!("cannot size the memory backend to {size} bytes"), e))?;
+        let len = usize::try_from(size).map_err(|_| Error::invalid(format!("memory:{size} does not fit in memory")))?;
         let fd: OwnedFd = file.into();
         Ok(Memory { ram: Mapping::new(&fd, len)?, fd, size })
     }

@@ -27,6 +27,7 @@ use nvpool_wire::Status;
 
 use crate::nvme::nvm::{IoPlan, dsm_byte_ranges};
 
+use crate::error::Result;
 use crate::pool::Pool;
 pub use crate::reactor::{BlockIo, DiskFd, DiskQueue};
 
@@ -100,7 +101,7 @@ pub struct Opened {
 }
 
 impl Opened {
-    fn plain(backend: impl Backend + 'static) -> Result<Opened, String> {
+    fn plain(backend: impl Backend + 'static) -> Result<Opened> {
         Ok(Opened { backend: Arc::new(backend), identity: None })
     }
 }
@@ -108,7 +109,7 @@ impl Opened {
 /// What opening a backend may need from the engine.
 pub struct OpenEnv<'a> {
     /// The engine's open pool of this name.
-    pub pool: &'a dyn Fn(&str) -> Result<Arc<Pool>, String>,
+    pub pool: &'a dyn Fn(&str) -> Result<Arc<Pool>>,
 }
 
 /// A kind of backend: how its spec reads and how it opens.
@@ -118,9 +119,9 @@ pub struct BackendType {
     /// The spec's form, for error messages.
     pub usage: &'static str,
     /// Checks the argument (after `name:`) without opening anything.
-    pub check: fn(&str) -> Result<(), String>,
+    pub check: fn(&str) -> std::result::Result<(), String>,
     /// Opens the backend the argument names.
-    pub open: fn(&str, &OpenEnv<'_>) -> Result<Opened, String>,
+    pub open: fn(&str, &OpenEnv<'_>) -> Result<Opened>,
 }
 
 fn usage() -> String {
@@ -128,7 +129,7 @@ fn usage() -> String {
     format!("use {} (e.g. memory:256MiB)", forms.join(", "))
 }
 
-fn find(spec: &str) -> Result<(&'static BackendType, &str), String> {
+fn find(spec: &str) -> std::result::Result<(&'static BackendType, &str), String> {
     let (kind, arg) = spec.split_once(':').ok_or_else(|| format!("backend {spec:?} has no kind: {}", usage()))?;
     let t = TYPES
         .iter()
@@ -138,13 +139,13 @@ fn find(spec: &str) -> Result<(&'static BackendType, &str), String> {
 }
 
 /// Checks a backend spec (`null:1GiB`, `file:/path:10GiB`, ...) without opening it.
-pub fn check(spec: &str) -> Result<(), String> {
+pub fn check(spec: &str) -> std::result::Result<(), String> {
     let (t, arg) = find(spec)?;
     (t.check)(arg).map_err(|e| format!("backend {spec:?}: {e}; {}", t.usage))
 }
 
 /// Opens the backend a spec names.
-pub fn open(spec: &str, env: &OpenEnv<'_>) -> Result<Opened, String> {
+pub fn open(spec: &str, env: &OpenEnv<'_>) -> Result<Opened> {
     check(spec)?;
     let (t, arg) = find(spec)?;
     (t.open)(arg, env)
@@ -168,7 +169,7 @@ fn deallocated_ranges(io: &BlockIo) -> ([(u64, u64); MAX_DSM_RANGES], usize) {
 }
 
 /// Parses `SIZE` as a backend argument.
-fn size_arg(arg: &str) -> Result<u64, String> {
+fn size_arg(arg: &str) -> std::result::Result<u64, String> {
     crate::config::parse_size(arg)
 }
 

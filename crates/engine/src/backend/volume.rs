@@ -28,7 +28,7 @@ pub const TYPE: BackendType = BackendType {
     },
 };
 
-fn parse(arg: &str) -> Result<(&str, &str), String> {
+fn parse(arg: &str) -> std::result::Result<(&str, &str), String> {
     match arg.split_once('/') {
         Some((pool, name)) if !pool.is_empty() && !name.is_empty() => Ok((pool, name)),
         _ => Err("does not name a volume".into()),

@@ -20,6 +20,7 @@ pub use nvpool_api::ListenerInfo;
 pub use subsystem::{Counted, Namespace, NamespaceStats, StatsSnapshot, Subsystem};
 
 use crate::config::Limits;
+use crate::error::{Error, Result};
 
 /// Largest data transfer of one command (MDTS): 128 KiB, as SPDK's default I/O unit.
 /// Larger host I/Os are split by the host.
@@ -90,10 +91,13 @@ impl Target {
     }
 
     /// Adds a subsystem; fails if the NQN is taken.
-    pub fn add_subsystem(&self, s: Arc<Subsystem>) -> Result<(), String> {
+    pub fn add_subsystem(&self, s: Arc<Subsystem>) -> Result<()> {
         let mut map = write(&self.subsystems);
         if map.contains_key(&s.nqn) {
-            return Err(format!("subsystem {} already exists: remove it first or pick another NQN", s.nqn));
+            return Err(Error::exists(format!(
+                "subsystem {} already exists: remove it first or pick another NQN",
+                s.nqn
+            )));
         }
         map.insert(s.nqn.clone(), s);
         drop(map);
@@ -102,18 +106,20 @@ impl Target {
     }
 
     /// Removes a subsystem and ends every controller connected to it.
-    pub fn remove_subsystem(&self, nqn: &str) -> Result<(), String> {
+    pub fn remove_subsystem(&self, nqn: &str) -> Result<()> {
         let removed = {
             let mut map = write(&self.subsystems);
             match map.get(nqn) {
                 Some(s) if s.is_discovery() => {
-                    return Err("the discovery subsystem cannot be removed".into());
+                    return Err(Error::invalid("the discovery subsystem cannot be removed"));
                 }
                 Some(_) => map.remove(nqn),
                 None => None,
             }
         };
-        let s = removed.ok_or_else(|| format!("no subsystem {nqn}: `nvpool engine subsystem list` shows the NQNs"))?;
+        let s = removed.ok_or_else(|| {
+            Error::not_found(format!("no subsystem {nqn}: `nvpool engine subsystem list` shows the NQNs"))
+        })?;
         for c in s.controllers() {
             c.fail("subsystem removed");
         }

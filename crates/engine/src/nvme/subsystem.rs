@@ -8,6 +8,7 @@ use nvpool_wire::fabrics::DISCOVERY_NQN;
 
 use super::{Controller, MAX_NSID, lock, read, write};
 use crate::backend::Backend;
+use crate::error::{Error, Result};
 pub use nvpool_api::StatsSnapshot;
 
 /// Reactors with their own counter shard; any further reactors share one more shard.
@@ -122,16 +123,19 @@ impl Namespace {
         block_size: u32,
         uuid: [u8; 16],
         nguid: [u8; 16],
-    ) -> Result<Namespace, String> {
+    ) -> Result<Namespace> {
         if nsid == 0 || nsid > MAX_NSID {
-            return Err(format!("namespace ID {nsid} is out of range: use 1 to {MAX_NSID}"));
+            return Err(Error::invalid(format!("namespace ID {nsid} is out of range: use 1 to {MAX_NSID}")));
         }
         if block_size != 512 && block_size != 4096 {
-            return Err(format!("block size {block_size} is not supported: use 512 or 4096"));
+            return Err(Error::invalid(format!("block size {block_size} is not supported: use 512 or 4096")));
         }
         let blocks = backend.size() / u64::from(block_size);
         if blocks == 0 {
-            return Err(format!("the backend ({} bytes) is smaller than one {block_size}-byte block", backend.size()));
+            return Err(Error::invalid(format!(
+                "the backend ({} bytes) is smaller than one {block_size}-byte block",
+                backend.size()
+            )));
         }
         Ok(Namespace {
             nsid,
@@ -185,16 +189,16 @@ impl std::fmt::Debug for Subsystem {
 
 impl Subsystem {
     /// A new NVM subsystem with no namespaces.
-    pub fn new(nqn: &str, serial: &str, model: &str, hosts: HostPolicy) -> Result<Arc<Subsystem>, String> {
+    pub fn new(nqn: &str, serial: &str, model: &str, hosts: HostPolicy) -> Result<Arc<Subsystem>> {
         validate_nqn(nqn)?;
         if nqn == DISCOVERY_NQN {
-            return Err("the discovery NQN is reserved: pick another subsystem NQN".into());
+            return Err(Error::invalid("the discovery NQN is reserved: pick another subsystem NQN"));
         }
         if serial.is_empty() || serial.len() > 20 || !serial.is_ascii() {
-            return Err(format!("serial {serial:?} must be 1 to 20 ASCII characters"));
+            return Err(Error::invalid(format!("serial {serial:?} must be 1 to 20 ASCII characters")));
         }
         if model.len() > 40 || !model.is_ascii() {
-            return Err(format!("model {model:?} must be at most 40 ASCII characters"));
+            return Err(Error::invalid(format!("model {model:?} must be at most 40 ASCII characters")));
         }
         Ok(Arc::new(Subsystem::build(nqn, serial, model, hosts)))
     }
@@ -238,16 +242,16 @@ impl Subsystem {
     }
 
     /// Allows a host. Existing connections are unaffected.
-    pub fn add_host(&self, hostnqn: &str) -> Result<(), String> {
+    pub fn add_host(&self, hostnqn: &str) -> Result<()> {
         validate_nqn(hostnqn)?;
         write(&self.hosts).hosts.insert(hostnqn.into());
         Ok(())
     }
 
     /// Disallows a host; its controllers end.
-    pub fn remove_host(&self, hostnqn: &str) -> Result<(), String> {
+    pub fn remove_host(&self, hostnqn: &str) -> Result<()> {
         if !write(&self.hosts).hosts.remove(hostnqn) {
-            return Err(format!("host {hostnqn} is not on the allow-list of {}", self.nqn));
+            return Err(Error::not_found(format!("host {hostnqn} is not on the allow-list of {}", self.nqn)));
         }
         if !self.host_allowed(hostnqn) {
             for c in self.controllers() {
@@ -278,11 +282,7 @@ impl Subsystem {
     /// Changes namespace `nsid` in a copy of the map; when `change` succeeds, the copy
     /// replaces the map (queues see the new generation) and connected controllers are
     /// told (namespace attribute changed).
-    fn change_namespace<R>(
-        &self,
-        nsid: u32,
-        change: impl FnOnce(&mut NamespaceMap) -> Result<R, String>,
-    ) -> Result<R, String> {
+    fn change_namespace<R>(&self, nsid: u32, change: impl FnOnce(&mut NamespaceMap) -> Result<R>) -> Result<R> {
         let r = {
             let mut guard = write(&self.namespaces);
             let mut map = (**guard).clone();
@@ -296,13 +296,16 @@ impl Subsystem {
     }
 
     /// Adds a namespace and notifies connected controllers.
-    pub fn add_namespace(&self, ns: Namespace) -> Result<(), String> {
+    pub fn add_namespace(&self, ns: Namespace) -> Result<()> {
         self.change_namespace(ns.nsid, |map| {
             if map.contains_key(&ns.nsid) {
-                return Err(format!("namespace {} already exists in {}: remove it first", ns.nsid, self.nqn));
+                return Err(Error::exists(format!(
+                    "namespace {} already exists in {}: remove it first",
+                    ns.nsid, self.nqn
+                )));
             }
             if let Some(other) = map.values().find(|n| n.uuid == ns.uuid || n.nguid == ns.nguid) {
-                return Err(format!("namespace {} already uses that UUID or NGUID", other.nsid));
+                return Err(Error::exists(format!("namespace {} already uses that UUID or NGUID", other.nsid)));
             }
             map.insert(ns.nsid, Arc::new(ns));
             Ok(())
@@ -311,20 +314,20 @@ impl Subsystem {
 
     /// Replaces namespace `ns.nsid` (a resized volume) and notifies connected
     /// controllers, which re-read its size.
-    pub fn replace_namespace(&self, ns: Namespace) -> Result<(), String> {
+    pub fn replace_namespace(&self, ns: Namespace) -> Result<()> {
         self.change_namespace(ns.nsid, |map| match map.get_mut(&ns.nsid) {
             Some(slot) => {
                 *slot = Arc::new(ns);
                 Ok(())
             }
-            None => Err(format!("no namespace {} in {}", ns.nsid, self.nqn)),
+            None => Err(Error::not_found(format!("no namespace {} in {}", ns.nsid, self.nqn))),
         })
     }
 
     /// Removes a namespace and notifies connected controllers.
-    pub fn remove_namespace(&self, nsid: u32) -> Result<Arc<Namespace>, String> {
+    pub fn remove_namespace(&self, nsid: u32) -> Result<Arc<Namespace>> {
         self.change_namespace(nsid, |map| {
-            map.remove(&nsid).ok_or_else(|| format!("no namespace {nsid} in {}", self.nqn))
+            map.remove(&nsid).ok_or_else(|| Error::not_found(format!("no namespace {nsid} in {}", self.nqn)))
         })
     }
 
@@ -348,7 +351,7 @@ impl Subsystem {
 }
 
 /// Checks an NQN's form: 1 to 223 bytes of printable ASCII, `nqn.` prefix.
-pub fn validate_nqn(nqn: &str) -> Result<(), String> {
+pub fn validate_nqn(nqn: &str) -> std::result::Result<(), String> {
     if nqn.is_empty() || nqn.len() > nvpool_wire::fabrics::NQN_MAX_LEN {
         return Err(format!("NQN {nqn:?} must be 1 to 223 bytes long"));
     }
@@ -426,7 +429,7 @@ mod tests {
 
     #[test]
     fn bad_names_are_refused_with_a_reason() {
-        assert!(Subsystem::new("bad nqn", "S", "m", HostPolicy::default()).unwrap_err().contains("nqn."));
+        assert!(Subsystem::new("bad nqn", "S", "m", HostPolicy::default()).unwrap_err().message.contains("nqn."));
         assert!(Subsystem::new(DISCOVERY_NQN, "S", "m", HostPolicy::default()).is_err());
         assert!(Namespace::new(0, Arc::new(crate::backend::null::Null::new(4096)), 512, [0; 16], [0; 16]).is_err());
         assert!(Namespace::new(1, Arc::new(crate::backend::null::Null::new(4096)), 1024, [0; 16], [0; 16]).is_err());

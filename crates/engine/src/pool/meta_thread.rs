@@ -11,6 +11,7 @@ use nvpool_wire::Status;
 use super::format::Record;
 use super::shared::{Done, MetaRequest};
 use super::{Inner, Pool, io_err};
+use crate::error::{Error, Result};
 use crate::nvme::lock;
 
 impl Pool {
@@ -82,12 +83,7 @@ impl Pool {
 
     /// Zeroes the new clusters, then commits `before` plus their Map records, then
     /// publishes the mappings. On an error the pool is marked failed.
-    pub(super) fn map_durably(
-        &self,
-        inner: &mut Inner,
-        new: &[(u32, u64, u32)],
-        before: Vec<Record>,
-    ) -> Result<(), String> {
+    pub(super) fn map_durably(&self, inner: &mut Inner, new: &[(u32, u64, u32)], before: Vec<Record>) -> Result<()> {
         let mut touched = vec![false; self.shared.disks.len()];
         for &(_, _, pc) in new {
             let (disk, off) = self.shared.locate(pc, 0).ok_or("cluster outside the pool")?;
@@ -124,9 +120,9 @@ impl Pool {
     }
 
     /// Applies and commits records; a failed commit marks the pool failed.
-    pub(super) fn commit(&self, inner: &mut Inner, records: &[Record]) -> Result<(), String> {
+    pub(super) fn commit(&self, inner: &mut Inner, records: &[Record]) -> Result<()> {
         if let Some(f) = &inner.failed {
-            return Err(format!("pool {} refuses changes: {f}", self.name));
+            return Err(Error::precondition(format!("pool {} refuses changes: {f}", self.name)));
         }
         for r in records {
             inner.state.apply(r, self.cluster_size)?;
@@ -135,14 +131,14 @@ impl Pool {
         if let Err(e) = store.commit(records, state) {
             let why = format!("writing metadata failed ({e}); export and import the pool to recover");
             inner.failed = Some(why.clone());
-            return Err(why);
+            return Err(Error::io(format!("pool {}", self.name), std::io::Error::other(why)));
         }
         Ok(())
     }
 
     /// Releases virtual clusters of a volume: clears them, waits out I/O that might use
     /// them, commits their Unmap records followed by `then`, and frees them.
-    pub(super) fn release(&self, inner: &mut Inner, id: u32, vcs: &[u64], then: Option<Record>) -> Result<(), String> {
+    pub(super) fn release(&self, inner: &mut Inner, id: u32, vcs: &[u64], then: Option<Record>) -> Result<()> {
         let map = inner.maps.get(&id).cloned();
         let mut freed = Vec::new();
         if let Some(m) = &map {

@@ -35,6 +35,7 @@ pub use nvpool_api::{PoolInfo, VolumeInfo};
 
 use crate::backend::Backend;
 use crate::backend::file::FileBackend;
+use crate::error::{Error, Result};
 use crate::nvme::lock;
 use alloc::FreeClusters;
 use cluster_map::VolumeMap;
@@ -109,63 +110,66 @@ impl Default for CreateOptions {
     }
 }
 
-fn read_head(path: &Path) -> Result<Vec<u8>, String> {
-    let f = File::open(path).map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+fn read_head(path: &Path) -> Result<Vec<u8>> {
+    let f = File::open(path).map_err(|e| Error::io(format!("cannot open {}", path.display()), e))?;
     let mut head = vec![0u8; 128 << 10];
     let mut got = 0;
     while got < head.len() {
         match f.read_at(&mut head[got..], got as u64) {
             Ok(0) => break,
             Ok(n) => got += n,
-            Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+            Err(e) => return Err(Error::io(format!("cannot read {}", path.display()), e)),
         }
     }
     head.truncate(got);
     Ok(head)
 }
 
-fn open_meta(path: &Path) -> Result<MetaFile, String> {
+fn open_meta(path: &Path) -> Result<MetaFile> {
     std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open(path)
         .map(MetaFile)
-        .map_err(|e| format!("cannot open {} for metadata: {e}", path.display()))
+        .map_err(|e| Error::io(format!("cannot open {} for metadata", path.display()), e))
 }
 
-fn io_err(what: &str) -> impl Fn(std::io::Error) -> String + '_ {
-    move |e| format!("{what}: {e}")
+fn io_err(what: &str) -> impl Fn(std::io::Error) -> Error + '_ {
+    move |e| Error::io(what, e)
 }
 
 impl Pool {
     /// Claims `paths` as a new pool named `name`.
-    pub fn create(name: &str, paths: &[PathBuf], o: &CreateOptions) -> Result<Arc<Pool>, String> {
+    pub fn create(name: &str, paths: &[PathBuf], o: &CreateOptions) -> Result<Arc<Pool>> {
         format::check_name("pool", name)?;
         if paths.is_empty() || paths.len() > format::MAX_DISKS {
-            return Err(format!("a pool needs 1 to {} disks", format::MAX_DISKS));
+            return Err(Error::invalid(format!("a pool needs 1 to {} disks", format::MAX_DISKS)));
         }
         if !o.cluster_size.is_power_of_two() || o.cluster_size < MIN_CLUSTER_SIZE || o.cluster_size > 1 << 30 {
-            return Err(format!(
+            return Err(Error::invalid(format!(
                 "cluster size {} is not valid: use a power of two from 128KiB to 1GiB",
                 o.cluster_size
-            ));
+            )));
         }
         let mut disks_opened = Vec::new();
         for p in paths {
             let head = read_head(p)?;
             if Superblock::has_magic(&head) && !o.force {
                 let owner = Superblock::decode(&head).map(|s| format!("pool {:?}", s.pool_name));
-                return Err(format!(
+                return Err(Error::precondition(format!(
                     "{} already belongs to {}: import that pool, or pass force to claim the disk (its data is lost)",
                     p.display(),
                     owner.unwrap_or_else(|_| "a damaged nvpool pool".into())
-                ));
+                )));
             }
             if !o.force
                 && let Some((_, _, what)) =
                     SIGNATURES.iter().find(|(off, sig, _)| head.get(*off..*off + sig.len()) == Some(*sig))
             {
-                return Err(format!("{} holds {what}: pass force to claim it anyway (its data is lost)", p.display()));
+                return Err(Error::precondition(format!(
+                    "{} holds {what}: pass force to claim it anyway (its data is lost)",
+                    p.display()
+                )));
             }
             let b = FileBackend::open(p, None)?;
             disks_opened.push(b);
@@ -179,11 +183,11 @@ impl Pool {
             let data_offset = if i == 0 { layout.end().div_ceil(cs) * cs } else { cs };
             let clusters = b.size().saturating_sub(data_offset) / cs;
             if clusters == 0 {
-                return Err(format!(
+                return Err(Error::invalid(format!(
                     "{} is too small: it needs at least {} bytes with {cs}-byte clusters",
                     paths[i].display(),
                     data_offset + cs
-                ));
+                )));
             }
             total += clusters;
             members.push(Member { uuid: *uuid::Uuid::new_v4().as_bytes(), clusters: clusters as u32, data_offset });
@@ -212,7 +216,7 @@ impl Pool {
     }
 
     /// Opens the pool on `paths` (all of its disks, in any order).
-    pub fn import(paths: &[PathBuf]) -> Result<Arc<Pool>, String> {
+    pub fn import(paths: &[PathBuf]) -> Result<Arc<Pool>> {
         if paths.is_empty() {
             return Err("importing a pool needs its disks".into());
         }
@@ -224,23 +228,30 @@ impl Pool {
         }
         let first = found[0].0.clone();
         if let Some((_, p)) = found.iter().find(|(s, _)| s.pool_uuid != first.pool_uuid) {
-            return Err(format!("{} belongs to another pool than {}", p.display(), found[0].1.display()));
+            return Err(Error::invalid(format!(
+                "{} belongs to another pool than {}",
+                p.display(),
+                found[0].1.display()
+            )));
         }
         found.sort_by_key(|(s, _)| s.disk_index);
         let expected = first.members.len();
         let have: Vec<u32> = found.iter().map(|(s, _)| s.disk_index).collect();
         if have != (0..expected as u32).collect::<Vec<_>>() {
-            return Err(format!(
+            return Err(Error::invalid(format!(
                 "pool {:?} has {expected} disks; found disk numbers {have:?}: pass every disk of the pool once",
                 first.pool_name
-            ));
+            )));
         }
         let mut disks = Vec::new();
         let mut next = 1u32;
         for (sb, p) in &found {
             let m = &first.members[sb.disk_index as usize];
             if sb.disk_uuid() != m.uuid || sb.members != first.members {
-                return Err(format!("{}: its superblock disagrees with the other disks of the pool", p.display()));
+                return Err(Error::invalid(format!(
+                    "{}: its superblock disagrees with the other disks of the pool",
+                    p.display()
+                )));
             }
             let file = FileBackend::open(p, None)?;
             disks.push(PoolDisk {
@@ -258,7 +269,10 @@ impl Pool {
             .map_err(io_err(&format!("reading the metadata of pool {:?}", first.pool_name)))?;
         let used = state.used_clusters()?;
         if used.last().is_some_and(|&c| c > total) {
-            return Err(format!("pool {:?}: the metadata maps clusters the disks do not have", first.pool_name));
+            return Err(Error::internal(format!(
+                "pool {:?}: the metadata maps clusters the disks do not have",
+                first.pool_name
+            )));
         }
         let cs = first.cluster_size;
         let maps = state
@@ -292,7 +306,7 @@ impl Pool {
         std::thread::Builder::new()
             .name(format!("nvpool-pool-{}", pool.name))
             .spawn(move || worker.serve(rx))
-            .map_err(|e| format!("cannot start the metadata thread: {e}"))?;
+            .map_err(|e| Error::internal(format!("cannot start the metadata thread: {e}")))?;
         Ok(pool)
     }
 
@@ -315,7 +329,7 @@ impl Pool {
     // ----- management ----------------------------------------------------------------
 
     /// Creates a volume of `size` bytes (rounded up to 4 KiB).
-    pub fn create_volume(&self, name: &str, size: u64, thin: bool) -> Result<VolumeInfo, String> {
+    pub fn create_volume(&self, name: &str, size: u64, thin: bool) -> Result<VolumeInfo> {
         format::check_name("volume", name)?;
         if size == 0 {
             return Err("a volume needs a size above zero".into());
@@ -323,10 +337,14 @@ impl Pool {
         let size = size.div_ceil(4096) * 4096;
         let mut inner = lock(&self.inner);
         if inner.state.volume_by_name(name).is_some() {
-            return Err(format!("pool {} already has a volume {name}: pick another name", self.name));
+            return Err(Error::exists(format!("pool {} already has a volume {name}: pick another name", self.name)));
         }
         if inner.state.volumes.len() as u32 >= format::MAX_VOLUMES {
-            return Err(format!("pool {} has {} volumes, the most it can hold", self.name, format::MAX_VOLUMES));
+            return Err(Error::precondition(format!(
+                "pool {} has {} volumes, the most it can hold: delete one first",
+                self.name,
+                format::MAX_VOLUMES
+            )));
         }
         let clusters = size.div_ceil(self.cluster_size);
         if clusters > u64::from(u32::MAX) {
@@ -358,15 +376,15 @@ impl Pool {
 
     /// Allocates virtual clusters `from..to` of volume `id` with `before` in the same
     /// commit; fails without change when the pool has too little space.
-    fn allocate_all(&self, inner: &mut Inner, id: u32, from: u64, to: u64, before: Vec<Record>) -> Result<(), String> {
+    fn allocate_all(&self, inner: &mut Inner, id: u32, from: u64, to: u64, before: Vec<Record>) -> Result<()> {
         let need = to - from;
         if need > u64::from(inner.free.free()) {
-            return Err(format!(
+            return Err(Error::precondition(format!(
                 "pool {} has {} bytes free; this needs {}: free space, or make the volume thin",
                 self.name,
                 u64::from(inner.free.free()) * self.cluster_size,
                 need * self.cluster_size
-            ));
+            )));
         }
         let new: Vec<(u32, u64, u32)> = (from..to).filter_map(|vc| inner.free.take().map(|pc| (id, vc, pc))).collect();
         self.map_durably(inner, &new, before).inspect_err(|_| {
@@ -376,16 +394,14 @@ impl Pool {
         })
     }
 
-    fn volume_id(&self, inner: &Inner, name: &str) -> Result<u32, String> {
-        inner
-            .state
-            .volume_by_name(name)
-            .map(|v| v.meta.id)
-            .ok_or_else(|| format!("pool {} has no volume {name}: `nvpool engine volume list` shows them", self.name))
+    fn volume_id(&self, inner: &Inner, name: &str) -> Result<u32> {
+        inner.state.volume_by_name(name).map(|v| v.meta.id).ok_or_else(|| {
+            Error::not_found(format!("pool {} has no volume {name}: `nvpool engine volume list` shows them", self.name))
+        })
     }
 
     /// Deletes a volume and frees its clusters. The caller makes sure it is not exported.
-    pub fn delete_volume(&self, name: &str) -> Result<(), String> {
+    pub fn delete_volume(&self, name: &str) -> Result<()> {
         let mut inner = lock(&self.inner);
         let id = self.volume_id(&inner, name)?;
         let vcs: Vec<u64> = inner.state.volumes[&id].map.keys().map(|&c| u64::from(c)).collect();
@@ -395,16 +411,16 @@ impl Pool {
     }
 
     /// Grows a volume; returns its new cluster map for re-exporting.
-    pub fn resize_volume(&self, name: &str, size: u64) -> Result<VolumeInfo, String> {
+    pub fn resize_volume(&self, name: &str, size: u64) -> Result<VolumeInfo> {
         let size = size.div_ceil(4096) * 4096;
         let mut inner = lock(&self.inner);
         let id = self.volume_id(&inner, name)?;
         let v = inner.state.volumes[&id].meta.clone();
         if size < v.size {
-            return Err(format!(
+            return Err(Error::invalid(format!(
                 "volume {name} is {} bytes; shrinking is not supported: create a smaller volume and copy the data",
                 v.size
-            ));
+            )));
         }
         if size == v.size {
             return Ok(self.volume_info(&inner, id));
@@ -423,7 +439,7 @@ impl Pool {
     }
 
     /// What a namespace serving the volume needs: the data-path view and the metadata.
-    pub fn open_volume(&self, name: &str) -> Result<(VolumeIo, VolumeMeta), String> {
+    pub fn open_volume(&self, name: &str) -> Result<(VolumeIo, VolumeMeta)> {
         let inner = lock(&self.inner);
         let id = self.volume_id(&inner, name)?;
         let io = VolumeIo { pool: self.shared.clone(), map: inner.maps[&id].clone(), id };
@@ -431,7 +447,7 @@ impl Pool {
     }
 
     /// Starts or stops tracking written clusters.
-    pub fn set_dirty_tracking(&self, name: &str, on: bool) -> Result<(), String> {
+    pub fn set_dirty_tracking(&self, name: &str, on: bool) -> Result<()> {
         let inner = lock(&self.inner);
         let id = self.volume_id(&inner, name)?;
         inner.maps[&id].set_tracking(on);
@@ -439,7 +455,7 @@ impl Pool {
     }
 
     /// The clusters written since tracking started (or the last reset), as indexes.
-    pub fn dirty_clusters(&self, name: &str, reset: bool) -> Result<Vec<u64>, String> {
+    pub fn dirty_clusters(&self, name: &str, reset: bool) -> Result<Vec<u64>> {
         let inner = lock(&self.inner);
         let id = self.volume_id(&inner, name)?;
         Ok(inner.maps[&id].dirty_clusters(reset))
@@ -466,7 +482,7 @@ impl Pool {
     }
 
     /// One volume.
-    pub fn volume(&self, name: &str) -> Result<VolumeInfo, String> {
+    pub fn volume(&self, name: &str) -> Result<VolumeInfo> {
         let inner = lock(&self.inner);
         let id = self.volume_id(&inner, name)?;
         Ok(self.volume_info(&inner, id))
@@ -494,25 +510,31 @@ impl Pool {
 
     /// Checks the metadata against the runtime maps and the free set: every mapped
     /// cluster is used once, and used plus free is the whole pool (no leaks).
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<()> {
         let inner = lock(&self.inner);
         let used = inner.state.used_clusters()?;
         if used.len() as u64 + u64::from(inner.free.free()) != u64::from(inner.free.total()) {
-            return Err(format!(
+            return Err(Error::internal(format!(
                 "{} clusters used and {} free do not add up to {}",
                 used.len(),
                 inner.free.free(),
                 inner.free.total()
-            ));
+            )));
         }
         for v in inner.state.volumes.values() {
             let m = &inner.maps[&v.meta.id];
             if m.allocated() != v.map.len() as u64 {
-                return Err(format!("volume {}: the map has clusters the metadata does not", v.meta.name));
+                return Err(Error::internal(format!(
+                    "volume {}: the map has clusters the metadata does not",
+                    v.meta.name
+                )));
             }
             for (&vc, &pc) in &v.map {
                 if m.get(u64::from(vc)) != pc {
-                    return Err(format!("volume {} cluster {vc}: the map and the metadata disagree", v.meta.name));
+                    return Err(Error::internal(format!(
+                        "volume {} cluster {vc}: the map and the metadata disagree",
+                        v.meta.name
+                    )));
                 }
             }
         }
