@@ -247,12 +247,12 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
                         Ok(r) => {
                             interval = Duration::from_millis(r.heartbeat_interval_ms.max(100));
                             registered = true;
-                            eprintln!("agent {}: registered with the controller", args.name);
+                            tracing::info!(agent = %args.name, "registered with the controller");
                         }
-                        Err(e) => eprintln!("agent {}: registering failed: {}", args.name, e.message()),
+                        Err(e) => tracing::warn!(agent = %args.name, "registering failed: {}", e.message()),
                     }
                 }
-                (Err(e), _) => eprintln!("agent {}: engine at {}: {e}", args.name, engine.display()),
+                (Err(e), _) => tracing::warn!(agent = %args.name, "engine at {}: {e}", engine.display()),
             }
         } else {
             // Re-apply the last state, which restores exports after an engine restart.
@@ -268,7 +268,7 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
             match controllers.call(async |mut c| c.heartbeat(hb.clone()).await).await {
                 Ok(r) if !r.known => registered = false,
                 Ok(_) => {}
-                Err(e) => eprintln!("agent {}: heartbeat failed: {}", args.name, e.message()),
+                Err(e) => tracing::warn!(agent = %args.name, "heartbeat failed: {}", e.message()),
             }
         }
         tokio::time::sleep(interval).await;

@@ -185,11 +185,11 @@ pub async fn run(args: ControllerArgs) -> Result<(), String> {
         .add_service(ControllerServer::from_arc(service.clone()))
         .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
     let serving = tokio::spawn(server);
-    eprintln!("controller {id}: serving on {} with store {}", args.listen, store.describe());
+    tracing::info!(controller = %id, "serving on {} with store {}", args.listen, store.describe());
 
     let Some(etcd) = etcd else {
         let cluster = Cluster::load(store, vec![], args.cluster).await.map_err(|e| e.message().to_string())?;
-        eprintln!("controller {id}: leading cluster {}", cluster.cluster_id());
+        tracing::info!(controller = %id, "leading cluster {}", cluster.cluster_id());
         *service.leader.write().unwrap() = Some(cluster.clone());
         tokio::spawn(cluster.reconcile_forever());
         return serving.await.map_err(|e| e.to_string())?.map_err(|e| format!("controller server failed: {e}"));
@@ -197,11 +197,11 @@ pub async fn run(args: ControllerArgs) -> Result<(), String> {
     // Under etcd: campaign, lead until the lease is lost, then stand by and campaign again.
     let me = to_json(&LeaderRecord { id: id.clone(), address: args.advertise.clone() });
     loop {
-        eprintln!("controller {id}: standing by for leadership");
+        tracing::info!(controller = %id, "standing by for leadership");
         let leadership = match etcd.campaign(LEADER_KEY, &me, args.lease_ttl).await {
             Ok(l) => l,
             Err(e) => {
-                eprintln!("controller {id}: cannot campaign: {e}");
+                tracing::warn!(controller = %id, "cannot campaign: {e}");
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 continue;
             }
@@ -210,17 +210,17 @@ pub async fn run(args: ControllerArgs) -> Result<(), String> {
         let cluster = match Cluster::load(store.clone(), fence, args.cluster.clone()).await {
             Ok(c) => c,
             Err(e) => {
-                eprintln!("controller {id}: cannot load the cluster: {}", e.message());
+                tracing::error!(controller = %id, "cannot load the cluster: {}", e.message());
                 continue; // dropping the leadership lets the lease lapse
             }
         };
-        eprintln!("controller {id}: leading cluster {}", cluster.cluster_id());
+        tracing::info!(controller = %id, "leading cluster {}", cluster.cluster_id());
         *service.leader.write().unwrap() = Some(cluster.clone());
         let background = tokio::spawn(cluster.reconcile_forever());
         let mut lost = leadership.lost.clone();
         let _ = lost.wait_for(|l| *l).await;
         background.abort();
         *service.leader.write().unwrap() = None;
-        eprintln!("controller {id}: lost the leader lease; standing by");
+        tracing::warn!(controller = %id, "lost the leader lease; standing by");
     }
 }

@@ -108,7 +108,7 @@ pub async fn run(args: CsiArgs) -> Result<(), String> {
             state_dir: args.state_dir,
         }));
     }
-    eprintln!("nvpool csi ({:?}) serving {PLUGIN_NAME} on {path}", args.mode);
+    tracing::info!("nvpool csi ({:?}) serving {PLUGIN_NAME} on {path}", args.mode);
     router
         .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener))
         .await

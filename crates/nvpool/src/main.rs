@@ -38,7 +38,16 @@ fn run(cli: Cli) -> Result<(), String> {
     }
 }
 
+/// Logs go to standard error at the level `NVPOOL_LOG` names (error, warn, info,
+/// debug or trace; info when unset).
+fn init_logging() {
+    let level =
+        std::env::var("NVPOOL_LOG").ok().and_then(|l| l.parse::<tracing::Level>().ok()).unwrap_or(tracing::Level::INFO);
+    tracing_subscriber::fmt().with_writer(std::io::stderr).with_max_level(level).with_target(false).init();
+}
+
 fn main() {
+    init_logging();
     if let Err(e) = run(Cli::parse()) {
         eprintln!("nvpool: {e}");
         std::process::exit(1);

@@ -90,9 +90,11 @@ impl Controller {
     /// Ends the association; the first reason is logged.
     pub fn fail(&self, why: &str) {
         if !self.dead.swap(true, Ordering::AcqRel) {
-            eprintln!(
-                "nvpool: controller {} of {} for host {} ended: {why}",
-                self.cntlid, self.subsystem.nqn, self.hostnqn
+            tracing::info!(
+                cntlid = self.cntlid,
+                subsystem = %self.subsystem.nqn,
+                host = %self.hostnqn,
+                "controller ended: {why}"
             );
         }
     }

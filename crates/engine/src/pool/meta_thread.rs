@@ -70,7 +70,7 @@ impl Pool {
             for &(_, _, pc) in &new {
                 inner.free.put(pc);
             }
-            eprintln!("nvpool: pool {}: allocation failed: {e}", self.name);
+            tracing::error!(pool = %self.name, "allocation failed: {e}");
             for r in &mut replies {
                 r.1 = Status::INTERNAL_ERROR;
             }
@@ -195,7 +195,7 @@ impl Pool {
         if !whole.is_empty()
             && let Err(e) = self.release(&mut inner, id, &whole, None)
         {
-            eprintln!("nvpool: pool {}: releasing clusters failed: {e}", self.name);
+            tracing::error!(pool = %self.name, "releasing clusters failed: {e}");
             return Status::INTERNAL_ERROR;
         }
         Status::SUCCESS

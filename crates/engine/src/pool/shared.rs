@@ -115,9 +115,12 @@ impl PoolShared {
     pub(super) fn drain(&self) {
         let old = (self.epoch.fetch_add(1, Ordering::SeqCst) & 1) as usize;
         let start = Instant::now();
+        let mut next_warning = start + Duration::from_secs(30);
         while self.in_flight.iter().any(|c| c.0[old].load(Ordering::SeqCst) != 0) {
-            if start.elapsed() > Duration::from_secs(30) {
-                eprintln!("nvpool: pool I/O has been in flight for 30 s while releasing clusters; still waiting");
+            if Instant::now() >= next_warning {
+                let waited = start.elapsed().as_secs();
+                tracing::warn!("pool I/O has been in flight for {waited} s while releasing clusters; still waiting");
+                next_warning += Duration::from_secs(30);
             }
             std::thread::sleep(Duration::from_micros(50));
         }

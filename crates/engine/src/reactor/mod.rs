@@ -153,7 +153,7 @@ pub fn spawn(
         if let Some(c) = core
             && let Err(e) = pin_current_thread(c)
         {
-            eprintln!("nvpool: reactor {id}: cannot pin to CPU {c}: {e}");
+            tracing::warn!(reactor = id, "cannot pin to CPU {c}: {e}");
         }
         let (ring, taskrun_flag) = match new_ring() {
             Ok(made) => made,
@@ -192,6 +192,38 @@ fn new_ring() -> std::io::Result<(IoUring, bool)> {
         .or_else(|_| IoUring::builder().setup_cqsize(cq).setup_coop_taskrun().setup_taskrun_flag().build(RING_ENTRIES))
         .map(|ring| (ring, true))
         .or_else(|_| IoUring::builder().setup_cqsize(cq).build(RING_ENTRIES).map(|ring| (ring, false)))
+}
+
+/// The warnings a reactor may log from its loop.
+#[derive(Clone, Copy, Debug)]
+enum Warning {
+    Submit,
+    Enter,
+    Accept,
+    Unregister,
+}
+
+/// Logs each kind of warning at most once a second: a failure that repeats on every
+/// pass of the loop must flood neither the log nor the loop.
+#[derive(Default)]
+struct WarningLimit {
+    last: [Option<Instant>; 4],
+    suppressed: [u32; 4],
+}
+
+impl WarningLimit {
+    /// Whether to log a warning of this kind now; if so, how many were held back
+    /// since the last one logged.
+    fn allow(&mut self, w: Warning) -> Option<u32> {
+        let i = w as usize;
+        let now = Instant::now();
+        if self.last[i].is_some_and(|t| now.duration_since(t) < Duration::from_secs(1)) {
+            self.suppressed[i] = self.suppressed[i].saturating_add(1);
+            return None;
+        }
+        self.last[i] = Some(now);
+        Some(std::mem::take(&mut self.suppressed[i]))
+    }
 }
 
 /// What a completion belongs to, packed into the 64-bit user data:
@@ -270,6 +302,7 @@ struct Reactor {
     is_dirty: Vec<bool>,
     stopping: bool,
     last_tick: Instant,
+    warnings: WarningLimit,
 }
 
 impl Reactor {
@@ -304,6 +337,7 @@ impl Reactor {
             is_dirty: Vec::new(),
             stopping: false,
             last_tick: Instant::now(),
+            warnings: WarningLimit::default(),
         }
     }
 
@@ -341,8 +375,10 @@ impl Reactor {
             if unsafe { self.ring.submission().push(&sqe) }.is_ok() {
                 return;
             }
-            if let Err(e) = self.ring.submit() {
-                eprintln!("nvpool: reactor {}: io_uring submit failed: {e}", self.id);
+            if let Err(e) = self.ring.submit()
+                && let Some(suppressed) = self.warnings.allow(Warning::Submit)
+            {
+                tracing::warn!(reactor = self.id, suppressed, "io_uring submit failed: {e}");
             }
         }
     }
@@ -402,7 +438,9 @@ impl Reactor {
                 Ok(_) => {}
                 Err(e) if matches!(e.raw_os_error(), Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)) => {}
                 Err(e) => {
-                    eprintln!("nvpool: reactor {}: io_uring_enter failed: {e}", self.id);
+                    if let Some(suppressed) = self.warnings.allow(Warning::Enter) {
+                        tracing::warn!(reactor = self.id, suppressed, "io_uring_enter failed: {e}");
+                    }
                     std::thread::sleep(Duration::from_millis(10));
                 }
             }
@@ -499,8 +537,11 @@ impl Reactor {
             } else {
                 self.links[owner].send(Msg::Adopt(stream));
             }
-        } else if res != -libc::ECANCELED {
-            eprintln!("nvpool: accept on port {port_id} failed: {}", std::io::Error::from_raw_os_error(-res));
+        } else if res != -libc::ECANCELED
+            && let Some(suppressed) = self.warnings.allow(Warning::Accept)
+        {
+            let e = std::io::Error::from_raw_os_error(-res);
+            tracing::warn!(reactor = self.id, suppressed, "accept on port {port_id} failed: {e}");
         }
         if !cqueue::more(flags) && !self.stopping {
             self.post_accept(port_id);
@@ -534,8 +575,9 @@ impl Reactor {
         // would stay open after the connection is freed.
         if let Some(slot) = conn.registered_file.take()
             && let Err(e) = self.ring.submitter().register_files_update(slot, &[-1])
+            && let Some(suppressed) = self.warnings.allow(Warning::Unregister)
         {
-            eprintln!("nvpool: reactor {}: cannot unregister a closed socket: {e}", self.id);
+            tracing::warn!(reactor = self.id, suppressed, "cannot unregister a closed socket: {e}");
         }
         conn.release(&self.target, &mut self.pool);
         drop(conn);
@@ -570,8 +612,10 @@ impl Reactor {
     /// send copies its data first and would hold the reads back).
     pub(super) fn submit_disk_ops(&mut self) {
         self.disk_queued = false;
-        if let Err(e) = self.ring.submit() {
-            eprintln!("nvpool: reactor {}: io_uring submit failed: {e}", self.id);
+        if let Err(e) = self.ring.submit()
+            && let Some(suppressed) = self.warnings.allow(Warning::Submit)
+        {
+            tracing::warn!(reactor = self.id, suppressed, "io_uring submit failed: {e}");
         }
     }
 
