@@ -11,28 +11,13 @@ the mean latency difference at QD1. Run as root, it moves into a network namespa
 its own with cubic, as the suite does. Standard library only; timings are reported,
 never asserted.
 """
-import argparse, json, os, shutil, socket, statistics, subprocess, sys, tempfile, time
+import argparse, json, os, shutil, statistics, subprocess, sys, tempfile
+
+from suite import free_port, wait_port
 
 WORKLOADS = [("randread", 4096, 1), ("randread", 4096, 32), ("randread", 4096, 128),
              ("randwrite", 4096, 32), ("read", 131072, 32)]
 NQN = "nqn.2024-01.io.nvpool:ab"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port):
-    end = time.time() + 10
-    while time.time() < end:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise SystemExit(f"nothing listens on port {port}")
 
 
 def own_network():

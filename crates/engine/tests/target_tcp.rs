@@ -505,3 +505,42 @@ fn management_api_reports_and_refuses_clearly() {
     assert_eq!(st["writes"], 1);
     assert_eq!(st["read_bytes"], 4096);
 }
+
+/// A host that sends commands far beyond its queue size without reading the answers:
+/// the engine stops receiving while its output backs up (its memory stays bounded),
+/// answers every command once the host reads again, and other queues carry on.
+#[test]
+fn a_host_that_does_not_read_is_throttled_and_every_command_is_answered() {
+    const COMMANDS: usize = 20_000;
+    let t = start("memory:16MiB");
+    let (_admin, mut io) = controller(t.addr, &admin_opts(), 2);
+    let mut flooder = io.remove(0);
+    let mut wire = Vec::new();
+    for i in 0..COMMANDS {
+        let cmd = Command::read_write(io_opcode::READ, (i % 60_000) as u16 + 1, 1, (i % 2048) as u64 * 8, 8, 4096);
+        let mut hdr = [0u8; tcp::MAX_HEADER_SIZE];
+        let n = tcp::encode_capsule_cmd(&cmd, 0, Digests::default(), &mut hdr);
+        wire.extend_from_slice(&hdr[..n]);
+    }
+    let mut writer = flooder.stream().try_clone().unwrap();
+    let sender = std::thread::spawn(move || writer.write_all(&wire).unwrap());
+    // While the flood waits unread, another queue of the same host reads and writes.
+    std::thread::sleep(Duration::from_millis(300));
+    io[0].write(1, 8, &pattern(9, 8192), 512, IN_CAPSULE).unwrap();
+    assert_eq!(io[0].read(1, 8, 16, 512).unwrap(), pattern(9, 8192));
+    let (mut answered, mut refused) = (0, 0);
+    while answered + refused < COMMANDS {
+        match flooder.recv_pdu().unwrap() {
+            nvpool_initiator::TargetPdu::Resp(c) if c.status.is_success() => answered += 1,
+            nvpool_initiator::TargetPdu::Resp(c) => {
+                assert_eq!(c.status.base(), Status::COMMAND_ID_CONFLICT, "{c:?}");
+                refused += 1;
+            }
+            nvpool_initiator::TargetPdu::Data { .. } => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    sender.join().unwrap();
+    assert!(answered >= 128, "{answered} reads served, {refused} refused for a full queue");
+    assert_eq!(io[0].read(1, 8, 16, 512).unwrap(), pattern(9, 8192));
+}
