@@ -29,6 +29,20 @@ pub enum ErrorKind {
     Internal,
 }
 
+impl std::fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ErrorKind::NotFound => "not_found",
+            ErrorKind::AlreadyExists => "already_exists",
+            ErrorKind::InvalidArgument => "invalid_argument",
+            ErrorKind::FailedPrecondition => "failed_precondition",
+            ErrorKind::Unavailable => "unavailable",
+            ErrorKind::Io => "io",
+            ErrorKind::Internal => "internal",
+        })
+    }
+}
+
 /// A failed call.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ApiError {

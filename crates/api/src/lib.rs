@@ -210,6 +210,13 @@ mod tests {
     }
 
     #[test]
+    fn error_kinds_print_as_they_travel() {
+        for kind in [ErrorKind::NotFound, ErrorKind::FailedPrecondition, ErrorKind::Io] {
+            assert_eq!(serde_json::to_value(kind).unwrap(), serde_json::Value::String(kind.to_string()));
+        }
+    }
+
+    #[test]
     fn replies_fail_on_a_renamed_field() {
         let good = serde_json::json!({"nsid": 3});
         assert_eq!(serde_json::from_value::<NamespaceAdded>(good).unwrap().nsid, 3);

@@ -517,7 +517,7 @@ fn run_engine(a: EngineArgs) -> Result<(), String> {
 
 impl EngineSocket {
     fn call<M: Method>(&self, request: M) -> Result<M::Reply, String> {
-        nvpool_api::call(&self.socket, &request).map_err(String::from)
+        nvpool_api::call(&self.socket, &request).map_err(|e| format!("{} [{}]", e.message, e.kind))
     }
 }
 
