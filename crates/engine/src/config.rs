@@ -139,6 +139,15 @@ impl EngineConfig {
         if self.cores.as_ref().is_some_and(Vec::is_empty) {
             return Err("cores = []: list at least one CPU".into());
         }
+        if let Some(cores) = &self.cores {
+            let allowed = crate::reactor::allowed_cpus();
+            if let Some(bad) = cores.iter().find(|c| !allowed.contains(c)) {
+                return Err(format!(
+                    "cores: CPU {bad} is not one this process may run on; use some of {}",
+                    allowed.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")
+                ));
+            }
+        }
         for s in &self.subsystems {
             crate::nvme::subsystem::validate_nqn(&s.nqn).map_err(|e| format!("subsystem.nqn: {e}"))?;
             for h in &s.hosts {
@@ -242,6 +251,15 @@ mod tests {
         assert!(e.contains("max_queue_depth"), "{e}");
         let e = EngineConfig::from_toml("[[subsystem]]\nnqn = \"x\"").unwrap_err();
         assert!(e.contains("subsystem.nqn"), "{e}");
+    }
+
+    #[test]
+    fn reactor_cpus_must_exist() {
+        let e = EngineConfig::from_toml("cores = [5000]").unwrap_err();
+        assert!(e.contains("CPU 5000") && e.contains("use some of"), "{e}");
+        let first = crate::reactor::allowed_cpus()[0];
+        assert!(EngineConfig::from_toml(&format!("cores = [{first}]")).is_ok());
+        assert!(crate::reactor::pin_current_thread(100_000).is_err(), "an error, not a panic");
     }
 
     #[test]

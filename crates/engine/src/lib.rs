@@ -78,9 +78,18 @@ impl Engine {
                 // torn down its rings, a moment after the process is gone: a restart
                 // waits for the address instead of failing.
                 let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                let mut told = false;
                 loop {
                     match engine.add_listener(l.address) {
                         Err(e) if e.kind == ErrorKind::AlreadyExists && std::time::Instant::now() < deadline => {
+                            if !std::mem::replace(&mut told, true) {
+                                tracing::warn!(
+                                    "{} is in use; waiting up to 10 s for it (an engine that just stopped \
+                                     releases its port a moment after it exits; another running engine \
+                                     keeps it, and this one then gives up)",
+                                    l.address
+                                );
+                            }
                             std::thread::sleep(std::time::Duration::from_millis(50))
                         }
                         r => break r.map(|_| ())?,

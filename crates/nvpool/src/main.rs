@@ -43,7 +43,14 @@ fn run(cli: Cli) -> Result<(), String> {
 fn init_logging() {
     let level =
         std::env::var("NVPOOL_LOG").ok().and_then(|l| l.parse::<tracing::Level>().ok()).unwrap_or(tracing::Level::INFO);
-    tracing_subscriber::fmt().with_writer(std::io::stderr).with_max_level(level).with_target(false).init();
+    // Colours only on a terminal: logs usually land in files.
+    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(level)
+        .with_target(false)
+        .with_ansi(colour)
+        .init();
 }
 
 fn main() {

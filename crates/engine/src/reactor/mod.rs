@@ -127,10 +127,14 @@ pub fn allowed_cpus() -> Vec<usize> {
 
 /// Pins the calling thread to one CPU.
 pub fn pin_current_thread(cpu: usize) -> std::io::Result<()> {
-    // SAFETY: as above, a zeroed cpu_set_t is empty; CPU_SET writes inside it.
+    if cpu >= libc::CPU_SETSIZE as usize {
+        let e = format!("CPU {cpu} is out of range: CPUs are numbered below {}", libc::CPU_SETSIZE);
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, e));
+    }
+    // SAFETY: as above, a zeroed cpu_set_t is empty.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `set` is a valid cpu_set_t and cpu < CPU_SETSIZE is checked by the caller's
-    // configuration; CPU_SET ignores out-of-range values.
+    // SAFETY: `set` is a valid cpu_set_t and cpu < CPU_SETSIZE was checked above, so
+    // CPU_SET writes inside it.
     unsafe { libc::CPU_SET(cpu, &mut set) };
     // SAFETY: sched_setaffinity reads `set`, whose size we pass.
     let rc = unsafe { libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set) };
