@@ -242,6 +242,10 @@ fn hosts_not_on_the_allow_list_are_refused() {
         Status::COMMAND_SEQUENCE_ERROR,
         "queue 1 is taken"
     );
+    // The same host NQN with another Host Identifier is not the association's host.
+    let mut other_id = admin_opts().io(2, admin.cntlid, 31);
+    other_id.hostid = [8; 16];
+    assert_eq!(status_of(Queue::connect(t.addr, &other_id).err().unwrap()), Status::CONNECT_INVALID_PARAMETERS);
 }
 
 /// Sends raw bytes after a handshake and returns what the target answered.
@@ -256,6 +260,43 @@ fn expect_term(r: Result<nvpool_initiator::TargetPdu, Error>, want_fes: u16) {
         Ok(nvpool_initiator::TargetPdu::Term { fes, .. }) => assert_eq!(fes, want_fes),
         other => panic!("expected a C2HTermReq with FES {want_fes}, got {other:?}"),
     }
+}
+
+/// Writes 16 KiB through an R2T, but answers the R2T with `bad` applied to the
+/// H2CData header; returns what the target says.
+fn h2c_data_answer(addr: SocketAddr, bad: impl Fn(&mut tcp::DataHeader)) -> nvpool_initiator::TargetPdu {
+    let (_admin, mut io) = controller(addr, &admin_opts(), 1);
+    let mut q = io.remove(0);
+    let cmd = Command::read_write(io_opcode::WRITE, 7, 1, 0, 32, 16384);
+    q.submit(cmd, &pattern(4, 16384), false).unwrap();
+    let nvpool_initiator::TargetPdu::R2T(mut h) = q.recv_pdu().unwrap() else { panic!("no R2T") };
+    bad(&mut h);
+    let mut wire = [0u8; 32];
+    let n = tcp::encode_h2c_data(&h, true, Digests::default(), &mut wire);
+    let mut bytes = wire[..n].to_vec();
+    bytes.extend_from_slice(&vec![0u8; h.length as usize]);
+    q.stream().write_all(&bytes).unwrap();
+    match q.recv_pdu() {
+        Ok(p) => p,
+        Err(e) => panic!("after {h:?}: {e}"),
+    }
+}
+
+#[test]
+fn a_wrong_h2c_data_field_is_named_by_its_offset() {
+    let t = start("memory:16MiB");
+    let term = |p| match p {
+        nvpool_initiator::TargetPdu::Term { fes, fei } => (fes, fei),
+        other => panic!("expected a C2HTermReq, got {other:?}"),
+    };
+    assert_eq!(term(h2c_data_answer(t.addr, |h| h.ttag += 1)), (fes::INVALID_HEADER_FIELD, 10), "unknown TTAG");
+    assert_eq!(term(h2c_data_answer(t.addr, |h| h.cccid += 1)), (fes::INVALID_HEADER_FIELD, 8), "wrong CCCID");
+    assert_eq!(term(h2c_data_answer(t.addr, |h| h.offset = 4096)), (fes::DATA_OUT_OF_RANGE, 12), "wrong offset");
+    assert_eq!(term(h2c_data_answer(t.addr, |h| h.length += 512)), (fes::DATA_OUT_OF_RANGE, 16), "past the R2T");
+    // The healthy exchange still works.
+    let (_admin, mut io) = controller(t.addr, &admin_opts(), 1);
+    io[0].write(1, 0, &pattern(5, 16384), 512, 0).unwrap();
+    assert_eq!(io[0].read(1, 0, 32, 512).unwrap(), pattern(5, 16384));
 }
 
 #[test]
@@ -287,7 +328,7 @@ fn malformed_pdus_end_only_their_connection() {
     let hl = tcp::encode_h2c_data(&hd, true, Digests::default(), &mut h2c);
     let mut bytes = h2c[..hl].to_vec();
     bytes.extend_from_slice(&[1, 2, 3, 4]);
-    expect_term(send_malformed(t.addr, Digests::default(), &bytes), fes::PDU_SEQUENCE_ERROR);
+    expect_term(send_malformed(t.addr, Digests::default(), &bytes), fes::INVALID_HEADER_FIELD);
     // A capsule before ICReq.
     let mut raw = std::net::TcpStream::connect(t.addr).unwrap();
     let n = tcp::encode_capsule_cmd(&Command::default(), 0, Digests::default(), &mut cap);

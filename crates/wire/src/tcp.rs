@@ -81,6 +81,19 @@ pub mod fes {
     pub const UNSUPPORTED_PARAMETER: u16 = 0x06;
 }
 
+/// Byte offsets of the fields of an H2CData or C2HData header, which a C2HTermReq's
+/// FEI names when one of them is wrong (NVMe/TCP transport 3.6.2.8).
+pub mod data_field {
+    /// Command Capsule CID.
+    pub const CCCID: u32 = 8;
+    /// Transfer Tag.
+    pub const TTAG: u32 = 10;
+    /// Data Offset.
+    pub const DATAO: u32 = 12;
+    /// Data Length.
+    pub const DATAL: u32 = 16;
+}
+
 /// CRC32C as NVMe/TCP header and data digests use it.
 pub fn crc32c(data: &[u8]) -> u32 {
     crc32c::crc32c(data)
@@ -292,6 +305,11 @@ pub fn parse(buf: &[u8], digests: Digests, limits: DataLimits) -> Result<Option<
         return Err(FatalError::field(1, "header digest flag does not match the negotiated digests"));
     }
     let plen = plen as usize;
+    // Checked before waiting for the whole PDU: a wrong length must be answered at
+    // once, not taken as a promise of more bytes.
+    if is_ic && plen != IC_SIZE {
+        return Err(FatalError::field(4, "IC PDU length must be 128"));
+    }
     if is_term {
         if plen < hlen || plen > TERM_REQ_MAX {
             return Err(FatalError::field(4, "termination request length out of range"));
@@ -347,9 +365,6 @@ pub fn parse(buf: &[u8], digests: Digests, limits: DataLimits) -> Result<Option<
     };
     let pdu = match ty {
         pdu_type::IC_REQ | pdu_type::IC_RESP => {
-            if plen != IC_SIZE {
-                return Err(FatalError::field(4, "IC PDU length must be 128"));
-            }
             if ty == pdu_type::IC_REQ {
                 Pdu::IcReq(IcReq {
                     pfv: get_u16(buf, 8),
@@ -684,6 +699,18 @@ mod tests {
         let last = wire.len() - 1;
         wire[last] ^= 0xFF;
         assert!(!parse(&wire, d, DataLimits::uniform(4096)).unwrap().unwrap().data_digest_ok);
+    }
+
+    #[test]
+    fn an_ic_request_of_the_wrong_length_is_refused_at_once() {
+        let mut b = [0u8; IC_SIZE];
+        encode_ic_req(&IcReq::default(), &mut b);
+        for plen in [127u32, 129, 4096, u32::MAX] {
+            b[4..8].copy_from_slice(&plen.to_le_bytes());
+            // Only the common header has arrived: the length alone is enough to refuse.
+            let e = parse(&b[..CH_SIZE], Digests::default(), DataLimits::uniform(0)).unwrap_err();
+            assert_eq!((e.fes, e.fei), (fes::INVALID_HEADER_FIELD, 4), "PLEN {plen}");
+        }
     }
 
     #[test]

@@ -18,6 +18,8 @@ const SQE_SQSIZE_OFFSET: u16 = 44;
 const SQE_QID_OFFSET: u16 = 42;
 /// Byte offset of CNTLID in the Connect data.
 const DATA_CNTLID_OFFSET: u16 = 16;
+/// Offset of HOSTID in the Connect data.
+const DATA_HOSTID_OFFSET: u16 = 0;
 
 /// A successful Connect: the queue now belongs to `controller`.
 pub struct Connected {
@@ -91,7 +93,9 @@ pub fn connect(target: &Target, cmd: &Command, data: &[u8]) -> Result<Connected,
         .filter(|ctl| !ctl.is_dead() && Arc::ptr_eq(&ctl.subsystem, &subsystem) && ctl.hostnqn == d.hostnqn)
         .ok_or_else(|| refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(true, DATA_CNTLID_OFFSET)))?;
     if controller.hostid != d.hostid {
-        return Err(refuse(Status::HOST_ID_INCONSISTENT, 0));
+        // An I/O queue must come from the host that made the association: the data's
+        // HOSTID is the invalid parameter (as SPDK answers).
+        return Err(refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(true, DATA_HOSTID_OFFSET)));
     }
     if !controller.ready() {
         return Err(refuse(Status::COMMAND_SEQUENCE_ERROR, 0));

@@ -17,7 +17,7 @@ use nvpool_wire::Status;
 use nvpool_wire::bytes::compact;
 use nvpool_wire::command::{Command, Completion, admin_opcode, sgl};
 use nvpool_wire::fabrics::fctype;
-use nvpool_wire::tcp::{self, DataHeader, Digests, FatalError, IcResp, Pdu, fes};
+use nvpool_wire::tcp::{self, DataHeader, Digests, FatalError, IcResp, Pdu, data_field, fes};
 
 use super::block_io::{BlockIo, DiskQueue, Queued};
 use super::{Op, Reactor};
@@ -551,15 +551,27 @@ impl Conn {
     }
 
     fn on_h2c_data(&mut self, r: &mut Reactor, idx: u32, h: DataHeader, last: bool, data: &[u8], digest_ok: bool) {
-        let Some(slot) =
-            self.slots.get_mut(usize::from(h.ttag)).filter(|s| s.state == SlotState::AwaitingData && s.cid == h.cccid)
-        else {
-            return self.sequence_error(r, idx, "H2CData for no outstanding R2T");
+        // A wrong field is named by its offset in the header, as SPDK does; Linux nvmet
+        // drops the connection without a C2HTermReq.
+        let header_error = |fei, reason| FatalError { fes: fes::INVALID_HEADER_FIELD, fei, reason };
+        let Some(slot) = self.slots.get_mut(usize::from(h.ttag)).filter(|s| s.state == SlotState::AwaitingData) else {
+            return self.fatal(r, idx, header_error(data_field::TTAG, "H2CData for no outstanding R2T"), &[]);
         };
+        if slot.cid != h.cccid {
+            return self.fatal(r, idx, header_error(data_field::CCCID, "H2CData CCCID is not the R2T's command"), &[]);
+        }
         let total = slot.io.plan.host_data_len();
-        if h.offset != slot.received || h.offset + h.length > total {
-            let e = FatalError { fes: fes::DATA_OUT_OF_RANGE, fei: 0, reason: "H2CData outside the R2T" };
-            return self.fatal(r, idx, e, &[]);
+        let out_of_range = |fei, reason| FatalError { fes: fes::DATA_OUT_OF_RANGE, fei, reason };
+        if h.offset != slot.received {
+            return self.fatal(
+                r,
+                idx,
+                out_of_range(data_field::DATAO, "H2CData offset is not where the data stands"),
+                &[],
+            );
+        }
+        if h.offset.checked_add(h.length).is_none_or(|end| end > total) {
+            return self.fatal(r, idx, out_of_range(data_field::DATAL, "H2CData goes past the R2T"), &[]);
         }
         if let Some(b) = slot.io.data_mut() {
             b[h.offset as usize..(h.offset + h.length) as usize].copy_from_slice(data);
