@@ -8,31 +8,16 @@ the whole run; `nvpool bench` (from NEW_BINARY, on --bench-core) drives them in 
 A then B, then B then A, so drift on a shared machine falls on both. It prints, per
 workload, the median IOPS of each and the median of the per-round ratios B/A, plus
 the mean latency difference at QD1. Run as root, it moves into a network namespace of
-its own with cubic, as the suite does. Standard library only; timings are reported,
+its own with cubic, as the suite does (`suite.own_network`). Standard library only; timings are reported,
 never asserted.
 """
-import argparse, json, os, shutil, statistics, subprocess, sys, tempfile
+import argparse, json, os, shutil, statistics, subprocess, tempfile
 
-from suite import free_port, wait_port
+from suite import free_port, own_network, wait_port
 
 WORKLOADS = [("randread", 4096, 1), ("randread", 4096, 32), ("randread", 4096, 128),
              ("randwrite", 4096, 32), ("read", 131072, 32)]
 NQN = "nqn.2024-01.io.nvpool:ab"
-
-
-def own_network():
-    if os.environ.get("NVPOOL_AB_NETNS"):
-        subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-        try:
-            with open("/proc/sys/net/ipv4/tcp_congestion_control", "w") as f:
-                f.write("cubic")
-        except OSError as e:
-            print(f"note: cannot set cubic in the namespace ({e}); TCP uses "
-                  f"{open('/proc/sys/net/ipv4/tcp_congestion_control').read().strip()}", file=sys.stderr)
-        return
-    if os.geteuid() == 0 and shutil.which("unshare") and shutil.which("ip"):
-        os.environ["NVPOOL_AB_NETNS"] = "1"
-        os.execvp("unshare", ["unshare", "--net", "--", sys.executable, *sys.argv])
 
 
 def main():

@@ -267,7 +267,7 @@ impl Pool {
         let meta = open_meta(&found[0].1)?;
         let (store, state) = MetaStore::open(meta, first.pool_uuid, first.meta, first.cluster_size)
             .map_err(io_err(&format!("reading the metadata of pool {:?}", first.pool_name)))?;
-        let used = state.used_clusters()?;
+        let used = state.used_clusters().map_err(Error::internal)?;
         if used.last().is_some_and(|&c| c > total) {
             return Err(Error::internal(format!(
                 "pool {:?}: the metadata maps clusters the disks do not have",
@@ -512,7 +512,7 @@ impl Pool {
     /// cluster is used once, and used plus free is the whole pool (no leaks).
     pub fn check(&self) -> Result<()> {
         let inner = lock(&self.inner);
-        let used = inner.state.used_clusters()?;
+        let used = inner.state.used_clusters().map_err(Error::internal)?;
         if used.len() as u64 + u64::from(inner.free.free()) != u64::from(inner.free.total()) {
             return Err(Error::internal(format!(
                 "{} clusters used and {} free do not add up to {}",

@@ -82,11 +82,6 @@ impl BlockIo {
         self.pending == 0 && !self.deferred
     }
 
-    /// The data buffer, if the command has one.
-    pub fn has_buf(&self) -> bool {
-        self.buf.is_some()
-    }
-
     /// Gives the command a data buffer.
     pub fn set_buf(&mut self, buf: Buf) {
         debug_assert!(self.buf.is_none());

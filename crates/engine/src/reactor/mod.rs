@@ -204,6 +204,7 @@ enum Warning {
     Submit,
     Enter,
     Accept,
+    // The last kind: `WARNING_KINDS` counts from it.
     Unregister,
 }
 
@@ -211,9 +212,12 @@ enum Warning {
 /// pass of the loop must flood neither the log nor the loop.
 #[derive(Default)]
 struct WarningLimit {
-    last: [Option<Instant>; 4],
-    suppressed: [u32; 4],
+    last: [Option<Instant>; WARNING_KINDS],
+    suppressed: [u32; WARNING_KINDS],
 }
+
+/// How many kinds of `Warning` there are: the last one's index plus one.
+const WARNING_KINDS: usize = Warning::Unregister as usize + 1;
 
 impl WarningLimit {
     /// Whether to log a warning of this kind now; if so, how many were held back
