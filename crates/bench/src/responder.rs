@@ -196,7 +196,11 @@ impl RConn {
     }
 
     fn process(&mut self, r: &Responder, zeroes: &[u8]) {
-        let limits = DataLimits { capsule: IN_CAPSULE as u32, data_pdu: MAX_TRANSFER as u32 };
+        let limits = DataLimits {
+            capsule: IN_CAPSULE as u32,
+            data_pdu: MAX_TRANSFER as u32,
+            alignment: tcp::pdu_data_alignment(0),
+        };
         let buf = std::mem::take(&mut self.rbuf);
         loop {
             let p = match tcp::parse(&buf[self.rstart..self.rend], self.digests, limits) {

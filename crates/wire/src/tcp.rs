@@ -275,13 +275,22 @@ pub struct DataLimits {
     pub capsule: u32,
     /// Data of one H2CData or C2HData PDU.
     pub data_pdu: u32,
+    /// Alignment of the data in a PDU (PDO), in bytes: what the receiver asked for
+    /// in the IC exchange, see [`pdu_data_alignment`].
+    pub alignment: u32,
 }
 
 impl DataLimits {
-    /// The same limit for every PDU type.
+    /// The same limit for every PDU type, with the alignment of a PDA of 0.
     pub const fn uniform(max: u32) -> DataLimits {
-        DataLimits { capsule: max, data_pdu: max }
+        DataLimits { capsule: max, data_pdu: max, alignment: pdu_data_alignment(0) }
     }
+}
+
+/// The PDU data alignment in bytes for an HPDA or CPDA: a 0's based count of dwords
+/// (NVMe/TCP 1.0 §3.6.2.2), so even a PDA of 0 asks for dword-aligned data.
+pub const fn pdu_data_alignment(pda: u8) -> u32 {
+    (pda as u32 + 1) * 4
 }
 
 /// Parses the PDU at the start of `buf`.
@@ -326,6 +335,9 @@ pub fn parse(buf: &[u8], digests: Digests, limits: DataLimits) -> Result<Option<
         }
         if pdo < hlen + hd || pdo + dd > plen {
             return Err(FatalError::field(3, "PDU data offset out of range"));
+        }
+        if !(pdo as u32).is_multiple_of(limits.alignment.max(1)) {
+            return Err(FatalError::field(3, "PDU data offset not aligned as the IC exchange set"));
         }
         (pdo, plen - pdo - dd, dd)
     } else {
@@ -735,5 +747,27 @@ mod tests {
         let n = encode_capsule_cmd(&c, 1 << 20, Digests::default(), &mut h);
         let e = parse(&h[..n], Digests::default(), DataLimits::uniform(8192)).unwrap_err();
         assert_eq!(e.fes, fes::DATA_LIMIT_EXCEEDED);
+    }
+
+    #[test]
+    fn misaligned_data_is_refused_at_the_pdu_data_offset() {
+        let d = Digests::default();
+        let mut h = [0u8; MAX_HEADER_SIZE];
+        let n = encode_capsule_cmd(&Command::default(), 8, d, &mut h);
+        // Move the data one byte later: PDO 73 is past the header but not dword aligned.
+        let mut wire = h[..n].to_vec();
+        wire[3] += 1;
+        wire[4] += 1;
+        wire.extend_from_slice(&[0; 9]);
+        let e = parse(&wire, d, DataLimits::uniform(8192)).unwrap_err();
+        assert_eq!((e.fes, e.fei), (fes::INVALID_HEADER_FIELD, 3));
+        // Padding to a multiple of the alignment is allowed.
+        wire[3] += 3;
+        wire[4] += 3;
+        wire.extend_from_slice(&[0; 3]);
+        let p = parse(&wire, d, DataLimits::uniform(8192)).unwrap().unwrap();
+        assert!(matches!(p.pdu, Pdu::CapsuleCmd { data, .. } if data.len() == 8));
+        let strict = DataLimits { alignment: pdu_data_alignment(31), ..DataLimits::uniform(8192) };
+        assert_eq!(parse(&wire, d, strict).unwrap_err().fei, 3);
     }
 }

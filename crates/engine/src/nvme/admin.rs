@@ -13,6 +13,7 @@ use nvpool_wire::log::{
     ana_state, feature, lid,
 };
 
+use super::data_pointer::{self, Direction, Length};
 use super::{
     AER_LIMIT, Controller, IO_IN_CAPSULE_DATA, KEEP_ALIVE_GRANULARITY, MAX_NSID, MDTS, Namespace, Target, discovery,
     fabrics,
@@ -72,6 +73,13 @@ pub fn handle(target: &Target, ctrl: &Controller, cmd: &Command, outstanding_aer
     if !ctrl.ready() {
         return done(Status::COMMAND_SEQUENCE_ERROR.with_dnr());
     }
+    // The host's buffer is checked before the command runs: a refused Get Log Page
+    // must not clear an event (RAE), and no page is built for a buffer it cannot fill.
+    if let Some(len) = data_to_host(cmd)
+        && let Err(status) = data_pointer::check(&cmd.dptr, Direction::ToHost, Length::Exactly(len), 0)
+    {
+        return done(status);
+    }
     let discovery = ctrl.subsystem.is_discovery();
     match cmd.opcode {
         admin_opcode::IDENTIFY => identify(target, ctrl, cmd),
@@ -93,6 +101,16 @@ pub fn handle(target: &Target, ctrl: &Controller, cmd: &Command, outstanding_aer
         // command run to completion and answers "not aborted" (DW0 bit 0 set).
         admin_opcode::ABORT if !discovery => done_result(1),
         _ => done(Status::INVALID_OPCODE.with_dnr()),
+    }
+}
+
+/// How many bytes an admin command sends to the host, for the commands that send any.
+/// The data an outcome carries is exactly this long.
+fn data_to_host(cmd: &Command) -> Option<u64> {
+    match cmd.opcode {
+        admin_opcode::IDENTIFY => Some(IDENTIFY_SIZE as u64),
+        admin_opcode::GET_LOG_PAGE => Some(GetLogPage::from_command(cmd).len as u64),
+        _ => None,
     }
 }
 
@@ -348,6 +366,7 @@ mod tests {
     use crate::backend::null::Null;
     use crate::config::Limits;
     use crate::nvme::subsystem::{HostPolicy, Subsystem};
+    use nvpool_wire::command::{SglDescriptor, sgl};
     use nvpool_wire::fabrics::{PropertyAccess, cc, property};
     use std::sync::Arc;
 
@@ -378,6 +397,15 @@ mod tests {
         Command { opcode, nsid, cdw: [cdw10, cdw11, 0, 0, 0, 0], ..Command::default() }
     }
 
+    /// Runs `cmd` as a host with a buffer of the right size for its data would send it.
+    fn call(t: &Target, c: &Controller, cmd: &Command, aers: usize) -> AdminOutcome {
+        let mut cmd = *cmd;
+        if let Some(len) = data_to_host(&cmd) {
+            cmd.dptr = SglDescriptor { address: 0, length: len as u32, id: sgl::TRANSPORT };
+        }
+        handle(t, c, &cmd, aers)
+    }
+
     fn data(o: AdminOutcome) -> Vec<u8> {
         match o {
             AdminOutcome::Complete { status, data: Some(d), .. } if status.is_success() => d,
@@ -395,15 +423,15 @@ mod tests {
     fn enable(t: &Target, c: &Controller) {
         let set =
             PropertyAccess { eight_bytes: false, offset: property::CC, value: u64::from(cc::EN | 6 << 16 | 4 << 20) };
-        assert_eq!(status(handle(t, c, &set.to_command(1, true), 0)), Status::SUCCESS);
+        assert_eq!(status(call(t, c, &set.to_command(1, true), 0)), Status::SUCCESS);
     }
 
     #[test]
     fn commands_before_enable_are_out_of_sequence() {
         let (t, c) = setup();
-        assert_eq!(status(handle(&t, &c, &admin(admin_opcode::IDENTIFY, 0, 1, 0), 0)), Status::COMMAND_SEQUENCE_ERROR);
+        assert_eq!(status(call(&t, &c, &admin(admin_opcode::IDENTIFY, 0, 1, 0), 0)), Status::COMMAND_SEQUENCE_ERROR);
         enable(&t, &c);
-        let id = IdentifyController::decode(&data(handle(&t, &c, &admin(admin_opcode::IDENTIFY, 0, 1, 0), 0))).unwrap();
+        let id = IdentifyController::decode(&data(call(&t, &c, &admin(admin_opcode::IDENTIFY, 0, 1, 0), 0))).unwrap();
         assert_eq!(id.cntlid, 1);
         assert_ne!(id.kas, 0);
         assert!(id.ioccsz >= 4);
@@ -413,35 +441,60 @@ mod tests {
     fn identify_namespace_and_lists() {
         let (t, c) = setup();
         enable(&t, &c);
-        let ns = IdentifyNamespace::decode(&data(handle(&t, &c, &admin(admin_opcode::IDENTIFY, 1, 0, 0), 0))).unwrap();
+        let ns = IdentifyNamespace::decode(&data(call(&t, &c, &admin(admin_opcode::IDENTIFY, 1, 0, 0), 0))).unwrap();
         assert_eq!(ns.nsze, (1 << 30) / 4096);
         assert_eq!(identify::lba_format_block_size(ns.lbaf0), 4096);
-        let inactive = data(handle(&t, &c, &admin(admin_opcode::IDENTIFY, 7, 0, 0), 0));
+        let inactive = data(call(&t, &c, &admin(admin_opcode::IDENTIFY, 7, 0, 0), 0));
         assert!(inactive.iter().all(|&b| b == 0));
-        assert_eq!(status(handle(&t, &c, &admin(admin_opcode::IDENTIFY, 0, 0, 0), 0)), Status::INVALID_NAMESPACE);
-        let list = data(handle(&t, &c, &admin(admin_opcode::IDENTIFY, 0, 2, 0), 0));
+        assert_eq!(status(call(&t, &c, &admin(admin_opcode::IDENTIFY, 0, 0, 0), 0)), Status::INVALID_NAMESPACE);
+        let list = data(call(&t, &c, &admin(admin_opcode::IDENTIFY, 0, 2, 0), 0));
         assert_eq!(identify::decode_ns_list(&list), vec![1]);
-        let d = identify::decode_ns_descriptors(&data(handle(&t, &c, &admin(admin_opcode::IDENTIFY, 1, 3, 0), 0)));
+        let d = identify::decode_ns_descriptors(&data(call(&t, &c, &admin(admin_opcode::IDENTIFY, 1, 3, 0), 0)));
         assert!(d.iter().any(|x| x.nidt == nidt::UUID && x.nid == vec![1; 16]));
-        assert_eq!(status(handle(&t, &c, &admin(admin_opcode::IDENTIFY, 0, 0x42, 0), 0)), Status::INVALID_FIELD);
+        assert_eq!(status(call(&t, &c, &admin(admin_opcode::IDENTIFY, 0, 0x42, 0), 0)), Status::INVALID_FIELD);
     }
 
     #[test]
     fn features_and_logs() {
         let (t, c) = setup();
         enable(&t, &c);
-        let o = handle(&t, &c, &admin(admin_opcode::SET_FEATURES, 0, feature::NUMBER_OF_QUEUES.into(), 0x0007_0007), 0);
+        let o = call(&t, &c, &admin(admin_opcode::SET_FEATURES, 0, feature::NUMBER_OF_QUEUES.into(), 0x0007_0007), 0);
         assert_eq!(o, AdminOutcome::Complete { status: Status::SUCCESS, result: 3 | 3 << 16, data: None });
         let mut glp = admin(admin_opcode::GET_LOG_PAGE, 0xFFFF_FFFF, 0, 0);
         GetLogPage { lid: lid::SMART, lsp: 0, rae: false, len: 512, offset: 0 }.apply(&mut glp);
-        assert_eq!(data(handle(&t, &c, &glp, 0)).len(), 512);
+        assert_eq!(data(call(&t, &c, &glp, 0)).len(), 512);
         GetLogPage { lid: 0x42, lsp: 0, rae: false, len: 512, offset: 0 }.apply(&mut glp);
-        assert_eq!(status(handle(&t, &c, &glp, 0)), Status::INVALID_LOG_PAGE);
-        assert_eq!(handle(&t, &c, &admin(admin_opcode::ASYNC_EVENT_REQUEST, 0, 0, 0), 0), AdminOutcome::ParkAsyncEvent);
+        assert_eq!(status(call(&t, &c, &glp, 0)), Status::INVALID_LOG_PAGE);
+        assert_eq!(call(&t, &c, &admin(admin_opcode::ASYNC_EVENT_REQUEST, 0, 0, 0), 0), AdminOutcome::ParkAsyncEvent);
         assert_eq!(
-            status(handle(&t, &c, &admin(admin_opcode::ASYNC_EVENT_REQUEST, 0, 0, 0), AER_LIMIT)),
+            status(call(&t, &c, &admin(admin_opcode::ASYNC_EVENT_REQUEST, 0, 0, 0), AER_LIMIT)),
             Status::AER_LIMIT_EXCEEDED
         );
-        assert_eq!(status(handle(&t, &c, &admin(0x55, 0, 0, 0), 0)), Status::INVALID_OPCODE);
+        assert_eq!(status(call(&t, &c, &admin(0x55, 0, 0, 0), 0)), Status::INVALID_OPCODE);
+    }
+
+    #[test]
+    fn data_for_the_host_needs_a_transport_buffer_of_its_size_within_mdts() {
+        let (t, c) = setup();
+        enable(&t, &c);
+        let with = |mut cmd: Command, id, length| {
+            cmd.dptr = SglDescriptor { address: 0, length, id };
+            status(handle(&t, &c, &cmd, 0))
+        };
+        let identify = admin(admin_opcode::IDENTIFY, 0, 1, 0);
+        assert_eq!(with(identify, sgl::TRANSPORT, 4096), Status::SUCCESS);
+        assert_eq!(with(identify, sgl::TRANSPORT, 512), Status::SGL_LENGTH_INVALID);
+        assert_eq!(with(identify, sgl::IN_CAPSULE, 4096), Status::SGL_TYPE_INVALID);
+        assert_eq!(with(identify, 0x30, 4096), Status::SGL_TYPE_INVALID);
+        assert_eq!(with(identify, 0x0F, 4096), Status::SGL_TYPE_INVALID);
+        let mut glp = admin(admin_opcode::GET_LOG_PAGE, 0xFFFF_FFFF, 0, 0);
+        // 4 GiB with a matching descriptor: over MDTS, refused before anything is built.
+        GetLogPage { lid: lid::SMART, lsp: 0, rae: false, len: 1 << 32, offset: 0 }.apply(&mut glp);
+        assert_eq!(with(glp, sgl::TRANSPORT, u32::MAX), Status::INVALID_FIELD);
+        GetLogPage { lid: lid::SMART, lsp: 0, rae: false, len: 16 << 30, offset: 0 }.apply(&mut glp);
+        assert_eq!(with(glp, sgl::TRANSPORT, 4096), Status::INVALID_FIELD);
+        GetLogPage { lid: lid::SMART, lsp: 0, rae: false, len: 8192, offset: 0 }.apply(&mut glp);
+        assert_eq!(with(glp, sgl::TRANSPORT, 4096), Status::SGL_LENGTH_INVALID);
+        assert_eq!(with(glp, sgl::TRANSPORT, 8192), Status::SUCCESS);
     }
 }

@@ -10,6 +10,7 @@ use nvpool_wire::fabrics::{
 };
 
 use super::controller::Association;
+use super::data_pointer::{self, Direction, Length, Source};
 use super::{ADMIN_QUEUE_DEPTH, Controller, Target};
 
 /// Byte offset of SQSIZE in the Connect SQE, for error reporting.
@@ -50,10 +51,15 @@ pub fn connect(target: &Target, cmd: &Command, data: &[u8]) -> Result<Connected,
     if c.recfmt != 0 {
         return Err(refuse(Status::CONNECT_INCOMPATIBLE_FORMAT, 0));
     }
-    let d = ConnectData::decode(data).ok_or_else(|| refuse(Status::SGL_LENGTH_INVALID, 0))?;
-    if cmd.dptr.length < CONNECT_DATA_SIZE as u32 {
-        return Err(refuse(Status::SGL_LENGTH_INVALID, 0));
-    }
+    let need = Length::Exactly(CONNECT_DATA_SIZE as u64);
+    // The Connect data comes in the capsule: before the queue exists there is no R2T
+    // to ask for it with.
+    let offset = match data_pointer::check(&cmd.dptr, Direction::FromHost, need, data.len()) {
+        Ok(Source::InCapsule { offset }) => offset,
+        Ok(Source::Transport) => return Err(refuse(Status::SGL_TYPE_INVALID, 0)),
+        Err(status) => return Err(refuse(status, 0)),
+    };
+    let d = ConnectData::decode(&data[offset..]).ok_or_else(|| refuse(Status::SGL_LENGTH_INVALID, 0))?;
     let subsystem = target.subsystem(&d.subnqn).ok_or_else(|| {
         refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(true, CONNECT_SUBNQN_OFFSET))
     })?;

@@ -5,6 +5,7 @@
 
 pub mod admin;
 pub mod controller;
+pub mod data_pointer;
 pub mod discovery;
 pub mod fabrics;
 pub mod nvm;

@@ -1,9 +1,10 @@
 //! NVM I/O commands (NVM Command Set 1.0 §3): validation and the disk work they need.
 
 use nvpool_wire::Status;
-use nvpool_wire::command::{Command, DSM_ATTR_DEALLOCATE, io_opcode};
+use nvpool_wire::command::{Command, DSM_ATTR_DEALLOCATE, DSM_RANGE_SIZE, io_opcode};
 
-use super::{MAX_TRANSFER, Namespace};
+use super::Namespace;
+use super::data_pointer::{self, Direction, Length, Source};
 
 /// The disk work one NVM command needs, in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,7 +50,7 @@ impl IoPlan {
     pub fn host_data_len(&self) -> u32 {
         match *self {
             IoPlan::Write { len, .. } => len,
-            IoPlan::DatasetManagement { ranges, .. } => ranges * nvpool_wire::command::DSM_RANGE_SIZE as u32,
+            IoPlan::DatasetManagement { ranges, .. } => ranges * DSM_RANGE_SIZE as u32,
             _ => 0,
         }
     }
@@ -62,39 +63,40 @@ fn range(ns: &Namespace, slba: u64, nlb: u64) -> Result<(u64, u64), Status> {
     }
 }
 
-/// Validates an NVM command against its namespace and says what disk work it needs.
-pub fn plan(ns: &Namespace, cmd: &Command) -> Result<IoPlan, Status> {
+/// Validates an NVM command, with `in_capsule` bytes of data in its capsule, against
+/// its namespace. Says what disk work it needs and, for a command with data, where
+/// the host's data is.
+pub fn plan(ns: &Namespace, cmd: &Command, in_capsule: usize) -> Result<(IoPlan, Option<Source>), Status> {
     match cmd.opcode {
         io_opcode::READ | io_opcode::WRITE => {
             let (offset, len) = range(ns, cmd.slba(), u64::from(cmd.nlb()))?;
-            if len > MAX_TRANSFER as u64 {
-                return Err(Status::INVALID_FIELD.with_dnr());
-            }
-            if u64::from(cmd.dptr.length) != len {
-                return Err(Status::SGL_LENGTH_INVALID.with_dnr());
-            }
+            let direction = if cmd.opcode == io_opcode::READ { Direction::ToHost } else { Direction::FromHost };
+            let source = data_pointer::check(&cmd.dptr, direction, Length::Exactly(len), in_capsule)?;
+            // Within MDTS, as the check above made sure.
             let len = len as u32;
-            Ok(if cmd.opcode == io_opcode::READ {
+            let plan = if cmd.opcode == io_opcode::READ {
                 IoPlan::Read { offset, len }
             } else {
                 IoPlan::Write { offset, len, fua: cmd.fua() }
-            })
+            };
+            Ok((plan, Some(source)))
         }
-        io_opcode::FLUSH => Ok(IoPlan::Flush),
+        io_opcode::FLUSH => Ok((IoPlan::Flush, None)),
         io_opcode::WRITE_ZEROES => {
             let (offset, len) = range(ns, cmd.slba(), u64::from(cmd.nlb()))?;
-            Ok(IoPlan::WriteZeroes { offset, len })
+            Ok((IoPlan::WriteZeroes { offset, len }, None))
         }
         io_opcode::DATASET_MANAGEMENT => {
             let ranges = (cmd.cdw10() & 0xFF) + 1;
-            if u64::from(cmd.dptr.length) < u64::from(ranges) * 16 {
-                return Err(Status::SGL_LENGTH_INVALID.with_dnr());
-            }
-            Ok(IoPlan::DatasetManagement {
+            // Linux describes its whole range buffer, which may hold more ranges than NR.
+            let need = Length::AtLeast(u64::from(ranges) * DSM_RANGE_SIZE as u64);
+            let source = data_pointer::check(&cmd.dptr, Direction::FromHost, need, in_capsule)?;
+            let plan = IoPlan::DatasetManagement {
                 ranges,
                 deallocate: cmd.cdw11() & DSM_ATTR_DEALLOCATE != 0,
                 block_shift: ns.block_shift,
-            })
+            };
+            Ok((plan, Some(source)))
         }
         _ => Err(Status::INVALID_OPCODE.with_dnr()),
     }
@@ -102,7 +104,7 @@ pub fn plan(ns: &Namespace, cmd: &Command) -> Result<IoPlan, Status> {
 
 /// Checks the Dataset Management ranges in a command's data against the namespace.
 pub fn check_dsm_ranges(ns: &Namespace, data: &[u8], ranges: u32) -> Result<(), Status> {
-    data.chunks_exact(nvpool_wire::command::DSM_RANGE_SIZE)
+    data.chunks_exact(DSM_RANGE_SIZE)
         .take(ranges as usize)
         .map(nvpool_wire::command::DsmRange::decode)
         .filter(|r| r.nlb > 0)
@@ -112,7 +114,7 @@ pub fn check_dsm_ranges(ns: &Namespace, data: &[u8], ranges: u32) -> Result<(), 
 /// The non-empty Dataset Management ranges in a command's data, as (offset, length)
 /// in bytes; checked beforehand with [`check_dsm_ranges`].
 pub fn dsm_byte_ranges(data: &[u8], ranges: u32, block_shift: u32) -> impl Iterator<Item = (u64, u64)> + '_ {
-    data.chunks_exact(nvpool_wire::command::DSM_RANGE_SIZE)
+    data.chunks_exact(DSM_RANGE_SIZE)
         .take(ranges as usize)
         .map(nvpool_wire::command::DsmRange::decode)
         .filter(|r| r.nlb > 0)
@@ -123,28 +125,46 @@ pub fn dsm_byte_ranges(data: &[u8], ranges: u32, block_shift: u32) -> impl Itera
 mod tests {
     use super::*;
     use crate::backend::null::Null;
-    use nvpool_wire::command::{DsmRange, SglDescriptor};
+    use nvpool_wire::command::{DsmRange, SglDescriptor, sgl};
     use std::sync::Arc;
 
     fn ns() -> Namespace {
         Namespace::new(1, Arc::new(Null::new(1 << 20)), 512, [1; 16], [1; 16]).unwrap()
     }
 
+    fn status(r: Result<(IoPlan, Option<Source>), Status>) -> Status {
+        r.unwrap_err().base()
+    }
+
     #[test]
     fn reads_and_writes_are_checked() {
         let ns = ns();
         let c = Command::read_write(io_opcode::READ, 1, 1, 8, 8, 4096);
-        assert_eq!(plan(&ns, &c), Ok(IoPlan::Read { offset: 4096, len: 4096 }));
+        assert_eq!(plan(&ns, &c, 0), Ok((IoPlan::Read { offset: 4096, len: 4096 }, Some(Source::Transport))));
         let past_end = Command::read_write(io_opcode::WRITE, 1, 1, 2047, 2, 1024);
-        assert_eq!(plan(&ns, &past_end).unwrap_err().base(), Status::LBA_OUT_OF_RANGE);
+        assert_eq!(status(plan(&ns, &past_end, 0)), Status::LBA_OUT_OF_RANGE);
         let overflow = Command::read_write(io_opcode::READ, 1, 1, u64::MAX, 2, 1024);
-        assert_eq!(plan(&ns, &overflow).unwrap_err().base(), Status::LBA_OUT_OF_RANGE);
+        assert_eq!(status(plan(&ns, &overflow, 0)), Status::LBA_OUT_OF_RANGE);
         let too_big = Command::read_write(io_opcode::READ, 1, 1, 0, 512, 512 * 512);
-        assert_eq!(plan(&ns, &too_big).unwrap_err().base(), Status::INVALID_FIELD);
+        assert_eq!(status(plan(&ns, &too_big, 0)), Status::INVALID_FIELD);
         let wrong_sgl = Command::read_write(io_opcode::READ, 1, 1, 0, 1, 4096);
-        assert_eq!(plan(&ns, &wrong_sgl).unwrap_err().base(), Status::SGL_LENGTH_INVALID);
+        assert_eq!(status(plan(&ns, &wrong_sgl, 0)), Status::SGL_LENGTH_INVALID);
         let unknown = Command { opcode: 0x7E, ..c };
-        assert_eq!(plan(&ns, &unknown).unwrap_err().base(), Status::INVALID_OPCODE);
+        assert_eq!(status(plan(&ns, &unknown, 0)), Status::INVALID_OPCODE);
+    }
+
+    #[test]
+    fn writes_take_only_the_two_nvme_tcp_descriptors() {
+        let ns = ns();
+        let w = Command::read_write(io_opcode::WRITE, 1, 1, 0, 1, 512);
+        assert_eq!(plan(&ns, &w, 0).unwrap().1, Some(Source::Transport));
+        let in_capsule = Command { dptr: SglDescriptor { id: sgl::IN_CAPSULE, ..w.dptr }, ..w };
+        assert_eq!(plan(&ns, &in_capsule, 512).unwrap().1, Some(Source::InCapsule { offset: 0 }));
+        assert_eq!(status(plan(&ns, &in_capsule, 100)), Status::SGL_LENGTH_INVALID);
+        for id in [0x00, 0x02, 0x30, 0x20, 0x5F] {
+            let odd = Command { dptr: SglDescriptor { id, ..w.dptr }, ..w };
+            assert_eq!(status(plan(&ns, &odd, 512)), Status::SGL_TYPE_INVALID, "id {id:#x}");
+        }
     }
 
     #[test]
@@ -152,11 +172,14 @@ mod tests {
         let ns = ns();
         let c = Command {
             opcode: io_opcode::DATASET_MANAGEMENT,
-            dptr: SglDescriptor { length: 32, ..SglDescriptor::default() },
+            dptr: SglDescriptor { length: 4096, id: sgl::TRANSPORT, ..SglDescriptor::default() },
             cdw: [1, DSM_ATTR_DEALLOCATE, 0, 0, 0, 0],
             ..Command::default()
         };
-        assert_eq!(plan(&ns, &c), Ok(IoPlan::DatasetManagement { ranges: 2, deallocate: true, block_shift: 9 }));
+        let dsm = IoPlan::DatasetManagement { ranges: 2, deallocate: true, block_shift: 9 };
+        assert_eq!(plan(&ns, &c, 0), Ok((dsm, Some(Source::Transport))));
+        let short = Command { dptr: SglDescriptor { length: 16, ..c.dptr }, ..c };
+        assert_eq!(status(plan(&ns, &short, 0)), Status::SGL_LENGTH_INVALID);
         let mut d = [0u8; 32];
         DsmRange { attributes: 0, nlb: 8, slba: 0 }.encode(&mut d[..16]);
         DsmRange { attributes: 0, nlb: 8, slba: 2048 }.encode(&mut d[16..]);

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use io_uring::{opcode, types};
 use nvpool_wire::Status;
 use nvpool_wire::bytes::compact;
-use nvpool_wire::command::{Command, Completion, admin_opcode, sgl};
+use nvpool_wire::command::{Command, Completion, admin_opcode};
 use nvpool_wire::fabrics::fctype;
 use nvpool_wire::tcp::{self, DataHeader, Digests, FatalError, IcResp, Pdu, data_field, fes};
 
@@ -23,12 +23,16 @@ use super::block_io::{BlockIo, DiskQueue, Queued};
 use super::{Op, Reactor};
 use crate::bufpool::{Buf, BufPool};
 use crate::nvme::admin::{self, AdminOutcome};
+use crate::nvme::data_pointer::Source;
 use crate::nvme::nvm::{self, IoPlan};
 use crate::nvme::subsystem::NamespaceMap;
 use crate::nvme::{
     ADMIN_IN_CAPSULE_DATA, Controller, Counted, IO_IN_CAPSULE_DATA, MAX_H2C_DATA, Namespace, Target, fabrics,
 };
 
+/// Controller PDU data alignment asked of hosts: 0, dword-aligned data, which every
+/// host's plain layout (data right after the header and its digest) already has.
+const CPDA: u8 = 0;
 /// Receive buffer: one whole PDU of the largest kind (an H2CData of MAXH2CDATA) with
 /// headers and digests, plus room to read ahead.
 const RECV_BUF: usize = MAX_H2C_DATA as usize + 16 * 1024;
@@ -41,6 +45,7 @@ const RECV_LIMITS: tcp::DataLimits = tcp::DataLimits {
         IO_IN_CAPSULE_DATA as u32
     },
     data_pdu: MAX_H2C_DATA,
+    alignment: tcp::pdu_data_alignment(CPDA),
 };
 /// Most output items sent in one `sendmsg`.
 const MAX_SEND_ITEMS: usize = 256;
@@ -358,7 +363,7 @@ impl Conn {
                     return self.fatal(r, idx, e, &[]);
                 }
                 // Echo the host's digest choice: the Linux host refuses anything else.
-                let resp = IcResp { pfv: 0, cpda: 0, digests: req.digests, maxdata: MAX_H2C_DATA };
+                let resp = IcResp { pfv: 0, cpda: CPDA, digests: req.digests, maxdata: MAX_H2C_DATA };
                 let mut pdu = [0u8; tcp::IC_SIZE];
                 tcp::encode_ic_resp(&resp, &mut pdu);
                 self.queue_whole_pdu(&pdu);
@@ -460,12 +465,10 @@ impl Conn {
                 self.deliver_events(r, idx);
             }
             AdminOutcome::Complete { status, result, data } => {
-                if let Some(mut d) = data {
-                    // Send no more than the host's buffer holds.
-                    d.truncate(cmd.dptr.length as usize);
-                    if cmd.dptr.id == sgl::TRANSPORT && !d.is_empty() {
-                        self.queue_c2h(&[], cmd.cid, Payload::Owned(d), false);
-                    }
+                // The handler checked the host's buffer: the data fills it exactly and
+                // is within MDTS.
+                if let Some(d) = data.filter(|d| !d.is_empty()) {
+                    self.queue_c2h(&[], cmd.cid, Payload::Owned(d), false);
                 }
                 self.respond(r, idx, cmd.cid, status, result);
             }
@@ -501,7 +504,7 @@ impl Conn {
         let Some(ns) = q.namespaces.get(&cmd.nsid) else {
             return self.respond(r, idx, cmd.cid, Status::INVALID_NAMESPACE.with_dnr(), 0);
         };
-        let plan = match nvm::plan(ns, cmd) {
+        let (plan, source) = match nvm::plan(ns, cmd, data.len()) {
             Ok(p) => p,
             Err(s) => {
                 ns.stats.count(r.id, Counted::Error);
@@ -511,12 +514,6 @@ impl Conn {
         // Data a backend drops (null) is received and never copied.
         let keep_data = !matches!(plan, IoPlan::Write { .. }) || ns.backend.keeps_write_data();
         let host_len = plan.host_data_len() as usize;
-        if host_len > 0 && cmd.dptr.id == sgl::IN_CAPSULE && (cmd.dptr.address != 0 || data.len() < host_len) {
-            return self.respond(r, idx, cmd.cid, Status::SGL_LENGTH_INVALID.with_dnr(), 0);
-        }
-        if matches!(plan, IoPlan::Read { .. }) && cmd.dptr.id != sgl::TRANSPORT {
-            return self.respond(r, idx, cmd.cid, Status::SGL_TYPE_INVALID.with_dnr(), 0);
-        }
         let Some(tag) = self.free_slots.pop() else {
             // More commands than the queue size the host connected with.
             return self.respond(r, idx, cmd.cid, Status::COMMAND_ID_CONFLICT.with_dnr(), 0);
@@ -533,14 +530,18 @@ impl Conn {
         if host_len == 0 {
             return self.start_io(r, idx, tag);
         }
+        let in_capsule = match source {
+            Some(Source::InCapsule { offset }) => Some(&data[offset..offset + host_len]),
+            _ => None,
+        };
         if keep_data {
             let mut buf = r.io_buf(host_len);
-            if cmd.dptr.id == sgl::IN_CAPSULE {
-                buf.as_mut_slice()[..host_len].copy_from_slice(&data[..host_len]);
+            if let Some(d) = in_capsule {
+                buf.as_mut_slice()[..host_len].copy_from_slice(d);
             }
             slot.io.set_buf(buf);
         }
-        if cmd.dptr.id == sgl::IN_CAPSULE {
+        if in_capsule.is_some() {
             slot.received = host_len as u32;
             return self.start_io(r, idx, tag);
         }
