@@ -160,6 +160,12 @@ impl Command {
         self.cdw[2] & (1 << 25) != 0
     }
 
+    /// Whether CDW0 asks for what a fabrics controller serves: SGLs (PSDT 01b, as
+    /// NVMe-oF requires) and no fused operation.
+    pub fn has_fabrics_flags(&self) -> bool {
+        self.flags & (PSDT_MASK | FUSE_MASK) == PSDT_SGL
+    }
+
     /// A Read or Write command for `nlb` blocks from `slba` (helper for initiators).
     pub fn read_write(opcode: u8, cid: u16, nsid: u32, slba: u64, nlb: u32, len: u32) -> Command {
         Command {
@@ -176,6 +182,10 @@ impl Command {
 
 /// CDW0 flags value selecting SGLs for the data pointer (PSDT = 01b).
 pub const PSDT_SGL: u8 = 0x40;
+/// CDW0 flags bits of PSDT (PRP or SGL for the data pointer).
+pub const PSDT_MASK: u8 = 0xC0;
+/// CDW0 flags bits of FUSE (fused operations).
+pub const FUSE_MASK: u8 = 0x03;
 
 /// A completion queue entry.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -88,8 +88,6 @@ pub mod data_field {
     pub const CCCID: u32 = 8;
     /// Transfer Tag.
     pub const TTAG: u32 = 10;
-    /// Data Offset.
-    pub const DATAO: u32 = 12;
     /// Data Length.
     pub const DATAL: u32 = 16;
 }
@@ -354,7 +352,7 @@ pub fn parse(buf: &[u8], digests: Digests, limits: DataLimits) -> Result<Option<
     if data_len > max_data as usize {
         return Err(FatalError {
             fes: fes::DATA_LIMIT_EXCEEDED,
-            fei: 4,
+            fei: 0,
             reason: "PDU data exceeds the negotiated limit",
         });
     }
@@ -409,7 +407,7 @@ pub fn parse(buf: &[u8], digests: Digests, limits: DataLimits) -> Result<Option<
         pdu_type::H2C_DATA | pdu_type::C2H_DATA => {
             let header = data_header();
             if header.length as usize != data_len {
-                return Err(FatalError::field(16, "data length does not match the PDU length"));
+                return Err(FatalError::field(data_field::DATAL, "data length does not match the PDU length"));
             }
             if ty == pdu_type::H2C_DATA {
                 Pdu::H2CData { header, last: fl & flags::DATA_LAST != 0, data }

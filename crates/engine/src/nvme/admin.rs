@@ -320,6 +320,10 @@ fn set_features(target: &Target, ctrl: &Controller, cmd: &Command) -> AdminOutco
             if nsqr == 0xFFFF || ncqr == 0xFFFF {
                 return done(Status::INVALID_FIELD.with_dnr());
             }
+            // The count is set before any I/O queue exists (NVMe Base 2.0 §5.27.1.7).
+            if ctrl.has_io_queues() {
+                return done(Status::COMMAND_SEQUENCE_ERROR.with_dnr());
+            }
             let granted = ctrl.grant_io_queues(nsqr.min(ncqr) + 1) - 1;
             done_result(u64::from(granted | granted << 16))
         }

@@ -178,6 +178,11 @@ impl Controller {
         g
     }
 
+    /// Whether any I/O queue is connected.
+    pub fn has_io_queues(&self) -> bool {
+        lock(&self.connected_queues).iter().skip(1).any(|&connected| connected)
+    }
+
     /// Claims queue `qid` for a new connection; false if it is out of range or taken.
     pub fn claim_queue(&self, qid: u16) -> bool {
         let mut q = lock(&self.connected_queues);

@@ -402,6 +402,10 @@ impl Conn {
         if !digest_ok {
             return self.respond(r, idx, cmd.cid, Status::TRANSIENT_TRANSPORT_ERROR, 0);
         }
+        if !cmd.has_fabrics_flags() {
+            // A PRP data pointer has no meaning on a fabric; fused pairs are not served.
+            return self.respond(r, idx, cmd.cid, Status::INVALID_FIELD.with_dnr(), 0);
+        }
         if self.queue.is_none() {
             if fabrics && cmd.fctype() == fctype::CONNECT {
                 return self.on_connect(r, idx, cmd, data);
@@ -423,7 +427,9 @@ impl Conn {
                     self.phase = Phase::Draining;
                 }
                 fctype::CONNECT => self.respond(r, idx, cmd.cid, Status::COMMAND_SEQUENCE_ERROR.with_dnr(), 0),
-                _ => self.respond(r, idx, cmd.cid, Status::INVALID_FIELD.with_dnr(), 0),
+                // Property Get/Set belong on the admin queue, as Linux nvmet and SPDK
+                // answer too.
+                _ => self.respond(r, idx, cmd.cid, Status::INVALID_OPCODE.with_dnr(), 0),
             }
         } else {
             self.on_io(r, idx, cmd, data);
@@ -562,17 +568,14 @@ impl Conn {
             return self.fatal(r, idx, header_error(data_field::CCCID, "H2CData CCCID is not the R2T's command"), &[]);
         }
         let total = slot.io.plan.host_data_len();
-        let out_of_range = |fei, reason| FatalError { fes: fes::DATA_OUT_OF_RANGE, fei, reason };
+        // FEI names a field only for header field and parameter errors; for the others
+        // it is reserved, so zero.
+        let out_of_range = |reason| FatalError { fes: fes::DATA_OUT_OF_RANGE, fei: 0, reason };
         if h.offset != slot.received {
-            return self.fatal(
-                r,
-                idx,
-                out_of_range(data_field::DATAO, "H2CData offset is not where the data stands"),
-                &[],
-            );
+            return self.fatal(r, idx, out_of_range("H2CData offset is not where the data stands"), &[]);
         }
         if h.offset.checked_add(h.length).is_none_or(|end| end > total) {
-            return self.fatal(r, idx, out_of_range(data_field::DATAL, "H2CData goes past the R2T"), &[]);
+            return self.fatal(r, idx, out_of_range("H2CData goes past the R2T"), &[]);
         }
         if let Some(b) = slot.io.data_mut() {
             b[h.offset as usize..(h.offset + h.length) as usize].copy_from_slice(data);
@@ -588,9 +591,7 @@ impl Conn {
                 self.finish(r, idx, h.ttag);
             }
         } else if last {
-            let e =
-                FatalError { fes: fes::DATA_OUT_OF_RANGE, fei: 0, reason: "last H2CData before the whole transfer" };
-            self.fatal(r, idx, e, &[]);
+            self.fatal(r, idx, out_of_range("last H2CData before the whole transfer"), &[]);
         }
     }
 
