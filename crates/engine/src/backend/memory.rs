@@ -5,6 +5,7 @@
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 
 use nvpool_wire::Status;
 
@@ -23,17 +24,19 @@ pub const TYPE: BackendType = BackendType {
 /// Holes punched in shmem read back as zeroes (it cannot zero in place).
 const PUNCH_HOLE: i32 = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
 
-/// The RAM mapping. Concurrent I/O to overlapping ranges leaves unspecified bytes
-/// there, as it would on a disk.
+/// The RAM mapping. Reactors copy in and out of it at the same time, and two hosts may
+/// write one range at once, so every access from Rust is a relaxed atomic copy: a race
+/// is then defined, and leaves each word old or new, as a disk leaves each sector.
+/// The kernel reads it directly for sends and punches holes in it.
 #[derive(Debug)]
 struct Mapping {
     ptr: *mut u8,
     len: usize,
 }
 
-// SAFETY: the mapping is plain shared memory that lives as long as `Mapping`; every
-// access goes through bounds-checked copies, so sharing the pointer between threads is
-// sound.
+// SAFETY: the mapping lives as long as `Mapping` and Rust touches it only through
+// bounds-checked atomic copies (`copy_out`, `copy_in`), which any number of threads may
+// run at once.
 unsafe impl Send for Mapping {}
 // SAFETY: as above.
 unsafe impl Sync for Mapping {}
@@ -67,9 +70,8 @@ impl Mapping {
 
     fn read(&self, offset: u64, dst: &mut [u8]) -> bool {
         let Some(start) = self.range(offset, dst.len()) else { return false };
-        // SAFETY: `range` checked that [start, start + len) lies inside the mapping, and
-        // `dst` is a distinct Rust buffer of that length.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(start), dst.as_mut_ptr(), dst.len()) };
+        // SAFETY: `range` checked that [start, start + len) lies inside the mapping.
+        unsafe { copy_out(self.ptr.add(start), dst) };
         true
     }
 
@@ -80,9 +82,65 @@ impl Mapping {
 
     fn write(&self, offset: u64, src: &[u8]) -> bool {
         let Some(start) = self.range(offset, src.len()) else { return false };
-        // SAFETY: as in `read`, with the copy going the other way.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(start), src.len()) };
+        // SAFETY: as in `read`.
+        unsafe { copy_in(src, self.ptr.add(start)) };
         true
+    }
+}
+
+/// Splits `len` bytes from `addr` into a head of single bytes up to 8-byte alignment,
+/// whole 8-byte words, and a tail of single bytes; returns (head, words).
+fn word_split(addr: usize, len: usize) -> (usize, usize) {
+    let head = addr.wrapping_neg() % 8;
+    if head >= len {
+        return (len, 0);
+    }
+    (head, (len - head) / 8)
+}
+
+/// Copies `dst.len()` bytes out of shared memory at `src` with relaxed atomic loads.
+///
+/// # Safety
+/// `src..src + dst.len()` must be mapped, writable memory that Rust touches only
+/// through atomic accesses while this runs.
+unsafe fn copy_out(src: *const u8, dst: &mut [u8]) {
+    let (head, words) = word_split(src as usize, dst.len());
+    let src = src.cast_mut();
+    for (i, d) in dst.iter_mut().enumerate().take(head) {
+        // SAFETY: in bounds by the caller's promise; AtomicU8 has no alignment need.
+        *d = unsafe { AtomicU8::from_ptr(src.add(i)) }.load(Ordering::Relaxed);
+    }
+    for w in 0..words {
+        let at = head + w * 8;
+        // SAFETY: in bounds, and `word_split` made `src + at` 8-byte aligned.
+        let v = unsafe { AtomicU64::from_ptr(src.add(at).cast::<u64>()) }.load(Ordering::Relaxed);
+        dst[at..at + 8].copy_from_slice(&v.to_ne_bytes());
+    }
+    for (i, d) in dst.iter_mut().enumerate().skip(head + words * 8) {
+        // SAFETY: as for the head.
+        *d = unsafe { AtomicU8::from_ptr(src.add(i)) }.load(Ordering::Relaxed);
+    }
+}
+
+/// Copies `src` into shared memory at `dst` with relaxed atomic stores.
+///
+/// # Safety
+/// As for [`copy_out`], for `dst..dst + src.len()`.
+unsafe fn copy_in(src: &[u8], dst: *mut u8) {
+    let (head, words) = word_split(dst as usize, src.len());
+    for (i, &b) in src.iter().enumerate().take(head) {
+        // SAFETY: in bounds by the caller's promise; AtomicU8 has no alignment need.
+        unsafe { AtomicU8::from_ptr(dst.add(i)) }.store(b, Ordering::Relaxed);
+    }
+    for w in 0..words {
+        let at = head + w * 8;
+        let v = u64::from_ne_bytes(src[at..at + 8].try_into().expect("an 8-byte word"));
+        // SAFETY: in bounds, and `word_split` made `dst + at` 8-byte aligned.
+        unsafe { AtomicU64::from_ptr(dst.add(at).cast::<u64>()) }.store(v, Ordering::Relaxed);
+    }
+    for (i, &b) in src.iter().enumerate().skip(head + words * 8) {
+        // SAFETY: as for the head.
+        unsafe { AtomicU8::from_ptr(dst.add(i)) }.store(b, Ordering::Relaxed);
     }
 }
 
@@ -191,5 +249,39 @@ mod tests {
         assert!(!b.ram.write(u64::MAX, &[0u8; 1]));
         assert!(b.mapped((8 << 20) - 4096, 4096).is_some());
         assert!(b.mapped((8 << 20) - 4095, 4096).is_none());
+    }
+
+    #[test]
+    fn copies_of_any_alignment_and_length_round_trip() {
+        let b = Memory::new(1 << 16).unwrap();
+        for (offset, len) in [(0u64, 0usize), (0, 1), (3, 5), (5, 8), (7, 9), (1, 4096), (4096, 4096), (13, 1000)] {
+            let data: Vec<u8> = (0..len).map(|i| (i * 7 + offset as usize) as u8).collect();
+            assert!(b.ram.write(offset, &data));
+            let mut back = vec![0u8; len];
+            assert!(b.ram.read(offset, &mut back));
+            assert_eq!(back, data, "offset {offset} length {len}");
+        }
+    }
+
+    #[test]
+    fn two_threads_writing_one_range_leave_whole_words_of_either() {
+        let b = std::sync::Arc::new(Memory::new(1 << 16).unwrap());
+        let writers: Vec<_> = [0x11u8, 0x22]
+            .into_iter()
+            .map(|v| {
+                let b = b.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..200 {
+                        assert!(b.ram.write(0, &[v; 4096]));
+                    }
+                })
+            })
+            .collect();
+        writers.into_iter().for_each(|w| w.join().unwrap());
+        let mut back = [0u8; 4096];
+        assert!(b.ram.read(0, &mut back));
+        for word in back.chunks(8) {
+            assert!(word.iter().all(|&x| x == word[0]) && (word[0] == 0x11 || word[0] == 0x22));
+        }
     }
 }
