@@ -169,10 +169,11 @@ fn remove(engine: &Path, d: &proto::DesiredVolume, has_volume: bool, has_subsyst
     Ok(())
 }
 
-/// The node's pools and its volumes' allocations, as the engine reports them.
-fn usage(engine: &Path) -> (Vec<proto::PoolReport>, Vec<proto::VolumeUsage>) {
-    let pools = call(engine, ListPools {}).unwrap_or_default();
-    let volumes = call(engine, ListVolumes { pool: None }).unwrap_or_default();
+/// The node's pools and its volumes' allocations, as the engine reports them; an
+/// error when the engine cannot be asked, so that nothing reports an empty node.
+fn usage(engine: &Path) -> Result<(Vec<proto::PoolReport>, Vec<proto::VolumeUsage>), String> {
+    let pools = call(engine, ListPools {})?;
+    let volumes = call(engine, ListVolumes { pool: None })?;
     let pools = pools
         .into_iter()
         .map(|p| proto::PoolReport {
@@ -189,7 +190,7 @@ fn usage(engine: &Path) -> (Vec<proto::PoolReport>, Vec<proto::VolumeUsage>) {
         .into_iter()
         .map(|v| proto::VolumeUsage { engine_name: v.name, allocated_bytes: v.allocated_bytes })
         .collect();
-    (pools, volumes)
+    Ok((pools, volumes))
 }
 
 /// The address hosts use: the engine's first listener, unless one was given.
@@ -225,15 +226,20 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
     let engine = args.engine_socket.clone();
     let mut interval = Duration::from_secs(1);
     let mut registered = false;
+    // Why the engine did not answer the last heartbeat's questions, logged once.
+    let mut engine_down: Option<String> = None;
     loop {
         if !registered {
             let engine2 = engine.clone();
             let given = args.nvme_address.clone();
-            let found = tokio::task::spawn_blocking(move || (nvme_address(&engine2, &given), usage(&engine2)))
-                .await
-                .map_err(|e| e.to_string())?;
+            let found = tokio::task::spawn_blocking(move || {
+                let nvme = nvme_address(&engine2, &given)?;
+                usage(&engine2).map(|(pools, _)| (nvme, pools))
+            })
+            .await
+            .map_err(|e| e.to_string())?;
             match found {
-                (Ok(nvme), (pools, _)) => {
+                Ok((nvme, pools)) => {
                     let node = proto::Node {
                         name: args.name.clone(),
                         agent_address: advertise.clone(),
@@ -252,7 +258,9 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
                         Err(e) => tracing::warn!(agent = %args.name, "registering failed: {}", e.message()),
                     }
                 }
-                (Err(e), _) => tracing::warn!(agent = %args.name, "engine at {}: {e}", engine.display()),
+                // Not registered until the engine answers: a node is never announced
+                // with the empty pools of an engine nobody could ask.
+                Err(e) => tracing::warn!(agent = %args.name, "engine at {}: {e}", engine.display()),
             }
         } else {
             // Re-apply the last state, which restores exports after an engine restart.
@@ -261,10 +269,35 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
                 service.apply(state).await;
             }
             let engine2 = engine.clone();
-            let (pools, volumes) =
-                tokio::task::spawn_blocking(move || usage(&engine2)).await.map_err(|e| e.to_string())?;
+            let usage = tokio::task::spawn_blocking(move || usage(&engine2)).await.map_err(|e| e.to_string())?;
             let applied_generation = service.applied.lock().await.generation;
-            let hb = proto::HeartbeatRequest { node: args.name.clone(), pools, volumes, applied_generation };
+            let hb = match usage {
+                Ok((pools, volumes)) => {
+                    if engine_down.take().is_some() {
+                        tracing::info!(agent = %args.name, "engine at {} answers again", engine.display());
+                    }
+                    proto::HeartbeatRequest {
+                        node: args.name.clone(),
+                        pools,
+                        volumes,
+                        applied_generation,
+                        ..Default::default()
+                    }
+                }
+                Err(e) => {
+                    if engine_down.is_none() {
+                        tracing::warn!(agent = %args.name, "engine at {} does not answer: {e}", engine.display());
+                    }
+                    let engine_error = format!("engine at {} does not answer: {e}", engine.display());
+                    engine_down = Some(engine_error.clone());
+                    proto::HeartbeatRequest {
+                        node: args.name.clone(),
+                        applied_generation,
+                        engine_error,
+                        ..Default::default()
+                    }
+                }
+            };
             match controllers.call(async |mut c| c.heartbeat(hb.clone()).await).await {
                 Ok(r) if !r.known => registered = false,
                 Ok(_) => {}

@@ -200,7 +200,7 @@ enum Filtered {
 impl Filtered {
     fn describe(&self, node: &NodeView, req: &Request, policy: &Policy) -> String {
         match self {
-            Filtered::Unhealthy => "unhealthy: it missed its heartbeats".into(),
+            Filtered::Unhealthy => "unhealthy: it missed its heartbeats, or its engine is down".into(),
             Filtered::Excluded => "excluded by the request".into(),
             Filtered::NotIncluded => "not among the included nodes".into(),
             Filtered::NoPool => "has no pool".into(),

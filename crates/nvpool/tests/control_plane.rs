@@ -7,6 +7,8 @@
 //! - A killed agent's node turns unhealthy and gets nothing new; a volume deleted
 //!   meanwhile, and the exports of an engine that restarted meanwhile, are put right
 //!   when the agent comes back.
+//! - A node whose engine is down (its agent alive) takes nothing new and keeps the
+//!   capacity it last reported.
 //! - Bad input gets a clear error and leaves nothing behind.
 
 mod cluster;
@@ -240,6 +242,29 @@ async fn three_nodes_place_survive_restarts_and_reconcile() {
     .await;
     assert_eq!(exports(&nodes_[1])[&a.subsystem_nqn], vec![HOST.to_string()], "the allow-list came back");
     println!("n2 reconciled: {} exports, the deleted volume removed", want.len());
+
+    // Kill n3's engine while its agent runs: the node is reported with its engine down
+    // and takes nothing new, but keeps the capacity it last reported.
+    let capacity_of_n3 = |nodes: &[proto::Node]| {
+        nodes.iter().find(|n| n.name == "n3").map(|n| n.pools.iter().map(|p| p.capacity_bytes).sum::<u64>())
+    };
+    let before = capacity_of_n3(&nodes(&c).await).unwrap();
+    assert!(before > 0);
+    nodes_[2].engine.kill();
+    wait_healthy(&c, &["n1", "n2"]).await;
+    let listed = nodes(&c).await;
+    let n3 = listed.iter().find(|n| n.name == "n3").unwrap();
+    assert!(n3.engine_error.contains("does not answer"), "{:?}", n3.engine_error);
+    assert_eq!(capacity_of_n3(&listed), Some(before), "an engine that is down empties no pool");
+    let only_n3 =
+        proto::CreateVolumeRequest { include_nodes: vec!["n3".into()], ..create_request("while-n3-is-blind", MIB) };
+    let e = create(&c, &only_n3).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted);
+    assert!(e.message().contains("n3: unhealthy"), "{}", e.message());
+    nodes_[2].start_engine(true);
+    wait_healthy(&c, &["n1", "n2", "n3"]).await;
+    assert!(nodes(&c).await.iter().all(|n| n.engine_error.is_empty()));
+    println!("n3's engine down: reported, capacity kept, nothing placed; back once it answers");
 }
 
 /// `before` with HOST attached to `name`, as the controller should now report it.

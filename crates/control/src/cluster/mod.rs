@@ -54,6 +54,8 @@ struct NodeEntry {
     usage: HashMap<String, u64>,
     desired_generation: u64,
     applied_generation: u64,
+    /// Why the agent last could not reach its engine; the node takes nothing new then.
+    engine_error: Option<String>,
 }
 
 struct State {
@@ -146,6 +148,7 @@ impl Cluster {
                 usage: HashMap::new(),
                 desired_generation: 0,
                 applied_generation: 0,
+                engine_error: None,
             };
             nodes.insert(entry.record.name.clone(), entry);
         }

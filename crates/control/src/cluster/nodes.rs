@@ -31,12 +31,14 @@ impl Cluster {
             usage: HashMap::new(),
             desired_generation: 0,
             applied_generation: 0,
+            engine_error: None,
         });
         entry.pools = record.pools.clone();
         entry.record = record.clone();
         entry.last_seen = Instant::now();
-        // A (re)registered agent has applied nothing yet.
+        // A (re)registered agent has applied nothing yet, and reached its engine.
         entry.applied_generation = 0;
+        entry.engine_error = None;
         st.touch(&record.name);
         Ok(())
     }
@@ -47,6 +49,17 @@ impl Cluster {
             return false;
         };
         n.last_seen = Instant::now();
+        if !hb.engine_error.is_empty() {
+            // The agent is alive but blind: keep the pools and usage last reported.
+            if n.engine_error.is_none() {
+                tracing::warn!(node = %hb.node, "the node's engine is down: {}", hb.engine_error);
+            }
+            n.engine_error = Some(hb.engine_error);
+            return true;
+        }
+        if n.engine_error.take().is_some() {
+            tracing::info!(node = %hb.node, "the node's engine is back");
+        }
         n.pools = hb.pools.iter().map(pool_record).collect();
         n.usage = hb.volumes.into_iter().map(|u| (u.engine_name, u.allocated_bytes)).collect();
         n.applied_generation = hb.applied_generation;
@@ -66,6 +79,7 @@ impl Cluster {
                 healthy: self.healthy(n),
                 last_heartbeat_ms_ago: n.last_seen.elapsed().as_millis() as u64,
                 volumes: st.volumes.values().filter(|v| v.node == n.record.name).count() as u32,
+                engine_error: n.engine_error.clone().unwrap_or_default(),
             })
             .collect()
     }
@@ -91,8 +105,9 @@ impl Cluster {
         out
     }
 
+    /// Heartbeats arrive and the agent reaches its engine.
     pub(super) fn healthy(&self, n: &NodeEntry) -> bool {
-        n.last_seen.elapsed() < self.cfg.node_timeout
+        n.last_seen.elapsed() < self.cfg.node_timeout && n.engine_error.is_none()
     }
 
     /// The scheduler's view: reported pools, with what this controller has promised

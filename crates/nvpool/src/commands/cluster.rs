@@ -549,6 +549,7 @@ fn nodes_json(nodes: &[proto::Node]) -> serde_json::Value {
                 "name": n.name, "agent_address": n.agent_address, "nvme_address": n.nvme_address, "labels": n.labels,
                 "healthy": n.healthy, "last_heartbeat_ms_ago": n.last_heartbeat_ms_ago, "volumes": n.volumes,
                 "pools": n.pools.iter().map(pool_json).collect::<Vec<_>>(),
+                "engine_error": if n.engine_error.is_empty() { serde_json::Value::Null } else { n.engine_error.clone().into() },
             })
         })
         .collect()
@@ -571,7 +572,12 @@ fn node_table(nodes: &[proto::Node]) -> Vec<Vec<String>> {
     for n in nodes {
         rows.push(vec![
             n.name.clone(),
-            if n.healthy { "healthy" } else { "unhealthy" }.into(),
+            match (n.healthy, n.engine_error.is_empty()) {
+                (true, _) => "healthy",
+                (false, false) => "engine down",
+                (false, true) => "unhealthy",
+            }
+            .into(),
             n.nvme_address.clone(),
             n.pools.len().to_string(),
             human(n.pools.iter().map(|p| p.capacity_bytes).sum()),
