@@ -4,27 +4,54 @@
 //! so every buffer must satisfy `O_DIRECT` alignment. Buffers come in power-of-two
 //! size classes from 4 KiB to the largest transfer; a buffer returned to the pool is
 //! reused, so after warm-up the I/O path allocates nothing. A buffer's memory never
-//! moves while it is alive (it is a heap allocation), which io_uring requires for the
-//! duration of an operation.
+//! moves while it is alive, which io_uring requires for the duration of an operation.
+//!
+//! Each buffer is its own anonymous mapping, so one that is let go returns its memory
+//! to the system at once: after a storm of hosts has come and gone, the pool keeps
+//! only the buffers registered with io_uring and a bounded reserve of others.
 #![allow(unsafe_code)]
 
-/// One 4 KiB page, aligned so that a vector of pages is `O_DIRECT` aligned.
-#[derive(Clone, Copy)]
-#[repr(C, align(4096))]
-struct Page([u8; PAGE_SIZE]);
+use std::ptr::NonNull;
 
 /// Size of a page and the alignment of every buffer.
 pub const PAGE_SIZE: usize = 4096;
 
-/// An aligned I/O buffer of a power-of-two number of pages.
+/// Free unregistered buffers a pool keeps for reuse, in bytes; the rest are unmapped.
+const KEEP_UNREGISTERED_BYTES: usize = 8 << 20;
+
+/// An aligned buffer of a power-of-two number of pages, mapped for it alone.
 pub struct Buf {
-    pages: Vec<Page>,
+    ptr: NonNull<u8>,
+    pages: usize,
     registered: Option<u16>,
 }
 
+// SAFETY: a `Buf` owns its mapping exclusively; moving it to another thread moves that
+// ownership, and nothing else points into it from Rust.
+unsafe impl Send for Buf {}
+
 impl Buf {
-    fn new(pages: usize) -> Buf {
-        Buf { pages: vec![Page([0; PAGE_SIZE]); pages], registered: None }
+    /// A zeroed buffer of `pages` pages.
+    pub fn new(pages: usize) -> Buf {
+        let len = pages.max(1) * PAGE_SIZE;
+        // SAFETY: a fresh private anonymous mapping with no fixed address; the result
+        // is checked before use. Anonymous memory is zeroed and page aligned.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            // As the global allocator does when memory runs out.
+            std::alloc::handle_alloc_error(std::alloc::Layout::from_size_align(len, PAGE_SIZE).expect("a page layout"));
+        }
+        let ptr = NonNull::new(ptr.cast::<u8>()).expect("mmap returns no null mapping");
+        Buf { ptr, pages: pages.max(1), registered: None }
     }
 
     /// The buffer's index in the io_uring registered-buffer table, if it has one.
@@ -39,21 +66,20 @@ impl Buf {
 
     /// Capacity in bytes.
     pub fn capacity(&self) -> usize {
-        self.pages.len() * PAGE_SIZE
+        self.pages * PAGE_SIZE
     }
 
     /// The whole buffer.
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: `Page` is `repr(C)` around a byte array with no padding, so the
-        // vector's elements are `capacity()` contiguous, initialized bytes, borrowed for
-        // the lifetime of `&self`.
-        unsafe { std::slice::from_raw_parts(self.pages.as_ptr().cast::<u8>(), self.capacity()) }
+        // SAFETY: the mapping holds `capacity()` initialized (zero-filled or written)
+        // bytes, owned by `self` and borrowed for the lifetime of `&self`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.capacity()) }
     }
 
     /// The whole buffer, mutably.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_slice`, and `&mut self` makes the borrow exclusive.
-        unsafe { std::slice::from_raw_parts_mut(self.pages.as_mut_ptr().cast::<u8>(), self.capacity()) }
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.capacity()) }
     }
 
     /// Zeroes `len` bytes at `at` (clamped to the buffer) through the raw pointer, so
@@ -61,7 +87,7 @@ impl Buf {
     pub fn zero_range(&mut self, at: usize, len: usize) {
         let end = at.saturating_add(len).min(self.capacity());
         if at < end {
-            // SAFETY: [at, end) lies inside the buffer's allocation, and `&mut self`
+            // SAFETY: [at, end) lies inside the buffer's mapping, and `&mut self`
             // means no Rust reference to it exists; parts the kernel may be using are
             // outside this range by the caller's contract (see `BlockIo::zero`).
             unsafe { std::ptr::write_bytes(self.as_mut_ptr().add(at), 0, end - at) };
@@ -70,21 +96,38 @@ impl Buf {
 
     /// Raw pointer for io_uring; valid while the buffer lives.
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
-        self.pages.as_mut_ptr().cast::<u8>()
+        self.ptr.as_ptr()
+    }
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping `new` made; the buffer is gone after this.
+        // A registered buffer is never dropped while its ring lives (see `BufPool`).
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.capacity()) };
     }
 }
 
 /// A pool of buffers in size classes of 1, 2, 4, ... pages.
+///
+/// Buffers registered with io_uring always come back to the pool (the ring may use
+/// them until it is torn down, after the pool's owner drops the ring); others are kept
+/// up to [`KEEP_UNREGISTERED_BYTES`] and unmapped beyond.
 pub struct BufPool {
     classes: Vec<Vec<Buf>>,
     max_bytes: usize,
+    unregistered_bytes: usize,
 }
 
 impl BufPool {
     /// A pool serving buffers of up to `max_bytes`.
     pub fn new(max_bytes: usize) -> BufPool {
         let max_pages = max_bytes.div_ceil(PAGE_SIZE).next_power_of_two();
-        BufPool { classes: (0..=max_pages.trailing_zeros()).map(|_| Vec::new()).collect(), max_bytes }
+        BufPool {
+            classes: (0..=max_pages.trailing_zeros()).map(|_| Vec::new()).collect(),
+            max_bytes,
+            unregistered_bytes: 0,
+        }
     }
 
     /// A buffer of at least `len` bytes (`len` at most the pool's maximum). Contents
@@ -93,12 +136,37 @@ impl BufPool {
         debug_assert!(len <= self.max_bytes);
         let pages = len.max(1).div_ceil(PAGE_SIZE).next_power_of_two();
         let class = pages.trailing_zeros() as usize;
-        self.classes[class].pop().unwrap_or_else(|| Buf::new(pages))
+        match self.classes[class].pop() {
+            Some(b) => {
+                if b.registered.is_none() {
+                    self.unregistered_bytes -= b.capacity();
+                }
+                b
+            }
+            None => Buf::new(pages),
+        }
     }
 
-    /// Returns a buffer to its class for reuse.
+    /// Takes every free buffer out of the pool.
+    pub fn take_all(&mut self) -> Vec<Buf> {
+        self.unregistered_bytes = 0;
+        self.classes.iter_mut().flat_map(std::mem::take).collect()
+    }
+
+    /// Whether the pool holds no free buffer.
+    pub fn is_empty(&self) -> bool {
+        self.classes.iter().all(Vec::is_empty)
+    }
+
+    /// Returns a buffer for reuse, or lets it go if the pool keeps enough.
     pub fn put(&mut self, buf: Buf) {
-        let class = buf.pages.len().trailing_zeros() as usize;
+        let class = buf.pages.trailing_zeros() as usize;
+        if buf.registered.is_none() {
+            if self.unregistered_bytes + buf.capacity() > KEEP_UNREGISTERED_BYTES {
+                return;
+            }
+            self.unregistered_bytes += buf.capacity();
+        }
         if let Some(list) = self.classes.get_mut(class) {
             list.push(buf);
         }
@@ -127,5 +195,19 @@ mod tests {
         again.zero_range(8190, 100);
         assert_eq!(again.as_slice()[8191], 0);
         assert_eq!(pool.get(128 * 1024).capacity(), 128 * 1024);
+    }
+
+    #[test]
+    fn unregistered_buffers_beyond_the_reserve_are_let_go_and_registered_ones_kept() {
+        let mut pool = BufPool::new(128 * 1024);
+        let many: Vec<Buf> = (0..200).map(|_| pool.get(128 * 1024)).collect();
+        many.into_iter().for_each(|b| pool.put(b));
+        assert_eq!(pool.unregistered_bytes, KEEP_UNREGISTERED_BYTES);
+        assert_eq!(pool.classes[5].len(), KEEP_UNREGISTERED_BYTES / (128 * 1024));
+        let mut registered = Buf::new(32);
+        registered.set_registered_index(3);
+        pool.put(registered);
+        assert_eq!(pool.classes[5].len(), KEEP_UNREGISTERED_BYTES / (128 * 1024) + 1);
+        assert_eq!(pool.get(128 * 1024).registered_index(), Some(3));
     }
 }

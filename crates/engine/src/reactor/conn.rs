@@ -21,7 +21,7 @@ use nvpool_wire::tcp::{self, DataHeader, Digests, FatalError, IcResp, Pdu, data_
 
 use super::block_io::{BlockIo, DiskQueue, Queued};
 use super::{Op, Reactor};
-use crate::bufpool::{Buf, BufPool};
+use crate::bufpool::{Buf, BufPool, PAGE_SIZE};
 use crate::nvme::admin::{self, AdminOutcome};
 use crate::nvme::data_pointer::Source;
 use crate::nvme::nvm::{self, IoPlan};
@@ -181,7 +181,9 @@ pub(super) struct Conn {
     phase: Phase,
     accepted_ms: u64,
     digests: Digests,
-    recv_buf: Vec<u8>,
+    /// Its own mapping, so a closed connection gives the memory back at once. Out of
+    /// its place only while `on_recv` parses it.
+    recv_buf: Option<Buf>,
     recv_start: usize,
     recv_end: usize,
     recv_posted: bool,
@@ -210,7 +212,7 @@ impl Conn {
             phase: Phase::Handshake,
             accepted_ms: now_ms,
             digests: Digests::default(),
-            recv_buf: vec![0; RECV_BUF],
+            recv_buf: Some(Buf::new(RECV_BUF.div_ceil(PAGE_SIZE))),
             recv_start: 0,
             recv_end: 0,
             recv_posted: false,
@@ -282,12 +284,13 @@ impl Conn {
         {
             return;
         }
+        let Some(buf) = self.recv_buf.as_mut() else { return };
         if self.recv_start > 0 {
             // Keep the partial PDU at the front so the whole PDU always fits.
-            compact(&mut self.recv_buf, &mut self.recv_start, &mut self.recv_end);
+            compact(buf.as_mut_slice(), &mut self.recv_start, &mut self.recv_end);
         }
-        let room = self.recv_buf.len() - self.recv_end;
-        let ptr = self.recv_buf[self.recv_end..].as_mut_ptr();
+        let room = buf.capacity() - self.recv_end;
+        let ptr = buf.as_mut_slice()[self.recv_end..].as_mut_ptr();
         let len = room as u32;
         let sqe = match self.registered_file {
             Some(i) => opcode::Recv::new(types::Fixed(i), ptr, len).build(),
@@ -295,7 +298,7 @@ impl Conn {
         };
         let sqe = sqe.user_data(Op::Recv(idx).encode());
         // SAFETY: the receive writes into `recv_buf` past `recv_end`, inside its length.
-        // The vector is never resized, and is moved (not freed) while PDUs are parsed;
+        // The mapping never moves or shrinks, and is taken out (not freed) while PDUs are parsed;
         // the connection is freed only once this operation has completed (see
         // `can_free`), and a receive is posted only when none is.
         unsafe { r.push(sqe) };
@@ -313,9 +316,9 @@ impl Conn {
         }
         self.recv_end += res as usize;
         // The buffer is taken out so PDUs can borrow it while the connection changes.
-        let buf = std::mem::take(&mut self.recv_buf);
+        let Some(buf) = self.recv_buf.take() else { return };
         while matches!(self.phase, Phase::Handshake | Phase::Ready) {
-            match tcp::parse(&buf[self.recv_start..self.recv_end], self.digests, RECV_LIMITS) {
+            match tcp::parse(&buf.as_slice()[self.recv_start..self.recv_end], self.digests, RECV_LIMITS) {
                 Ok(None) => break,
                 Ok(Some(p)) => {
                     self.recv_start += p.len;
@@ -323,12 +326,13 @@ impl Conn {
                 }
                 Err(e) => {
                     let start = self.recv_start;
-                    let hdr_end = (start + usize::from(buf.get(start + 2).copied().unwrap_or(8))).min(self.recv_end);
-                    self.fatal(r, idx, e, &buf[start..hdr_end.max(start)]);
+                    let bytes = buf.as_slice();
+                    let hdr_end = (start + usize::from(bytes.get(start + 2).copied().unwrap_or(8))).min(self.recv_end);
+                    self.fatal(r, idx, e, &bytes[start..hdr_end.max(start)]);
                 }
             }
         }
-        self.recv_buf = buf;
+        self.recv_buf = Some(buf);
         // The receive is posted again when the output is flushed, after the send, so
         // responses leave before the kernel arms the socket for the next request.
         r.mark_dirty(idx);

@@ -44,8 +44,10 @@ const TICK: Duration = Duration::from_millis(100);
 /// Submission queue entries; completions get four times as many.
 const RING_ENTRIES: u32 = 1024;
 /// Slots in the ring's registered-buffer table. Pool buffers are registered as the
-/// pool grows, so disk I/O uses fixed buffers (no page pinning per operation).
-const REGISTERED_BUFFERS: u32 = 4096;
+/// pool grows, so disk I/O uses fixed buffers (no page pinning per operation). A
+/// registered buffer stays in the pool for good, so this also bounds what the pool
+/// keeps after a burst: 512 buffers cover 4 queues of 128 commands in flight.
+const REGISTERED_BUFFERS: u32 = 512;
 /// Slots in the ring's registered-file table: connection `i` uses slot `i`. Further
 /// connections, or all of them if registration fails, use plain descriptors.
 const REGISTERED_FILES: u32 = 1024;
@@ -289,6 +291,11 @@ struct Reactor {
     /// Next free slot of the registered-buffer table; `REGISTERED_BUFFERS` once the
     /// table is full or registration is unavailable.
     next_registered: u32,
+    /// Slots of the registered-buffer table freed by `release_idle_buffers`.
+    free_registered: Vec<u32>,
+    /// Whether the memory of the last connections was given back since the reactor
+    /// became idle.
+    released_while_idle: bool,
     pool: BufPool,
     /// Zeroes sent for reads of null namespaces: no copy, and no stale data leaks.
     zeroes: Box<[u8]>,
@@ -331,6 +338,8 @@ impl Reactor {
             wake_fd,
             wake_buf: Box::leak(Box::new(0u64)),
             next_registered: 0,
+            free_registered: Vec::new(),
+            released_while_idle: true,
             pool: BufPool::new(MAX_TRANSFER),
             zeroes: vec![0u8; MAX_TRANSFER].into_boxed_slice(),
             conns: Vec::new(),
@@ -352,20 +361,34 @@ impl Reactor {
     /// An I/O buffer from the pool, registered with the ring when it is new.
     fn io_buf(&mut self, len: usize) -> crate::bufpool::Buf {
         let mut buf = self.pool.get(len);
-        if buf.registered_index().is_none() && self.next_registered < REGISTERED_BUFFERS {
+        let slot = || {
+            self.free_registered
+                .last()
+                .copied()
+                .or((self.next_registered < REGISTERED_BUFFERS).then_some(self.next_registered))
+        };
+        if buf.registered_index().is_none()
+            && let Some(slot) = slot()
+        {
             let iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.capacity() };
-            // SAFETY: the buffer is a heap allocation that the pool keeps for the rest of
-            // the reactor's life (it is never freed, only reused), and the ring is dropped
+            // SAFETY: the buffer is a mapping that, once registered, always returns to
+            // the pool (`BufPool::put` keeps registered buffers) until
+            // `release_idle_buffers` takes it out of the table, and the ring is dropped
             // before the pool, so the registered memory outlives its registration.
-            let rc = unsafe { self.ring.submitter().register_buffers_update(self.next_registered, &[iov], None) };
+            let rc = unsafe { self.ring.submitter().register_buffers_update(slot, &[iov], None) };
             match rc {
                 Ok(_) => {
-                    buf.set_registered_index(self.next_registered as u16);
-                    self.next_registered += 1;
+                    buf.set_registered_index(slot as u16);
+                    if self.free_registered.pop().is_none() {
+                        self.next_registered += 1;
+                    }
                 }
                 // Without registration (e.g. a low RLIMIT_MEMLOCK) plain reads and writes
                 // work the same, a little slower.
-                Err(_) => self.next_registered = REGISTERED_BUFFERS,
+                Err(_) => {
+                    self.next_registered = REGISTERED_BUFFERS;
+                    self.free_registered.clear();
+                }
             }
         }
         buf
@@ -602,6 +625,34 @@ impl Reactor {
     fn tick(&mut self) {
         for c in 0..self.conns.len() as u32 {
             self.with_conn(c, |r, conn| conn.check(r, c, true));
+        }
+        let idle = self.conns.iter().all(Option::is_none);
+        if idle && !self.released_while_idle {
+            self.release_idle_buffers();
+            // The connections' own allocations (slots, output queues) went back to the
+            // allocator, which keeps them in its arenas; hand the free pages back.
+            // SAFETY: malloc_trim only releases free memory of the allocator's arenas.
+            unsafe { libc::malloc_trim(0) };
+        }
+        self.released_while_idle = idle;
+    }
+
+    /// Gives the pool's buffers back to the system once the reactor serves no
+    /// connection, so a storm of hosts that came and went leaves nothing behind. A
+    /// registered buffer leaves the ring's table first, and its slot is reused.
+    fn release_idle_buffers(&mut self) {
+        let unregister = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
+        for buf in self.pool.take_all() {
+            if let Some(slot) = buf.registered_index().map(u32::from) {
+                // SAFETY: an empty entry clears the slot; the buffer is free (no
+                // operation uses it) and lives until after the update returns.
+                if unsafe { self.ring.submitter().register_buffers_update(slot, &[unregister], None) }.is_err() {
+                    // Still in the table: it must stay alive.
+                    self.pool.put(buf);
+                    continue;
+                }
+                self.free_registered.push(slot);
+            }
         }
     }
 
