@@ -177,12 +177,19 @@ pub struct NamespaceConfig {
     pub nsid: Option<u32>,
     /// `null:SIZE`, `memory:SIZE`, `file:PATH`, `file:PATH:SIZE` or `volume:POOL/NAME`.
     pub backend: String,
-    /// Block size: 512 or 4096.
+    /// Block size: 512 or 4096, or 0 for 4096 where the storage writes 4 KiB whole
+    /// across a power loss and 512 elsewhere.
     #[serde(default = "default_block_size")]
     pub block_size: u32,
     /// UUID; derived from the subsystem NQN and NSID when absent, so it is stable.
     /// Volumes always use the UUID and NGUID stored with them.
     pub uuid: Option<uuid::Uuid>,
+    /// Serve blocks larger than the storage writes whole across a power loss. The
+    /// host is told one block is always written whole (AWUPF 0); with this set, a
+    /// block written without a Flush may come back part old, part new after a power
+    /// cut. Off by default: such a namespace is refused.
+    #[serde(default)]
+    pub allow_torn_writes: bool,
 }
 
 fn default_block_size() -> u32 {

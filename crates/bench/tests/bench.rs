@@ -71,6 +71,7 @@ fn verifies_data_through_the_engine() {
                 backend: "memory:16MiB".into(),
                 block_size: 4096,
                 uuid: None,
+                allow_torn_writes: false,
             }],
         }],
         ..EngineConfig::default()

@@ -126,8 +126,14 @@ fn ensure(
     if info.size < d.size_bytes {
         info = call(engine, ResizeVolume { pool: pool.clone(), name: name.clone(), size: d.size_bytes })?;
     }
-    let namespace =
-        NamespaceConfig { nsid: Some(1), backend: format!("volume:{pool}/{name}"), block_size: 4096, uuid: None };
+    // 4 KiB blocks where the pool's disks write them whole across a power loss.
+    let namespace = NamespaceConfig {
+        nsid: Some(1),
+        backend: format!("volume:{pool}/{name}"),
+        block_size: 0,
+        uuid: None,
+        allow_torn_writes: false,
+    };
     let nqn = d.subsystem_nqn.clone();
     match subsystem {
         None => {

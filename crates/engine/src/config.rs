@@ -23,7 +23,9 @@
 //! [[subsystem.namespace]]
 //! nsid = 1                         # optional: the next free ID
 //! backend = "file:/var/lib/nvpool/vol1.img:10GiB"   # or memory:256MiB, null:1GiB
-//! block_size = 512                 # optional: 512 (default) or 4096
+//! block_size = 512                 # optional: 512 (default), 4096, or 0 (4096 where
+//!                                   # the storage writes 4 KiB whole, else 512)
+//! allow_torn_writes = false         # optional: allow blocks the storage may tear
 //! uuid = "..."                     # optional: derived from the NQN and NSID
 //! ```
 

@@ -279,9 +279,28 @@ fn add_namespace_to(engine: &Engine, s: &Subsystem, n: &NamespaceConfig) -> Resu
             (*uuid.as_bytes(), config::derived_nguid(&uuid))
         }
     };
-    let ns = Namespace::new(nsid, opened.backend, n.block_size, uuid, nguid)?;
+    let atomic = opened.backend.power_fail_atomic_bytes();
+    let block_size = block_size_for(n, atomic)?;
+    let ns = Namespace::new(nsid, opened.backend, block_size, uuid, nguid)?;
     s.add_namespace(ns)?;
     Ok(nsid)
+}
+
+/// The block size a namespace gets: the one asked for, or for 0 the largest the
+/// storage writes whole across a power loss. A block larger than that is refused
+/// unless allowed: Identify promises a one-block write is never torn (AWUPF 0).
+fn block_size_for(n: &NamespaceConfig, atomic: u32) -> Result<u32> {
+    match n.block_size {
+        0 if atomic >= 4096 => Ok(4096),
+        0 => Ok(512),
+        bs if bs > atomic && !n.allow_torn_writes => Err(Error::invalid(format!(
+            "{} writes only {atomic} bytes whole across a power loss, so a {bs}-byte block could come back \
+             part old, part new: use block_size 512 (or 0 to choose), or set allow_torn_writes if the host \
+             can live with that",
+            n.backend
+        ))),
+        bs => Ok(bs),
+    }
 }
 
 fn namespace_info(ns: &Namespace) -> NamespaceInfo {
@@ -295,5 +314,29 @@ fn namespace_info(ns: &Namespace) -> NamespaceInfo {
         nguid: ns.nguid.iter().map(|b| format!("{b:02x}")).collect(),
         direct_io: ns.backend.direct_io(),
         stats: ns.stats.snapshot(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ns(block_size: u32, allow_torn_writes: bool) -> NamespaceConfig {
+        NamespaceConfig { nsid: None, backend: "file:/d".into(), block_size, uuid: None, allow_torn_writes }
+    }
+
+    #[test]
+    fn blocks_are_never_larger_than_the_storage_writes_whole_unless_allowed() {
+        // Disks with 4 KiB physical blocks (or RAM) take either size.
+        assert_eq!(block_size_for(&ns(4096, false), 4096).unwrap(), 4096);
+        assert_eq!(block_size_for(&ns(0, false), 4096).unwrap(), 4096);
+        assert_eq!(block_size_for(&ns(0, false), u32::MAX).unwrap(), 4096);
+        // 512-byte physical sectors: 512-byte blocks, 4 KiB only when told.
+        assert_eq!(block_size_for(&ns(0, false), 512).unwrap(), 512);
+        assert_eq!(block_size_for(&ns(512, false), 512).unwrap(), 512);
+        let e = block_size_for(&ns(4096, false), 512).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidArgument);
+        assert!(e.message.contains("512 bytes whole") && e.message.contains("allow_torn_writes"), "{e}");
+        assert_eq!(block_size_for(&ns(4096, true), 512).unwrap(), 4096);
     }
 }

@@ -1167,6 +1167,7 @@ fn every_rule_is_answered_as_the_specifications_say_while_a_witness_verifies_its
                 backend: format!("memory:{}", BLOCKS * u64::from(BLOCK)),
                 block_size: BLOCK,
                 uuid: None,
+                allow_torn_writes: false,
             }],
         }],
         ..EngineConfig::default()

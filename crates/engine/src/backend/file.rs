@@ -48,6 +48,8 @@ pub struct FileBackend {
     block_device: bool,
     direct: bool,
     on_device: bool,
+    /// See `Backend::power_fail_atomic_bytes`.
+    atomic_bytes: u32,
 }
 
 impl FileBackend {
@@ -89,7 +91,15 @@ impl FileBackend {
                 path.display()
             )));
         }
-        Ok(FileBackend { fd: file.into(), path: path.into(), size, block_device, direct, on_device })
+        let atomic_bytes = if block_device {
+            physical_block_size(&file).map_err(cannot)?
+        } else if libc::major(meta.dev()) == 0 {
+            // A filesystem without a device (tmpfs) keeps nothing across a power loss.
+            u32::MAX
+        } else {
+            device_physical_block(meta.dev())
+        };
+        Ok(FileBackend { fd: file.into(), path: path.into(), size, block_device, direct, on_device, atomic_bytes })
     }
 
     /// Where disk operations on it go.
@@ -160,6 +170,10 @@ impl Backend for FileBackend {
         self.direct
     }
 
+    fn power_fail_atomic_bytes(&self) -> u32 {
+        self.atomic_bytes
+    }
+
     /// Block devices may ignore a discard, so there deallocation is only advisory.
     fn deallocated_reads_zeroes(&self) -> bool {
         !self.block_device
@@ -197,6 +211,31 @@ const BLKZEROOUT: libc::c_ulong = 0x127F;
 
 /// `BLKGETSIZE64`: `_IOR(0x12, 114, size_t)`; the libc crate does not export it.
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+
+/// `BLKPBSZGET`: `_IO(0x12, 123)`; the libc crate does not export it.
+const BLKPBSZGET: libc::c_ulong = 0x127B;
+
+/// The physical block size of a block device: the unit it writes whole.
+fn physical_block_size(file: &File) -> std::io::Result<u32> {
+    let mut size: libc::c_uint = 0;
+    // SAFETY: BLKPBSZGET writes one unsigned int through the pointer, which points at `size`.
+    let rc = unsafe { libc::ioctl(file.as_raw_fd(), BLKPBSZGET, &mut size as *mut libc::c_uint) };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(size.max(512))
+}
+
+/// The physical block size of the device a file's filesystem lives on, from sysfs (a
+/// partition's is its disk's); 512, the smallest, when it cannot be told.
+fn device_physical_block(dev: u64) -> u32 {
+    let dir = PathBuf::from(format!("/sys/dev/block/{}:{}", libc::major(dev), libc::minor(dev)));
+    ["queue/physical_block_size", "../queue/physical_block_size"]
+        .iter()
+        .find_map(|f| std::fs::read_to_string(dir.join(f)).ok()?.trim().parse::<u32>().ok())
+        .unwrap_or(512)
+        .max(512)
+}
 
 fn block_device_size(file: &File) -> std::io::Result<u64> {
     let mut size: u64 = 0;

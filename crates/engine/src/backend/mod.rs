@@ -50,6 +50,14 @@ pub trait Backend: Send + Sync + fmt::Debug {
         false
     }
 
+    /// The largest aligned write, in bytes, that a power loss leaves whole (all old
+    /// or all new): the storage's physical block. A namespace never gets blocks larger
+    /// than this unless told (Identify promises that one block is written whole,
+    /// AWUPF 0). Storage that keeps nothing across a power loss has no limit.
+    fn power_fail_atomic_bytes(&self) -> u32 {
+        u32::MAX
+    }
+
     /// Whether deallocated blocks are guaranteed to read back as zeroes (Identify
     /// Namespace's DLFEAT).
     fn deallocated_reads_zeroes(&self) -> bool {

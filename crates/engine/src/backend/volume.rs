@@ -106,6 +106,11 @@ impl Backend for VolumeBackend {
         true
     }
 
+    /// A block may land on any member disk: the pool keeps what its weakest disk keeps.
+    fn power_fail_atomic_bytes(&self) -> u32 {
+        self.volume.pool.disks().iter().map(|d| d.file.power_fail_atomic_bytes()).min().unwrap_or(512)
+    }
+
     fn start(&self, io: &mut BlockIo, queue: &mut DiskQueue<'_>) {
         let pool = &self.volume.pool;
         match io.plan {

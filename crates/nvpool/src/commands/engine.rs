@@ -109,7 +109,8 @@ struct EngineArgs {
     /// (repeatable).
     #[arg(long)]
     namespace: Vec<String>,
-    /// Block size of the namespaces.
+    /// Block size of the namespaces: 512, 4096, or 0 for 4096 where the storage writes
+    /// 4 KiB whole across a power loss.
     #[arg(long, default_value_t = 512)]
     block_size: u32,
     /// Allow only these hosts (repeatable); without it any host may connect.
@@ -165,12 +166,15 @@ enum NamespaceVerb {
         /// Namespace ID (the next free one by default).
         #[arg(long)]
         nsid: Option<u32>,
-        /// Block size.
+        /// Block size: 512, 4096, or 0 for 4096 where the storage writes 4 KiB whole.
         #[arg(long, default_value_t = 512)]
         block_size: u32,
         /// UUID (derived from the NQN and NSID by default).
         #[arg(long)]
         uuid: Option<uuid::Uuid>,
+        /// Serve blocks larger than the storage writes whole across a power loss.
+        #[arg(long)]
+        allow_torn_writes: bool,
     },
     /// Remove a namespace.
     Remove {
@@ -338,8 +342,8 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
             }
         },
         EngineVerb::Namespace { verb, api } => match verb {
-            NamespaceVerb::Add { nqn, backend, nsid, block_size, uuid } => {
-                let namespace = NamespaceConfig { nsid, backend, block_size, uuid };
+            NamespaceVerb::Add { nqn, backend, nsid, block_size, uuid, allow_torn_writes } => {
+                let namespace = NamespaceConfig { nsid, backend, block_size, uuid, allow_torn_writes };
                 let r = api.call(AddNamespace { nqn: nqn.clone(), namespace })?;
                 print_or(api.json, &r, || format!("namespace {} added to {nqn}", r.nsid));
                 Ok(())
@@ -465,6 +469,7 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
                             backend: b.clone(),
                             block_size: a.block_size,
                             uuid: None,
+                            allow_torn_writes: false,
                         })
                         .collect(),
                 });
