@@ -20,7 +20,7 @@ use nvpool_engine::Engine;
 use nvpool_engine::config::{EngineConfig, ListenerConfig, NamespaceConfig, SubsystemConfig};
 use nvpool_initiator::{ConnectOptions, Queue, connect_admin, pattern};
 use nvpool_wire::command::{Command, PSDT_SGL, SglDescriptor, sgl};
-use nvpool_wire::fabrics::{CONNECT_DATA_SIZE, CNTLID_DYNAMIC, ConnectCommand, ConnectData, PropertyAccess};
+use nvpool_wire::fabrics::{CNTLID_DYNAMIC, CONNECT_DATA_SIZE, ConnectCommand, ConnectData, PropertyAccess};
 use nvpool_wire::tcp::{self, DataHeader, Digests, IcReq, Pdu};
 
 const NQN: &str = "nqn.2024-01.io.nvpool:fuzz";
@@ -79,16 +79,67 @@ enum Sgl {
 
 #[derive(Arbitrary, Debug)]
 enum Step {
-    IcReq { pfv: u8, hpda: u8, digests: u8, maxr2t: u8 },
-    Connect { io_queue: bool, qid: u8, sqsize: u8, known_controller: bool, known_host: bool, recfmt: u8, short_data: bool },
-    Property { set: bool, offset: u8, eight_bytes: bool, value: u32 },
-    Admin { opcode: u8, cid: u8, nsid: u8, cdw10: u32, cdw11: u32, cdw12: u32, sgl: Sgl, length: u16, data: u16 },
-    Io { opcode: u8, cid: u8, flags: u8, nsid: u8, slba: u16, nlb: u8, cdw12_high: u8, sgl: Sgl, length: u32, data: u16 },
-    H2CData { cccid: u8, ttag: u8, offset: u16, length: u16, last: bool, pad: u8 },
-    TermReq { fes: u8 },
+    IcReq {
+        pfv: u8,
+        hpda: u8,
+        digests: u8,
+        maxr2t: u8,
+    },
+    Connect {
+        io_queue: bool,
+        qid: u8,
+        sqsize: u8,
+        known_controller: bool,
+        known_host: bool,
+        recfmt: u8,
+        short_data: bool,
+    },
+    Property {
+        set: bool,
+        offset: u8,
+        eight_bytes: bool,
+        value: u32,
+    },
+    Admin {
+        opcode: u8,
+        cid: u8,
+        nsid: u8,
+        cdw10: u32,
+        cdw11: u32,
+        cdw12: u32,
+        sgl: Sgl,
+        length: u16,
+        data: u16,
+    },
+    Io {
+        opcode: u8,
+        cid: u8,
+        flags: u8,
+        nsid: u8,
+        slba: u16,
+        nlb: u8,
+        cdw12_high: u8,
+        sgl: Sgl,
+        length: u32,
+        data: u16,
+    },
+    H2CData {
+        cccid: u8,
+        ttag: u8,
+        offset: u16,
+        length: u16,
+        last: bool,
+        pad: u8,
+    },
+    TermReq {
+        fes: u8,
+    },
     Raw(Vec<u8>),
     /// Flips bits in what the script has written so far.
-    Corrupt { at: u16, xor: u8 },
+    Corrupt {
+        at: u16,
+        xor: u8,
+    },
 }
 
 /// The bytes a script sends, built as a host would, with the digests its first ICReq
