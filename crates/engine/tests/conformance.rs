@@ -23,8 +23,9 @@ use nvpool_initiator::{ConnectOptions, Queue, connect_admin, pattern};
 use nvpool_wire::Status;
 use nvpool_wire::command::{Command, DSM_RANGE_SIZE, DsmRange, PSDT_SGL, SglDescriptor, admin_opcode, io_opcode, sgl};
 use nvpool_wire::fabrics::{
-    CNTLID_DYNAMIC, CONNECT_DATA_SIZE, CONNECT_HOSTNQN_OFFSET, CONNECT_SUBNQN_OFFSET, ConnectCommand, ConnectData,
-    DISCOVERY_NQN, PropertyAccess, cc, connect_invalid_param, fctype, property,
+    CNTLID_DYNAMIC, CONNECT_CNTLID_OFFSET, CONNECT_DATA_SIZE, CONNECT_HOSTID_OFFSET, CONNECT_HOSTNQN_OFFSET,
+    CONNECT_QID_OFFSET, CONNECT_SQSIZE_OFFSET, CONNECT_SUBNQN_OFFSET, ConnectCommand, ConnectData, DISCOVERY_NQN,
+    PropertyAccess, cc, connect_invalid_param, fctype, property,
 };
 use nvpool_wire::log::{GetLogPage, feature, lid};
 use nvpool_wire::tcp::{self, DataHeader, Digests, IcReq, Pdu, data_field, fes};
@@ -35,11 +36,6 @@ const BLOCK: u32 = 512;
 /// Blocks in the namespace (16 MiB); the witness owns the upper half.
 const BLOCKS: u64 = 32768;
 const WITNESS_FIRST_LBA: u64 = BLOCKS / 2;
-/// Offsets in the Connect command SQE that Connect Invalid Parameters names.
-const SQE_QID_OFFSET: u16 = 42;
-const SQE_SQSIZE_OFFSET: u16 = 44;
-const DATA_CNTLID_OFFSET: u16 = 16;
-const DATA_HOSTID_OFFSET: u16 = 0;
 
 /// What the engine answered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,20 +71,20 @@ struct Host {
     digests: Digests,
     buf: Vec<u8>,
     /// Kept open while the case runs (the admin queue of an I/O queue's controller).
-    _admin: Option<Queue>,
+    admin: Option<Queue>,
 }
 
 impl Host {
     fn raw(addr: SocketAddr) -> Host {
         let stream = TcpStream::connect(addr).unwrap();
         stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        Host { stream, digests: Digests::default(), buf: Vec::new(), _admin: None }
+        Host { stream, digests: Digests::default(), buf: Vec::new(), admin: None }
     }
 
     fn from_queue(q: Queue, admin: Option<Queue>) -> Host {
         let (stream, digests) = q.into_stream();
         stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        Host { stream, digests, buf: Vec::new(), _admin: admin }
+        Host { stream, digests, buf: Vec::new(), admin }
     }
 
     /// After ICReq/ICResp.
@@ -644,7 +640,7 @@ fn fabrics_rules() -> Vec<Case> {
                 c.answer(addr)
             },
         ),
-        case(a, "Connect with SQSIZE 0 names SQSIZE", invalid(false, SQE_SQSIZE_OFFSET), |addr| {
+        case(a, "Connect with SQSIZE 0 names SQSIZE", invalid(false, CONNECT_SQSIZE_OFFSET), |addr| {
             let mut c = Connect::admin();
             c.cmd.sqsize = 0;
             c.answer(addr)
@@ -652,14 +648,14 @@ fn fabrics_rules() -> Vec<Case> {
         case(
             a,
             "an admin Connect deeper than the admin queue allows names SQSIZE",
-            invalid(false, SQE_SQSIZE_OFFSET),
+            invalid(false, CONNECT_SQSIZE_OFFSET),
             |addr| {
                 let mut c = Connect::admin();
                 c.cmd.sqsize = 4095;
                 c.answer(addr)
             },
         ),
-        case(a, "an admin Connect with a static CNTLID names CNTLID", invalid(true, DATA_CNTLID_OFFSET), |addr| {
+        case(a, "an admin Connect with a static CNTLID names CNTLID", invalid(true, CONNECT_CNTLID_OFFSET), |addr| {
             let mut c = Connect::admin();
             c.data.cntlid = 1;
             c.answer(addr)
@@ -715,22 +711,25 @@ fn fabrics_rules() -> Vec<Case> {
         case(
             a,
             "an I/O queue Connect for an unknown controller names CNTLID",
-            invalid(true, DATA_CNTLID_OFFSET),
+            invalid(true, CONNECT_CNTLID_OFFSET),
             |addr| io_connect(addr, |c| c.data.cntlid = 0xFFEE),
         ),
         case(
             a,
             "an I/O queue Connect from another Host Identifier names HOSTID",
-            invalid(true, DATA_HOSTID_OFFSET),
+            invalid(true, CONNECT_HOSTID_OFFSET),
             |addr| io_connect(addr, |c| c.data.hostid = [9; 16]),
         ),
-        case(a, "an I/O queue Connect beyond the queues granted names QID", invalid(false, SQE_QID_OFFSET), |addr| {
-            io_connect(addr, |c| c.cmd.qid = 3)
-        }),
+        case(
+            a,
+            "an I/O queue Connect beyond the queues granted names QID",
+            invalid(false, CONNECT_QID_OFFSET),
+            |addr| io_connect(addr, |c| c.cmd.qid = 3),
+        ),
         case(
             a,
             "an I/O queue Connect deeper than MQES allows names SQSIZE",
-            invalid(false, SQE_SQSIZE_OFFSET),
+            invalid(false, CONNECT_SQSIZE_OFFSET),
             |addr| io_connect(addr, |c| c.cmd.sqsize = u16::MAX),
         ),
         case(
@@ -939,7 +938,7 @@ fn admin_rules() -> Vec<Case> {
             status(Status::COMMAND_SEQUENCE_ERROR),
             |addr| {
                 let mut h = Host::io(addr);
-                let admin = h._admin.take().unwrap();
+                let admin = h.admin.take().unwrap();
                 let mut admin = Host::from_queue(admin, None);
                 let c = command(admin_opcode::SET_FEATURES, 0, u32::from(feature::NUMBER_OF_QUEUES), 0x0003_0003);
                 let answer = admin.command(&c, &[]).answer();

@@ -90,6 +90,14 @@ pub struct ConnectData {
     pub hostnqn: String,
 }
 
+/// Byte offset of QID in the Connect SQE, as Connect Invalid Parameters names it.
+pub const CONNECT_QID_OFFSET: u16 = 42;
+/// Byte offset of SQSIZE in the Connect SQE.
+pub const CONNECT_SQSIZE_OFFSET: u16 = 44;
+/// Byte offset of the host identifier in the Connect data.
+pub const CONNECT_HOSTID_OFFSET: u16 = 0;
+/// Byte offset of CNTLID in the Connect data.
+pub const CONNECT_CNTLID_OFFSET: u16 = 16;
 /// Byte offset of the subsystem NQN in the Connect data.
 pub const CONNECT_SUBNQN_OFFSET: u16 = 256;
 /// Byte offset of the host NQN in the Connect data.

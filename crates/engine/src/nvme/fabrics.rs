@@ -5,22 +5,14 @@ use std::sync::Arc;
 use nvpool_wire::Status;
 use nvpool_wire::command::Command;
 use nvpool_wire::fabrics::{
-    CNTLID_DYNAMIC, CONNECT_DATA_SIZE, CONNECT_HOSTNQN_OFFSET, CONNECT_SUBNQN_OFFSET, Capabilities, ConnectCommand,
-    ConnectData, PropertyAccess, VERSION_2_0, connect_invalid_param, property,
+    CNTLID_DYNAMIC, CONNECT_CNTLID_OFFSET, CONNECT_DATA_SIZE, CONNECT_HOSTID_OFFSET, CONNECT_HOSTNQN_OFFSET,
+    CONNECT_QID_OFFSET, CONNECT_SQSIZE_OFFSET, CONNECT_SUBNQN_OFFSET, Capabilities, ConnectCommand, ConnectData,
+    PropertyAccess, VERSION_2_0, connect_invalid_param, property,
 };
 
 use super::controller::Association;
 use super::data_pointer::{self, Direction, Length, Source};
 use super::{ADMIN_QUEUE_DEPTH, Controller, Target};
-
-/// Byte offset of SQSIZE in the Connect SQE, for error reporting.
-const SQE_SQSIZE_OFFSET: u16 = 44;
-/// Byte offset of QID in the Connect SQE.
-const SQE_QID_OFFSET: u16 = 42;
-/// Byte offset of CNTLID in the Connect data.
-const DATA_CNTLID_OFFSET: u16 = 16;
-/// Offset of HOSTID in the Connect data.
-const DATA_HOSTID_OFFSET: u16 = 0;
 
 /// A successful Connect: the queue now belongs to `controller`.
 pub struct Connected {
@@ -67,14 +59,17 @@ pub fn connect(target: &Target, cmd: &Command, data: &[u8]) -> Result<Connected,
         return Err(refuse(Status::CONNECT_INVALID_HOST, connect_invalid_param(true, CONNECT_HOSTNQN_OFFSET)));
     }
     if c.sqsize == 0 {
-        return Err(refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(false, SQE_SQSIZE_OFFSET)));
+        return Err(refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(false, CONNECT_SQSIZE_OFFSET)));
     }
     if c.qid == 0 {
         if d.cntlid != CNTLID_DYNAMIC {
-            return Err(refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(true, DATA_CNTLID_OFFSET)));
+            return Err(refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(true, CONNECT_CNTLID_OFFSET)));
         }
         if c.sqsize >= ADMIN_QUEUE_DEPTH {
-            return Err(refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(false, SQE_SQSIZE_OFFSET)));
+            return Err(refuse(
+                Status::CONNECT_INVALID_PARAMETERS,
+                connect_invalid_param(false, CONNECT_SQSIZE_OFFSET),
+            ));
         }
         let now = target.now_ms();
         let max_io_queues = if subsystem.is_discovery() { 0 } else { target.limits.max_io_queues };
@@ -97,20 +92,22 @@ pub fn connect(target: &Target, cmd: &Command, data: &[u8]) -> Result<Connected,
     let controller = target
         .controller(d.cntlid)
         .filter(|ctl| !ctl.is_dead() && Arc::ptr_eq(&ctl.subsystem, &subsystem) && ctl.hostnqn == d.hostnqn)
-        .ok_or_else(|| refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(true, DATA_CNTLID_OFFSET)))?;
+        .ok_or_else(|| {
+            refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(true, CONNECT_CNTLID_OFFSET))
+        })?;
     if controller.hostid != d.hostid {
         // An I/O queue must come from the host that made the association: the data's
         // HOSTID is the invalid parameter (as SPDK answers).
-        return Err(refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(true, DATA_HOSTID_OFFSET)));
+        return Err(refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(true, CONNECT_HOSTID_OFFSET)));
     }
     if !controller.ready() {
         return Err(refuse(Status::COMMAND_SEQUENCE_ERROR, 0));
     }
     if u32::from(c.sqsize) >= target.limits.max_queue_depth {
-        return Err(refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(false, SQE_SQSIZE_OFFSET)));
+        return Err(refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(false, CONNECT_SQSIZE_OFFSET)));
     }
     if u32::from(c.qid) > controller.io_queues_granted() {
-        return Err(refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(false, SQE_QID_OFFSET)));
+        return Err(refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(false, CONNECT_QID_OFFSET)));
     }
     if !controller.claim_queue(c.qid) {
         return Err(refuse(Status::COMMAND_SEQUENCE_ERROR, 0));
