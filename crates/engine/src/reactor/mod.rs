@@ -24,6 +24,7 @@ pub use block_io::{BlockIo, DiskFd, DiskQueue};
 use std::collections::BTreeMap;
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
@@ -161,21 +162,15 @@ pub fn spawn(
         {
             tracing::warn!(reactor = id, "cannot pin to CPU {c}: {e}");
         }
-        let (ring, taskrun_flag) = match new_ring() {
-            Ok(made) => made,
+        match Reactor::create(id, target, links, rx, wake) {
+            Ok(mut r) => {
+                let _ = ready_tx.send(Ok(()));
+                r.run();
+            }
             Err(e) => {
                 let _ = ready_tx.send(Err(e));
-                return;
             }
-        };
-        let _ = ready_tx.send(Ok(()));
-        let mut r = Reactor::new(id, ring, target, links, rx, wake);
-        r.taskrun_flag = taskrun_flag;
-        if r.ring.submitter().register_buffers_sparse(REGISTERED_BUFFERS).is_err() {
-            r.next_registered = REGISTERED_BUFFERS;
         }
-        r.files_registered = r.ring.submitter().register_files_sparse(REGISTERED_FILES).is_ok();
-        r.run();
     })?;
     ready_rx.recv().map_err(|_| std::io::Error::other("reactor thread exited during start"))??;
     Ok(handle)
@@ -358,6 +353,25 @@ impl Reactor {
         }
     }
 
+    /// A reactor with its ring, on the calling thread (a single-issuer ring belongs to
+    /// the thread that creates it), its tables registered where the kernel allows.
+    fn create(
+        id: usize,
+        target: Arc<Target>,
+        links: Arc<Vec<ReactorLink>>,
+        rx: Receiver<Msg>,
+        wake: OwnedFd,
+    ) -> std::io::Result<Reactor> {
+        let (ring, taskrun_flag) = new_ring()?;
+        let mut r = Reactor::new(id, ring, target, links, rx, wake);
+        r.taskrun_flag = taskrun_flag;
+        if r.ring.submitter().register_buffers_sparse(REGISTERED_BUFFERS).is_err() {
+            r.next_registered = REGISTERED_BUFFERS;
+        }
+        r.files_registered = r.ring.submitter().register_files_sparse(REGISTERED_FILES).is_ok();
+        Ok(r)
+    }
+
     /// An I/O buffer from the pool, registered with the ring when it is new.
     fn io_buf(&mut self, len: usize) -> crate::bufpool::Buf {
         let mut buf = self.pool.get(len);
@@ -476,33 +490,40 @@ impl Reactor {
                 }
             }
             now = Instant::now();
-            completions.clear();
-            completions.extend(self.ring.completion().map(|c| (c.user_data(), c.result(), c.flags())));
-            if !completions.is_empty() {
+            if self.after_enter(&mut completions, now) {
                 last_activity = now;
             }
-            for &(ud, res, flags) in &completions {
-                match Op::decode(ud) {
-                    Some(Op::Wake) => self.on_wake(),
-                    Some(Op::Accept(port)) => self.on_accept(port, res, flags),
-                    Some(Op::Recv(c)) => self.with_conn(c, |r, conn| conn.on_recv(r, c, res)),
-                    Some(Op::Send(c)) => self.with_conn(c, |r, conn| conn.on_send(r, c, res)),
-                    Some(Op::Disk(c, tag)) => self.with_conn(c, |r, conn| conn.on_disk(r, c, tag, res)),
-                    None => {}
-                }
-            }
-            if now.duration_since(self.last_tick) >= TICK {
-                self.last_tick = now;
-                self.tick();
-            }
-            if self.disk_queued {
-                self.submit_disk_ops();
-            }
-            self.flush_dirty();
             if self.stopping && self.conns.iter().all(Option::is_none) {
                 return;
             }
         }
+    }
+
+    /// The rest of a pass once the kernel was entered: reaps and handles every
+    /// completion, runs the timers when due, submits queued disk work and flushes
+    /// output. Returns whether anything completed.
+    fn after_enter(&mut self, completions: &mut Vec<(u64, i32, u32)>, now: Instant) -> bool {
+        completions.clear();
+        completions.extend(self.ring.completion().map(|c| (c.user_data(), c.result(), c.flags())));
+        for &(ud, res, flags) in completions.iter() {
+            match Op::decode(ud) {
+                Some(Op::Wake) => self.on_wake(),
+                Some(Op::Accept(port)) => self.on_accept(port, res, flags),
+                Some(Op::Recv(c)) => self.with_conn(c, |r, conn| conn.on_recv(r, c, res)),
+                Some(Op::Send(c)) => self.with_conn(c, |r, conn| conn.on_send(r, c, res)),
+                Some(Op::Disk(c, tag)) => self.with_conn(c, |r, conn| conn.on_disk(r, c, tag, res)),
+                None => {}
+            }
+        }
+        if now.duration_since(self.last_tick) >= TICK {
+            self.last_tick = now;
+            self.tick();
+        }
+        if self.disk_queued {
+            self.submit_disk_ops();
+        }
+        self.flush_dirty();
+        !completions.is_empty()
     }
 
     /// Runs `f` on connection `c` with the connection taken out of the table, so `f`
@@ -700,6 +721,51 @@ impl Reactor {
     }
 }
 
+/// A reactor run by its caller, one pass per call, on the caller's thread and never
+/// waiting: the whole connection state machine (framing, dispatch, backends, sends)
+/// with no other thread and no timing in the way. The connection fuzzer drives it over
+/// socket pairs, millions of scripts an hour.
+pub struct Stepped {
+    reactor: Reactor,
+    completions: Vec<(u64, i32, u32)>,
+}
+
+impl Stepped {
+    /// A reactor serving `target`'s subsystems.
+    pub fn new(target: Arc<Target>) -> std::io::Result<Stepped> {
+        let (link, rx, wake) = mailbox()?;
+        let mut reactor = Reactor::create(0, target, Arc::new(vec![link]), rx, wake)?;
+        reactor.post_wake();
+        Ok(Stepped { reactor, completions: Vec::with_capacity(RING_ENTRIES as usize * 4) })
+    }
+
+    /// Serves one end of a stream socket pair as an NVMe/TCP connection. A connection
+    /// only receives, sends and shuts down, which every stream socket does alike.
+    pub fn serve(&mut self, socket: UnixStream) {
+        self.reactor.add_conn(TcpStream::from(OwnedFd::from(socket)));
+    }
+
+    /// One pass: submits what is queued, handles whatever completed, flushes output.
+    /// Returns whether anything completed.
+    pub fn pass(&mut self) -> bool {
+        let pending = self.reactor.ring.submission().len() as u32;
+        // SAFETY: no argument is passed; the flags are plain io_uring_enter flags.
+        let entered =
+            unsafe { self.reactor.ring.submitter().enter::<libc::sigset_t>(pending, 0, IORING_ENTER_GETEVENTS, None) };
+        if let Err(e) = entered
+            && !matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EBUSY))
+        {
+            tracing::warn!("io_uring_enter failed: {e}");
+        }
+        self.reactor.after_enter(&mut self.completions, Instant::now())
+    }
+
+    /// Connections open, closing ones included.
+    pub fn connections(&self) -> usize {
+        self.reactor.conns.iter().filter(|c| c.is_some()).count()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -710,5 +776,41 @@ mod tests {
             assert_eq!(Op::decode(op.encode()), Some(op));
         }
         assert_eq!(Op::decode(0), None);
+    }
+
+    #[test]
+    fn a_stepped_reactor_answers_and_frees_a_connection_on_the_callers_thread() {
+        use nvpool_wire::tcp::{self, Digests, IcReq, Pdu};
+        use std::io::{Read, Write};
+
+        let mut reactor = Stepped::new(Target::new(crate::config::Limits::default())).expect("a ring");
+        let (host, engine_end) = UnixStream::pair().unwrap();
+        host.set_nonblocking(true).unwrap();
+        reactor.serve(engine_end);
+        let mut ic = [0u8; tcp::IC_SIZE];
+        tcp::encode_ic_req(&IcReq { pfv: 0, hpda: 0, digests: Digests::default(), maxr2t: 0 }, &mut ic);
+        (&host).write_all(&ic).unwrap();
+        let mut got = Vec::new();
+        let mut chunk = [0u8; 512];
+        for _ in 0..1000 {
+            reactor.pass();
+            if let Ok(n) = (&host).read(&mut chunk) {
+                got.extend_from_slice(&chunk[..n]);
+            }
+            if got.len() >= tcp::IC_SIZE {
+                break;
+            }
+        }
+        let parsed = tcp::parse(&got, Digests::default(), tcp::DataLimits::uniform(4096)).unwrap().unwrap();
+        assert!(matches!(parsed.pdu, Pdu::IcResp(_)), "{:?}", parsed.pdu);
+        assert_eq!(reactor.connections(), 1);
+        drop(host);
+        for _ in 0..1000 {
+            reactor.pass();
+            if reactor.connections() == 0 {
+                break;
+            }
+        }
+        assert_eq!(reactor.connections(), 0, "the host closed; the engine frees its side");
     }
 }
