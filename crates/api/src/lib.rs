@@ -88,6 +88,24 @@ methods! {
         /// Whether any host may connect.
         allow: bool,
     }
+    /// Sets the ANA state of a group of a subsystem's namespaces on this engine, for
+    /// one host or for every host without a state of its own. Controllers whose view
+    /// changed get an ANA change event.
+    "ana_set" => SetAnaState -> Empty {
+        /// Subsystem NQN.
+        nqn: String,
+        /// ANA group ID.
+        group: u32,
+        /// Host NQN; every host without its own state when absent.
+        host: Option<String>,
+        /// The new state.
+        state: AnaState,
+    }
+    /// The ANA groups of a subsystem on this engine and their states.
+    "ana_list" => ListAnaGroups -> Vec<AnaGroupInfo> {
+        /// Subsystem NQN.
+        nqn: String,
+    }
     /// The listeners.
     "listener_list" => ListListeners -> Vec<ListenerInfo> {}
     /// Listens on an address.

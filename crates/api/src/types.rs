@@ -70,8 +70,88 @@ pub struct NamespaceInfo {
     pub nguid: String,
     /// Whether I/O bypasses the page cache.
     pub direct_io: bool,
+    /// ANA group.
+    pub ana_group: u32,
     /// I/O counters.
     pub stats: StatsSnapshot,
+}
+
+/// An ANA state (NVMe Base 2.0 §8.1.3) of a group as a host sees it through one engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AnaState {
+    /// The preferred path.
+    Optimized,
+    /// Usable; the host prefers an optimized path.
+    NonOptimized,
+    /// Not usable now: I/O is answered with ANA Inaccessible and the host goes
+    /// elsewhere.
+    Inaccessible,
+    /// Not usable ever again on this path.
+    PersistentLoss,
+    /// Changing: I/O is answered with ANA Transition until the new state is set.
+    Change,
+}
+
+impl AnaState {
+    /// Every state, in the order of their codes.
+    pub const ALL: [AnaState; 5] = [
+        AnaState::Optimized,
+        AnaState::NonOptimized,
+        AnaState::Inaccessible,
+        AnaState::PersistentLoss,
+        AnaState::Change,
+    ];
+
+    /// The state's name, as the API and the CLI spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            AnaState::Optimized => "optimized",
+            AnaState::NonOptimized => "non-optimized",
+            AnaState::Inaccessible => "inaccessible",
+            AnaState::PersistentLoss => "persistent-loss",
+            AnaState::Change => "change",
+        }
+    }
+}
+
+impl std::fmt::Display for AnaState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for AnaState {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<AnaState, String> {
+        AnaState::ALL.into_iter().find(|a| a.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = AnaState::ALL.iter().map(|a| a.name()).collect();
+            format!("{s:?} is not an ANA state: use one of {}", names.join(", "))
+        })
+    }
+}
+
+/// One ANA group of a subsystem on this engine.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AnaGroupInfo {
+    /// ANA group ID.
+    pub group: u32,
+    /// Its namespaces.
+    pub nsids: Vec<u32>,
+    /// Its state for hosts without one of their own.
+    pub state: AnaState,
+    /// Hosts that see another state, with that state.
+    pub hosts: Vec<AnaHostState>,
+}
+
+/// A host's own state for an ANA group.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AnaHostState {
+    /// Host NQN.
+    pub host: String,
+    /// The state it sees.
+    pub state: AnaState,
 }
 
 /// Per-namespace I/O counters, summed over all reactors.
@@ -190,6 +270,10 @@ pub struct NamespaceConfig {
     /// cut. Off by default: such a namespace is refused.
     #[serde(default)]
     pub allow_torn_writes: bool,
+    /// ANA group (1 to 1024); the namespace ID when absent. Every path to the
+    /// namespace must put it in the same group.
+    #[serde(default)]
+    pub ana_group: Option<u32>,
 }
 
 fn default_block_size() -> u32 {

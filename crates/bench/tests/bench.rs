@@ -72,6 +72,7 @@ fn verifies_data_through_the_engine() {
                 block_size: 4096,
                 uuid: None,
                 allow_torn_writes: false,
+                ana_group: None,
             }],
         }],
         ..EngineConfig::default()

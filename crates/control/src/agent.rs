@@ -133,6 +133,7 @@ fn ensure(
         block_size: 0,
         uuid: None,
         allow_torn_writes: false,
+        ana_group: None,
     };
     let nqn = d.subsystem_nqn.clone();
     match subsystem {

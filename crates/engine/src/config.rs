@@ -7,6 +7,8 @@
 //! [limits]
 //! max_queue_depth = 128            # entries per I/O queue (MQES + 1)
 //! max_io_queues = 64               # I/O queues per controller
+//! cntlid_min = 1                   # controller IDs this engine hands out: engines that
+//! cntlid_max = 65519               # serve one subsystem need ranges that do not overlap
 //!
 //! [[listener]]
 //! address = "127.0.0.1:4420"
@@ -26,6 +28,7 @@
 //! block_size = 512                 # optional: 512 (default), 4096, or 0 (4096 where
 //!                                   # the storage writes 4 KiB whole, else 512)
 //! allow_torn_writes = false         # optional: allow blocks the storage may tear
+//! ana_group = 1                     # optional: the ANA group (default: the NSID)
 //! uuid = "..."                     # optional: derived from the NQN and NSID
 //! ```
 
@@ -44,11 +47,19 @@ pub struct Limits {
     pub max_queue_depth: u32,
     /// I/O queues per controller.
     pub max_io_queues: u32,
+    /// Lowest controller ID this engine hands out.
+    pub cntlid_min: u16,
+    /// Highest controller ID this engine hands out. A host groups the paths to a
+    /// subsystem by controller ID, so the engines serving one need disjoint ranges.
+    pub cntlid_max: u16,
 }
+
+/// Highest valid controller ID (NVMe Base 2.0: FFF0h and up are reserved).
+pub const MAX_CNTLID: u16 = 0xFFEF;
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_queue_depth: 128, max_io_queues: 64 }
+        Limits { max_queue_depth: 128, max_io_queues: 64, cntlid_min: 1, cntlid_max: MAX_CNTLID }
     }
 }
 
@@ -59,6 +70,12 @@ impl Limits {
         }
         if !(1..=1024).contains(&self.max_io_queues) {
             return Err(format!("limits.max_io_queues = {} must be 1 to 1024", self.max_io_queues));
+        }
+        if self.cntlid_min == 0 || self.cntlid_min > self.cntlid_max || self.cntlid_max > MAX_CNTLID {
+            return Err(format!(
+                "controller IDs {}..={} are not a valid range: use cntlid_min <= cntlid_max within 1 to {MAX_CNTLID}",
+                self.cntlid_min, self.cntlid_max
+            ));
         }
         Ok(())
     }

@@ -202,6 +202,20 @@ impl Engine {
         Ok(())
     }
 
+    /// Sets the ANA state of a group of a subsystem's namespaces on this engine, for one
+    /// host or for every host without its own; controllers whose view changed are told.
+    pub fn set_ana_state(&self, nqn: &str, group: u32, host: Option<&str>, state: nvpool_api::AnaState) -> Result<()> {
+        self.subsystem(nqn)?.set_ana_state(host, group, state)?;
+        // Reactors deliver the events to outstanding Asynchronous Event Requests.
+        self.kick();
+        Ok(())
+    }
+
+    /// A subsystem's ANA groups and their states on this engine.
+    pub fn ana_groups(&self, nqn: &str) -> Result<Vec<nvpool_api::AnaGroupInfo>> {
+        Ok(self.subsystem(nqn)?.ana_groups())
+    }
+
     /// Allows a host on a subsystem.
     pub fn add_host(&self, nqn: &str, host: &str) -> Result<()> {
         self.subsystem(nqn)?.add_host(host)?;
@@ -281,7 +295,11 @@ fn add_namespace_to(engine: &Engine, s: &Subsystem, n: &NamespaceConfig) -> Resu
     };
     let atomic = opened.backend.power_fail_atomic_bytes();
     let block_size = block_size_for(n, atomic)?;
-    let ns = Namespace::new(nsid, opened.backend, block_size, uuid, nguid)?;
+    let mut ns = Namespace::new(nsid, opened.backend, block_size, uuid, nguid)?;
+    if let Some(group) = n.ana_group {
+        nvme::ana::check_group(group).map_err(Error::invalid)?;
+        ns.ana_group = group;
+    }
     s.add_namespace(ns)?;
     Ok(nsid)
 }
@@ -313,6 +331,7 @@ fn namespace_info(ns: &Namespace) -> NamespaceInfo {
         uuid: uuid::Uuid::from_bytes(ns.uuid).to_string(),
         nguid: ns.nguid.iter().map(|b| format!("{b:02x}")).collect(),
         direct_io: ns.backend.direct_io(),
+        ana_group: ns.ana_group,
         stats: ns.stats.snapshot(),
     }
 }
@@ -322,7 +341,14 @@ mod tests {
     use super::*;
 
     fn ns(block_size: u32, allow_torn_writes: bool) -> NamespaceConfig {
-        NamespaceConfig { nsid: None, backend: "file:/d".into(), block_size, uuid: None, allow_torn_writes }
+        NamespaceConfig {
+            nsid: None,
+            backend: "file:/d".into(),
+            block_size,
+            uuid: None,
+            allow_torn_writes,
+            ana_group: None,
+        }
     }
 
     #[test]

@@ -106,6 +106,10 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value> {
         AddHost::NAME => answer(p, |r: AddHost| ok(engine.add_host(&r.nqn, &r.host))),
         RemoveHost::NAME => answer(p, |r: RemoveHost| ok(engine.remove_host(&r.nqn, &r.host))),
         AllowAnyHost::NAME => answer(p, |r: AllowAnyHost| ok(engine.set_allow_any_host(&r.nqn, r.allow))),
+        SetAnaState::NAME => {
+            answer(p, |r: SetAnaState| ok(engine.set_ana_state(&r.nqn, r.group, r.host.as_deref(), r.state)))
+        }
+        ListAnaGroups::NAME => answer(p, |r: ListAnaGroups| engine.ana_groups(&r.nqn)),
         ListListeners::NAME => answer(p, |ListListeners {}| Ok(engine.listeners())),
         AddListener::NAME => answer(p, |r: AddListener| engine.add_listener(r.address)),
         RemoveListener::NAME => answer(p, |r: RemoveListener| ok(engine.remove_listener(r.address))),

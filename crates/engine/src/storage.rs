@@ -126,7 +126,8 @@ impl Engine {
         let info = p.resize_volume(name, size)?;
         let (io, _) = p.open_volume(name)?;
         for (s, ns) in self.exports(&p, Some(io.id)) {
-            let grown = self.volume_namespace(pool, name, ns.nsid, ns.block_size())?;
+            let mut grown = self.volume_namespace(pool, name, ns.nsid, ns.block_size())?;
+            grown.ana_group = ns.ana_group;
             s.replace_namespace(grown)?;
         }
         self.kick_all();

@@ -1167,6 +1167,7 @@ fn every_rule_is_answered_as_the_specifications_say_while_a_witness_verifies_its
                 block_size: BLOCK,
                 uuid: None,
                 allow_torn_writes: false,
+                ana_group: None,
             }],
         }],
         ..EngineConfig::default()

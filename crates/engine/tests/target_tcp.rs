@@ -31,7 +31,14 @@ impl Drop for TestEngine {
 }
 
 fn namespace(backend: &str, block_size: u32) -> NamespaceConfig {
-    NamespaceConfig { nsid: None, backend: backend.into(), block_size, uuid: None, allow_torn_writes: false }
+    NamespaceConfig {
+        nsid: None,
+        backend: backend.into(),
+        block_size,
+        uuid: None,
+        allow_torn_writes: false,
+        ana_group: None,
+    }
 }
 
 fn start_with(namespaces: Vec<NamespaceConfig>, allow_any_host: bool, reactors: usize) -> TestEngine {

@@ -121,10 +121,17 @@ layout! {
     }
 }
 
+/// CMIC bit 0: the subsystem may have more than one port.
+pub const CMIC_MULTI_PORT: u8 = 1;
 /// CMIC bit 1: the subsystem may have more than one controller.
 pub const CMIC_MULTI_CONTROLLER: u8 = 1 << 1;
 /// CMIC bit 3: ANA reporting.
 pub const CMIC_ANA: u8 = 1 << 3;
+/// ANACAP bits 4:0: the ANA states a controller may report (optimized, non-optimized,
+/// inaccessible, persistent loss, change).
+pub const ANACAP_ALL_STATES: u8 = 0x1F;
+/// ANACAP bit 6: a namespace's ANAGRPID does not change while it is attached.
+pub const ANACAP_FIXED_GROUP_ID: u8 = 1 << 6;
 /// OAES bit 8: Namespace Attribute Notices.
 pub const OAES_NS_ATTRIBUTE: u32 = 1 << 8;
 /// OAES bit 11: ANA change notices.

@@ -76,8 +76,12 @@ impl Status {
     /// Connect: the host is not allowed on this subsystem.
     pub const CONNECT_INVALID_HOST: Status = status(SCT_COMMAND_SPECIFIC, 0x84);
 
+    /// The namespace's ANA group is lost for good on this path.
+    pub const ANA_PERSISTENT_LOSS: Status = status(SCT_PATH, 0x01);
     /// The namespace's ANA group is inaccessible on this path.
     pub const ANA_INACCESSIBLE: Status = status(SCT_PATH, 0x02);
+    /// The namespace's ANA group is changing state on this path.
+    pub const ANA_TRANSITION: Status = status(SCT_PATH, 0x03);
 
     /// Status Code (bits 7:0).
     pub fn code(self) -> u8 {
@@ -139,7 +143,9 @@ impl Status {
             Status::CONNECT_CONTROLLER_BUSY => "connect: controller busy",
             Status::CONNECT_INVALID_PARAMETERS => "connect: invalid parameters",
             Status::CONNECT_INVALID_HOST => "connect: host not allowed",
+            Status::ANA_PERSISTENT_LOSS => "ANA persistent loss",
             Status::ANA_INACCESSIBLE => "ANA inaccessible",
+            Status::ANA_TRANSITION => "ANA transition",
             _ => "unknown status",
         }
     }

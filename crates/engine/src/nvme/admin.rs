@@ -9,10 +9,10 @@ use nvpool_wire::identify::{
     self, IDENTIFY_SIZE, IdentifyController, IdentifyNamespace, IdentifyNvmController, NsDescriptor, cns, nidt,
 };
 use nvpool_wire::log::{
-    self, AnaGroup, EFFECT_LBCC, EFFECT_NCC, EFFECT_SUPPORTED, ErrorLogEntry, FwSlotLog, GetLogPage, SmartLog,
-    ana_state, feature, lid,
+    self, EFFECT_LBCC, EFFECT_NCC, EFFECT_SUPPORTED, ErrorLogEntry, FwSlotLog, GetLogPage, SmartLog, feature, lid,
 };
 
+use super::ana::{ANA_TRANSITION_TIME_S, MAX_ANA_GROUP};
 use super::data_pointer::{self, Direction, Length};
 use super::{
     AER_LIMIT, Controller, IO_IN_CAPSULE_DATA, KEEP_ALIVE_GRANULARITY, MAX_NSID, MDTS, Namespace, Target, discovery,
@@ -23,8 +23,6 @@ use super::{
 pub const FIRMWARE_REVISION: &str = env!("CARGO_PKG_VERSION");
 /// Error log entries the controller keeps, 0's based (one entry, always empty).
 const ERROR_LOG_ENTRIES: u8 = 0;
-/// The ANA group every namespace belongs to until multipath places them.
-const DEFAULT_ANA_GROUP: u32 = 1;
 
 /// What an admin command produced.
 #[derive(Debug, PartialEq, Eq)]
@@ -197,8 +195,8 @@ pub fn identify_controller(target: &Target, ctrl: &Controller) -> IdentifyContro
     }
     IdentifyController {
         cntrltype: identify::CNTRLTYPE_IO,
-        cmic: identify::CMIC_MULTI_CONTROLLER,
-        oaes: identify::OAES_NS_ATTRIBUTE,
+        cmic: identify::CMIC_MULTI_PORT | identify::CMIC_MULTI_CONTROLLER | identify::CMIC_ANA,
+        oaes: identify::OAES_NS_ATTRIBUTE | identify::OAES_ANA_CHANGE,
         acl: 3,
         // One read-only firmware slot.
         frmw: 0b11,
@@ -209,8 +207,10 @@ pub fn identify_controller(target: &Target, ctrl: &Controller) -> IdentifyContro
         mnan: MAX_NSID,
         oncs: identify::ONCS_DSM | identify::ONCS_WRITE_ZEROES,
         vwc: identify::VWC_PRESENT | identify::VWC_NO_BROADCAST_FLUSH,
-        anagrpmax: DEFAULT_ANA_GROUP,
-        nanagrpid: DEFAULT_ANA_GROUP,
+        anatt: ANA_TRANSITION_TIME_S,
+        anacap: identify::ANACAP_ALL_STATES | identify::ANACAP_FIXED_GROUP_ID,
+        anagrpmax: MAX_ANA_GROUP,
+        nanagrpid: MAX_ANA_GROUP,
         // Disconnect of I/O queues is supported.
         ofcs: 1,
         ..common
@@ -228,7 +228,7 @@ pub fn identify_namespace(ns: &Namespace) -> IdentifyNamespace {
         flbas: 0,
         nmic: identify::NMIC_SHARED,
         dlfeat: if ns.backend.deallocated_reads_zeroes() { identify::DLFEAT_READS_ZEROES } else { 0 },
-        anagrpid: DEFAULT_ANA_GROUP,
+        anagrpid: ns.ana_group,
         nguid: ns.nguid,
         lbaf0: identify::lba_format(ns.block_size()),
         ..IdentifyNamespace::default()
@@ -254,9 +254,9 @@ fn get_log_page(target: &Target, ctrl: &Controller, cmd: &Command) -> AdminOutco
         }
         lid::COMMAND_EFFECTS => command_effects(),
         lid::ANA => {
-            let nsids = ctrl.subsystem.namespaces().keys().copied().collect();
-            let group = AnaGroup { grpid: DEFAULT_ANA_GROUP, chgcnt: 0, state: ana_state::OPTIMIZED, nsids };
-            log::encode_ana_log(0, &[group], g.lsp & 1 != 0)
+            ctrl.ana_log_read(g.rae);
+            // LSP bit 0: Return Groups Only.
+            ctrl.subsystem.ana_log_page(ctrl, g.lsp & 1 != 0)
         }
         _ => return done(Status::INVALID_LOG_PAGE.with_dnr()),
     };

@@ -3,16 +3,20 @@
 //! expires, or when management removes what it serves.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use nvpool_api::AnaState;
 use nvpool_wire::fabrics::{cc, csts};
 use nvpool_wire::log::{async_event, lid};
 
+use super::ana::{self, MAX_ANA_GROUP};
 use super::{Subsystem, lock};
 
 /// Async Event Configuration bit 8: namespace attribute notices.
 const AEC_NS_ATTRIBUTE: u32 = 1 << 8;
+/// Async Event Configuration bit 11: ANA change notices.
+const AEC_ANA_CHANGE: u32 = 1 << 11;
 /// Async Event Configuration bit 31: discovery log change notices.
 const AEC_DISCOVERY_CHANGE: u32 = 1 << 31;
 
@@ -48,6 +52,8 @@ pub struct Controller {
     async_event_config: AtomicU32,
     connected_queues: Mutex<Vec<bool>>,
     events: Mutex<Events>,
+    /// The ANA state of each group (by group ID) as this controller's host sees it.
+    ana: Box<[AtomicU8]>,
     dead: AtomicBool,
 }
 
@@ -78,6 +84,7 @@ impl Controller {
             async_event_config: AtomicU32::new(0),
             connected_queues: Mutex::new(vec![false; max_io_queues as usize + 1]),
             events: Mutex::new(Events::default()),
+            ana: (0..=MAX_ANA_GROUP).map(|_| AtomicU8::new(ana::code(AnaState::Optimized))).collect(),
             dead: AtomicBool::new(false),
         }
     }
@@ -223,6 +230,31 @@ impl Controller {
         self.post(&mut e, AEC_NS_ATTRIBUTE, async_event::NOTICE_NS_CHANGED, lid::CHANGED_NS);
     }
 
+    /// The ANA state of `group` as this controller's host sees it: one load, for
+    /// every I/O command.
+    pub fn ana_state(&self, group: u32) -> AnaState {
+        let code = self.ana.get(group as usize).map_or(0, |s| s.load(Ordering::Relaxed));
+        ana::from_code(code).unwrap_or(AnaState::Optimized)
+    }
+
+    /// Sets the state of `group` in this controller's view; returns whether it changed.
+    pub fn set_ana_state(&self, group: u32, state: AnaState) -> bool {
+        self.ana.get(group as usize).is_some_and(|s| s.swap(ana::code(state), Ordering::Relaxed) != ana::code(state))
+    }
+
+    /// Queues an ANA Change event if enabled and not masked.
+    pub fn post_ana_change(&self) {
+        let mut e = lock(&self.events);
+        self.post(&mut e, AEC_ANA_CHANGE, async_event::NOTICE_ANA_CHANGE, lid::ANA);
+    }
+
+    /// Reading the ANA log unmasks ANA change events unless `retain`.
+    pub fn ana_log_read(&self, retain: bool) {
+        if !retain {
+            lock(&self.events).masked &= !AEC_ANA_CHANGE;
+        }
+    }
+
     /// Queues a Discovery Log Page Change event if enabled and not masked.
     pub fn post_discovery_change(&self) {
         let mut e = lock(&self.events);
@@ -298,6 +330,26 @@ mod tests {
         assert!(c.take_event().is_none(), "a second event waits until the log is read");
         assert_eq!(c.read_changed_namespaces(false), vec![1, 2, 3]);
         c.post_namespace_change(4);
+        assert!(c.take_event().is_some());
+    }
+
+    #[test]
+    fn ana_changes_are_seen_at_once_and_announced_until_the_log_is_read() {
+        let c = ctrl();
+        assert_eq!(c.ana_state(7), AnaState::Optimized);
+        assert!(c.set_ana_state(7, AnaState::Inaccessible));
+        assert!(!c.set_ana_state(7, AnaState::Inaccessible), "no change, no event");
+        assert_eq!(c.ana_state(7), AnaState::Inaccessible);
+        c.set_async_event_config(AEC_ANA_CHANGE);
+        c.post_ana_change();
+        c.post_ana_change();
+        assert_eq!(c.take_event(), Some(async_event::result(async_event::TYPE_NOTICE, 3, lid::ANA)));
+        assert!(c.take_event().is_none(), "masked until the log is read");
+        c.ana_log_read(true);
+        c.post_ana_change();
+        assert!(c.take_event().is_none(), "a read that retains the event keeps it masked");
+        c.ana_log_read(false);
+        c.post_ana_change();
         assert!(c.take_event().is_some());
     }
 

@@ -4,6 +4,7 @@
 //! completions, data and, for NVM commands, a plan of the disk work to do.
 
 pub mod admin;
+pub mod ana;
 pub mod controller;
 pub mod data_pointer;
 pub mod discovery;
@@ -64,7 +65,7 @@ impl Target {
         let t = Arc::new(Target {
             subsystems: RwLock::new(BTreeMap::new()),
             controllers: Mutex::new(BTreeMap::new()),
-            next_cntlid: AtomicU16::new(1),
+            next_cntlid: AtomicU16::new(0),
             listeners: RwLock::new(Vec::new()),
             discovery_generation: AtomicU64::new(1),
             connections: AtomicUsize::new(0),
@@ -131,10 +132,12 @@ impl Target {
     /// Registers a new controller for a Connect on an admin queue.
     pub fn register_controller(&self, make: impl FnOnce(u16) -> Arc<Controller>) -> Option<Arc<Controller>> {
         let mut map = lock(&self.controllers);
-        // Controller IDs 1..=0xFFEF are valid; skip IDs still in use after wrapping.
-        for _ in 0..0xFFEF {
-            let id = self.next_cntlid.fetch_add(1, Ordering::Relaxed);
-            let id = (id % 0xFFEF).max(1);
+        // IDs come from this engine's range; skip IDs still in use after wrapping.
+        let (min, max) = (self.limits.cntlid_min, self.limits.cntlid_max);
+        let span = u32::from(max - min) + 1;
+        for _ in 0..span {
+            let n = self.next_cntlid.fetch_add(1, Ordering::Relaxed);
+            let id = min + (u32::from(n) % span) as u16;
             if let std::collections::btree_map::Entry::Vacant(v) = map.entry(id) {
                 let c = make(id);
                 v.insert(c.clone());

@@ -6,6 +6,9 @@ use std::sync::{Arc, Mutex, RwLock, Weak};
 
 use nvpool_wire::fabrics::DISCOVERY_NQN;
 
+use nvpool_api::{AnaGroupInfo, AnaState};
+
+use super::ana::{self, AnaTable};
 use super::{Controller, MAX_NSID, lock, read, write};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
@@ -111,6 +114,8 @@ pub struct Namespace {
     pub nguid: [u8; 16],
     /// Namespace UUID.
     pub uuid: [u8; 16],
+    /// ANA group (1 to `ana::MAX_ANA_GROUP`); the NSID unless configured.
+    pub ana_group: u32,
     /// I/O counters.
     pub stats: NamespaceStats,
 }
@@ -144,6 +149,7 @@ impl Namespace {
             blocks,
             nguid,
             uuid,
+            ana_group: nsid,
             stats: NamespaceStats::default(),
         })
     }
@@ -178,6 +184,9 @@ pub struct Subsystem {
     hosts: RwLock<HostPolicy>,
     namespaces: RwLock<Arc<NamespaceMap>>,
     generation: AtomicU64,
+    /// Taken before `controllers` where both are: a controller joins with the view
+    /// of the moment, and every later change reaches it.
+    ana: Mutex<AnaTable>,
     controllers: Mutex<Vec<Weak<Controller>>>,
 }
 
@@ -211,6 +220,7 @@ impl Subsystem {
             hosts: RwLock::new(hosts),
             namespaces: RwLock::new(Arc::new(BTreeMap::new())),
             generation: AtomicU64::new(0),
+            ana: Mutex::new(AnaTable::default()),
             controllers: Mutex::new(Vec::new()),
         }
     }
@@ -337,11 +347,58 @@ impl Subsystem {
         }
     }
 
-    /// Tracks a new controller of this subsystem.
+    /// Tracks a new controller of this subsystem, and gives it its host's ANA view.
     pub fn attach_controller(&self, c: &Arc<Controller>) {
+        let ana = lock(&self.ana);
+        for (group, state) in ana.view(&c.hostnqn) {
+            c.set_ana_state(group, state);
+        }
         let mut list = lock(&self.controllers);
         list.retain(|w| w.strong_count() > 0);
         list.push(Arc::downgrade(c));
+    }
+
+    /// Sets the ANA state of `group` for `host`, or for every host without its own;
+    /// each controller whose view changed gets an ANA change event.
+    pub fn set_ana_state(&self, host: Option<&str>, group: u32, state: AnaState) -> Result<()> {
+        ana::check_group(group).map_err(Error::invalid)?;
+        let namespaces = self.namespaces();
+        if !namespaces.values().any(|ns| ns.ana_group == group) {
+            let mut groups: Vec<u32> = namespaces.values().map(|ns| ns.ana_group).collect();
+            groups.sort_unstable();
+            groups.dedup();
+            let known = if groups.is_empty() {
+                "it has no namespaces yet".to_string()
+            } else {
+                format!("its groups are {groups:?}")
+            };
+            return Err(Error::not_found(format!(
+                "no namespace of {} is in ANA group {group} ({known}); add one with that ana_group first",
+                self.nqn
+            )));
+        }
+        if let Some(h) = host {
+            validate_nqn(h).map_err(Error::invalid)?;
+        }
+        let mut ana = lock(&self.ana);
+        ana.set(host, group, state);
+        for c in self.controllers() {
+            if host.is_none_or(|h| h == c.hostnqn) && c.set_ana_state(group, ana.state(&c.hostnqn, group)) {
+                c.post_ana_change();
+            }
+        }
+        Ok(())
+    }
+
+    /// The ANA groups and their states, for management.
+    pub fn ana_groups(&self) -> Vec<AnaGroupInfo> {
+        lock(&self.ana).describe(&self.namespaces())
+    }
+
+    /// The ANA log page for `ctrl`.
+    pub fn ana_log_page(&self, ctrl: &Controller, groups_only: bool) -> Vec<u8> {
+        let change_count = lock(&self.ana).change_count();
+        ana::log_page(&self.namespaces(), |g| ctrl.ana_state(g), change_count, groups_only)
     }
 
     /// The live controllers.

@@ -23,6 +23,7 @@ use super::block_io::{BlockIo, DiskQueue, Queued};
 use super::{Op, Reactor};
 use crate::bufpool::{Buf, BufPool, PAGE_SIZE};
 use crate::nvme::admin::{self, AdminOutcome};
+use crate::nvme::ana;
 use crate::nvme::data_pointer::Source;
 use crate::nvme::nvm::{self, IoPlan};
 use crate::nvme::subsystem::NamespaceMap;
@@ -514,6 +515,10 @@ impl Conn {
         let Some(ns) = q.namespaces.get(&cmd.nsid) else {
             return self.respond(r, idx, cmd.cid, Status::INVALID_NAMESPACE.with_dnr(), 0);
         };
+        // A path the host should not use answers so that the host retries elsewhere.
+        if let Some(status) = ana::io_status(q.controller.ana_state(ns.ana_group)) {
+            return self.respond(r, idx, cmd.cid, status, 0);
+        }
         let (plan, source) = match nvm::plan(ns, cmd, data.len()) {
             Ok(p) => p,
             Err(s) => {

@@ -6,10 +6,10 @@ use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
 use nvpool_api::{
-    AddHost, AddListener, AddNamespace, AddSubsystem, AllowAnyHost, CheckPool, CreatePool, CreateVolume, DeleteVolume,
-    DirtyAction, ExportPool, GetVolume, ImportPool, ListListeners, ListPools, ListSubsystems, ListVolumes,
-    ListenerInfo, Method, PoolInfo, RemoveHost, RemoveListener, RemoveNamespace, RemoveSubsystem, ResizeVolume,
-    SubsystemInfo, VolumeDirty, VolumeInfo,
+    AddHost, AddListener, AddNamespace, AddSubsystem, AllowAnyHost, AnaGroupInfo, AnaState, CheckPool, CreatePool,
+    CreateVolume, DeleteVolume, DirtyAction, ExportPool, GetVolume, ImportPool, ListAnaGroups, ListListeners,
+    ListPools, ListSubsystems, ListVolumes, ListenerInfo, Method, PoolInfo, RemoveHost, RemoveListener,
+    RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState, SubsystemInfo, VolumeDirty, VolumeInfo,
 };
 use nvpool_engine::Engine;
 use nvpool_engine::config::{
@@ -70,6 +70,13 @@ enum EngineVerb {
     Volume {
         #[command(subcommand)]
         verb: EngineVolumeVerb,
+        #[command(flatten)]
+        api: EngineSocket,
+    },
+    /// ANA states of a subsystem's namespace groups on this engine (multipath).
+    Ana {
+        #[command(subcommand)]
+        verb: AnaVerb,
         #[command(flatten)]
         api: EngineSocket,
     },
@@ -175,6 +182,9 @@ enum NamespaceVerb {
         /// Serve blocks larger than the storage writes whole across a power loss.
         #[arg(long)]
         allow_torn_writes: bool,
+        /// ANA group, 1 to 1024 (the NSID by default); the same on every path.
+        #[arg(long)]
+        ana_group: Option<u32>,
     },
     /// Remove a namespace.
     Remove {
@@ -182,6 +192,27 @@ enum NamespaceVerb {
         nqn: String,
         /// Namespace ID.
         nsid: u32,
+    },
+}
+
+#[derive(Subcommand)]
+enum AnaVerb {
+    /// List the ANA groups with their namespaces and states.
+    List {
+        /// Subsystem NQN.
+        nqn: String,
+    },
+    /// Set a group's state for every host without its own, or for one host.
+    Set {
+        /// Subsystem NQN.
+        nqn: String,
+        /// ANA group ID.
+        group: u32,
+        /// optimized, non-optimized, inaccessible, persistent-loss or change.
+        state: AnaState,
+        /// Only for this host NQN.
+        #[arg(long)]
+        host: Option<String>,
     },
 }
 
@@ -342,8 +373,8 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
             }
         },
         EngineVerb::Namespace { verb, api } => match verb {
-            NamespaceVerb::Add { nqn, backend, nsid, block_size, uuid, allow_torn_writes } => {
-                let namespace = NamespaceConfig { nsid, backend, block_size, uuid, allow_torn_writes };
+            NamespaceVerb::Add { nqn, backend, nsid, block_size, uuid, allow_torn_writes, ana_group } => {
+                let namespace = NamespaceConfig { nsid, backend, block_size, uuid, allow_torn_writes, ana_group };
                 let r = api.call(AddNamespace { nqn: nqn.clone(), namespace })?;
                 print_or(api.json, &r, || format!("namespace {} added to {nqn}", r.nsid));
                 Ok(())
@@ -351,6 +382,14 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
             NamespaceVerb::Remove { nqn, nsid } => {
                 let message = format!("namespace {nsid} removed from {nqn}");
                 done(&api, RemoveNamespace { nqn, nsid }, &message)
+            }
+        },
+        EngineVerb::Ana { verb, api } => match verb {
+            AnaVerb::List { nqn } => show(&api, ListAnaGroups { nqn }, |r| ana_table(r)),
+            AnaVerb::Set { nqn, group, state, host } => {
+                let whom = host.as_ref().map_or("hosts without their own".to_string(), |h| format!("host {h}"));
+                let message = format!("ANA group {group} of {nqn}: {state} for {whom}");
+                done(&api, SetAnaState { nqn, group, host, state }, &message)
             }
         },
         EngineVerb::Host { verb, api } => match verb {
@@ -470,6 +509,7 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
                             block_size: a.block_size,
                             uuid: None,
                             allow_torn_writes: false,
+                            ana_group: None,
                         })
                         .collect(),
                 });
@@ -560,6 +600,17 @@ fn subsystem_table(subsystems: &[SubsystemInfo]) -> Vec<Vec<String>> {
                 hosts.clone(),
             ]);
         }
+    }
+    rows
+}
+
+fn ana_table(groups: &[AnaGroupInfo]) -> Vec<Vec<String>> {
+    let mut rows = vec![["GROUP", "NSIDS", "STATE", "HOSTS WITH THEIR OWN STATE"].map(String::from).to_vec()];
+    for g in groups {
+        let nsids: Vec<String> = g.nsids.iter().map(u32::to_string).collect();
+        let hosts: Vec<String> = g.hosts.iter().map(|h| format!("{}={}", h.host, h.state)).collect();
+        let hosts = if hosts.is_empty() { "-".to_string() } else { hosts.join(" ") };
+        rows.push(vec![g.group.to_string(), nsids.join(","), g.state.to_string(), hosts]);
     }
     rows
 }
