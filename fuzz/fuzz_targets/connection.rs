@@ -172,6 +172,7 @@ fn world() -> World {
                 block_size: BLOCK,
                 uuid: None,
                 allow_torn_writes: false,
+                ana_group: None,
             }],
         }],
         ..EngineConfig::default()
