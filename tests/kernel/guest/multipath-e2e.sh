@@ -1,0 +1,76 @@
+# Guest side of multipath-e2e (busybox sh), in /host. Env: NQN, PORT_A, PORT_B. The
+# engines are at 10.0.2.2; the host side carries out each fault the guest asks for.
+T=10.0.2.2
+# The hidden per-path block device (nvmeXcYnZ) of the controller connected to PORT.
+path_of() {
+    for c in /sys/class/nvme/nvme*; do
+        case $(cat "$c/address") in *trsvcid=$1,*|*trsvcid=$1)
+            for d in "$c"/nvme*c*n1; do [ -e "$d" ] && { basename "$d"; return 0; }; done ;;
+        esac
+    done
+    return 1
+}
+ios() { awk '{print $5}' "/sys/block/$1/stat"; }   # writes completed on a path
+show() {
+    echo "$1: A $PA ($(cat /sys/block/$PA/ana_state 2>/dev/null || echo gone)) $(ios $PA 2>/dev/null) writes," \
+         "B $PB ($(cat /sys/block/$PB/ana_state)) $(ios $PB) writes"
+}
+fault() {   # fault NAME: the host carries it out
+    kill -0 $FIO 2>/dev/null || fail "fio finished before the fault $1: make its job longer"
+    touch /host/req-$1
+    wait_for 30 test -f /host/done-$1 || fail "the host did not carry out $1"
+    sleep 4
+}
+
+step "connect both paths; native multipath makes one block device"
+nvme connect -t tcp -a $T -s $PORT_A -n $NQN --reconnect-delay=1 || fail "nvme connect A"
+nvme connect -t tcp -a $T -s $PORT_B -n $NQN --reconnect-delay=1 || fail "nvme connect B"
+wait_for 20 path_of $PORT_A >/dev/null || fail "no path through A"
+wait_for 20 path_of $PORT_B >/dev/null || fail "no path through B"
+PA=$(path_of $PORT_A); PB=$(path_of $PORT_B)
+HEAD=/dev/${PA%%c*}n1
+wait_for 20 test -b $HEAD || fail "no multipath block device"
+wait_for 20 sh -c "grep -q '^optimized' /sys/block/$PA/ana_state" || fail "A is not optimized"
+nvme list-subsys $HEAD | tee list-subsys-before.txt
+grep -q "trsvcid=$PORT_A.* optimized" list-subsys-before.txt || fail "A is not listed optimized"
+grep -q "trsvcid=$PORT_B.* non-optimized" list-subsys-before.txt || fail "B is not listed non-optimized"
+n=$(ls /sys/block | grep -c '^nvme[0-9]*n[0-9]*$')
+[ "$n" = 1 ] || fail "$n NVMe block devices: expected one for both paths"
+echo "paths of $HEAD: $PA -> $PORT_A, $PB -> $PORT_B"
+for c in /sys/class/nvme/nvme*; do echo "${c##*/}: cntlid $(cat $c/cntlid) $(cat $c/address)"; done
+nvme ana-log /dev/${PA%n1} 2>/dev/null | grep -E "grpid|state|nsid" | tr -d '\t' | paste -sd ' '
+
+step "fio writes and verifies through $HEAD while the paths change"
+# A rate cap keeps it running across all three faults.
+fio --name=mpath --filename=$HEAD --rw=randwrite --bs=4k --ioengine=io_uring --direct=1 --iodepth=8 \
+    --size=96m --rate_iops=600 --verify=crc32c --do_verify=1 --verify_fatal=1 --randseed=7 \
+    --eta=never --output=fio.txt &
+FIO=$!
+sleep 6
+show "before the faults"
+
+fault flip
+show "after A inaccessible, B optimized"
+grep -q '^inaccessible' /sys/block/$PA/ana_state || fail "A's path is not inaccessible"
+grep -q '^optimized' /sys/block/$PB/ana_state || fail "B's path is not optimized"
+b1=$(ios $PB); sleep 2; b2=$(ios $PB)
+[ "$b2" -gt "$b1" ] || fail "no writes on B after the flip"
+
+fault flip-back
+show "after the flip back"
+a1=$(ios $PA); sleep 2; a2=$(ios $PA)
+[ "$a2" -gt "$a1" ] || fail "no writes on A after the flip back"
+
+fault kill
+show "after SIGKILL of A"
+b1=$(ios $PB); sleep 2; b2=$(ios $PB)
+[ "$b2" -gt "$b1" ] || fail "no writes on B after A was killed"
+
+wait $FIO
+frc=$?
+grep -E "err=|write:|read:|verify" fio.txt | head -5
+[ $frc = 0 ] && grep -q "err= 0" fio.txt || fail "fio reported errors (rc $frc)"
+dmesg | grep -iE "I/O error|failing I/O|critical" && fail "the kernel logged I/O errors"
+nvme list-subsys $HEAD | tee list-subsys-after.txt
+nvme disconnect -n $NQN >/dev/null
+echo "ALL STEPS PASSED"
