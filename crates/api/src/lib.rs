@@ -113,7 +113,7 @@ methods! {
         /// IP and port.
         address: std::net::SocketAddr,
     }
-    /// Stops listening on an address.
+    /// Stops listening on an address and ends the connections it accepted.
     "listener_remove" => RemoveListener -> Empty {
         /// IP and port.
         address: std::net::SocketAddr,

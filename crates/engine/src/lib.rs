@@ -135,7 +135,8 @@ impl Engine {
         Ok(info)
     }
 
-    /// Stops a listener. Connections it accepted stay up.
+    /// Stops a listener and ends the connections it accepted; their hosts go over to
+    /// their other paths.
     pub fn remove_listener(&self, addr: SocketAddr) -> Result<()> {
         let port_id = {
             let mut map = lock(&self.listeners);
@@ -147,7 +148,9 @@ impl Engine {
             id
         };
         self.target.remove_listener_info(port_id);
-        self.links[0].send(Msg::Unlisten(port_id));
+        for l in self.links.iter() {
+            l.send(Msg::Unlisten(port_id));
+        }
         self.kick();
         Ok(())
     }

@@ -592,3 +592,25 @@ fn a_host_that_does_not_read_is_throttled_and_every_command_is_answered() {
     assert!(answered >= 128, "{answered} reads served, {refused} refused for a full queue");
     assert_eq!(io[0].read(1, 8, 16, 512).unwrap(), pattern(9, 8192));
 }
+
+#[test]
+fn a_removed_listener_takes_its_connections_down_and_others_stay() {
+    let t = start("memory:16MiB");
+    let second = t.engine.add_listener("127.0.0.1:0".parse().unwrap()).unwrap();
+    let second = SocketAddr::new(second.addr, second.port);
+    // Two reactors: the connections land on both.
+    let (_a1, mut io1) = controller(t.addr, &admin_opts(), 2);
+    let (_a2, mut io2) = controller(second, &admin_opts(), 2);
+    t.engine.remove_listener(t.addr).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    for q in &mut io1 {
+        while q.read(1, 0, 1, 512).is_ok() {
+            assert!(Instant::now() < deadline, "a connection of the removed listener stayed up");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    for q in &mut io2 {
+        assert_eq!(q.read(1, 0, 1, 512).unwrap().len(), 512, "the other listener's paths stay up");
+    }
+    assert!(std::net::TcpStream::connect(t.addr).is_err(), "nothing listens there any more");
+}

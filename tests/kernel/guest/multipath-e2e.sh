@@ -10,6 +10,13 @@ path_of() {
     done
     return 1
 }
+# The controller (nvmeN) connected to PORT.
+ctrl_on() {
+    for c in /sys/class/nvme/nvme*; do
+        case $(cat "$c/address") in *trsvcid=$1,*|*trsvcid=$1) echo "${c##*/}"; return 0 ;; esac
+    done
+    return 1
+}
 ios() { awk '{print $5}' "/sys/block/$1/stat"; }   # writes completed on a path
 show() {
     echo "$1: A $PA ($(cat /sys/block/$PA/ana_state 2>/dev/null || echo gone)) $(ios $PA 2>/dev/null) writes," \
@@ -38,12 +45,14 @@ n=$(ls /sys/block | grep -c '^nvme[0-9]*n[0-9]*$')
 [ "$n" = 1 ] || fail "$n NVMe block devices: expected one for both paths"
 echo "paths of $HEAD: $PA -> $PORT_A, $PB -> $PORT_B"
 for c in /sys/class/nvme/nvme*; do echo "${c##*/}: cntlid $(cat $c/cntlid) $(cat $c/address)"; done
-nvme ana-log /dev/${PA%n1} 2>/dev/null | grep -E "grpid|state|nsid" | tr -d '\t' | paste -sd ' '
+for port in $PORT_A $PORT_B; do
+    echo "ANA log through $port: $(nvme ana-log /dev/$(ctrl_on $port) | grep -E "grpid|state|nsid" | tr -d '\t' | paste -sd ' ')"
+done
 
 step "fio writes and verifies through $HEAD while the paths change"
 # A rate cap keeps it running across all three faults.
 fio --name=mpath --filename=$HEAD --rw=randwrite --bs=4k --ioengine=io_uring --direct=1 --iodepth=8 \
-    --size=96m --rate_iops=600 --verify=crc32c --do_verify=1 --verify_fatal=1 --randseed=7 \
+    --size=160m --rate_iops=600 --verify=crc32c --do_verify=1 --verify_fatal=1 --randseed=7 \
     --eta=never --output=fio.txt &
 FIO=$!
 sleep 6
@@ -65,6 +74,19 @@ fault kill
 show "after SIGKILL of A"
 b1=$(ios $PB); sleep 2; b2=$(ios $PB)
 [ "$b2" -gt "$b1" ] || fail "no writes on B after A was killed"
+
+fault restart
+wait_for 30 sh -c "grep -q live /sys/class/nvme/$(ctrl_on $PORT_A)/state" || fail "the host did not reconnect to A"
+wait_for 30 sh -c "grep -q '^optimized' /sys/block/$PA/ana_state" || fail "A is not optimized again"
+sleep 2
+show "after A came back"
+a1=$(ios $PA); sleep 2; a2=$(ios $PA)
+[ "$a2" -gt "$a1" ] || fail "no writes on A after it came back"
+
+fault unlisten
+show "after A's listener was removed"
+b1=$(ios $PB); sleep 2; b2=$(ios $PB)
+[ "$b2" -gt "$b1" ] || fail "no writes on B after A's listener was removed"
 
 wait $FIO
 frc=$?

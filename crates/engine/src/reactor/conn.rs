@@ -176,6 +176,8 @@ struct SendArea {
 
 pub(super) struct Conn {
     socket: TcpStream,
+    /// The listener that accepted it; `None` for a socket pair.
+    pub(super) port_id: Option<u16>,
     /// The socket's slot in the ring's registered-file table, if it has one: operations
     /// on a registered file skip the kernel's descriptor lookup and reference counting.
     pub(super) registered_file: Option<u32>,
@@ -206,9 +208,10 @@ pub(super) struct Conn {
 }
 
 impl Conn {
-    pub(super) fn new(socket: TcpStream, now_ms: u64) -> Conn {
+    pub(super) fn new(socket: TcpStream, now_ms: u64, port_id: Option<u16>) -> Conn {
         Conn {
             socket,
+            port_id,
             registered_file: None,
             phase: Phase::Handshake,
             accepted_ms: now_ms,

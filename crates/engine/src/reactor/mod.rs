@@ -21,7 +21,7 @@ mod conn;
 
 pub use block_io::{BlockIo, DiskFd, DiskQueue};
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -58,7 +58,12 @@ const IORING_ENTER_GETEVENTS: u32 = 1;
 /// A message to a reactor.
 pub enum Msg {
     /// Serve a connection accepted elsewhere.
-    Adopt(TcpStream),
+    Adopt {
+        /// The connection.
+        stream: TcpStream,
+        /// The listener that accepted it.
+        port_id: u16,
+    },
     /// Start accepting on a listener.
     Listen {
         /// Port ID (the discovery log's).
@@ -66,7 +71,8 @@ pub enum Msg {
         /// The bound, listening socket.
         listener: TcpListener,
     },
-    /// Stop accepting on a listener.
+    /// Stop accepting on a listener and end the connections it accepted (sent to
+    /// every reactor).
     Unlisten(u16),
     /// Something changed (namespaces, hosts, events): check connections now.
     Kick,
@@ -297,6 +303,8 @@ struct Reactor {
     conns: Vec<Option<Box<Conn>>>,
     free_conns: Vec<u32>,
     listeners: BTreeMap<u16, TcpListener>,
+    /// Listeners removed (port IDs are never reused).
+    closed_ports: BTreeSet<u16>,
     next_owner: usize,
     /// Whether the ring has a registered-file table for sockets.
     files_registered: bool,
@@ -340,6 +348,7 @@ impl Reactor {
             conns: Vec::new(),
             free_conns: Vec::new(),
             listeners: BTreeMap::new(),
+            closed_ports: BTreeSet::new(),
             next_owner: 0,
             files_registered: false,
             taskrun_flag: false,
@@ -543,7 +552,7 @@ impl Reactor {
     fn on_wake(&mut self) {
         while let Ok(m) = self.rx.try_recv() {
             match m {
-                Msg::Adopt(stream) => self.add_conn(stream),
+                Msg::Adopt { stream, port_id } => self.add_conn(stream, Some(port_id)),
                 Msg::Listen { port_id, listener } => {
                     self.listeners.insert(port_id, listener);
                     self.post_accept(port_id);
@@ -568,7 +577,18 @@ impl Reactor {
         }
     }
 
+    /// Stops listener `port_id`, if this reactor has it, and ends the connections it
+    /// accepted: like nvmet and SPDK, a removed port takes its paths down, and their
+    /// hosts go over to the paths they have left.
     fn unlisten(&mut self, port_id: u16) {
+        self.closed_ports.insert(port_id);
+        for c in 0..self.conns.len() as u32 {
+            self.with_conn(c, |_, conn| {
+                if conn.port_id == Some(port_id) {
+                    conn.begin_close();
+                }
+            });
+        }
         if self.listeners.remove(&port_id).is_some() {
             // The ring holds its own reference to the socket: cancel the armed accept
             // so the socket really closes.
@@ -585,9 +605,9 @@ impl Reactor {
             let owner = self.next_owner % self.links.len();
             self.next_owner += 1;
             if owner == self.id {
-                self.add_conn(stream);
+                self.add_conn(stream, Some(port_id));
             } else {
-                self.links[owner].send(Msg::Adopt(stream));
+                self.links[owner].send(Msg::Adopt { stream, port_id });
             }
         } else if res != -libc::ECANCELED
             && let Some(suppressed) = self.warnings.allow(Warning::Accept)
@@ -600,8 +620,11 @@ impl Reactor {
         }
     }
 
-    fn add_conn(&mut self, stream: TcpStream) {
-        if self.stopping {
+    /// Serves a connection that listener `port_id` accepted (`None`: a socket pair).
+    fn add_conn(&mut self, stream: TcpStream, port_id: Option<u16>) {
+        // A connection handed over after its listener was removed is dropped, as the
+        // listener's other connections were.
+        if self.stopping || port_id.is_some_and(|p| self.closed_ports.contains(&p)) {
             return;
         }
         // Small PDUs must leave at once; the reactor batches writes itself.
@@ -610,7 +633,7 @@ impl Reactor {
             self.conns.push(None);
             (self.conns.len() - 1) as u32
         });
-        let mut conn = Box::new(Conn::new(stream, self.target.now_ms()));
+        let mut conn = Box::new(Conn::new(stream, self.target.now_ms(), port_id));
         if self.files_registered
             && idx < REGISTERED_FILES
             && self.ring.submitter().register_files_update(idx, &[conn.raw_fd()]).is_ok()
@@ -742,7 +765,7 @@ impl Stepped {
     /// Serves one end of a stream socket pair as an NVMe/TCP connection. A connection
     /// only receives, sends and shuts down, which every stream socket does alike.
     pub fn serve(&mut self, socket: UnixStream) {
-        self.reactor.add_conn(TcpStream::from(OwnedFd::from(socket)));
+        self.reactor.add_conn(TcpStream::from(OwnedFd::from(socket)), None);
     }
 
     /// One pass: submits what is queued, handles whatever completed, flushes output.
