@@ -297,7 +297,16 @@ fn add_namespace_to(engine: &Engine, s: &Subsystem, n: &NamespaceConfig) -> Resu
         }
     };
     let atomic = opened.backend.power_fail_atomic_bytes();
-    let block_size = block_size_for(n, atomic)?;
+    let block_size = match opened.backend.required_block_size() {
+        Some(required) if n.block_size == 0 || n.block_size == required => required,
+        Some(required) => {
+            return Err(Error::invalid(format!(
+                "{} has {required}-byte blocks, so its namespace must too: use block_size {required} or 0",
+                n.backend
+            )));
+        }
+        None => block_size_for(n, atomic)?,
+    };
     let mut ns = Namespace::new(nsid, opened.backend, block_size, uuid, nguid)?;
     if let Some(group) = n.ana_group {
         nvme::ana::check_group(group).map_err(Error::invalid)?;

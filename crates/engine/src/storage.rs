@@ -178,7 +178,8 @@ impl Engine {
 
     /// Opens the backend a namespace spec names (`file:...`, `volume:POOL/NAME`, ...).
     pub(crate) fn open_backend(&self, spec: &str) -> Result<Opened> {
-        backend::open(spec, &OpenEnv { pool: &|name| self.pool(name) })
+        let own_listeners = self.listeners().iter().map(|l| std::net::SocketAddr::new(l.addr, l.port)).collect();
+        backend::open(spec, &OpenEnv { pool: &|name| self.pool(name), own_listeners })
     }
 
     fn kick_all(&self) {

@@ -11,6 +11,7 @@
 //! | [`memory`] | `memory:SIZE` | RAM (a memfd), lost on exit |
 //! | [`file`](mod@file) | `file:PATH[:SIZE]` | a file or block device, with `O_DIRECT` where possible |
 //! | [`volume`] | `volume:POOL/NAME` | a logical volume of a disk pool, split at cluster boundaries |
+//! | [`remote`] | `remote:HOST:PORT/NQN/NSID` | another engine's namespace, forwarded over NVMe/TCP |
 //!
 //! A new backend is one file here that implements [`Backend`] and exports a
 //! [`BackendType`], plus its line in [`TYPES`].
@@ -18,6 +19,7 @@
 pub mod file;
 pub mod memory;
 pub mod null;
+pub mod remote;
 pub mod volume;
 
 use std::fmt;
@@ -32,7 +34,7 @@ use crate::pool::Pool;
 pub use crate::reactor::{BlockIo, DiskFd, DiskQueue};
 
 /// Every kind of backend a namespace spec may name.
-pub const TYPES: &[BackendType] = &[null::TYPE, memory::TYPE, file::TYPE, volume::TYPE];
+pub const TYPES: &[BackendType] = &[null::TYPE, memory::TYPE, file::TYPE, volume::TYPE, remote::TYPE];
 
 /// The storage behind a namespace, shared by every reactor that serves it.
 pub trait Backend: Send + Sync + fmt::Debug {
@@ -56,6 +58,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// AWUPF 0). Storage that keeps nothing across a power loss has no limit.
     fn power_fail_atomic_bytes(&self) -> u32 {
         u32::MAX
+    }
+
+    /// The only block size the namespace may have, where the storage decides it (a
+    /// remote namespace has its owner's).
+    fn required_block_size(&self) -> Option<u32> {
+        None
     }
 
     /// Whether deallocated blocks are guaranteed to read back as zeroes (Identify
@@ -118,6 +126,8 @@ impl Opened {
 pub struct OpenEnv<'a> {
     /// The engine's open pool of this name.
     pub pool: &'a dyn Fn(&str) -> Result<Arc<Pool>>,
+    /// Where this engine listens, so a remote namespace cannot point at itself.
+    pub own_listeners: Vec<std::net::SocketAddr>,
 }
 
 /// A kind of backend: how its spec reads and how it opens.

@@ -267,6 +267,18 @@ impl<'a> DiskQueue<'a> {
         self.push(io, disk, sqe);
     }
 
+    /// Forwards the command to the owner of a remote namespace, on this reactor's
+    /// queue to it; the command's buffer goes along and comes back with the owner's
+    /// answer, which the backend's `resume` takes.
+    pub fn forward(&mut self, io: &mut BlockIo, link: &std::sync::Arc<crate::backend::remote::RemoteLink>) {
+        io.deferred = true;
+        self.deferred = true;
+        let since_ms = self.reactor.target.now_ms();
+        let f =
+            super::remote::Forwarded { conn: self.conn, tag: self.tag, plan: io.plan, buf: io.buf.take(), since_ms };
+        self.reactor.forward(link, f);
+    }
+
     /// Hands the command to another thread: the returned callback, called once with
     /// the outcome, routes it back to this command on this reactor, where the
     /// backend's `resume` continues it.

@@ -658,6 +658,24 @@ impl Conn {
         self.queued(r, idx, tag, queued);
     }
 
+    /// The owner's answer to slot `tag`'s forwarded command, with the command's buffer.
+    pub(super) fn on_remote(&mut self, r: &mut Reactor, idx: u32, tag: u16, status: Status, buf: Option<Buf>) {
+        self.ops_in_flight -= 1;
+        let Some(slot) = self.slots.get_mut(usize::from(tag)) else { return };
+        if let Some(b) = buf {
+            slot.io.set_buf(b);
+        }
+        slot.io.deferred_done();
+        if self.phase == Phase::Closed {
+            return;
+        }
+        let Some(ns) = slot.ns.as_ref() else { return };
+        let mut queue = DiskQueue::new(r, idx, tag, self.digests.data);
+        ns.backend.resume(&mut slot.io, status, &mut queue);
+        let queued = queue.queued();
+        self.queued(r, idx, tag, queued);
+    }
+
     pub(super) fn on_disk(&mut self, r: &mut Reactor, idx: u32, tag: u16, res: i32) {
         self.ops_in_flight -= 1;
         r.disk_in_flight -= 1;

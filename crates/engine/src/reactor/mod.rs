@@ -18,6 +18,7 @@
 
 mod block_io;
 mod conn;
+mod remote;
 
 pub use block_io::{BlockIo, DiskFd, DiskQueue};
 
@@ -35,6 +36,9 @@ use io_uring::{IoUring, cqueue, opcode, squeue, types};
 use crate::bufpool::BufPool;
 use crate::nvme::{MAX_TRANSFER, Target};
 use conn::Conn;
+use remote::{Answer, Forwarded, HostQueue};
+
+use crate::backend::remote::RemoteLink;
 
 /// How long a reactor keeps polling after its last completion before it sleeps on the
 /// ring: longer than a request/response round trip on a fast network, short enough
@@ -85,6 +89,8 @@ pub enum Msg {
         /// How it ended.
         status: nvpool_wire::Status,
     },
+    /// A queue to the owner of a remote namespace, connected for this reactor.
+    RemoteSocket(crate::backend::remote::RemoteSocket),
     /// Close everything and exit.
     Stop,
 }
@@ -246,6 +252,8 @@ enum Op {
     Send(u32),
     Disk(u32, u16),
     Wake,
+    RemoteRecv(u32),
+    RemoteSend(u32),
 }
 
 impl Op {
@@ -256,6 +264,8 @@ impl Op {
             Op::Send(c) => (3, c, 0),
             Op::Disk(c, tag) => (4, c, u32::from(tag)),
             Op::Wake => (5, 0, 0),
+            Op::RemoteRecv(q) => (6, q, 0),
+            Op::RemoteSend(q) => (7, q, 0),
         };
         kind << 56 | u64::from(conn & 0xFF_FFFF) << 32 | u64::from(extra)
     }
@@ -269,6 +279,8 @@ impl Op {
             3 => Op::Send(conn),
             4 => Op::Disk(conn, extra as u16),
             5 => Op::Wake,
+            6 => Op::RemoteRecv(conn),
+            7 => Op::RemoteSend(conn),
             _ => return None,
         })
     }
@@ -302,6 +314,13 @@ struct Reactor {
     zeroes: Box<[u8]>,
     conns: Vec<Option<Box<Conn>>>,
     free_conns: Vec<u32>,
+    /// Queues to owners of remote namespaces, by slot; boxed, so their buffers stay
+    /// put while the table grows. Kept for the reactor's life.
+    remotes: Vec<Option<Box<HostQueue>>>,
+    /// The slot of each remote link this reactor has used.
+    remote_slots: BTreeMap<u64, u32>,
+    /// Answers of forwarded commands, gathered during a call into a remote queue.
+    answers: Vec<Answer>,
     listeners: BTreeMap<u16, TcpListener>,
     /// Listeners removed (port IDs are never reused).
     closed_ports: BTreeSet<u16>,
@@ -347,6 +366,9 @@ impl Reactor {
             zeroes: vec![0u8; MAX_TRANSFER].into_boxed_slice(),
             conns: Vec::new(),
             free_conns: Vec::new(),
+            remotes: Vec::new(),
+            remote_slots: BTreeMap::new(),
+            answers: Vec::new(),
             listeners: BTreeMap::new(),
             closed_ports: BTreeSet::new(),
             next_owner: 0,
@@ -521,6 +543,8 @@ impl Reactor {
                 Some(Op::Recv(c)) => self.with_conn(c, |r, conn| conn.on_recv(r, c, res)),
                 Some(Op::Send(c)) => self.with_conn(c, |r, conn| conn.on_send(r, c, res)),
                 Some(Op::Disk(c, tag)) => self.with_conn(c, |r, conn| conn.on_disk(r, c, tag, res)),
+                Some(Op::RemoteRecv(q)) => self.with_remote(q, |r, queue, answers| queue.on_recv(r, q, res, answers)),
+                Some(Op::RemoteSend(q)) => self.with_remote(q, |r, queue, answers| queue.on_send(r, q, res, answers)),
                 None => {}
             }
         }
@@ -549,6 +573,36 @@ impl Reactor {
         }
     }
 
+    /// Runs `f` on remote queue `q` taken out of the table, then delivers the answers
+    /// it gathered to their connections.
+    fn with_remote(&mut self, q: u32, f: impl FnOnce(&mut Reactor, &mut HostQueue, &mut Vec<Answer>)) {
+        let Some(mut queue) = self.remotes.get_mut(q as usize).and_then(Option::take) else {
+            return;
+        };
+        let mut answers = std::mem::take(&mut self.answers);
+        f(self, &mut queue, &mut answers);
+        self.remotes[q as usize] = Some(queue);
+        for a in answers.drain(..) {
+            self.with_conn(a.conn, |r, c| c.on_remote(r, a.conn, a.tag, a.status, a.buf));
+        }
+        self.answers = answers;
+    }
+
+    /// Forwards a command to the owner of a remote namespace on this reactor's queue
+    /// to it, made on first use.
+    pub(super) fn forward(&mut self, link: &Arc<RemoteLink>, f: Forwarded) {
+        let q = match self.remote_slots.get(&link.id) {
+            Some(&q) => q,
+            None => {
+                let q = self.remotes.len() as u32;
+                self.remotes.push(Some(Box::new(HostQueue::new(link.clone()))));
+                self.remote_slots.insert(link.id, q);
+                q
+            }
+        };
+        self.with_remote(q, |r, queue, _| queue.forward(r, q, f));
+    }
+
     fn on_wake(&mut self) {
         while let Ok(m) = self.rx.try_recv() {
             match m {
@@ -560,6 +614,11 @@ impl Reactor {
                 Msg::Unlisten(port_id) => self.unlisten(port_id),
                 Msg::Kick => self.kick(),
                 Msg::Deferred { conn, tag, status } => self.with_conn(conn, |r, c| c.on_deferred(r, conn, tag, status)),
+                Msg::RemoteSocket(socket) => {
+                    if let Some(&q) = self.remote_slots.get(&socket.link) {
+                        self.with_remote(q, |r, queue, _| queue.on_socket(r, q, socket));
+                    }
+                }
                 Msg::Stop => {
                     self.stopping = true;
                     let ports: Vec<u16> = self.listeners.keys().copied().collect();
@@ -669,6 +728,10 @@ impl Reactor {
     fn tick(&mut self) {
         for c in 0..self.conns.len() as u32 {
             self.with_conn(c, |r, conn| conn.check(r, c, true));
+        }
+        let now = self.target.now_ms();
+        for q in 0..self.remotes.len() as u32 {
+            self.with_remote(q, |_, queue, answers| queue.expire(now, answers));
         }
         let idle = self.conns.iter().all(Option::is_none);
         if idle && !self.released_while_idle {
@@ -795,7 +858,15 @@ mod tests {
 
     #[test]
     fn user_data_round_trips() {
-        for op in [Op::Accept(7), Op::Recv(0xABCDE), Op::Send(1), Op::Disk(0xFF_FFFF, 0xFFFF), Op::Wake] {
+        for op in [
+            Op::Accept(7),
+            Op::Recv(0xABCDE),
+            Op::Send(1),
+            Op::Disk(0xFF_FFFF, 0xFFFF),
+            Op::Wake,
+            Op::RemoteRecv(3),
+            Op::RemoteSend(0xFF_FFFF),
+        ] {
             assert_eq!(Op::decode(op.encode()), Some(op));
         }
         assert_eq!(Op::decode(0), None);

@@ -112,7 +112,8 @@ struct EngineArgs {
     /// NQN of the subsystem to serve.
     #[arg(long, requires = "namespace")]
     subsystem: Option<String>,
-    /// A namespace: memory:SIZE, null:SIZE, file:PATH, file:PATH:SIZE or volume:POOL/NAME
+    /// A namespace: memory:SIZE, null:SIZE, file:PATH, file:PATH:SIZE, volume:POOL/NAME or
+    /// remote:HOST:PORT/NQN/NSID
     /// (repeatable).
     #[arg(long)]
     namespace: Vec<String>,
@@ -168,7 +169,8 @@ enum NamespaceVerb {
     Add {
         /// Subsystem NQN.
         nqn: String,
-        /// Backend: memory:SIZE, null:SIZE, file:PATH, file:PATH:SIZE or volume:POOL/NAME.
+        /// Backend: memory:SIZE, null:SIZE, file:PATH, file:PATH:SIZE, volume:POOL/NAME or
+        /// remote:HOST:PORT/NQN/NSID (another engine's namespace, forwarded).
         backend: String,
         /// Namespace ID (the next free one by default).
         #[arg(long)]

@@ -1,0 +1,325 @@
+//! `remote:HOST:PORT/NQN/NSID`: a namespace whose data another engine (its owner)
+//! serves. This engine becomes one more access point to it: each command is forwarded
+//! to the owner over NVMe/TCP by the reactor that received it, on that reactor's own
+//! queue to the owner (io_uring, the same thread, no hand-off; see
+//! `reactor::remote`), and the owner's answer, path errors included, goes back to the
+//! host as it came.
+//!
+//! Connections are set up off the I/O path: a thread per remote namespace holds the
+//! admin queue (Connect, enable, Number of Queues) and connects one I/O queue per
+//! reactor when that reactor asks, again after a failure, with backoff. While a
+//! reactor has no queue, its commands wait up to [`HOLD_MS`]; then they fail with ANA
+//! Inaccessible (no Do Not Retry), so a multipath host retries them on another path.
+
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nvpool_initiator::{ConnectOptions, Queue, connect_admin};
+use nvpool_wire::Status;
+use nvpool_wire::command::{Command, admin_opcode};
+use nvpool_wire::identify::{self, cns, nidt};
+use nvpool_wire::tcp::Digests;
+
+use super::{Backend, BackendType, BlockIo, DiskQueue, OpenEnv, Opened};
+use crate::error::{Error, Result};
+use crate::nvme::nvm::IoPlan;
+use crate::reactor::{Msg, ReactorLink};
+
+/// The kind.
+pub const TYPE: BackendType =
+    BackendType { name: "remote", usage: "remote:HOST:PORT/NQN/NSID", check: |a| parse(a).map(drop), open };
+
+/// How long a command waits for a queue to the owner before it fails with a path error.
+pub const HOLD_MS: u64 = 5_000;
+/// Entries of each I/O queue to the owner (0's based size 127).
+pub const QUEUE_DEPTH: u16 = 128;
+/// I/O queues asked of the owner: one per reactor, up to this many reactors.
+const IO_QUEUES: u16 = 64;
+/// Longest wait between two attempts to reach the owner.
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
+fn parse(arg: &str) -> std::result::Result<(String, String, u32), String> {
+    let (addr, rest) = arg.split_once('/').ok_or("no /NQN/NSID after the owner's address")?;
+    let (nqn, nsid) = rest.rsplit_once('/').ok_or("no /NSID after the NQN")?;
+    let nsid: u32 = nsid.parse().map_err(|_| format!("NSID {nsid:?} is not a number"))?;
+    if nsid == 0 {
+        return Err("NSID 0 is not a namespace".into());
+    }
+    crate::nvme::subsystem::validate_nqn(nqn)?;
+    if !addr.contains(':') {
+        return Err(format!("owner address {addr:?} has no port"));
+    }
+    Ok((addr.to_string(), nqn.to_string(), nsid))
+}
+
+/// What a reactor needs to reach one owner namespace: shared by every reactor that
+/// serves the namespace, and by the thread that connects their queues.
+pub struct RemoteLink {
+    /// Tells apart the links of a reactor.
+    pub id: u64,
+    /// The owner's namespace ID.
+    pub nsid: u32,
+    /// Bytes per block, the owner's.
+    pub block_shift: u32,
+    /// Largest write data sent inside the command capsule, as the owner allows.
+    pub in_capsule: u32,
+    requests: Mutex<Sender<ConnectRequest>>,
+}
+
+/// A reactor asking for a queue to the owner.
+struct ConnectRequest {
+    reactor: usize,
+    links: Arc<Vec<ReactorLink>>,
+}
+
+/// A connected I/O queue, handed to the reactor that asked for it.
+pub struct RemoteSocket {
+    /// The link it serves.
+    pub link: u64,
+    /// The queue's socket, after ICReq and Connect.
+    pub stream: TcpStream,
+    /// Digests negotiated.
+    pub digests: Digests,
+    /// The owner's MAXH2CDATA.
+    pub max_h2c_data: u32,
+}
+
+impl RemoteLink {
+    /// Asks for a (new) queue to the owner for reactor `reactor`; it arrives in the
+    /// reactor's mailbox as [`Msg::RemoteSocket`].
+    pub fn request_queue(&self, reactor: usize, links: Arc<Vec<ReactorLink>>) {
+        let tx = self.requests.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = tx.send(ConnectRequest { reactor, links });
+    }
+
+    /// The NVMe command that does `plan` on the owner, with `cid`.
+    pub fn command(&self, plan: &IoPlan, cid: u16) -> Command {
+        use nvpool_wire::command::{PSDT_SGL, SglDescriptor, io_opcode, sgl};
+        let blocks =
+            |offset: u64, len: u64| (offset >> self.block_shift, ((len >> self.block_shift) as u32).wrapping_sub(1));
+        let (opcode, cdw, data_len) = match *plan {
+            IoPlan::Read { offset, len } => {
+                let (slba, nlb) = blocks(offset, u64::from(len));
+                (io_opcode::READ, [slba as u32, (slba >> 32) as u32, nlb, 0, 0, 0], len)
+            }
+            IoPlan::Write { offset, len, fua } => {
+                let (slba, nlb) = blocks(offset, u64::from(len));
+                let fua_bit = if fua { 1 << 30 } else { 0 };
+                (io_opcode::WRITE, [slba as u32, (slba >> 32) as u32, nlb | fua_bit, 0, 0, 0], len)
+            }
+            IoPlan::Flush => (io_opcode::FLUSH, [0; 6], 0),
+            IoPlan::WriteZeroes { offset, len } => {
+                let (slba, nlb) = blocks(offset, len);
+                (io_opcode::WRITE_ZEROES, [slba as u32, (slba >> 32) as u32, nlb, 0, 0, 0], 0)
+            }
+            IoPlan::DatasetManagement { ranges, deallocate, .. } => {
+                let attributes = if deallocate { nvpool_wire::command::DSM_ATTR_DEALLOCATE } else { 0 };
+                (io_opcode::DATASET_MANAGEMENT, [ranges - 1, attributes, 0, 0, 0, 0], plan.host_data_len())
+            }
+        };
+        let in_capsule =
+            matches!(plan, IoPlan::Write { .. } | IoPlan::DatasetManagement { .. }) && data_len <= self.in_capsule;
+        let dptr = if data_len == 0 {
+            SglDescriptor::default()
+        } else if in_capsule {
+            SglDescriptor { address: 0, length: data_len, id: sgl::IN_CAPSULE }
+        } else {
+            SglDescriptor { address: 0, length: data_len, id: sgl::TRANSPORT }
+        };
+        Command { opcode, flags: PSDT_SGL, cid, nsid: self.nsid, dptr, cdw, ..Command::default() }
+    }
+}
+
+/// A namespace of another engine, served through this one.
+pub struct RemoteBackend {
+    owner: String,
+    subnqn: String,
+    size: u64,
+    reads_zeroes: bool,
+    link: Arc<RemoteLink>,
+}
+
+impl std::fmt::Debug for RemoteBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteBackend").field("owner", &self.owner).field("nqn", &self.subnqn).finish_non_exhaustive()
+    }
+}
+
+/// The host NQN this engine uses toward owners.
+fn proxy_hostnqn() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    format!("nqn.2024-01.io.nvpool:engine:{}", host.trim())
+}
+
+fn resolve(owner: &str) -> Result<SocketAddr> {
+    owner
+        .to_socket_addrs()
+        .map_err(|e| Error::invalid(format!("cannot resolve the owner {owner}: {e}")))?
+        .next()
+        .ok_or_else(|| Error::invalid(format!("the owner {owner} resolves to no address")))
+}
+
+fn open(arg: &str, env: &OpenEnv<'_>) -> Result<Opened> {
+    let (owner, subnqn, nsid) = parse(arg).map_err(Error::invalid)?;
+    let addr = resolve(&owner)?;
+    if env.own_listeners.contains(&addr) {
+        return Err(Error::invalid(format!(
+            "remote:{arg} points at this engine itself: name the owner's address, or use the volume directly"
+        )));
+    }
+    let hostnqn = proxy_hostnqn();
+    let options = ConnectOptions { kato: 0, ..ConnectOptions::admin(&subnqn, &hostnqn) };
+    let unreachable = |e: nvpool_initiator::Error| {
+        Error::unavailable(format!("cannot reach {subnqn} at {owner} to serve namespace {nsid}: {e}"))
+    };
+    let mut admin = connect_admin(addr, &options).map_err(unreachable)?;
+    let controller = admin.identify_controller().map_err(unreachable)?;
+    let ns = admin.identify_namespace(nsid).map_err(unreachable)?;
+    if ns.nsze == 0 {
+        return Err(Error::not_found(format!("{subnqn} at {owner} has no namespace {nsid}")));
+    }
+    let block_size = identify::lba_format_block_size(ns.lbaf0);
+    let mut descriptors = Command { opcode: admin_opcode::IDENTIFY, nsid, ..Command::default() };
+    descriptors.cdw[0] = u32::from(cns::NS_DESCRIPTORS);
+    let data = admin.execute(descriptors, identify::IDENTIFY_SIZE as u32).map_err(unreachable)?.data;
+    let mut uuid = None;
+    let mut nguid = ns.nguid;
+    for d in identify::decode_ns_descriptors(&data) {
+        match d.nidt {
+            nidt::UUID if d.nid.len() == 16 => uuid = d.nid.try_into().ok(),
+            nidt::NGUID if d.nid.len() == 16 => nguid = d.nid.try_into().unwrap_or(nguid),
+            _ => {}
+        }
+    }
+    let uuid = uuid.ok_or_else(|| Error::invalid(format!("namespace {nsid} of {subnqn} has no UUID to share")))?;
+    let (requests, inbox) = mpsc::channel();
+    static NEXT_LINK: AtomicU64 = AtomicU64::new(1);
+    let link = Arc::new(RemoteLink {
+        id: NEXT_LINK.fetch_add(1, Ordering::Relaxed),
+        nsid,
+        block_shift: block_size.trailing_zeros(),
+        // IOCCSZ counts 16-byte units of the whole capsule, the 64-byte command included.
+        in_capsule: (controller.ioccsz * 16).saturating_sub(64),
+        requests: Mutex::new(requests),
+    });
+    let connector = Connector { addr, options, admin: Some(admin), link: link.id };
+    std::thread::Builder::new()
+        .name(format!("nvpool-remote-{}", link.id))
+        .spawn(move || connector.run(inbox))
+        .map_err(|e| Error::io("cannot start the remote namespace's connection thread", e))?;
+    let backend = RemoteBackend {
+        owner,
+        subnqn,
+        size: ns.nsze << link.block_shift,
+        reads_zeroes: ns.dlfeat & identify::DLFEAT_READS_ZEROES != 0,
+        link,
+    };
+    Ok(Opened { backend: Arc::new(backend), identity: Some((uuid, nguid)) })
+}
+
+/// Connects I/O queues to the owner when reactors ask, off the I/O path.
+struct Connector {
+    addr: SocketAddr,
+    options: ConnectOptions,
+    admin: Option<Queue>,
+    link: u64,
+}
+
+impl Connector {
+    /// Serves requests until the backend is dropped (the channel closes).
+    fn run(mut self, inbox: Receiver<ConnectRequest>) {
+        while let Ok(r) = inbox.recv() {
+            let mut backoff = Duration::from_millis(50);
+            loop {
+                match self.connect_io(r.reactor) {
+                    Ok(socket) => {
+                        r.links[r.reactor].send(Msg::RemoteSocket(socket));
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::warn!(owner = %self.addr, nqn = %self.options.subnqn, "cannot connect to the owner: {e}; retrying in {backoff:?}");
+                        self.admin = None;
+                        std::thread::sleep(backoff);
+                        backoff = (backoff * 2).min(MAX_BACKOFF);
+                    }
+                }
+            }
+        }
+    }
+
+    /// An I/O queue for reactor `reactor` (queue ID `reactor + 1`), with the admin
+    /// queue reconnected first if the owner lost it.
+    fn connect_io(&mut self, reactor: usize) -> std::result::Result<RemoteSocket, nvpool_initiator::Error> {
+        let alive = self
+            .admin
+            .as_mut()
+            .is_some_and(|a| a.execute(Command { opcode: admin_opcode::KEEP_ALIVE, ..Command::default() }, 0).is_ok());
+        if !alive {
+            let mut admin = connect_admin(self.addr, &self.options)?;
+            admin.set_queue_count(IO_QUEUES)?;
+            self.admin = Some(admin);
+        }
+        let cntlid = self.admin.as_ref().map_or(0, |a| a.cntlid);
+        let qid = reactor as u16 + 1;
+        let q = Queue::connect(self.addr, &self.options.io(qid, cntlid, QUEUE_DEPTH - 1))?;
+        let max_h2c_data = q.icresp.maxdata;
+        let (stream, digests) = q.into_stream();
+        Ok(RemoteSocket { link: self.link, stream, digests, max_h2c_data })
+    }
+}
+
+impl Backend for RemoteBackend {
+    fn kind(&self) -> &'static str {
+        "remote"
+    }
+
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn description(&self) -> String {
+        format!("remote:{}/{}/{}", self.owner, self.subnqn, self.link.nsid)
+    }
+
+    /// The owner promises its own blocks whole; this engine forwards them as they are.
+    fn power_fail_atomic_bytes(&self) -> u32 {
+        1 << self.link.block_shift
+    }
+
+    fn required_block_size(&self) -> Option<u32> {
+        Some(1 << self.link.block_shift)
+    }
+
+    fn deallocated_reads_zeroes(&self) -> bool {
+        self.reads_zeroes
+    }
+
+    fn start(&self, io: &mut BlockIo, queue: &mut DiskQueue<'_>) {
+        if let IoPlan::Read { len, .. } = io.plan {
+            queue.give_buf(io, len as usize);
+        }
+        queue.forward(io, &self.link);
+    }
+
+    fn resume(&self, io: &mut BlockIo, status: Status, _queue: &mut DiskQueue<'_>) {
+        io.status = status;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_name_the_owner_the_subsystem_and_the_namespace() {
+        let (addr, nqn, nsid) = parse("127.0.0.1:4420/nqn.2024-01.io.nvpool:vol/3").unwrap();
+        assert_eq!((addr.as_str(), nqn.as_str(), nsid), ("127.0.0.1:4420", "nqn.2024-01.io.nvpool:vol", 3));
+        assert!(parse("127.0.0.1:4420/nqn.2024-01.io.nvpool:vol").unwrap_err().contains("NSID"));
+        assert!(parse("127.0.0.1/nqn.2024-01.io.nvpool:vol/1").unwrap_err().contains("port"));
+        assert!(parse("127.0.0.1:1/nqn.2024-01.io.nvpool:vol/0").is_err());
+        assert!(parse("127.0.0.1:1/notannqn/1").is_err());
+    }
+}

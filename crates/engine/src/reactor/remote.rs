@@ -1,0 +1,380 @@
+//! A reactor's I/O queue to the owner of a remote namespace (see
+//! `backend::remote`): the host side of NVMe/TCP, driven on the reactor's ring like
+//! its target connections. Forwarded commands take their command's buffer along
+//! (write data out, read data in) and give it back with the owner's status.
+//!
+//! The queue is connected by the link's connection thread and handed over as a socket
+//! ready for I/O. When it fails, the commands on it fail with ANA Inaccessible (no Do
+//! Not Retry), a new queue is asked for, and commands wait for it up to
+//! `backend::remote::HOLD_MS`.
+#![allow(unsafe_code)]
+
+use std::collections::VecDeque;
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+
+use io_uring::{opcode, types};
+use nvpool_wire::Status;
+use nvpool_wire::bytes::compact;
+use nvpool_wire::command::Completion;
+use nvpool_wire::tcp::{self, DataHeader, Digests, Pdu};
+
+use super::{Op, Reactor};
+use crate::backend::remote::{HOLD_MS, QUEUE_DEPTH, RemoteLink, RemoteSocket};
+use crate::bufpool::Buf;
+use crate::nvme::nvm::IoPlan;
+
+/// Receive buffer: a whole C2HData of the largest transfer with its headers, and room
+/// to read ahead.
+const RECV_BUF: usize = crate::nvme::MAX_TRANSFER + 64 * 1024;
+
+/// A command on its way to the owner.
+pub(super) struct Forwarded {
+    /// The target connection and command slot it came from.
+    pub conn: u32,
+    pub tag: u16,
+    pub plan: IoPlan,
+    /// Its data: what a write sends, where a read lands.
+    pub buf: Option<Buf>,
+    /// When it was forwarded, for the hold limit.
+    pub since_ms: u64,
+}
+
+/// A command finished: where its answer goes.
+pub(super) struct Answer {
+    pub conn: u32,
+    pub tag: u16,
+    pub status: Status,
+    pub buf: Option<Buf>,
+}
+
+/// One reactor's I/O queue to one owner namespace.
+pub(super) struct HostQueue {
+    link: Arc<RemoteLink>,
+    socket: Option<TcpStream>,
+    /// A failed queue's socket, shut down, kept open until its operations complete.
+    closing: Option<TcpStream>,
+    /// A queue that arrived while the old socket's operations were still in flight.
+    next: Option<RemoteSocket>,
+    /// Whether a queue was asked for and has not arrived.
+    requested: bool,
+    digests: Digests,
+    max_h2c_data: u32,
+    recv_buf: Vec<u8>,
+    recv_start: usize,
+    recv_end: usize,
+    recv_posted: bool,
+    /// Bytes to send next, and the bytes of the posted send (never touched while the
+    /// kernel reads them).
+    out: Vec<u8>,
+    sending: Vec<u8>,
+    sent: usize,
+    send_posted: bool,
+    ops_in_flight: u32,
+    /// Sent commands by command ID.
+    inflight: Vec<Option<Forwarded>>,
+    free_cids: Vec<u16>,
+    /// Commands waiting for a queue, or for a free command ID.
+    waiting: VecDeque<Forwarded>,
+}
+
+impl HostQueue {
+    pub(super) fn new(link: Arc<RemoteLink>) -> HostQueue {
+        HostQueue {
+            link,
+            socket: None,
+            closing: None,
+            next: None,
+            requested: false,
+            digests: Digests::default(),
+            max_h2c_data: 0,
+            recv_buf: vec![0; RECV_BUF],
+            recv_start: 0,
+            recv_end: 0,
+            recv_posted: false,
+            out: Vec::with_capacity(256 * 1024),
+            sending: Vec::with_capacity(256 * 1024),
+            sent: 0,
+            send_posted: false,
+            ops_in_flight: 0,
+            inflight: (0..QUEUE_DEPTH).map(|_| None).collect(),
+            free_cids: (0..QUEUE_DEPTH).rev().collect(),
+            waiting: VecDeque::new(),
+        }
+    }
+
+    /// Whether a queue is up.
+    fn connected(&self) -> bool {
+        self.socket.is_some()
+    }
+
+    /// Takes a command; sends it now if the queue is up.
+    pub(super) fn forward(&mut self, r: &mut Reactor, slot: u32, f: Forwarded) {
+        self.waiting.push_back(f);
+        if !self.connected() {
+            self.ask_for_queue(r);
+        }
+        self.send_waiting(r, slot);
+    }
+
+    fn ask_for_queue(&mut self, r: &Reactor) {
+        if !self.requested {
+            self.requested = true;
+            self.link.request_queue(r.id, r.links.clone());
+        }
+    }
+
+    /// A new queue from the connection thread.
+    pub(super) fn on_socket(&mut self, r: &mut Reactor, slot: u32, s: RemoteSocket) {
+        self.requested = false;
+        if self.ops_in_flight > 0 {
+            // The old socket's operations still point at the buffers: wait for them.
+            self.next = Some(s);
+            return;
+        }
+        self.install(r, slot, s);
+    }
+
+    fn install(&mut self, r: &mut Reactor, slot: u32, s: RemoteSocket) {
+        let _ = s.stream.set_nodelay(true);
+        self.socket = Some(s.stream);
+        self.digests = s.digests;
+        self.max_h2c_data = s.max_h2c_data.max(4096);
+        self.recv_start = 0;
+        self.recv_end = 0;
+        self.out.clear();
+        self.sent = 0;
+        self.post_recv(r, slot);
+        self.send_waiting(r, slot);
+    }
+
+    /// Sends waiting commands while command IDs are free.
+    fn send_waiting(&mut self, r: &mut Reactor, slot: u32) {
+        if !self.connected() {
+            return;
+        }
+        while !self.waiting.is_empty() {
+            let Some(cid) = self.free_cids.pop() else { break };
+            let Some(f) = self.waiting.pop_front() else { break };
+            let cmd = self.link.command(&f.plan, cid);
+            let data_len = cmd.dptr.length as usize;
+            let in_capsule = data_len > 0 && cmd.dptr.id == nvpool_wire::command::sgl::IN_CAPSULE;
+            let mut hdr = [0u8; tcp::MAX_HEADER_SIZE];
+            let n = tcp::encode_capsule_cmd(&cmd, if in_capsule { data_len } else { 0 }, self.digests, &mut hdr);
+            self.out.extend_from_slice(&hdr[..n]);
+            if in_capsule {
+                let data = f.buf.as_ref().map_or(&[][..], |b| &b.as_slice()[..data_len]);
+                self.push_data(data);
+            }
+            self.inflight[usize::from(cid)] = Some(f);
+        }
+        self.post_send(r, slot);
+    }
+
+    fn push_data(&mut self, data: &[u8]) {
+        self.out.extend_from_slice(data);
+        if self.digests.data && !data.is_empty() {
+            self.out.extend_from_slice(&tcp::crc32c(data).to_le_bytes());
+        }
+    }
+
+    fn post_recv(&mut self, r: &mut Reactor, slot: u32) {
+        let Some(socket) = &self.socket else { return };
+        if self.recv_posted {
+            return;
+        }
+        if self.recv_start > 0 {
+            compact(&mut self.recv_buf, &mut self.recv_start, &mut self.recv_end);
+        }
+        let room = &mut self.recv_buf[self.recv_end..];
+        let sqe = opcode::Recv::new(types::Fd(socket.as_raw_fd()), room.as_mut_ptr(), room.len() as u32)
+            .build()
+            .user_data(Op::RemoteRecv(slot).encode());
+        // SAFETY: the receive writes into `recv_buf` past `recv_end`, inside its length;
+        // the vector is never resized, and the queue (boxed in the reactor, never
+        // freed while the reactor runs) keeps it until the completion is reaped: a
+        // new socket is installed only once `ops_in_flight` is zero.
+        unsafe { r.push(sqe) };
+        self.recv_posted = true;
+        self.ops_in_flight += 1;
+    }
+
+    fn post_send(&mut self, r: &mut Reactor, slot: u32) {
+        let Some(socket) = &self.socket else { return };
+        if self.send_posted {
+            return;
+        }
+        if self.sent == self.sending.len() {
+            if self.out.is_empty() {
+                return;
+            }
+            std::mem::swap(&mut self.out, &mut self.sending);
+            self.out.clear();
+            self.sent = 0;
+        }
+        let rest = &self.sending[self.sent..];
+        let sqe = opcode::Send::new(types::Fd(socket.as_raw_fd()), rest.as_ptr(), rest.len() as u32)
+            .flags(libc::MSG_NOSIGNAL)
+            .build()
+            .user_data(Op::RemoteSend(slot).encode());
+        // SAFETY: the send reads `sending` past `sent`; `sending` is neither written nor
+        // resized while a send is posted (new bytes go to `out`), and it lives as long
+        // as the queue, which outlives its operations (see `post_recv`).
+        unsafe { r.push(sqe) };
+        self.send_posted = true;
+        self.ops_in_flight += 1;
+    }
+
+    pub(super) fn on_send(&mut self, r: &mut Reactor, slot: u32, res: i32, answers: &mut Vec<Answer>) {
+        self.ops_in_flight -= 1;
+        self.send_posted = false;
+        if res < 0 || self.socket.is_none() {
+            self.fail(r, slot, answers);
+            return;
+        }
+        self.sent += res as usize;
+        self.post_send(r, slot);
+    }
+
+    pub(super) fn on_recv(&mut self, r: &mut Reactor, slot: u32, res: i32, answers: &mut Vec<Answer>) {
+        self.ops_in_flight -= 1;
+        self.recv_posted = false;
+        if res <= 0 || self.socket.is_none() {
+            self.fail(r, slot, answers);
+            return;
+        }
+        self.recv_end += res as usize;
+        let limits = tcp::DataLimits::uniform(crate::nvme::MAX_TRANSFER as u32);
+        loop {
+            let parsed = match tcp::parse(&self.recv_buf[self.recv_start..self.recv_end], self.digests, limits) {
+                Ok(Some(p)) => p,
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!(link = self.link.id, "the owner sent a malformed PDU: {}", e.reason);
+                    self.fail(r, slot, answers);
+                    return;
+                }
+            };
+            let len = parsed.len;
+            let ok = parsed.data_digest_ok;
+            // The PDU borrows the receive buffer; what it says is copied out first.
+            let event = match parsed.pdu {
+                Pdu::CapsuleResp(c) => Event::Done(c),
+                Pdu::C2HData { header, success, data, .. } => {
+                    let cid = usize::from(header.cccid);
+                    let landed = ok
+                        && self.inflight.get_mut(cid).and_then(Option::as_mut).is_some_and(|f| {
+                            let at = header.offset as usize;
+                            f.buf
+                                .as_mut()
+                                .and_then(|b| b.as_mut_slice().get_mut(at..at + data.len()))
+                                .map(|d| d.copy_from_slice(data))
+                                .is_some()
+                        });
+                    if !landed {
+                        Event::Broken("C2HData for no read, or out of its range")
+                    } else if success {
+                        Event::Done(Completion { cid: header.cccid, ..Completion::default() })
+                    } else {
+                        Event::Nothing
+                    }
+                }
+                Pdu::R2T(h) => Event::Transfer(h),
+                Pdu::TermReq { .. } => Event::Broken("the owner ended the connection (C2HTermReq)"),
+                _ => Event::Broken("the owner sent a PDU a controller does not send"),
+            };
+            self.recv_start += len;
+            match event {
+                Event::Nothing => {}
+                Event::Done(c) => self.complete(r, slot, c, answers),
+                Event::Transfer(h) => {
+                    if !self.send_requested(h) {
+                        self.fail(r, slot, answers);
+                        return;
+                    }
+                }
+                Event::Broken(why) => {
+                    tracing::warn!(link = self.link.id, "{why}");
+                    self.fail(r, slot, answers);
+                    return;
+                }
+            }
+        }
+        self.post_send(r, slot);
+        self.post_recv(r, slot);
+    }
+
+    /// Queues the H2CData PDUs an R2T asks for; false if it names no write.
+    fn send_requested(&mut self, h: DataHeader) -> bool {
+        let cid = usize::from(h.cccid);
+        let Some(Some(f)) = self.inflight.get(cid) else { return false };
+        let (start, end) = (h.offset as usize, h.offset as usize + h.length as usize);
+        let Some(buf) = f.buf.as_ref().filter(|b| end <= b.as_slice().len()) else { return false };
+        // The buffer is borrowed from the table while `out` grows: split the borrows.
+        let data: Vec<u8> = buf.as_slice()[start..end].to_vec();
+        let mut at = 0;
+        while at < data.len() {
+            let n = (data.len() - at).min(self.max_h2c_data as usize);
+            let header = DataHeader { cccid: h.cccid, ttag: h.ttag, offset: (start + at) as u32, length: n as u32 };
+            let mut hdr = [0u8; tcp::MAX_HEADER_SIZE];
+            let len = tcp::encode_h2c_data(&header, at + n == data.len(), self.digests, &mut hdr);
+            self.out.extend_from_slice(&hdr[..len]);
+            self.push_data(&data[at..at + n]);
+            at += n;
+        }
+        true
+    }
+
+    fn complete(&mut self, r: &mut Reactor, slot: u32, c: Completion, answers: &mut Vec<Answer>) {
+        let cid = c.cid;
+        let Some(f) = self.inflight.get_mut(usize::from(cid)).and_then(Option::take) else {
+            return;
+        };
+        self.free_cids.push(cid);
+        answers.push(Answer { conn: f.conn, tag: f.tag, status: c.status, buf: f.buf });
+        self.send_waiting(r, slot);
+    }
+
+    /// The queue failed: its commands fail with a path error, and a new queue is asked
+    /// for once the old socket's operations are done.
+    fn fail(&mut self, r: &mut Reactor, slot: u32, answers: &mut Vec<Answer>) {
+        if let Some(s) = self.socket.take() {
+            let _ = s.shutdown(Shutdown::Both);
+            // The descriptor closes when the operations using it are done.
+            self.closing = Some(s);
+        }
+        for cid in 0..self.inflight.len() {
+            if let Some(f) = self.inflight[cid].take() {
+                self.free_cids.push(cid as u16);
+                answers.push(Answer { conn: f.conn, tag: f.tag, status: Status::ANA_INACCESSIBLE, buf: f.buf });
+            }
+        }
+        if self.ops_in_flight == 0 {
+            self.closing = None;
+            if let Some(s) = self.next.take() {
+                self.install(r, slot, s);
+                return;
+            }
+        }
+        if self.next.is_none() {
+            self.ask_for_queue(r);
+        }
+    }
+
+    /// Fails commands that waited for a queue longer than the hold limit.
+    pub(super) fn expire(&mut self, now_ms: u64, answers: &mut Vec<Answer>) {
+        while self.waiting.front().is_some_and(|f| now_ms.saturating_sub(f.since_ms) > HOLD_MS) {
+            if let Some(f) = self.waiting.pop_front() {
+                answers.push(Answer { conn: f.conn, tag: f.tag, status: Status::ANA_INACCESSIBLE, buf: f.buf });
+            }
+        }
+    }
+}
+
+enum Event {
+    Nothing,
+    Done(Completion),
+    Transfer(DataHeader),
+    Broken(&'static str),
+}

@@ -1,0 +1,154 @@
+//! The remote backend: one engine (the proxy) serving another's namespace (the
+//! owner's), forwarding each command from its reactors.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nvpool_engine::Engine;
+use nvpool_engine::config::{EngineConfig, ListenerConfig, NamespaceConfig, SubsystemConfig};
+use nvpool_engine::error::ErrorKind;
+use nvpool_initiator::{ConnectOptions, Error, Queue, connect_admin, pattern};
+use nvpool_wire::Status;
+
+const NQN: &str = "nqn.2024-01.io.nvpool:remote";
+const HOST: &str = "nqn.2024-01.io.nvpool:remote-host";
+const IN_CAPSULE: usize = 8192;
+
+struct TestEngine {
+    engine: Arc<Engine>,
+    addr: SocketAddr,
+}
+
+impl Drop for TestEngine {
+    fn drop(&mut self) {
+        self.engine.stop();
+    }
+}
+
+fn namespace(backend: &str, block_size: u32) -> NamespaceConfig {
+    NamespaceConfig {
+        nsid: Some(1),
+        backend: backend.into(),
+        block_size,
+        uuid: None,
+        allow_torn_writes: false,
+        ana_group: None,
+    }
+}
+
+fn engine(address: &str, namespaces: Vec<NamespaceConfig>, reactors: usize) -> TestEngine {
+    let cfg = EngineConfig {
+        reactors: Some(reactors),
+        listeners: vec![ListenerConfig { address: address.parse().unwrap() }],
+        subsystems: vec![SubsystemConfig {
+            nqn: NQN.into(),
+            serial: None,
+            model: "nvpool".into(),
+            allow_any_host: true,
+            hosts: vec![],
+            namespaces,
+        }],
+        ..EngineConfig::default()
+    };
+    let engine = Engine::start(&cfg).expect("engine starts");
+    let l = &engine.listeners()[0];
+    let addr = SocketAddr::new(l.addr, l.port);
+    TestEngine { engine, addr }
+}
+
+fn io_queue(addr: SocketAddr) -> (Queue, Queue) {
+    let o = ConnectOptions { kato: 0, ..ConnectOptions::admin(NQN, HOST) };
+    let mut admin = connect_admin(addr, &o).unwrap();
+    admin.set_queue_count(1).unwrap();
+    let io = Queue::connect(addr, &o.io(1, admin.cntlid, 63)).unwrap();
+    (admin, io)
+}
+
+fn status_of(e: Error) -> Status {
+    match e {
+        Error::Command(s) => s,
+        other => panic!("expected a command status, got {other}"),
+    }
+}
+
+#[test]
+fn a_proxy_serves_the_owners_namespace_with_its_identity_and_data() {
+    let owner = engine("127.0.0.1:0", vec![namespace("memory:16MiB", 512)], 1);
+    let spec = format!("remote:{}/{NQN}/1", owner.addr);
+    let proxy = engine("127.0.0.1:0", vec![namespace(&spec, 0)], 2);
+    let (mut owner_admin, mut owner_io) = io_queue(owner.addr);
+    let (mut proxy_admin, mut proxy_io) = io_queue(proxy.addr);
+    let (a, b) = (owner_admin.identify_namespace(1).unwrap(), proxy_admin.identify_namespace(1).unwrap());
+    assert_eq!((a.nguid, a.nsze, a.lbaf0), (b.nguid, b.nsze, b.lbaf0), "one namespace, whichever path");
+
+    // Small writes go in the capsule, large ones by R2T; reads come back in pieces.
+    for (lba, len, seed) in [(0u64, 4096usize, 1u64), (64, 128 * 1024, 2), (4000, 512, 3)] {
+        let data = pattern(seed, len);
+        proxy_io.write(1, lba, &data, 512, IN_CAPSULE).unwrap();
+        let blocks = (len / 512) as u32;
+        assert_eq!(owner_io.read(1, lba, blocks, 512).unwrap(), data, "written through the proxy");
+        assert_eq!(proxy_io.read(1, lba, blocks, 512).unwrap(), data, "read through the proxy");
+    }
+    let direct = pattern(9, 8192);
+    owner_io.write(1, 100, &direct, 512, IN_CAPSULE).unwrap();
+    assert_eq!(proxy_io.read(1, 100, 16, 512).unwrap(), direct, "the owner's writes seen through the proxy");
+    proxy_io.flush(1).unwrap();
+    assert_eq!(proxy_io.deallocate(1, 0, 8).unwrap(), Status::SUCCESS);
+    assert_eq!(owner_io.read(1, 0, 8, 512).unwrap(), vec![0; 4096], "deallocated through the proxy");
+    // The owner's errors come back as they are.
+    assert_eq!(status_of(proxy_io.read(1, 1 << 40, 1, 512).unwrap_err()).base(), Status::LBA_OUT_OF_RANGE);
+}
+
+#[test]
+fn a_lost_owner_is_a_path_error_and_a_returning_owner_is_used_again() {
+    let owner = engine("127.0.0.1:0", vec![namespace("memory:16MiB", 512)], 1);
+    let owner_addr = owner.addr;
+    let spec = format!("remote:{owner_addr}/{NQN}/1");
+    let proxy = engine("127.0.0.1:0", vec![namespace(&spec, 0)], 1);
+    let (_admin, mut io) = io_queue(proxy.addr);
+    io.write(1, 0, &pattern(1, 4096), 512, IN_CAPSULE).unwrap();
+    drop(owner);
+    // Without its owner the proxy answers with a path error the host retries
+    // elsewhere: never Do Not Retry.
+    let started = Instant::now();
+    let s = status_of(io.read(1, 0, 8, 512).unwrap_err());
+    assert_eq!(s, Status::ANA_INACCESSIBLE);
+    assert!(!s.dnr());
+    assert!(started.elapsed() < Duration::from_secs(10), "a command waits a bounded time");
+    // The owner comes back on its address: the proxy reconnects by itself.
+    let _owner = engine(&owner_addr.to_string(), vec![namespace("memory:16MiB", 512)], 1);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match io.write(1, 0, &pattern(2, 4096), 512, IN_CAPSULE) {
+            Ok(()) => break,
+            Err(e) => {
+                assert_eq!(status_of(e), Status::ANA_INACCESSIBLE);
+                assert!(Instant::now() < deadline, "the proxy never reached the owner again");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+    assert_eq!(io.read(1, 0, 8, 512).unwrap(), pattern(2, 4096));
+}
+
+#[test]
+fn bad_remote_namespaces_say_what_was_wrong() {
+    let owner = engine("127.0.0.1:0", vec![namespace("memory:16MiB", 512)], 1);
+    let proxy = engine("127.0.0.1:0", vec![], 1);
+    let add = |spec: String, block_size: u32| {
+        let mut n = namespace(&spec, block_size);
+        n.nsid = Some(7);
+        proxy.engine.add_namespace(NQN, &n).unwrap_err()
+    };
+    let e = add(format!("remote:{}/{NQN}/1", proxy.addr), 0);
+    assert!(e.message.contains("itself"), "{e}");
+    let e = add(format!("remote:{}/{NQN}/1", owner.addr), 4096);
+    assert!(e.message.contains("512-byte blocks"), "{e}");
+    let e = add(format!("remote:{}/{NQN}/9", owner.addr), 0);
+    assert_eq!(e.kind, ErrorKind::NotFound, "{e}");
+    let e = add(format!("remote:127.0.0.1:1/{NQN}/1"), 0);
+    assert!(e.message.contains("cannot reach"), "{e}");
+    let e = add("remote:127.0.0.1:1/nqn".into(), 0);
+    assert!(e.message.contains("NSID"), "{e}");
+}
