@@ -98,6 +98,15 @@ fn a_proxy_serves_the_owners_namespace_with_its_identity_and_data() {
     assert_eq!(owner_io.read(1, 0, 8, 512).unwrap(), vec![0; 4096], "deallocated through the proxy");
     // The owner's errors come back as they are.
     assert_eq!(status_of(proxy_io.read(1, 1 << 40, 1, 512).unwrap_err()).base(), Status::LBA_OUT_OF_RANGE);
+
+    // Once the namespace is gone from the proxy, so are its connections to the owner:
+    // only this test's own two remain.
+    proxy.engine.remove_namespace(NQN, 1).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while owner.engine.target().connection_count() > 2 {
+        assert!(Instant::now() < deadline, "the proxy kept its connections to the owner");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 #[test]

@@ -11,8 +11,9 @@
 //! reactor has no queue, its commands wait up to [`HOLD_MS`]; then they fail with ANA
 //! Inaccessible (no Do Not Retry), so a multipath host retries them on another path.
 
+use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -66,13 +67,17 @@ pub struct RemoteLink {
     pub block_shift: u32,
     /// Largest write data sent inside the command capsule, as the owner allows.
     pub in_capsule: u32,
-    requests: Mutex<Sender<ConnectRequest>>,
+    requests: Mutex<Sender<Request>>,
+    /// Set when the namespace is gone: reactors close their queues to the owner.
+    closed: AtomicBool,
 }
 
-/// A reactor asking for a queue to the owner.
-struct ConnectRequest {
-    reactor: usize,
-    links: Arc<Vec<ReactorLink>>,
+/// What the connection thread is asked.
+enum Request {
+    /// A queue to the owner for reactor `reactor`.
+    Queue { reactor: usize, links: Arc<Vec<ReactorLink>> },
+    /// The namespace is gone: let go of the owner.
+    Stop,
 }
 
 /// A connected I/O queue, handed to the reactor that asked for it.
@@ -92,7 +97,12 @@ impl RemoteLink {
     /// reactor's mailbox as [`Msg::RemoteSocket`].
     pub fn request_queue(&self, reactor: usize, links: Arc<Vec<ReactorLink>>) {
         let tx = self.requests.lock().unwrap_or_else(|e| e.into_inner());
-        let _ = tx.send(ConnectRequest { reactor, links });
+        let _ = tx.send(Request::Queue { reactor, links });
+    }
+
+    /// Whether the namespace is gone.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
     }
 
     /// The NVMe command that does `plan` on the owner, with `cid`.
@@ -204,6 +214,7 @@ fn open(arg: &str, env: &OpenEnv<'_>) -> Result<Opened> {
         // IOCCSZ counts 16-byte units of the whole capsule, the 64-byte command included.
         in_capsule: (controller.ioccsz * 16).saturating_sub(64),
         requests: Mutex::new(requests),
+        closed: AtomicBool::new(false),
     });
     let connector = Connector { addr, options, admin: Some(admin), link: link.id };
     std::thread::Builder::new()
@@ -230,21 +241,38 @@ struct Connector {
 
 impl Connector {
     /// Serves requests until the backend is dropped (the channel closes).
-    fn run(mut self, inbox: Receiver<ConnectRequest>) {
-        while let Ok(r) = inbox.recv() {
-            let mut backoff = Duration::from_millis(50);
-            loop {
-                match self.connect_io(r.reactor) {
-                    Ok(socket) => {
-                        r.links[r.reactor].send(Msg::RemoteSocket(socket));
-                        break;
+    fn run(mut self, inbox: Receiver<Request>) {
+        let mut pending: VecDeque<(usize, Arc<Vec<ReactorLink>>)> = VecDeque::new();
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            // Wait for work when there is none; take whatever else came meanwhile.
+            let next = if pending.is_empty() { inbox.recv().ok() } else { inbox.try_recv().ok() };
+            match next {
+                Some(Request::Stop) => return,
+                Some(Request::Queue { reactor, links }) => {
+                    pending.push_back((reactor, links));
+                    continue;
+                }
+                None if pending.is_empty() => return,
+                None => {}
+            }
+            let Some((reactor, links)) = pending.front().cloned() else { continue };
+            match self.connect_io(reactor) {
+                Ok(socket) => {
+                    links[reactor].send(Msg::RemoteSocket(socket));
+                    pending.pop_front();
+                    backoff = Duration::from_millis(50);
+                }
+                Err(e) => {
+                    tracing::warn!(owner = %self.addr, nqn = %self.options.subnqn, "cannot connect to the owner: {e}; retrying in {backoff:?}");
+                    self.admin = None;
+                    // A Stop while the owner is away ends the retries.
+                    match inbox.recv_timeout(backoff) {
+                        Ok(Request::Stop) | Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                        Ok(Request::Queue { reactor, links }) => pending.push_back((reactor, links)),
+                        Err(mpsc::RecvTimeoutError::Timeout) => {}
                     }
-                    Err(e) => {
-                        tracing::warn!(owner = %self.addr, nqn = %self.options.subnqn, "cannot connect to the owner: {e}; retrying in {backoff:?}");
-                        self.admin = None;
-                        std::thread::sleep(backoff);
-                        backoff = (backoff * 2).min(MAX_BACKOFF);
-                    }
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
                 }
             }
         }
@@ -268,6 +296,14 @@ impl Connector {
         let max_h2c_data = q.icresp.maxdata;
         let (stream, digests) = q.into_stream();
         Ok(RemoteSocket { link: self.link, stream, digests, max_h2c_data })
+    }
+}
+
+impl Drop for RemoteBackend {
+    fn drop(&mut self) {
+        self.link.closed.store(true, Ordering::Release);
+        let tx = self.link.requests.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = tx.send(Request::Stop);
     }
 }
 

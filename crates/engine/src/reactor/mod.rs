@@ -731,7 +731,7 @@ impl Reactor {
         }
         let now = self.target.now_ms();
         for q in 0..self.remotes.len() as u32 {
-            self.with_remote(q, |_, queue, answers| queue.expire(now, answers));
+            self.with_remote(q, |_, queue, answers| queue.tick(now, answers));
         }
         let idle = self.conns.iter().all(Option::is_none);
         if idle && !self.released_while_idle {

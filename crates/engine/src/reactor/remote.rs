@@ -119,7 +119,7 @@ impl HostQueue {
     }
 
     fn ask_for_queue(&mut self, r: &Reactor) {
-        if !self.requested {
+        if !self.requested && !self.link.is_closed() {
             self.requested = true;
             self.link.request_queue(r.id, r.links.clone());
         }
@@ -165,18 +165,11 @@ impl HostQueue {
             self.out.extend_from_slice(&hdr[..n]);
             if in_capsule {
                 let data = f.buf.as_ref().map_or(&[][..], |b| &b.as_slice()[..data_len]);
-                self.push_data(data);
+                push_data(&mut self.out, self.digests, data);
             }
             self.inflight[usize::from(cid)] = Some(f);
         }
         self.post_send(r, slot);
-    }
-
-    fn push_data(&mut self, data: &[u8]) {
-        self.out.extend_from_slice(data);
-        if self.digests.data && !data.is_empty() {
-            self.out.extend_from_slice(&tcp::crc32c(data).to_le_bytes());
-        }
     }
 
     fn post_recv(&mut self, r: &mut Reactor, slot: u32) {
@@ -307,21 +300,17 @@ impl HostQueue {
 
     /// Queues the H2CData PDUs an R2T asks for; false if it names no write.
     fn send_requested(&mut self, h: DataHeader) -> bool {
-        let cid = usize::from(h.cccid);
-        let Some(Some(f)) = self.inflight.get(cid) else { return false };
+        let HostQueue { inflight, out, digests, max_h2c_data, .. } = self;
+        let Some(Some(f)) = inflight.get(usize::from(h.cccid)) else { return false };
         let (start, end) = (h.offset as usize, h.offset as usize + h.length as usize);
-        let Some(buf) = f.buf.as_ref().filter(|b| end <= b.as_slice().len()) else { return false };
-        // The buffer is borrowed from the table while `out` grows: split the borrows.
-        let data: Vec<u8> = buf.as_slice()[start..end].to_vec();
-        let mut at = 0;
-        while at < data.len() {
-            let n = (data.len() - at).min(self.max_h2c_data as usize);
-            let header = DataHeader { cccid: h.cccid, ttag: h.ttag, offset: (start + at) as u32, length: n as u32 };
+        let Some(data) = f.buf.as_ref().and_then(|b| b.as_slice().get(start..end)) else { return false };
+        for (i, piece) in data.chunks(*max_h2c_data as usize).enumerate() {
+            let offset = start + i * *max_h2c_data as usize;
+            let header = DataHeader { cccid: h.cccid, ttag: h.ttag, offset: offset as u32, length: piece.len() as u32 };
             let mut hdr = [0u8; tcp::MAX_HEADER_SIZE];
-            let len = tcp::encode_h2c_data(&header, at + n == data.len(), self.digests, &mut hdr);
-            self.out.extend_from_slice(&hdr[..len]);
-            self.push_data(&data[at..at + n]);
-            at += n;
+            let len = tcp::encode_h2c_data(&header, offset + piece.len() == end, *digests, &mut hdr);
+            out.extend_from_slice(&hdr[..len]);
+            push_data(out, *digests, piece);
         }
         true
     }
@@ -362,13 +351,30 @@ impl HostQueue {
         }
     }
 
-    /// Fails commands that waited for a queue longer than the hold limit.
-    pub(super) fn expire(&mut self, now_ms: u64, answers: &mut Vec<Answer>) {
+    /// Periodic work: fails commands that waited for a queue longer than the hold
+    /// limit, and closes an idle queue whose namespace is gone.
+    pub(super) fn tick(&mut self, now_ms: u64, answers: &mut Vec<Answer>) {
+        if self.link.is_closed()
+            && self.waiting.is_empty()
+            && self.inflight.iter().all(Option::is_none)
+            && let Some(s) = &self.socket
+        {
+            // Its operations complete with errors and `fail` lets go of it.
+            let _ = s.shutdown(Shutdown::Both);
+        }
         while self.waiting.front().is_some_and(|f| now_ms.saturating_sub(f.since_ms) > HOLD_MS) {
             if let Some(f) = self.waiting.pop_front() {
                 answers.push(Answer { conn: f.conn, tag: f.tag, status: Status::ANA_INACCESSIBLE, buf: f.buf });
             }
         }
+    }
+}
+
+/// Appends a PDU's data and, if negotiated, its digest.
+fn push_data(out: &mut Vec<u8>, digests: Digests, data: &[u8]) {
+    out.extend_from_slice(data);
+    if digests.data && !data.is_empty() {
+        out.extend_from_slice(&tcp::crc32c(data).to_le_bytes());
     }
 }
 
