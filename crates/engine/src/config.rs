@@ -2,6 +2,7 @@
 //!
 //! ```toml
 //! reactors = 2                     # or: cores = [0, 1]
+//! busy_poll_us = 50                # polling after the last completion (0: never poll)
 //! management_socket = "/run/nvpool/engine.sock"
 //!
 //! [limits]
@@ -100,6 +101,11 @@ pub struct EngineConfig {
     /// Unix socket of the management API.
     #[serde(default = "default_socket")]
     pub management_socket: PathBuf,
+    /// How long, in microseconds, a reactor keeps polling after its last completion
+    /// before it sleeps; 0 never polls (for reactors that share CPUs with other busy
+    /// threads, where polling only takes the CPU from whoever it waits for).
+    #[serde(default = "default_busy_poll_us")]
+    pub busy_poll_us: u32,
     /// Limits.
     #[serde(default)]
     pub limits: Limits,
@@ -127,12 +133,19 @@ pub fn default_socket() -> PathBuf {
     PathBuf::from("/run/nvpool/engine.sock")
 }
 
+/// Longer than a request/response round trip on a fast network, short enough that an
+/// idle engine uses no CPU.
+fn default_busy_poll_us() -> u32 {
+    50
+}
+
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
             reactors: None,
             cores: None,
             management_socket: default_socket(),
+            busy_poll_us: default_busy_poll_us(),
             limits: Limits::default(),
             listeners: Vec::new(),
             pools: Vec::new(),

@@ -54,7 +54,8 @@ impl Engine {
         let links = Arc::new(links);
         let mut threads = Vec::new();
         for (id, (core, (rx, wake))) in cores.iter().zip(ends).enumerate() {
-            let t = reactor::spawn(id, *core, target.clone(), links.clone(), rx, wake)
+            let busy_poll = std::time::Duration::from_micros(u64::from(cfg.busy_poll_us));
+            let t = reactor::spawn(id, *core, busy_poll, target.clone(), links.clone(), rx, wake)
                 .map_err(|e| Error::unavailable(format!("cannot start reactor {id} (io_uring setup failed: {e}); is io_uring disabled by the kernel or a seccomp policy?")))?;
             threads.push(t);
         }

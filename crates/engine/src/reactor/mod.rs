@@ -40,10 +40,6 @@ use remote::{Answer, Forwarded, HostQueue};
 
 use crate::backend::remote::RemoteLink;
 
-/// How long a reactor keeps polling after its last completion before it sleeps on the
-/// ring: longer than a request/response round trip on a fast network, short enough
-/// that an idle engine uses no CPU.
-const BUSY_POLL: Duration = Duration::from_micros(50);
 /// How often timers (keep-alive, dead controllers, idle handshakes) are checked.
 const TICK: Duration = Duration::from_millis(100);
 /// Submission queue entries; completions get four times as many.
@@ -156,10 +152,12 @@ pub fn pin_current_thread(cpu: usize) -> std::io::Result<()> {
     if rc != 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) }
 }
 
-/// Starts a reactor thread.
+/// Starts a reactor thread, pinned to `core` if given, polling `busy_poll` after its
+/// last completion.
 pub fn spawn(
     id: usize,
     core: Option<usize>,
+    busy_poll: Duration,
     target: Arc<Target>,
     links: Arc<Vec<ReactorLink>>,
     rx: Receiver<Msg>,
@@ -176,6 +174,7 @@ pub fn spawn(
         }
         match Reactor::create(id, target, links, rx, wake) {
             Ok(mut r) => {
+                r.busy_poll = busy_poll;
                 let _ = ready_tx.send(Ok(()));
                 r.run();
             }
@@ -325,6 +324,9 @@ struct Reactor {
     /// Listeners removed (port IDs are never reused).
     closed_ports: BTreeSet<u16>,
     next_owner: usize,
+    /// How long to keep polling after the last completion (`busy_poll_us`); zero
+    /// never polls.
+    busy_poll: Duration,
     /// Whether the ring has a registered-file table for sockets.
     files_registered: bool,
     /// Whether the kernel flags pending completion work in the ring (see `new_ring`).
@@ -334,6 +336,8 @@ struct Reactor {
     disk_queued: bool,
     /// Disk operations submitted and not yet completed, over all connections.
     disk_in_flight: u32,
+    /// Commands forwarded to owners of remote namespaces and not yet answered.
+    remote_in_flight: u32,
     /// Connections with output to flush at the end of this pass, each once.
     dirty: Vec<u32>,
     is_dirty: Vec<bool>,
@@ -373,9 +377,11 @@ impl Reactor {
             closed_ports: BTreeSet::new(),
             next_owner: 0,
             files_registered: false,
+            busy_poll: Duration::from_micros(50),
             taskrun_flag: false,
             disk_queued: false,
             disk_in_flight: 0,
+            remote_in_flight: 0,
             dirty: Vec::with_capacity(256),
             is_dirty: Vec::new(),
             stopping: false,
@@ -485,11 +491,15 @@ impl Reactor {
         // check, the activity mark and the timers.
         let mut now = last_activity;
         loop {
-            // Spin while busy: a request that follows a response within BUSY_POLL is
+            // Spin while busy: a request that follows a response within `busy_poll` is
             // picked up without a sleep and a wakeup. Idle, the thread sleeps on the ring.
-            // Disk operations in flight keep the reactor polling: a disk answers in tens
-            // of microseconds, sooner than a sleeping thread wakes up.
-            let busy = self.disk_in_flight > 0 || now.duration_since(last_activity) < BUSY_POLL;
+            // Disk operations and forwarded commands in flight keep the reactor polling:
+            // a disk or an owner answers in tens of microseconds, sooner than a sleeping
+            // thread wakes up.
+            let busy = !self.busy_poll.is_zero()
+                && (self.disk_in_flight > 0
+                    || self.remote_in_flight > 0
+                    || now.duration_since(last_activity) < self.busy_poll);
             let entered = if busy {
                 let (pending, kernel_work) = {
                     let sq = self.ring.submission();
@@ -583,6 +593,7 @@ impl Reactor {
         f(self, &mut queue, &mut answers);
         self.remotes[q as usize] = Some(queue);
         for a in answers.drain(..) {
+            self.remote_in_flight -= 1;
             self.with_conn(a.conn, |r, c| c.on_remote(r, a.conn, a.tag, a.status, a.buf));
         }
         self.answers = answers;
@@ -600,6 +611,7 @@ impl Reactor {
                 q
             }
         };
+        self.remote_in_flight += 1;
         self.with_remote(q, |r, queue, _| queue.forward(r, q, f));
     }
 

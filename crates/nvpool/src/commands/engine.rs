@@ -130,6 +130,10 @@ struct EngineArgs {
     /// CPUs to pin reactors to, e.g. 0,1 (overrides --reactors).
     #[arg(long, value_delimiter = ',')]
     cores: Option<Vec<usize>>,
+    /// Microseconds a reactor polls after its last completion before it sleeps (0:
+    /// never; for reactors that share CPUs with other busy threads).
+    #[arg(long)]
+    busy_poll_us: Option<u32>,
     /// Also listen for discovery on this port at the first --listen address (0: no).
     #[arg(long, default_value_t = 8009)]
     discovery_port: u16,
@@ -526,6 +530,9 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
     }
     if let Some(c) = &a.cores {
         cfg.cores = Some(c.clone());
+    }
+    if let Some(us) = a.busy_poll_us {
+        cfg.busy_poll_us = us;
     }
     if let Some(s) = &a.mgmt_socket {
         cfg.management_socket = s.clone();
