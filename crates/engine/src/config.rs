@@ -3,6 +3,7 @@
 //! ```toml
 //! reactors = 2                     # or: cores = [0, 1]
 //! busy_poll_us = 50                # polling after the last completion (0: never poll)
+//! host_nqn = "nqn...:engine:node1" # what remote: namespaces present to their owners
 //! management_socket = "/run/nvpool/engine.sock"
 //!
 //! [limits]
@@ -106,6 +107,10 @@ pub struct EngineConfig {
     /// threads, where polling only takes the CPU from whoever it waits for).
     #[serde(default = "default_busy_poll_us")]
     pub busy_poll_us: u32,
+    /// The host NQN this engine presents to the engines whose namespaces it serves as
+    /// `remote:`; derived from the host name when absent. Owners must allow it.
+    #[serde(default)]
+    pub host_nqn: Option<String>,
     /// Limits.
     #[serde(default)]
     pub limits: Limits,
@@ -146,6 +151,7 @@ impl Default for EngineConfig {
             cores: None,
             management_socket: default_socket(),
             busy_poll_us: default_busy_poll_us(),
+            host_nqn: None,
             limits: Limits::default(),
             listeners: Vec::new(),
             pools: Vec::new(),

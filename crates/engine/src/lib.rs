@@ -36,6 +36,8 @@ pub struct Engine {
     listeners: Mutex<BTreeMap<u16, SocketAddr>>,
     next_port_id: AtomicU16,
     pools: Mutex<BTreeMap<String, Arc<pool::Pool>>>,
+    /// The host NQN `remote:` namespaces present to their owners.
+    host_nqn: String,
 }
 
 impl Engine {
@@ -66,6 +68,7 @@ impl Engine {
             listeners: Mutex::new(BTreeMap::new()),
             next_port_id: AtomicU16::new(1),
             pools: Mutex::new(BTreeMap::new()),
+            host_nqn: cfg.host_nqn.clone().unwrap_or_else(backend::remote::default_host_nqn),
         });
         let setup = || -> Result<()> {
             for p in &cfg.pools {
@@ -104,6 +107,11 @@ impl Engine {
             return Err(e);
         }
         Ok(engine)
+    }
+
+    /// The host NQN this engine presents to the owners of its `remote:` namespaces.
+    pub fn host_nqn(&self) -> &str {
+        &self.host_nqn
     }
 
     /// The target state.

@@ -179,7 +179,7 @@ impl Engine {
     /// Opens the backend a namespace spec names (`file:...`, `volume:POOL/NAME`, ...).
     pub(crate) fn open_backend(&self, spec: &str) -> Result<Opened> {
         let own_listeners = self.listeners().iter().map(|l| std::net::SocketAddr::new(l.addr, l.port)).collect();
-        backend::open(spec, &OpenEnv { pool: &|name| self.pool(name), own_listeners })
+        backend::open(spec, &OpenEnv { pool: &|name| self.pool(name), own_listeners, host_nqn: self.host_nqn() })
     }
 
     fn kick_all(&self) {

@@ -1,5 +1,5 @@
-# Guest side of multipath-e2e (busybox sh), in /host. Env: NQN, PORT_A, PORT_B. The
-# engines are at 10.0.2.2; the host side carries out each fault the guest asks for.
+# Guest side of multipath-e2e (busybox sh), in /host. Env: NQN, PORT_A, PORT_B, PORT_O.
+# The engines are at 10.0.2.2; the host side carries out each fault the guest asks for.
 T=10.0.2.2
 # The hidden per-path block device (nvmeXcYnZ) of the controller connected to PORT.
 path_of() {
@@ -20,8 +20,9 @@ ctrl_on() {
 ios() { awk '{print $5}' "/sys/block/$1/stat"; }   # writes completed on a path
 show() {
     echo "$1: A $PA ($(cat /sys/block/$PA/ana_state 2>/dev/null || echo gone)) $(ios $PA 2>/dev/null) writes," \
-         "B $PB ($(cat /sys/block/$PB/ana_state)) $(ios $PB) writes"
+         "B $PB ($(cat /sys/block/$PB/ana_state)) $(ios $PB) writes, O $PO ($(cat /sys/block/$PO/ana_state)) $(ios $PO) writes"
 }
+others() { echo $(( $(ios $PB) + $(ios $PO) )); }   # writes on the non-optimized paths
 fault() {   # fault NAME: the host carries it out
     kill -0 $FIO 2>/dev/null || fail "fio finished before the fault $1: make its job longer"
     touch /host/req-$1
@@ -29,23 +30,24 @@ fault() {   # fault NAME: the host carries it out
     sleep 4
 }
 
-step "connect both paths; native multipath makes one block device"
-nvme connect -t tcp -a $T -s $PORT_A -n $NQN --reconnect-delay=1 || fail "nvme connect A"
-nvme connect -t tcp -a $T -s $PORT_B -n $NQN --reconnect-delay=1 || fail "nvme connect B"
-wait_for 20 path_of $PORT_A >/dev/null || fail "no path through A"
-wait_for 20 path_of $PORT_B >/dev/null || fail "no path through B"
-PA=$(path_of $PORT_A); PB=$(path_of $PORT_B)
+step "connect three paths; native multipath makes one block device"
+for port in $PORT_A $PORT_B $PORT_O; do
+    nvme connect -t tcp -a $T -s $port -n $NQN --reconnect-delay=1 || fail "nvme connect to $port"
+    wait_for 20 path_of $port >/dev/null || fail "no path through $port"
+done
+PA=$(path_of $PORT_A); PB=$(path_of $PORT_B); PO=$(path_of $PORT_O)
 HEAD=/dev/${PA%%c*}n1
 wait_for 20 test -b $HEAD || fail "no multipath block device"
 wait_for 20 sh -c "grep -q '^optimized' /sys/block/$PA/ana_state" || fail "A is not optimized"
 nvme list-subsys $HEAD | tee list-subsys-before.txt
 grep -q "trsvcid=$PORT_A.* optimized" list-subsys-before.txt || fail "A is not listed optimized"
 grep -q "trsvcid=$PORT_B.* non-optimized" list-subsys-before.txt || fail "B is not listed non-optimized"
+grep -q "trsvcid=$PORT_O.* non-optimized" list-subsys-before.txt || fail "O is not listed non-optimized"
 n=$(ls /sys/block | grep -c '^nvme[0-9]*n[0-9]*$')
 [ "$n" = 1 ] || fail "$n NVMe block devices: expected one for both paths"
-echo "paths of $HEAD: $PA -> $PORT_A, $PB -> $PORT_B"
+echo "paths of $HEAD: $PA -> $PORT_A (proxy A), $PB -> $PORT_B (proxy B), $PO -> $PORT_O (owner)"
 for c in /sys/class/nvme/nvme*; do echo "${c##*/}: cntlid $(cat $c/cntlid) $(cat $c/address)"; done
-for port in $PORT_A $PORT_B; do
+for port in $PORT_A $PORT_B $PORT_O; do
     echo "ANA log through $port: $(nvme ana-log /dev/$(ctrl_on $port) | grep -E "grpid|state|nsid" | tr -d '\t' | paste -sd ' ')"
 done
 
@@ -72,8 +74,8 @@ a1=$(ios $PA); sleep 2; a2=$(ios $PA)
 
 fault kill
 show "after SIGKILL of A"
-b1=$(ios $PB); sleep 2; b2=$(ios $PB)
-[ "$b2" -gt "$b1" ] || fail "no writes on B after A was killed"
+b1=$(others); sleep 2; b2=$(others)
+[ "$b2" -gt "$b1" ] || fail "no writes on B or O after A was killed"
 
 fault restart
 wait_for 30 sh -c "grep -q live /sys/class/nvme/$(ctrl_on $PORT_A)/state" || fail "the host did not reconnect to A"
@@ -85,8 +87,8 @@ a1=$(ios $PA); sleep 2; a2=$(ios $PA)
 
 fault unlisten
 show "after A's listener was removed"
-b1=$(ios $PB); sleep 2; b2=$(ios $PB)
-[ "$b2" -gt "$b1" ] || fail "no writes on B after A's listener was removed"
+b1=$(others); sleep 2; b2=$(others)
+[ "$b2" -gt "$b1" ] || fail "no writes on B or O after A's listener was removed"
 
 wait $FIO
 frc=$?

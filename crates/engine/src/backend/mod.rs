@@ -128,6 +128,8 @@ pub struct OpenEnv<'a> {
     pub pool: &'a dyn Fn(&str) -> Result<Arc<Pool>>,
     /// Where this engine listens, so a remote namespace cannot point at itself.
     pub own_listeners: Vec<std::net::SocketAddr>,
+    /// The host NQN remote namespaces present to their owners.
+    pub host_nqn: &'a str,
 }
 
 /// A kind of backend: how its spec reads and how it opens.

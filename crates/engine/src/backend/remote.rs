@@ -158,8 +158,8 @@ impl std::fmt::Debug for RemoteBackend {
     }
 }
 
-/// The host NQN this engine uses toward owners.
-fn proxy_hostnqn() -> String {
+/// The host NQN an engine presents to owners unless configured: one per machine.
+pub fn default_host_nqn() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     format!("nqn.2024-01.io.nvpool:engine:{}", host.trim())
 }
@@ -180,10 +180,16 @@ fn open(arg: &str, env: &OpenEnv<'_>) -> Result<Opened> {
             "remote:{arg} points at this engine itself: name the owner's address, or use the volume directly"
         )));
     }
-    let hostnqn = proxy_hostnqn();
-    let options = ConnectOptions { kato: 0, ..ConnectOptions::admin(&subnqn, &hostnqn) };
+    let hostnqn = env.host_nqn;
+    let options = ConnectOptions { kato: 0, ..ConnectOptions::admin(&subnqn, hostnqn) };
     let unreachable = |e: nvpool_initiator::Error| {
-        Error::unavailable(format!("cannot reach {subnqn} at {owner} to serve namespace {nsid}: {e}"))
+        let hint = match &e {
+            nvpool_initiator::Error::Command(s) if s.base() == Status::CONNECT_INVALID_HOST => {
+                format!(" (allow this engine's host NQN {hostnqn} on the owner)")
+            }
+            _ => String::new(),
+        };
+        Error::unavailable(format!("cannot reach {subnqn} at {owner} to serve namespace {nsid}: {e}{hint}"))
     };
     let mut admin = connect_admin(addr, &options).map_err(unreachable)?;
     let controller = admin.identify_controller().map_err(unreachable)?;
