@@ -3,10 +3,8 @@
 //! host must not use.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 
 use nvpool_api::AnaState;
-use nvpool_engine::Engine;
 use nvpool_engine::config::{EngineConfig, Limits, ListenerConfig, NamespaceConfig, SubsystemConfig};
 use nvpool_engine::error::ErrorKind;
 use nvpool_engine::nvme::ana::{MAX_ANA_GROUP, MAX_LOG_PAGE};
@@ -16,21 +14,13 @@ use nvpool_wire::command::{Command, admin_opcode};
 use nvpool_wire::identify;
 use nvpool_wire::log::{GetLogPage, async_event, decode_ana_log, lid};
 
+mod common;
+use common::{TestEngine, namespace};
+
 const NQN: &str = "nqn.2024-01.io.nvpool:ana";
 const HOST_A: &str = "nqn.2024-01.io.nvpool:host-a";
 const HOST_B: &str = "nqn.2024-01.io.nvpool:host-b";
 const NAMESPACES: u32 = 1000;
-
-struct TestEngine {
-    engine: Arc<Engine>,
-    addr: SocketAddr,
-}
-
-impl Drop for TestEngine {
-    fn drop(&mut self) {
-        self.engine.stop();
-    }
-}
 
 /// 1,000 namespaces: NSID n is in group n % 7 + 1, but the last ten have a group each.
 fn group_of(nsid: u32) -> u32 {
@@ -41,11 +31,8 @@ fn start(limits: Limits) -> TestEngine {
     let namespaces = (1..=NAMESPACES)
         .map(|nsid| NamespaceConfig {
             nsid: Some(nsid),
-            backend: if nsid == 1 { "memory:4MiB".into() } else { "null:1MiB".into() },
-            block_size: 512,
-            uuid: None,
-            allow_torn_writes: false,
             ana_group: Some(group_of(nsid)),
+            ..namespace(if nsid == 1 { "memory:4MiB" } else { "null:1MiB" }, 512)
         })
         .collect();
     let cfg = EngineConfig {
@@ -62,10 +49,7 @@ fn start(limits: Limits) -> TestEngine {
         }],
         ..EngineConfig::default()
     };
-    let engine = Engine::start(&cfg).expect("engine starts");
-    let l = &engine.listeners()[0];
-    let addr = SocketAddr::new(l.addr, l.port);
-    TestEngine { engine, addr }
+    TestEngine::start(&cfg)
 }
 
 fn admin(addr: SocketAddr, host: &str) -> Queue {

@@ -2,39 +2,22 @@
 //! owner's), forwarding each command from its reactors.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nvpool_engine::Engine;
 use nvpool_engine::config::{EngineConfig, ListenerConfig, NamespaceConfig, SubsystemConfig};
 use nvpool_engine::error::ErrorKind;
 use nvpool_initiator::{ConnectOptions, Error, Queue, connect_admin, pattern};
 use nvpool_wire::Status;
 
+mod common;
+use common::{TestEngine, namespace};
+
 const NQN: &str = "nqn.2024-01.io.nvpool:remote";
 const HOST: &str = "nqn.2024-01.io.nvpool:remote-host";
 const IN_CAPSULE: usize = 8192;
 
-struct TestEngine {
-    engine: Arc<Engine>,
-    addr: SocketAddr,
-}
-
-impl Drop for TestEngine {
-    fn drop(&mut self) {
-        self.engine.stop();
-    }
-}
-
-fn namespace(backend: &str, block_size: u32) -> NamespaceConfig {
-    NamespaceConfig {
-        nsid: Some(1),
-        backend: backend.into(),
-        block_size,
-        uuid: None,
-        allow_torn_writes: false,
-        ana_group: None,
-    }
+fn one_namespace(backend: &str, block_size: u32) -> NamespaceConfig {
+    NamespaceConfig { nsid: Some(1), ..namespace(backend, block_size) }
 }
 
 fn engine(address: &str, namespaces: Vec<NamespaceConfig>, reactors: usize) -> TestEngine {
@@ -51,10 +34,7 @@ fn engine(address: &str, namespaces: Vec<NamespaceConfig>, reactors: usize) -> T
         }],
         ..EngineConfig::default()
     };
-    let engine = Engine::start(&cfg).expect("engine starts");
-    let l = &engine.listeners()[0];
-    let addr = SocketAddr::new(l.addr, l.port);
-    TestEngine { engine, addr }
+    TestEngine::start(&cfg)
 }
 
 fn io_queue(addr: SocketAddr) -> (Queue, Queue) {
@@ -74,9 +54,9 @@ fn status_of(e: Error) -> Status {
 
 #[test]
 fn a_proxy_serves_the_owners_namespace_with_its_identity_and_data() {
-    let owner = engine("127.0.0.1:0", vec![namespace("memory:16MiB", 512)], 1);
+    let owner = engine("127.0.0.1:0", vec![one_namespace("memory:16MiB", 512)], 1);
     let spec = format!("remote:{}/{NQN}/1", owner.addr);
-    let proxy = engine("127.0.0.1:0", vec![namespace(&spec, 0)], 2);
+    let proxy = engine("127.0.0.1:0", vec![one_namespace(&spec, 0)], 2);
     let (mut owner_admin, mut owner_io) = io_queue(owner.addr);
     let (mut proxy_admin, mut proxy_io) = io_queue(proxy.addr);
     let (a, b) = (owner_admin.identify_namespace(1).unwrap(), proxy_admin.identify_namespace(1).unwrap());
@@ -111,10 +91,10 @@ fn a_proxy_serves_the_owners_namespace_with_its_identity_and_data() {
 
 #[test]
 fn a_lost_owner_is_a_path_error_and_a_returning_owner_is_used_again() {
-    let owner = engine("127.0.0.1:0", vec![namespace("memory:16MiB", 512)], 1);
+    let owner = engine("127.0.0.1:0", vec![one_namespace("memory:16MiB", 512)], 1);
     let owner_addr = owner.addr;
     let spec = format!("remote:{owner_addr}/{NQN}/1");
-    let proxy = engine("127.0.0.1:0", vec![namespace(&spec, 0)], 1);
+    let proxy = engine("127.0.0.1:0", vec![one_namespace(&spec, 0)], 1);
     let (_admin, mut io) = io_queue(proxy.addr);
     io.write(1, 0, &pattern(1, 4096), 512, IN_CAPSULE).unwrap();
     drop(owner);
@@ -126,7 +106,7 @@ fn a_lost_owner_is_a_path_error_and_a_returning_owner_is_used_again() {
     assert!(!s.dnr());
     assert!(started.elapsed() < Duration::from_secs(10), "a command waits a bounded time");
     // The owner comes back on its address: the proxy reconnects by itself.
-    let _owner = engine(&owner_addr.to_string(), vec![namespace("memory:16MiB", 512)], 1);
+    let _owner = engine(&owner_addr.to_string(), vec![one_namespace("memory:16MiB", 512)], 1);
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         match io.write(1, 0, &pattern(2, 4096), 512, IN_CAPSULE) {
@@ -143,10 +123,10 @@ fn a_lost_owner_is_a_path_error_and_a_returning_owner_is_used_again() {
 
 #[test]
 fn bad_remote_namespaces_say_what_was_wrong() {
-    let owner = engine("127.0.0.1:0", vec![namespace("memory:16MiB", 512)], 1);
+    let owner = engine("127.0.0.1:0", vec![one_namespace("memory:16MiB", 512)], 1);
     let proxy = engine("127.0.0.1:0", vec![], 1);
     let add = |spec: String, block_size: u32| {
-        let mut n = namespace(&spec, block_size);
+        let mut n = one_namespace(&spec, block_size);
         n.nsid = Some(7);
         proxy.engine.add_namespace(NQN, &n).unwrap_err()
     };

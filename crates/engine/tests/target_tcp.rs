@@ -5,7 +5,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nvpool_engine::Engine;
 use nvpool_engine::config::{EngineConfig, ListenerConfig, NamespaceConfig, SubsystemConfig};
 use nvpool_initiator::{ConnectOptions, Error, Queue, connect_admin, pattern};
 use nvpool_wire::Status;
@@ -14,32 +13,13 @@ use nvpool_wire::fabrics::DISCOVERY_NQN;
 use nvpool_wire::log::{DiscoveryLogHeader, GetLogPage, lid};
 use nvpool_wire::tcp::{self, Digests, fes};
 
+mod common;
+use common::{TestEngine, namespace};
+
 const NQN: &str = "nqn.2024-01.io.nvpool:test";
 const HOST: &str = "nqn.2024-01.io.nvpool:host-a";
 /// In-capsule data the engine accepts on I/O queues.
 const IN_CAPSULE: usize = 8192;
-
-struct TestEngine {
-    engine: Arc<Engine>,
-    addr: SocketAddr,
-}
-
-impl Drop for TestEngine {
-    fn drop(&mut self) {
-        self.engine.stop();
-    }
-}
-
-fn namespace(backend: &str, block_size: u32) -> NamespaceConfig {
-    NamespaceConfig {
-        nsid: None,
-        backend: backend.into(),
-        block_size,
-        uuid: None,
-        allow_torn_writes: false,
-        ana_group: None,
-    }
-}
 
 fn start_with(namespaces: Vec<NamespaceConfig>, allow_any_host: bool, reactors: usize) -> TestEngine {
     let cfg = EngineConfig {
@@ -55,10 +35,7 @@ fn start_with(namespaces: Vec<NamespaceConfig>, allow_any_host: bool, reactors: 
         }],
         ..EngineConfig::default()
     };
-    let engine = Engine::start(&cfg).expect("engine starts");
-    let l = &engine.listeners()[0];
-    let addr = SocketAddr::new(l.addr, l.port);
-    TestEngine { engine, addr }
+    TestEngine::start(&cfg)
 }
 
 fn start(backend: &str) -> TestEngine {

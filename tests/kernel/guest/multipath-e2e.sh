@@ -23,6 +23,11 @@ show() {
          "B $PB ($(cat /sys/block/$PB/ana_state)) $(ios $PB) writes, O $PO ($(cat /sys/block/$PO/ana_state)) $(ios $PO) writes"
 }
 others() { echo $(( $(ios $PB) + $(ios $PO) )); }   # writes on the non-optimized paths
+grows() {   # grows WHERE COUNTER...: the writes COUNTER counts go up within 2 s
+    where=$1; shift
+    before=$("$@"); sleep 2; after=$("$@")
+    [ "$after" -gt "$before" ] || fail "no writes $where"
+}
 fault() {   # fault NAME: the host carries it out
     kill -0 $FIO 2>/dev/null || fail "fio finished before the fault $1: make its job longer"
     touch /host/req-$1
@@ -64,31 +69,26 @@ fault flip
 show "after A inaccessible, B optimized"
 grep -q '^inaccessible' /sys/block/$PA/ana_state || fail "A's path is not inaccessible"
 grep -q '^optimized' /sys/block/$PB/ana_state || fail "B's path is not optimized"
-b1=$(ios $PB); sleep 2; b2=$(ios $PB)
-[ "$b2" -gt "$b1" ] || fail "no writes on B after the flip"
+grows "on B after the flip" ios $PB
 
 fault flip-back
 show "after the flip back"
-a1=$(ios $PA); sleep 2; a2=$(ios $PA)
-[ "$a2" -gt "$a1" ] || fail "no writes on A after the flip back"
+grows "on A after the flip back" ios $PA
 
 fault kill
 show "after SIGKILL of A"
-b1=$(others); sleep 2; b2=$(others)
-[ "$b2" -gt "$b1" ] || fail "no writes on B or O after A was killed"
+grows "on B or O after A was killed" others
 
 fault restart
 wait_for 30 sh -c "grep -q live /sys/class/nvme/$(ctrl_on $PORT_A)/state" || fail "the host did not reconnect to A"
 wait_for 30 sh -c "grep -q '^optimized' /sys/block/$PA/ana_state" || fail "A is not optimized again"
 sleep 2
 show "after A came back"
-a1=$(ios $PA); sleep 2; a2=$(ios $PA)
-[ "$a2" -gt "$a1" ] || fail "no writes on A after it came back"
+grows "on A after it came back" ios $PA
 
 fault unlisten
 show "after A's listener was removed"
-b1=$(others); sleep 2; b2=$(others)
-[ "$b2" -gt "$b1" ] || fail "no writes on B or O after A's listener was removed"
+grows "on B or O after A's listener was removed" others
 
 wait $FIO
 frc=$?

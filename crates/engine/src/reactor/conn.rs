@@ -643,23 +643,10 @@ impl Conn {
         }
     }
 
-    /// The answer of the thread a backend deferred slot `tag`'s command to.
-    pub(super) fn on_deferred(&mut self, r: &mut Reactor, idx: u32, tag: u16, status: Status) {
-        self.ops_in_flight -= 1;
-        let Some(slot) = self.slots.get_mut(usize::from(tag)) else { return };
-        slot.io.deferred_done();
-        if self.phase == Phase::Closed {
-            return;
-        }
-        let Some(ns) = slot.ns.as_ref() else { return };
-        let mut queue = DiskQueue::new(r, idx, tag, self.digests.data);
-        ns.backend.resume(&mut slot.io, status, &mut queue);
-        let queued = queue.queued();
-        self.queued(r, idx, tag, queued);
-    }
-
-    /// The owner's answer to slot `tag`'s forwarded command, with the command's buffer.
-    pub(super) fn on_remote(&mut self, r: &mut Reactor, idx: u32, tag: u16, status: Status, buf: Option<Buf>) {
+    /// The answer to slot `tag`'s command from wherever its backend handed it: the
+    /// thread it deferred it to, or the owner of a remote namespace (which gives the
+    /// command's buffer back with it).
+    pub(super) fn on_resumed(&mut self, r: &mut Reactor, idx: u32, tag: u16, status: Status, buf: Option<Buf>) {
         self.ops_in_flight -= 1;
         let Some(slot) = self.slots.get_mut(usize::from(tag)) else { return };
         if let Some(b) = buf {

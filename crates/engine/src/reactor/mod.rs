@@ -594,7 +594,7 @@ impl Reactor {
         self.remotes[q as usize] = Some(queue);
         for a in answers.drain(..) {
             self.remote_in_flight -= 1;
-            self.with_conn(a.conn, |r, c| c.on_remote(r, a.conn, a.tag, a.status, a.buf));
+            self.with_conn(a.conn, |r, c| c.on_resumed(r, a.conn, a.tag, a.status, a.buf));
         }
         self.answers = answers;
     }
@@ -625,7 +625,9 @@ impl Reactor {
                 }
                 Msg::Unlisten(port_id) => self.unlisten(port_id),
                 Msg::Kick => self.kick(),
-                Msg::Deferred { conn, tag, status } => self.with_conn(conn, |r, c| c.on_deferred(r, conn, tag, status)),
+                Msg::Deferred { conn, tag, status } => {
+                    self.with_conn(conn, |r, c| c.on_resumed(r, conn, tag, status, None))
+                }
                 Msg::RemoteSocket(socket) => {
                     if let Some(&q) = self.remote_slots.get(&socket.link) {
                         self.with_remote(q, |r, queue, _| queue.on_socket(r, q, socket));
