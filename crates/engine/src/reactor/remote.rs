@@ -99,7 +99,8 @@ impl HostQueue {
             send_posted: false,
             ops_in_flight: 0,
             inflight: (0..QUEUE_DEPTH).map(|_| None).collect(),
-            free_cids: (0..QUEUE_DEPTH).rev().collect(),
+            // A queue of N entries holds at most N - 1 commands.
+            free_cids: (0..QUEUE_DEPTH - 1).rev().collect(),
             waiting: VecDeque::new(),
         }
     }
@@ -143,7 +144,9 @@ impl HostQueue {
         self.max_h2c_data = s.max_h2c_data.max(4096);
         self.recv_start = 0;
         self.recv_end = 0;
+        // Nothing of the old connection goes out on the new one: no send is posted.
         self.out.clear();
+        self.sending.clear();
         self.sent = 0;
         self.post_recv(r, slot);
         self.send_waiting(r, slot);
