@@ -46,6 +46,14 @@ macro_rules! methods {
 methods! {
     /// The engine's version, connections and listeners.
     "engine_info" => GetEngineInfo -> EngineInfo {}
+    /// Sets the controller IDs new controllers get, so that the engines serving one
+    /// subsystem never hand a host the same ID; live controllers keep theirs.
+    "cntlid_range_set" => SetControllerIdRange -> Empty {
+        /// First ID, at least 1.
+        min: u16,
+        /// Last ID, at most 65519.
+        max: u16,
+    }
     /// Every subsystem, the discovery subsystem included, with namespaces and counters.
     "subsystem_list" => ListSubsystems -> Vec<SubsystemInfo> {}
     /// Removes a subsystem and ends its controllers.

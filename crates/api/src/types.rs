@@ -19,6 +19,12 @@ pub struct EngineInfo {
     pub connections: usize,
     /// Listeners.
     pub listeners: Vec<ListenerInfo>,
+    /// The host NQN this engine presents to the owners of its `remote:` namespaces.
+    pub host_nqn: String,
+    /// The first controller ID new controllers may get.
+    pub cntlid_min: u16,
+    /// The last controller ID new controllers may get.
+    pub cntlid_max: u16,
 }
 
 /// A listener, as the discovery log reports it.

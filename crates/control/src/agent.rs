@@ -6,11 +6,12 @@
 //! state anew.
 
 use crate::client::Controllers;
+use crate::model::VOLUME_NQN_PREFIX;
 use crate::proto::{self, agent_server::AgentServer};
 use nvpool_api::{
-    AddHost, AddNamespace, AddSubsystem, CreateVolume, DeleteVolume, GetVolume, ListListeners, ListPools,
-    ListSubsystems, ListVolumes, Method, NamespaceConfig, RemoveHost, RemoveSubsystem, ResizeVolume, SubsystemConfig,
-    SubsystemInfo, VolumeInfo,
+    AddHost, AddNamespace, AddSubsystem, AnaState, CreateVolume, DeleteVolume, GetEngineInfo, GetVolume, ListAnaGroups,
+    ListListeners, ListPools, ListSubsystems, ListVolumes, Method, NamespaceConfig, RemoveHost, RemoveSubsystem,
+    ResizeVolume, SetAnaState, SetControllerIdRange, SubsystemConfig, SubsystemInfo, VolumeInfo,
 };
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -93,20 +94,94 @@ fn reconcile(engine: &Path, state: &proto::NodeState) -> Vec<proto::VolumeResult
         Ok(found) => found,
         Err(e) => return state.volumes.iter().map(|d| result(&d.id, Err(e.clone()))).collect(),
     };
-    state
+    let mut results: Vec<proto::VolumeResult> = state
         .volumes
         .iter()
         .map(|d| {
-            let volume = volumes.iter().find(|v| v.pool == d.pool && v.name == d.engine_name);
             let subsystem = subsystems.iter().find(|s| s.nqn == d.subsystem_nqn);
-            let outcome = if d.present {
+            let outcome = if !d.owner_address.is_empty() {
+                forward(engine, d, subsystem).map(|()| None)
+            } else if d.present {
+                let volume = volumes.iter().find(|v| v.pool == d.pool && v.name == d.engine_name);
                 ensure(engine, d, volume, subsystem).map(Some)
             } else {
+                let volume = volumes.iter().find(|v| v.pool == d.pool && v.name == d.engine_name);
                 remove(engine, d, volume.is_some(), subsystem.is_some()).map(|()| None)
             };
             result(&d.id, outcome)
         })
-        .collect()
+        .collect();
+    // A volume's export that the state no longer names is one this node stopped
+    // being an access point for (or a volume deleted while the node was away).
+    for s in subsystems.iter().filter(|s| s.nqn.starts_with(VOLUME_NQN_PREFIX)) {
+        if !state.volumes.iter().any(|d| d.subsystem_nqn == s.nqn)
+            && let Err(e) = call(engine, RemoveSubsystem { nqn: s.nqn.clone() })
+        {
+            results.push(result(&s.nqn, Err(format!("cannot remove the export {}: {e}", s.nqn))));
+        }
+    }
+    results
+}
+
+/// Serves a volume whose data is on another node: a `remote:` namespace that
+/// forwards to the owner under the same subsystem NQN and namespace identity.
+fn forward(engine: &Path, d: &proto::DesiredVolume, subsystem: Option<&SubsystemInfo>) -> Result<(), String> {
+    let namespace = NamespaceConfig {
+        nsid: Some(1),
+        backend: format!("remote:{}/{}/1", d.owner_address, d.subsystem_nqn),
+        block_size: 0,
+        uuid: None,
+        allow_torn_writes: false,
+        ana_group: None,
+    };
+    export(engine, d, namespace, subsystem)
+}
+
+/// Makes the engine export `namespace` under the volume's subsystem to exactly the
+/// desired hosts, each with the ANA state the controller chose for it.
+fn export(
+    engine: &Path,
+    d: &proto::DesiredVolume,
+    namespace: NamespaceConfig,
+    subsystem: Option<&SubsystemInfo>,
+) -> Result<(), String> {
+    let nqn = d.subsystem_nqn.clone();
+    match subsystem {
+        None => {
+            let config = SubsystemConfig {
+                nqn: nqn.clone(),
+                serial: None,
+                model: "nvpool".into(),
+                allow_any_host: false,
+                hosts: d.hosts.clone(),
+                namespaces: vec![namespace],
+            };
+            call(engine, AddSubsystem(config))?;
+        }
+        Some(s) => {
+            if !s.namespaces.iter().any(|n| n.nsid == 1) {
+                call(engine, AddNamespace { nqn: nqn.clone(), namespace })?;
+            }
+            for h in d.hosts.iter().filter(|h| !s.hosts.contains(h)) {
+                call(engine, AddHost { nqn: nqn.clone(), host: h.clone() })?;
+            }
+            for h in s.hosts.iter().filter(|h| !d.hosts.contains(h)) {
+                call(engine, RemoveHost { nqn: nqn.clone(), host: h.clone() })?;
+            }
+        }
+    }
+    // The namespace is alone in ANA group 1 (its NSID).
+    let groups = call(engine, ListAnaGroups { nqn: nqn.clone() })?;
+    let group = groups.iter().find(|g| g.nsids.contains(&1));
+    for a in &d.ana {
+        let state: AnaState = a.state.parse()?;
+        let now = group.map(|g| g.hosts.iter().find(|h| h.host == a.host_nqn).map_or(g.state, |h| h.state));
+        if now != Some(state) {
+            let group = group.map_or(1, |g| g.group);
+            call(engine, SetAnaState { nqn: nqn.clone(), group, host: Some(a.host_nqn.clone()), state })?;
+        }
+    }
+    Ok(())
 }
 
 /// Creates, grows and exports one volume as needed; returns its engine info.
@@ -135,31 +210,7 @@ fn ensure(
         allow_torn_writes: false,
         ana_group: None,
     };
-    let nqn = d.subsystem_nqn.clone();
-    match subsystem {
-        None => {
-            let config = SubsystemConfig {
-                nqn,
-                serial: None,
-                model: "nvpool".into(),
-                allow_any_host: false,
-                hosts: d.hosts.clone(),
-                namespaces: vec![namespace],
-            };
-            call(engine, AddSubsystem(config))?;
-        }
-        Some(s) => {
-            if !s.namespaces.iter().any(|n| n.nsid == 1) {
-                call(engine, AddNamespace { nqn: nqn.clone(), namespace })?;
-            }
-            for h in d.hosts.iter().filter(|h| !s.hosts.contains(h)) {
-                call(engine, AddHost { nqn: nqn.clone(), host: h.clone() })?;
-            }
-            for h in s.hosts.iter().filter(|h| !d.hosts.contains(h)) {
-                call(engine, RemoveHost { nqn: nqn.clone(), host: h.clone() })?;
-            }
-        }
-    }
+    export(engine, d, namespace, subsystem)?;
     if volume.is_some() {
         info = call(engine, GetVolume { pool, name })?;
     }
@@ -216,6 +267,16 @@ fn nvme_address(engine: &Path, given: &Option<String>) -> Result<String, String>
     Ok(SocketAddr::new(first.addr, first.port).to_string())
 }
 
+/// Gives the engine the controller IDs the controller chose for this node, unless it
+/// has them (an engine that restarted has its configured range again).
+fn keep_cntlid_range(engine: &Path, (min, max): (u16, u16)) -> Result<(), String> {
+    let info = call(engine, GetEngineInfo {})?;
+    if (info.cntlid_min, info.cntlid_max) != (min, max) {
+        call(engine, SetControllerIdRange { min, max })?;
+    }
+    Ok(())
+}
+
 /// Runs the agent until the process ends.
 pub async fn run(args: AgentArgs) -> Result<(), String> {
     let controllers = Controllers::new(&args.controllers)?;
@@ -233,6 +294,8 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
     let engine = args.engine_socket.clone();
     let mut interval = Duration::from_secs(1);
     let mut registered = false;
+    // The controller IDs the controller gave this node's engine.
+    let mut cntlid_range: Option<(u16, u16)> = None;
     // Why the engine did not answer the last heartbeat's questions, logged once.
     let mut engine_down: Option<String> = None;
     loop {
@@ -241,18 +304,20 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
             let given = args.nvme_address.clone();
             let found = tokio::task::spawn_blocking(move || {
                 let nvme = nvme_address(&engine2, &given)?;
-                usage(&engine2).map(|(pools, _)| (nvme, pools))
+                let host_nqn = call(&engine2, GetEngineInfo {})?.host_nqn;
+                usage(&engine2).map(|(pools, _)| (nvme, host_nqn, pools))
             })
             .await
             .map_err(|e| e.to_string())?;
             match found {
-                Ok((nvme, pools)) => {
+                Ok((nvme, host_nqn, pools)) => {
                     let node = proto::Node {
                         name: args.name.clone(),
                         agent_address: advertise.clone(),
                         nvme_address: nvme,
                         labels: args.labels.clone().into_iter().collect(),
                         pools,
+                        host_nqn,
                         ..Default::default()
                     };
                     let req = proto::RegisterNodeRequest { node: Some(node) };
@@ -260,6 +325,14 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
                         Ok(r) => {
                             interval = Duration::from_millis(r.heartbeat_interval_ms.max(100));
                             registered = true;
+                            cntlid_range = u16::try_from(r.cntlid_min).ok().zip(u16::try_from(r.cntlid_max).ok());
+                            if let Some(range) = cntlid_range {
+                                let engine2 = engine.clone();
+                                let set = tokio::task::spawn_blocking(move || keep_cntlid_range(&engine2, range));
+                                if let Ok(Err(e)) = set.await {
+                                    tracing::warn!(agent = %args.name, "cannot set the engine's controller IDs: {e}");
+                                }
+                            }
                             tracing::info!(agent = %args.name, "registered with the controller");
                         }
                         Err(e) => tracing::warn!(agent = %args.name, "registering failed: {}", e.message()),
@@ -270,6 +343,11 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
                 Err(e) => tracing::warn!(agent = %args.name, "engine at {}: {e}", engine.display()),
             }
         } else {
+            // Controller IDs first: hosts reconnect as soon as the exports are back.
+            if let Some(range) = cntlid_range {
+                let engine2 = engine.clone();
+                let _ = tokio::task::spawn_blocking(move || keep_cntlid_range(&engine2, range)).await;
+            }
             // Re-apply the last state, which restores exports after an engine restart.
             let last = service.applied.lock().await.state.clone();
             if let Some(state) = last {

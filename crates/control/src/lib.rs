@@ -3,6 +3,7 @@
 //! passes through here; this crate only decides where volumes live and who may reach
 //! them.
 
+pub mod access;
 pub mod agent;
 pub mod client;
 pub mod cluster;

@@ -2,9 +2,10 @@
 //! `/nvpool/cluster`, `/nvpool/nodes/NAME`, `/nvpool/volumes/NAME`,
 //! `/nvpool/tombstones/ID` and (etcd only) `/nvpool/leader`.
 
+use crate::access::AccessPolicy;
 use crate::scheduler::Locality;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 pub const CLUSTER_KEY: &str = "/nvpool/cluster";
 pub const NODES: &str = "/nvpool/nodes/";
@@ -49,6 +50,13 @@ pub struct NodeRecord {
     pub labels: BTreeMap<String, String>,
     /// The pools as last registered; heartbeats refresh the figures in memory only.
     pub pools: Vec<PoolRecord>,
+    /// The host NQN the node's engine presents to owners when it forwards.
+    #[serde(default)]
+    pub host_nqn: String,
+    /// The block of controller IDs the node's engine hands out (see
+    /// `access::cntlid_range`); given at the first registration.
+    #[serde(default)]
+    pub cntlid_block: Option<u16>,
 }
 
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -80,6 +88,29 @@ pub struct VolumeRecord {
     pub host_node: String,
     pub include: Vec<String>,
     pub exclude: Vec<String>,
+    #[serde(default)]
+    pub access_policy: AccessPolicy,
+    /// The volume group the access policy works on; empty for none.
+    #[serde(default)]
+    pub group: String,
+    /// Each attached host's access points, the optimized one first.
+    #[serde(default)]
+    pub paths: BTreeMap<String, Vec<String>>,
+}
+
+impl VolumeRecord {
+    /// A host's access points; a host attached before access points existed
+    /// reaches the owner only.
+    pub fn paths_of(&self, host: &str) -> Vec<String> {
+        self.paths.get(host).cloned().unwrap_or_else(|| vec![self.node.clone()])
+    }
+
+    /// Every node that exports the volume: its owner and its access points.
+    pub fn exporting_nodes(&self) -> BTreeSet<String> {
+        let mut nodes: BTreeSet<String> = self.hosts.iter().flat_map(|h| self.paths_of(h)).collect();
+        nodes.insert(self.node.clone());
+        nodes
+    }
 }
 
 /// A volume that is gone from the cluster's view but whose engine side is still to

@@ -104,7 +104,7 @@ impl proto::controller_server::Controller for Service {
     }
 
     async fn attach(&self, r: Request<proto::AttachRequest>) -> Result<Response<proto::AttachResponse>, Status> {
-        self.with(async |c| c.attach(&r.get_ref().volume, &r.get_ref().host_nqn, r.get_ref().readonly).await).await
+        self.with(async |c| c.attach(r.get_ref()).await).await
     }
 
     async fn detach(&self, r: Request<proto::DetachRequest>) -> Result<Response<proto::DetachResponse>, Status> {
@@ -152,8 +152,12 @@ impl proto::controller_server::Controller for Service {
     ) -> Result<Response<proto::RegisterNodeResponse>, Status> {
         self.with(async |c| {
             let node = r.into_inner().node.ok_or_else(|| Status::invalid_argument("RegisterNode needs a node"))?;
-            c.register_node(node).await?;
-            Ok(proto::RegisterNodeResponse { heartbeat_interval_ms: c.cfg.heartbeat_interval.as_millis() as u64 })
+            let (cntlid_min, cntlid_max) = c.register_node(node).await?;
+            Ok(proto::RegisterNodeResponse {
+                heartbeat_interval_ms: c.cfg.heartbeat_interval.as_millis() as u64,
+                cntlid_min: u32::from(cntlid_min),
+                cntlid_max: u32::from(cntlid_max),
+            })
         })
         .await
     }

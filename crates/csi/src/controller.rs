@@ -186,15 +186,30 @@ impl Controller for ControllerService {
                 return Err(Status::invalid_argument(format!("parameter thin={other:?}: use true or false")));
             }
         };
-        if let Some(unknown) = req.parameters.keys().find(|k| !k.starts_with("csi.storage.k8s.io/") && *k != "thin") {
+        let access_policy = match req.parameters.get("accessPolicy").map(String::as_str) {
+            None | Some("inherit") => proto::AccessPolicy::Inherit,
+            Some("balance") => proto::AccessPolicy::Balance,
+            Some(other) => {
+                return Err(Status::invalid_argument(format!(
+                    "parameter accessPolicy={other:?} does not exist: use inherit or balance"
+                )));
+            }
+        };
+        let known = ["thin", "accessPolicy", "volumeGroup"];
+        if let Some(unknown) =
+            req.parameters.keys().find(|k| !k.starts_with("csi.storage.k8s.io/") && !known.contains(&k.as_str()))
+        {
             return Err(Status::invalid_argument(format!(
-                "unknown parameter {unknown:?}: nvpool takes thin=true|false"
+                "unknown parameter {unknown:?}: nvpool takes thin=true|false, accessPolicy=inherit|balance and \
+                 volumeGroup=NAME"
             )));
         }
         let mut create = proto::CreateVolumeRequest {
             name: name.to_string(),
             size_bytes: size_from(req.capacity_range.as_ref())?,
             thin,
+            access_policy: access_policy as i32,
+            group: req.parameters.get("volumeGroup").cloned().unwrap_or_default(),
             ..Default::default()
         };
         self.placement(&req, &mut create).await?;
@@ -238,8 +253,12 @@ impl Controller for ControllerService {
                 v.hosts.join(", ")
             )));
         }
-        let attach =
-            proto::AttachRequest { volume: volume.to_string(), host_nqn: host.to_string(), readonly: req.readonly };
+        let attach = proto::AttachRequest {
+            volume: volume.to_string(),
+            host_nqn: host.to_string(),
+            readonly: req.readonly,
+            explain: false,
+        };
         let a = self.controllers.call(async |mut c| c.attach(attach.clone()).await).await?;
         let paths: Vec<String> =
             a.paths.iter().map(|p| format!("{},{},{},{}", p.transport, p.address, p.port, p.ana_state)).collect();

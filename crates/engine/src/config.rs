@@ -73,14 +73,18 @@ impl Limits {
         if !(1..=1024).contains(&self.max_io_queues) {
             return Err(format!("limits.max_io_queues = {} must be 1 to 1024", self.max_io_queues));
         }
-        if self.cntlid_min == 0 || self.cntlid_min > self.cntlid_max || self.cntlid_max > MAX_CNTLID {
-            return Err(format!(
-                "controller IDs {}..={} are not a valid range: use cntlid_min <= cntlid_max within 1 to {MAX_CNTLID}",
-                self.cntlid_min, self.cntlid_max
-            ));
-        }
-        Ok(())
+        check_cntlid_range(self.cntlid_min, self.cntlid_max)
     }
+}
+
+/// A range of controller IDs an engine may hand out.
+pub fn check_cntlid_range(min: u16, max: u16) -> Result<(), String> {
+    if min == 0 || min > max || max > MAX_CNTLID {
+        return Err(format!(
+            "controller IDs {min}..={max} are not a valid range: use min <= max within 1 to {MAX_CNTLID}"
+        ));
+    }
+    Ok(())
 }
 
 /// A listener.
@@ -173,6 +177,9 @@ impl EngineConfig {
         self.limits.validate()?;
         if self.reactors == Some(0) {
             return Err("reactors = 0: at least one reactor is needed".into());
+        }
+        if let Some(q) = &self.host_nqn {
+            crate::nvme::subsystem::validate_nqn(q).map_err(|e| format!("host_nqn: {e}"))?;
         }
         if self.cores.as_ref().is_some_and(Vec::is_empty) {
             return Err("cores = []: list at least one CPU".into());

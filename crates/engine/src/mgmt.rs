@@ -94,8 +94,14 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value> {
                 controllers: engine.target().controller_count(),
                 connections: engine.target().connection_count(),
                 listeners: engine.listeners(),
+                host_nqn: engine.host_nqn().to_string(),
+                cntlid_min: engine.target().cntlid_range().0,
+                cntlid_max: engine.target().cntlid_range().1,
             })
         }),
+        SetControllerIdRange::NAME => {
+            answer(p, |r: SetControllerIdRange| ok(engine.target().set_cntlid_range(r.min, r.max)))
+        }
         ListSubsystems::NAME => answer(p, |ListSubsystems {}| Ok(engine.subsystems())),
         AddSubsystem::NAME => answer(p, |AddSubsystem(s)| ok(engine.add_subsystem(&s))),
         RemoveSubsystem::NAME => answer(p, |r: RemoveSubsystem| ok(engine.remove_subsystem(&r.nqn))),

@@ -124,6 +124,7 @@ async fn three_nodes_place_survive_restarts_and_reconcile() {
             host_node,
             include_nodes: vec![],
             exclude_nodes: if i % 10 == 3 { vec!["n3".into()] } else { vec![] },
+            ..Default::default()
         };
         let want = expected_node(&book, &req, &["n1", "n2", "n3"]).expect("the volumes fit");
         let got = create(&c, &req).await.unwrap_or_else(|e| panic!("create {}: {}", req.name, e.message()));
@@ -167,25 +168,30 @@ async fn three_nodes_place_survive_restarts_and_reconcile() {
     })
     .await;
 
-    // Attach one volume and check the engine's allow-list.
+    // Attach one volume: the owner is the optimized path and the two other nodes
+    // forward to it. The owner allows the host and the forwarding engines.
     let target = before.iter().find(|v| v.node == "n2").unwrap().clone();
-    let attach = proto::AttachRequest { volume: target.name.clone(), host_nqn: HOST.into(), readonly: false };
+    let attach = proto::AttachRequest { volume: target.name.clone(), host_nqn: HOST.into(), ..Default::default() };
     let a = c.call(async |mut c| c.attach(attach.clone()).await).await.unwrap();
-    assert_eq!(a.paths.len(), 1);
+    let paths: Vec<(&str, &str)> = a.paths.iter().map(|p| (p.node.as_str(), p.ana_state.as_str())).collect();
+    assert_eq!(paths, [("n2", "optimized"), ("n1", "non-optimized"), ("n3", "non-optimized")]);
     assert_eq!((a.paths[0].address.as_str(), a.paths[0].port), ("127.0.0.1", u32::from(nodes_[1].nvme_port)));
-    assert_eq!(a.paths[0].ana_state, "optimized");
-    assert_eq!(exports(&nodes_[1])[&a.subsystem_nqn], vec![HOST.to_string()]);
+    let owner_allows = |nodes_: &[Node]| {
+        let mut hosts = vec![HOST.to_string(), nodes_[0].host_nqn(), nodes_[2].host_nqn()];
+        hosts.sort();
+        hosts
+    };
+    assert_eq!(sorted(exports(&nodes_[1])[&a.subsystem_nqn].clone()), owner_allows(&nodes_));
+    assert_eq!(exports(&nodes_[0])[&a.subsystem_nqn], vec![HOST.to_string()]);
+    assert_eq!(exports(&nodes_[2])[&a.subsystem_nqn], vec![HOST.to_string()]);
+    let before = volumes(&c).await;
 
     // Restart the controller: every volume is still there, the same.
     controller.proc.kill();
     controller = start_controller(root.path(), &store, port, "2");
     wait_healthy(&c, &["n1", "n2", "n3"]).await;
     let after = volumes(&c).await;
-    assert_eq!(
-        after,
-        volumes_with_hosts(&before, &target.name),
-        "the restarted controller sees every volume as it was"
-    );
+    assert_eq!(after, before, "the restarted controller sees every volume as it was");
 
     // Kill n2's agent: the node turns unhealthy and takes nothing new.
     nodes_[1].agent.kill();
@@ -211,7 +217,7 @@ async fn three_nodes_place_survive_restarts_and_reconcile() {
             c.attach(proto::AttachRequest {
                 volume: target.name.clone(),
                 host_nqn: format!("{HOST}-2"),
-                readonly: false,
+                ..Default::default()
             })
             .await
         })
@@ -233,14 +239,15 @@ async fn three_nodes_place_survive_restarts_and_reconcile() {
     // The agent comes back and reconciles.
     nodes_[1].start_agent(&controller.address);
     wait_healthy(&c, &["n1", "n2", "n3"]).await;
-    let want: BTreeMap<String, Vec<String>> =
+    let mut want: BTreeMap<String, Vec<String>> =
         volumes(&c).await.into_iter().filter(|v| v.node == "n2").map(|v| (v.subsystem_nqn, v.hosts)).collect();
     assert_eq!(want.len(), n2_count - 1);
+    want.insert(a.subsystem_nqn.clone(), owner_allows(&nodes_));
+    let sorted_exports = |n: &Node| exports(n).into_iter().map(|(q, h)| (q, sorted(h))).collect::<BTreeMap<_, _>>();
     wait_for("n2 to reconcile", Duration::from_secs(15), async || {
-        (exports(&nodes_[1]) == want && engine_volume_count(&nodes_[1]) == want.len()).then_some(())
+        (sorted_exports(&nodes_[1]) == want && engine_volume_count(&nodes_[1]) == want.len()).then_some(())
     })
     .await;
-    assert_eq!(exports(&nodes_[1])[&a.subsystem_nqn], vec![HOST.to_string()], "the allow-list came back");
     println!("n2 reconciled: {} exports, the deleted volume removed", want.len());
 
     // Kill n3's engine while its agent runs: the node is reported with its engine down
@@ -261,24 +268,30 @@ async fn three_nodes_place_survive_restarts_and_reconcile() {
     let e = create(&c, &only_n3).await.unwrap_err();
     assert_eq!(e.code(), Code::ResourceExhausted);
     assert!(e.message().contains("n3: unhealthy"), "{}", e.message());
+    // n3 was an access point of the attached volume: the attachment drops it (no
+    // other node can take its place), and n3 drops the export once it is back.
+    let paths_now = async || {
+        let v = c.call(async |mut c| c.get_volume(proto::VolumeName { name: target.name.clone() }).await).await;
+        v.unwrap().attachments[0].paths.iter().map(|p| p.node.clone()).collect::<Vec<_>>()
+    };
+    wait_for("the lost access point to be dropped", Duration::from_secs(10), async || {
+        (paths_now().await == ["n2", "n1"]).then_some(())
+    })
+    .await;
     nodes_[2].start_engine(true);
     wait_healthy(&c, &["n1", "n2", "n3"]).await;
     assert!(nodes(&c).await.iter().all(|n| n.engine_error.is_empty()));
-    println!("n3's engine down: reported, capacity kept, nothing placed; back once it answers");
+    wait_for("n3 to drop the export", Duration::from_secs(15), async || {
+        (!exports(&nodes_[2]).contains_key(&a.subsystem_nqn)).then_some(())
+    })
+    .await;
+    assert_eq!(sorted(exports(&nodes_[1])[&a.subsystem_nqn].clone()), vec![HOST.to_string(), nodes_[0].host_nqn()]);
+    println!("n3's engine down: reported, capacity kept, nothing placed, its path dropped; back once it answers");
 }
 
-/// `before` with HOST attached to `name`, as the controller should now report it.
-fn volumes_with_hosts(before: &[proto::Volume], name: &str) -> Vec<proto::Volume> {
-    before
-        .iter()
-        .cloned()
-        .map(|mut v| {
-            if v.name == name {
-                v.hosts = vec![HOST.into()];
-            }
-            v
-        })
-        .collect()
+fn sorted(mut v: Vec<String>) -> Vec<String> {
+    v.sort();
+    v
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -334,7 +347,7 @@ async fn bad_input_gets_clear_errors_and_leaves_nothing_behind() {
     assert_eq!(e.code(), Code::NotFound);
     let e = c
         .call(async |mut c| {
-            c.attach(proto::AttachRequest { volume: "dup".into(), host_nqn: "not-an-nqn".into(), readonly: false })
+            c.attach(proto::AttachRequest { volume: "dup".into(), host_nqn: "not-an-nqn".into(), ..Default::default() })
                 .await
         })
         .await

@@ -3,6 +3,43 @@
 
 use super::*;
 
+/// What one node serves of a volume: the data and its export on the owner; an
+/// export that forwards to the owner on an access point.
+fn desired_volume(st: &State, v: &VolumeRecord, node: &str) -> proto::DesiredVolume {
+    let mut hosts = Vec::new();
+    let mut ana = Vec::new();
+    for host in &v.hosts {
+        if let Some(place) = v.paths_of(host).iter().position(|n| n == node) {
+            hosts.push(host.clone());
+            ana.push(proto::HostAna { host_nqn: host.clone(), state: ana_state(place).into() });
+        }
+    }
+    let owner_address = if v.node == node {
+        // The owner allows the engines that forward to it.
+        let forwarders = v.exporting_nodes().into_iter().filter(|n| n != node);
+        hosts.extend(
+            forwarders.filter_map(|n| st.nodes.get(&n)).map(|n| n.record.host_nqn.clone()).filter(|q| !q.is_empty()),
+        );
+        hosts.sort();
+        hosts.dedup();
+        String::new()
+    } else {
+        st.nodes.get(&v.node).map(|n| n.record.nvme_address.clone()).unwrap_or_default()
+    };
+    proto::DesiredVolume {
+        id: v.id.clone(),
+        engine_name: v.engine_name.clone(),
+        pool: v.pool.clone(),
+        size_bytes: v.size,
+        thin: v.thin,
+        present: true,
+        subsystem_nqn: v.subsystem_nqn.clone(),
+        hosts,
+        owner_address,
+        ana,
+    }
+}
+
 impl Cluster {
     /// Sends a node its desired state and records what the agent reports: creations
     /// confirmed or rolled back, removals done.
@@ -16,17 +53,8 @@ impl Cluster {
             let mut volumes: Vec<proto::DesiredVolume> = st
                 .volumes
                 .values()
-                .filter(|v| v.node == node)
-                .map(|v| proto::DesiredVolume {
-                    id: v.id.clone(),
-                    engine_name: v.engine_name.clone(),
-                    pool: v.pool.clone(),
-                    size_bytes: v.size,
-                    thin: v.thin,
-                    present: true,
-                    subsystem_nqn: v.subsystem_nqn.clone(),
-                    hosts: v.hosts.clone(),
-                })
+                .filter(|v| v.node == node || (v.state == VolumeState::Ready && v.exporting_nodes().contains(node)))
+                .map(|v| desired_volume(&st, v, node))
                 .collect();
             volumes.extend(st.tombstones.values().filter(|t| t.node == node).map(|t| proto::DesiredVolume {
                 id: t.id.clone(),
@@ -36,7 +64,7 @@ impl Cluster {
                 thin: t.thin,
                 present: false,
                 subsystem_nqn: t.subsystem_nqn.clone(),
-                hosts: vec![],
+                ..Default::default()
             }));
             let state = proto::NodeState { node: node.to_string(), generation: n.desired_generation, volumes };
             (state, n.record.agent_address.clone())
@@ -119,6 +147,7 @@ impl Cluster {
     pub async fn reconcile_forever(self: Arc<Self>) {
         loop {
             tokio::time::sleep(self.cfg.heartbeat_interval / 2).await;
+            self.repath_lost_access_points().await;
             let due: Vec<String> = {
                 let mut st = self.state.lock().unwrap();
                 let open: HashSet<String> = st

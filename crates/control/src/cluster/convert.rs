@@ -41,7 +41,61 @@ impl Cluster {
             host_node: v.host_node.clone(),
             include_nodes: v.include.clone(),
             exclude_nodes: v.exclude.clone(),
+            access_policy: policy_to(v.access_policy) as i32,
+            group: v.group.clone(),
+            attachments: v
+                .hosts
+                .iter()
+                .map(|h| proto::Attachment { host_nqn: h.clone(), paths: self.paths_proto(st, v, h) })
+                .collect(),
+            degraded: match st.nodes.get(&v.node) {
+                Some(n) if self.healthy(n) => String::new(),
+                _ => format!("its owner {} is down and holds the only copy of its data", v.node),
+            },
         }
+    }
+
+    /// A host's paths to a volume, the optimized one first.
+    pub(super) fn paths_proto(&self, st: &State, v: &VolumeRecord, host: &str) -> Vec<proto::Path> {
+        v.paths_of(host)
+            .iter()
+            .enumerate()
+            .map(|(i, node)| {
+                let entry = st.nodes.get(node);
+                let (address, port) = entry.map(|n| split_address(&n.record.nvme_address)).unwrap_or_default();
+                proto::Path {
+                    node: node.clone(),
+                    transport: "tcp".into(),
+                    address,
+                    port,
+                    ana_state: ana_state(i).into(),
+                    owner: *node == v.node,
+                    healthy: entry.is_some_and(|n| self.healthy(n)),
+                }
+            })
+            .collect()
+    }
+}
+
+/// The ANA state of the path at this place in an attachment's list.
+pub(super) fn ana_state(place: usize) -> &'static str {
+    if place == 0 { "optimized" } else { "non-optimized" }
+}
+
+pub(super) fn policy_from(v: i32) -> Result<AccessPolicy, Status> {
+    match proto::AccessPolicy::try_from(v) {
+        Ok(proto::AccessPolicy::Inherit) => Ok(AccessPolicy::Inherit),
+        Ok(proto::AccessPolicy::Balance) => Ok(AccessPolicy::Balance),
+        Err(_) => {
+            Err(Status::invalid_argument(format!("access policy {v} does not exist: use inherit (0) or balance (1)")))
+        }
+    }
+}
+
+pub(super) fn policy_to(p: AccessPolicy) -> proto::AccessPolicy {
+    match p {
+        AccessPolicy::Inherit => proto::AccessPolicy::Inherit,
+        AccessPolicy::Balance => proto::AccessPolicy::Balance,
     }
 }
 
@@ -60,6 +114,8 @@ pub(super) fn same_request(v: &VolumeRecord, req: &proto::CreateVolumeRequest, l
         && v.host_node == req.host_node
         && v.include == req.include_nodes
         && v.exclude == req.exclude_nodes
+        && policy_to(v.access_policy) as i32 == req.access_policy
+        && v.group == req.group
 }
 
 pub(super) fn no_room_message(req: &Request, scores: &[Score], nodes: usize) -> String {

@@ -7,6 +7,7 @@
 //! desired state (`NodeState`), which the agent makes its engine match. A node whose
 //! agent is behind gets its state again from the background loop.
 
+use crate::access::{self, AccessPolicy};
 use crate::model::*;
 use crate::proto::{self, agent_client::AgentClient};
 use crate::scheduler::{self, Locality, NodeView, Policy, PoolView, Request, Score};
@@ -97,6 +98,9 @@ pub struct Cluster {
     state: Mutex<State>,
     volume_locks: KeyedLocks,
     node_locks: KeyedLocks,
+    /// One registration at a time, so that two new nodes never get one block of
+    /// controller IDs.
+    registrations: tokio::sync::Mutex<()>,
     channels: Mutex<HashMap<String, Channel>>,
 }
 
@@ -177,6 +181,7 @@ impl Cluster {
             state: Mutex::new(state),
             volume_locks: KeyedLocks::default(),
             node_locks: KeyedLocks::default(),
+            registrations: tokio::sync::Mutex::new(()),
             channels: Mutex::new(HashMap::new()),
         }))
     }

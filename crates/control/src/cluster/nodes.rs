@@ -3,7 +3,8 @@
 use super::*;
 
 impl Cluster {
-    pub async fn register_node(&self, node: proto::Node) -> Result<(), Status> {
+    /// Records a node; returns the controller IDs its engine is to hand out.
+    pub async fn register_node(&self, node: proto::Node) -> Result<(u16, u16), Status> {
         check_name("node", &node.name).map_err(Status::invalid_argument)?;
         if node.nvme_address.parse::<std::net::SocketAddr>().is_err() {
             return Err(Status::invalid_argument(format!(
@@ -11,14 +12,27 @@ impl Cluster {
                 node.name, node.nvme_address
             )));
         }
+        let _registering = self.registrations.lock().await;
+        let _guard = self.node_locks.lock(&node.name).await;
+        let cntlid_block = {
+            let st = self.state.lock().unwrap();
+            match st.nodes.get(&node.name).and_then(|n| n.record.cntlid_block) {
+                Some(b) => b,
+                // The block fewest nodes have, so that paths rarely need to avoid one.
+                None => (0..access::CNTLID_BLOCKS)
+                    .min_by_key(|b| st.nodes.values().filter(|n| n.record.cntlid_block == Some(*b)).count())
+                    .unwrap_or(0),
+            }
+        };
         let record = NodeRecord {
             name: node.name.clone(),
             agent_address: node.agent_address.clone(),
             nvme_address: node.nvme_address.clone(),
             labels: node.labels.into_iter().collect(),
             pools: node.pools.iter().map(pool_record).collect(),
+            host_nqn: node.host_nqn.clone(),
+            cntlid_block: Some(cntlid_block),
         };
-        let _guard = self.node_locks.lock(&record.name).await;
         let changed = self.state.lock().unwrap().nodes.get(&record.name).is_none_or(|n| n.record != record);
         if changed {
             self.commit(Txn::default().put(format!("{NODES}{}", record.name), to_json(&record))).await?;
@@ -40,7 +54,7 @@ impl Cluster {
         entry.applied_generation = 0;
         entry.engine_error = None;
         st.touch(&record.name);
-        Ok(())
+        Ok(access::cntlid_range(cntlid_block))
     }
 
     pub fn heartbeat(&self, hb: proto::HeartbeatRequest) -> bool {
@@ -80,6 +94,9 @@ impl Cluster {
                 last_heartbeat_ms_ago: n.last_seen.elapsed().as_millis() as u64,
                 volumes: st.volumes.values().filter(|v| v.node == n.record.name).count() as u32,
                 engine_error: n.engine_error.clone().unwrap_or_default(),
+                host_nqn: n.record.host_nqn.clone(),
+                cntlid_min: n.record.cntlid_block.map_or(0, |b| u32::from(access::cntlid_range(b).0)),
+                cntlid_max: n.record.cntlid_block.map_or(0, |b| u32::from(access::cntlid_range(b).1)),
             })
             .collect()
     }

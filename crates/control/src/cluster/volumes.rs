@@ -16,6 +16,10 @@ impl Cluster {
             )));
         }
         let locality = locality_from(req.locality)?;
+        let access_policy = policy_from(req.access_policy)?;
+        if !req.group.is_empty() {
+            check_name("volume group", &req.group).map_err(Status::invalid_argument)?;
+        }
         if locality != Locality::Any && req.host_node.is_empty() {
             return Err(Status::invalid_argument("a local or remote preference needs the host node it is relative to"));
         }
@@ -88,6 +92,9 @@ impl Cluster {
                 host_node: req.host_node.clone(),
                 include: req.include_nodes.clone(),
                 exclude: req.exclude_nodes.clone(),
+                access_policy,
+                group: req.group.clone(),
+                paths: BTreeMap::new(),
             };
             // Reserve the space now, so that concurrent creations see it taken.
             st.volumes.insert(record.name.clone(), record.clone());
@@ -149,7 +156,10 @@ impl Cluster {
         let mut st = self.state.lock().unwrap();
         st.volumes.remove(&v.name);
         st.tombstones.insert(tomb.id.clone(), tomb);
-        st.touch(&v.node);
+        // The access points drop their exports with the volume.
+        for node in v.exporting_nodes() {
+            st.touch(&node);
+        }
         Ok(())
     }
 
@@ -236,7 +246,10 @@ impl Cluster {
             .collect()
     }
 
-    pub async fn attach(&self, volume: &str, host: &str, readonly: bool) -> Result<proto::AttachResponse, Status> {
+    /// Allows a host on a volume through its access points (the owner and up to two
+    /// engines that forward to it) and returns every path, the optimized one first.
+    pub async fn attach(&self, req: &proto::AttachRequest) -> Result<proto::AttachResponse, Status> {
+        let (volume, host, readonly) = (req.volume.as_str(), req.host_nqn.as_str(), req.readonly);
         check_host_nqn(host).map_err(Status::invalid_argument)?;
         let _guard = self.volume_locks.lock(volume).await;
         let v = self.ready_volume(volume)?;
@@ -248,22 +261,28 @@ impl Cluster {
                 if readonly { "read-only" } else { "read-write" }
             )));
         }
-        let node_applied = {
+        let current = v.paths.get(host).cloned().unwrap_or_default();
+        let choice = {
             let st = self.state.lock().unwrap();
-            st.nodes.get(&v.node).is_some_and(|n| n.applied_generation == n.desired_generation)
+            self.choose_paths(&st, &v, host, &current).map_err(Status::unavailable)?
         };
-        if !v.hosts.iter().any(|h| h == host) || !node_applied {
-            let mut with = v.clone();
-            if !with.hosts.iter().any(|h| h == host) {
-                with.hosts.push(host.to_string());
-                if readonly {
-                    with.readonly_hosts.push(host.to_string());
-                }
+        let mut with = v.clone();
+        if !with.hosts.iter().any(|h| h == host) {
+            with.hosts.push(host.to_string());
+            if readonly {
+                with.readonly_hosts.push(host.to_string());
             }
+        }
+        with.paths.insert(host.to_string(), choice.paths.clone());
+        let all_applied = {
+            let st = self.state.lock().unwrap();
+            choice.paths.iter().all(|n| st.nodes.get(n).is_some_and(|n| n.applied_generation == n.desired_generation))
+        };
+        if with != v || !all_applied {
             self.put_volume(&with).await?;
-            let ok =
-                matches!(self.apply_node(&v.node).await, Ok(r) if r.get(&v.id).is_some_and(|r| r.error.is_empty()));
-            if !ok {
+            // The owner first: it must allow the forwarding engines before they connect.
+            let exported = |outcome: &Result<Results, String>| matches!(outcome, Ok(r) if r.get(&v.id).is_some_and(|r| r.error.is_empty()));
+            if !exported(&self.apply_node(&v.node).await) {
                 self.put_volume(&v).await?;
                 return Err(Status::unavailable(format!(
                     "node {} did not export volume {volume} to {host}; nothing changed, retry when `nvpool node list` \
@@ -271,24 +290,116 @@ impl Cluster {
                     v.node
                 )));
             }
+            let proxies: Vec<&String> = choice.paths.iter().filter(|n| **n != v.node).collect();
+            let mut outcomes = Vec::with_capacity(proxies.len());
+            for n in &proxies {
+                outcomes.push(self.apply_node(n).await);
+            }
+            let failed: Vec<&String> =
+                proxies.iter().zip(&outcomes).filter(|(_, o)| !exported(o)).map(|(n, _)| *n).collect();
+            if !failed.is_empty() {
+                // A path the host cannot use is worse than none: leave it out.
+                tracing::warn!(volume, host, ?failed, "access points could not export the volume; left out");
+                let mut fewer = self.ready_volume(volume)?;
+                fewer
+                    .paths
+                    .insert(host.to_string(), choice.paths.iter().filter(|n| !failed.contains(n)).cloned().collect());
+                self.put_volume(&fewer).await?;
+            }
         }
         let v = self.ready_volume(volume)?;
         let st = self.state.lock().unwrap();
-        let node = &st.nodes[&v.node].record;
-        let (address, port) = split_address(&node.nvme_address);
         Ok(proto::AttachResponse {
             subsystem_nqn: v.subsystem_nqn.clone(),
             nsid: 1,
             uuid: v.uuid.clone(),
             nguid: v.nguid.clone(),
-            paths: vec![proto::Path {
-                node: v.node.clone(),
-                transport: "tcp".into(),
-                address,
-                port,
-                ana_state: "optimized".into(),
-            }],
+            paths: self.paths_proto(&st, &v, host),
+            explain: if req.explain { choice.explain } else { vec![] },
         })
+    }
+
+    /// Picks a host's access points to a volume, keeping the usable ones of `current`.
+    pub(super) fn choose_paths(
+        &self,
+        st: &State,
+        v: &VolumeRecord,
+        host: &str,
+        current: &[String],
+    ) -> Result<access::Choice, String> {
+        let candidates: Vec<access::Candidate> = st
+            .nodes
+            .values()
+            .map(|n| access::Candidate {
+                name: n.record.name.clone(),
+                // A lost owner stays a path: nothing else has the data, and the host
+                // gets it back through that path when the node returns.
+                healthy: self.healthy(n) || n.record.name == v.node,
+                excluded: v.exclude.contains(&n.record.name),
+                cntlid_block: n.record.cntlid_block.unwrap_or(0),
+            })
+            .collect();
+        let own_paths: Vec<Vec<String>> = st.volumes.values().map(|o| vec![o.node.clone()]).collect();
+        let attached: Vec<access::Attached<'_>> = st
+            .volumes
+            .values()
+            .zip(&own_paths)
+            .flat_map(|(o, owner)| {
+                o.hosts.iter().map(move |h| access::Attached {
+                    volume: &o.name,
+                    group: &o.group,
+                    host: h,
+                    paths: o.paths.get(h).map_or(owner.as_slice(), |p| p.as_slice()),
+                })
+            })
+            .collect();
+        let request = access::AccessRequest {
+            volume: &v.name,
+            owner: &v.node,
+            host,
+            policy: v.access_policy,
+            group: &v.group,
+            current,
+        };
+        access::choose(&candidates, &attached, &request)
+    }
+
+    /// Moves the paths of attachments that lost an access point: the optimized path
+    /// goes to a surviving one (the host sees an ANA change) and another node takes
+    /// the lost one's place where one can. Called by the background loop.
+    pub(super) async fn repath_lost_access_points(&self) {
+        let due: Vec<(String, String)> = {
+            let st = self.state.lock().unwrap();
+            let lost = |n: &String| st.nodes.get(n).is_none_or(|e| !self.healthy(e));
+            st.volumes
+                .values()
+                .filter(|v| v.state == VolumeState::Ready)
+                .flat_map(|v| {
+                    v.paths
+                        .iter()
+                        .filter(|(_, paths)| paths.iter().any(|n| *n != v.node && lost(n)))
+                        .map(|(h, _)| (v.name.clone(), h.clone()))
+                })
+                .collect()
+        };
+        for (volume, host) in due {
+            let _guard = self.volume_locks.lock(&volume).await;
+            let Ok(v) = self.ready_volume(&volume) else { continue };
+            let Some(current) = v.paths.get(&host).cloned() else { continue };
+            let choice = {
+                let st = self.state.lock().unwrap();
+                self.choose_paths(&st, &v, &host, &current)
+            };
+            let Ok(choice) = choice else { continue };
+            if choice.paths == current {
+                continue;
+            }
+            let mut moved = v.clone();
+            moved.paths.insert(host.clone(), choice.paths.clone());
+            if self.put_volume(&moved).await.is_ok() {
+                tracing::info!(volume, host, from = ?current, to = ?choice.paths, "re-pathed: an access point is down");
+            }
+        }
     }
 
     pub async fn detach(&self, volume: &str, host: &str) -> Result<(), Status> {
@@ -297,20 +408,33 @@ impl Cluster {
             return Ok(());
         };
         if v.hosts.iter().any(|h| h == host) {
-            let without = VolumeRecord {
+            let mut without = VolumeRecord {
                 hosts: v.hosts.iter().filter(|h| *h != host).cloned().collect(),
                 readonly_hosts: v.readonly_hosts.iter().filter(|h| *h != host).cloned().collect(),
                 ..v.clone()
             };
+            without.paths.remove(host);
             self.put_volume(&without).await?;
         }
-        match self.apply_node(&v.node).await {
-            Ok(r) if r.get(&v.id).is_some_and(|r| r.error.is_empty()) => Ok(()),
-            _ => Err(Status::unavailable(format!(
+        let nodes = v.paths_of(host);
+        let mut outcomes = Vec::with_capacity(nodes.len());
+        for n in &nodes {
+            outcomes.push(self.apply_node(n).await);
+        }
+        let behind: Vec<&String> = nodes
+            .iter()
+            .zip(&outcomes)
+            .filter(|(_, o)| !matches!(o, Ok(r) if r.get(&v.id).is_none_or(|r| r.error.is_empty())))
+            .map(|(n, _)| n)
+            .collect();
+        if behind.is_empty() {
+            Ok(())
+        } else {
+            Err(Status::unavailable(format!(
                 "node {} has not yet removed {host} from volume {volume}'s allow-list; it will when it is back, \
                  retry to confirm",
-                v.node
-            ))),
+                behind.iter().map(|n| n.as_str()).collect::<Vec<_>>().join(", ")
+            )))
         }
     }
 
@@ -322,12 +446,18 @@ impl Cluster {
         Ok(v)
     }
 
-    /// Records a changed volume and marks its node for an update.
+    /// Records a changed volume and marks the nodes that export it, before or after,
+    /// for an update.
     pub(super) async fn put_volume(&self, v: &VolumeRecord) -> Result<(), Status> {
         self.commit(Txn::default().put(format!("{VOLUMES}{}", v.name), to_json(v))).await?;
         let mut st = self.state.lock().unwrap();
-        st.volumes.insert(v.name.clone(), v.clone());
-        st.touch(&v.node);
+        let mut nodes = v.exporting_nodes();
+        if let Some(old) = st.volumes.insert(v.name.clone(), v.clone()) {
+            nodes.extend(old.exporting_nodes());
+        }
+        for node in nodes {
+            st.touch(&node);
+        }
         Ok(())
     }
 }

@@ -13,7 +13,7 @@ pub mod nvm;
 pub mod subsystem;
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
@@ -51,6 +51,9 @@ pub struct Target {
     subsystems: RwLock<BTreeMap<String, Arc<Subsystem>>>,
     controllers: Mutex<BTreeMap<u16, Arc<Controller>>>,
     next_cntlid: AtomicU16,
+    /// Controller IDs this engine hands out, `min << 16 | max`: the configured range
+    /// until the agent sets the one the controller gave this node.
+    cntlid_range: AtomicU32,
     listeners: RwLock<Vec<ListenerInfo>>,
     discovery_generation: AtomicU64,
     connections: AtomicUsize,
@@ -66,6 +69,7 @@ impl Target {
             subsystems: RwLock::new(BTreeMap::new()),
             controllers: Mutex::new(BTreeMap::new()),
             next_cntlid: AtomicU16::new(0),
+            cntlid_range: AtomicU32::new(u32::from(limits.cntlid_min) << 16 | u32::from(limits.cntlid_max)),
             listeners: RwLock::new(Vec::new()),
             discovery_generation: AtomicU64::new(1),
             connections: AtomicUsize::new(0),
@@ -133,7 +137,7 @@ impl Target {
     pub fn register_controller(&self, make: impl FnOnce(u16) -> Arc<Controller>) -> Option<Arc<Controller>> {
         let mut map = lock(&self.controllers);
         // IDs come from this engine's range; skip IDs still in use after wrapping.
-        let (min, max) = (self.limits.cntlid_min, self.limits.cntlid_max);
+        let (min, max) = self.cntlid_range();
         let span = u32::from(max - min) + 1;
         for _ in 0..span {
             let n = self.next_cntlid.fetch_add(1, Ordering::Relaxed);
@@ -145,6 +149,21 @@ impl Target {
             }
         }
         None
+    }
+
+    /// The controller IDs new controllers get.
+    pub fn cntlid_range(&self) -> (u16, u16) {
+        let range = self.cntlid_range.load(Ordering::Relaxed);
+        ((range >> 16) as u16, range as u16)
+    }
+
+    /// Changes the controller IDs new controllers get; live controllers keep theirs.
+    pub fn set_cntlid_range(&self, min: u16, max: u16) -> Result<()> {
+        crate::config::check_cntlid_range(min, max).map_err(Error::invalid)?;
+        // Under the controllers' lock, so no registration mixes the two ranges.
+        let _controllers = lock(&self.controllers);
+        self.cntlid_range.store(u32::from(min) << 16 | u32::from(max), Ordering::Relaxed);
+        Ok(())
     }
 
     /// The live controller with this ID.

@@ -3,6 +3,7 @@
 
 use crate::output::{human, parse_size, print_or, render};
 use clap::{Args, Subcommand};
+use nvpool_control::access::AccessPolicy;
 use nvpool_control::client::Controllers;
 use nvpool_control::cluster::ClusterConfig;
 use nvpool_control::proto;
@@ -50,6 +51,9 @@ pub enum Command {
         /// Record the attachment as read-only.
         #[arg(long)]
         readonly: bool,
+        /// Show why each node is or is not an access point.
+        #[arg(long)]
+        explain: bool,
         #[command(flatten)]
         api: ControllerApi,
     },
@@ -225,6 +229,13 @@ pub enum ClusterVolumeVerb {
         /// These nodes may not hold the volume (comma separated).
         #[arg(long, value_delimiter = ',')]
         exclude: Vec<String>,
+        /// How hosts get their optimized access point: inherit (one per host and
+        /// group; the owner by default) or balance (spread over the nodes).
+        #[arg(long, default_value = "inherit", value_parser = parse_access_policy)]
+        access_policy: AccessPolicy,
+        /// The volume group the access policy works on.
+        #[arg(long, default_value = "")]
+        group: String,
         /// Show every node's score.
         #[arg(long)]
         explain: bool,
@@ -265,6 +276,10 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
         _ => return Err(format!("{s:?} is not a duration like 500ms, 5s or 1m")),
     };
     Ok(Duration::from_secs_f64(secs))
+}
+
+fn parse_access_policy(s: &str) -> Result<AccessPolicy, String> {
+    AccessPolicy::parse(s)
 }
 
 fn parse_label(s: &str) -> Result<(String, String), String> {
@@ -335,16 +350,14 @@ pub fn run(cmd: Command) -> Result<(), String> {
             Ok(())
         }),
         Command::Volume { verb, api } => rt.block_on(volume(verb, api)),
-        Command::Attach { volume, host_nqn, readonly, api } => rt.block_on(async {
+        Command::Attach { volume, host_nqn, readonly, explain, api } => rt.block_on(async {
             let c = Controllers::new(&api.controller)?;
-            let req = proto::AttachRequest { volume: volume.clone(), host_nqn: host_nqn.clone(), readonly };
+            let req = proto::AttachRequest { volume: volume.clone(), host_nqn: host_nqn.clone(), readonly, explain };
             let r = c.call(async |mut c| c.attach(req.clone()).await).await.map_err(status)?;
-            let paths: Vec<serde_json::Value> = r
-                .paths
-                .iter()
-                .map(|p| serde_json::json!({ "node": p.node, "transport": p.transport, "address": p.address, "port": p.port, "ana_state": p.ana_state }))
-                .collect();
-            let j = serde_json::json!({ "subsystem_nqn": r.subsystem_nqn, "nsid": r.nsid, "uuid": r.uuid, "nguid": r.nguid, "paths": paths });
+            let mut j = serde_json::json!({ "subsystem_nqn": r.subsystem_nqn, "nsid": r.nsid, "uuid": r.uuid, "nguid": r.nguid, "paths": paths_json(&r.paths) });
+            if explain {
+                j["explain"] = r.explain.clone().into();
+            }
             print_or(api.json, &j, || {
                 let mut out = format!("volume {volume} is attached to {host_nqn}: namespace {} of {}, uuid {}\n", r.nsid, r.subsystem_nqn, r.uuid);
                 out += "connect from the host with:\n";
@@ -353,6 +366,12 @@ pub fn run(cmd: Command) -> Result<(), String> {
                         "  nvme connect -t {} -a {} -s {} -n {} --hostnqn {host_nqn}    # {} path via {}\n",
                         p.transport, p.address, p.port, r.subsystem_nqn, p.ana_state, p.node
                     );
+                }
+                if explain {
+                    out += "access points:\n";
+                    for line in &r.explain {
+                        out += &format!("  {line}\n");
+                    }
                 }
                 out.trim_end().to_string()
             });
@@ -407,7 +426,18 @@ pub fn run(cmd: Command) -> Result<(), String> {
 async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), String> {
     let c = Controllers::new(&api.controller)?;
     match verb {
-        ClusterVolumeVerb::Create { name, size, thin, locality, host_node, include, exclude, explain } => {
+        ClusterVolumeVerb::Create {
+            name,
+            size,
+            thin,
+            locality,
+            host_node,
+            include,
+            exclude,
+            access_policy,
+            group,
+            explain,
+        } => {
             let locality = match locality.as_str() {
                 "local" => proto::Locality::Local,
                 "remote" => proto::Locality::Remote,
@@ -421,6 +451,11 @@ async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), Strin
                 host_node,
                 include_nodes: include,
                 exclude_nodes: exclude,
+                access_policy: match access_policy {
+                    AccessPolicy::Inherit => proto::AccessPolicy::Inherit,
+                    AccessPolicy::Balance => proto::AccessPolicy::Balance,
+                } as i32,
+                group,
             };
             let r = c.call(async |mut c| c.create_volume(req.clone()).await).await.map_err(status)?;
             let v = r.volume.unwrap_or_default();
@@ -458,7 +493,22 @@ async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), Strin
         ClusterVolumeVerb::Get { name } => {
             let req = proto::VolumeName { name };
             let v = c.call(async |mut c| c.get_volume(req.clone()).await).await.map_err(status)?;
-            print_or(api.json, &volume_json(&v), || render(&volume_table(std::slice::from_ref(&v))));
+            print_or(api.json, &volume_json(&v), || {
+                let mut out = render(&volume_table(std::slice::from_ref(&v)));
+                if !v.degraded.is_empty() {
+                    out += &format!("\ndegraded: {}", v.degraded);
+                }
+                out += &format!(
+                    "\naccess policy {}{}",
+                    policy_name(v.access_policy),
+                    if v.group.is_empty() { String::new() } else { format!(", group {}", v.group) }
+                );
+                if !v.attachments.is_empty() {
+                    out += "\n\n";
+                    out += &render(&path_table(&v.attachments));
+                }
+                out
+            });
         }
         ClusterVolumeVerb::List { node } => {
             let req = proto::ListVolumesRequest { node };
@@ -478,13 +528,57 @@ fn locality_name(l: i32) -> &'static str {
     }
 }
 
+fn policy_name(p: i32) -> &'static str {
+    match proto::AccessPolicy::try_from(p) {
+        Ok(proto::AccessPolicy::Balance) => "balance",
+        _ => "inherit",
+    }
+}
+
 fn volume_json(v: &proto::Volume) -> serde_json::Value {
+    let attachments: Vec<serde_json::Value> = v
+        .attachments
+        .iter()
+        .map(|a| serde_json::json!({ "host_nqn": a.host_nqn, "paths": paths_json(&a.paths) }))
+        .collect();
     serde_json::json!({
         "name": v.name, "id": v.id, "size_bytes": v.size_bytes, "thin": v.thin, "node": v.node, "pool": v.pool,
         "state": v.state, "hosts": v.hosts, "subsystem_nqn": v.subsystem_nqn, "uuid": v.uuid, "nguid": v.nguid,
         "allocated_bytes": v.allocated_bytes, "locality": locality_name(v.locality), "host_node": v.host_node,
         "include_nodes": v.include_nodes, "exclude_nodes": v.exclude_nodes,
+        "access_policy": policy_name(v.access_policy), "group": v.group, "attachments": attachments,
+        "degraded": if v.degraded.is_empty() { serde_json::Value::Null } else { v.degraded.clone().into() },
     })
+}
+
+fn paths_json(paths: &[proto::Path]) -> serde_json::Value {
+    paths
+        .iter()
+        .map(|p| {
+            serde_json::json!({
+                "node": p.node, "transport": p.transport, "address": p.address, "port": p.port,
+                "ana_state": p.ana_state, "owner": p.owner, "healthy": p.healthy,
+            })
+        })
+        .collect()
+}
+
+/// Each attached host's paths, a row each.
+fn path_table(attachments: &[proto::Attachment]) -> Vec<Vec<String>> {
+    let mut rows = vec![["HOST", "NODE", "ADDRESS", "ANA STATE", "ROLE", "NODE STATE"].map(String::from).to_vec()];
+    for a in attachments {
+        for p in &a.paths {
+            rows.push(vec![
+                a.host_nqn.clone(),
+                p.node.clone(),
+                format!("{}:{}", p.address, p.port),
+                p.ana_state.clone(),
+                if p.owner { "owner" } else { "forwards" }.into(),
+                if p.healthy { "healthy" } else { "down" }.into(),
+            ]);
+        }
+    }
+    rows
 }
 
 fn volume_table(vs: &[proto::Volume]) -> Vec<Vec<String>> {

@@ -134,6 +134,10 @@ struct EngineArgs {
     /// never; for reactors that share CPUs with other busy threads).
     #[arg(long)]
     busy_poll_us: Option<u32>,
+    /// The host NQN this engine presents to the owners of its `remote:` namespaces
+    /// (default: one per machine, from its host name).
+    #[arg(long)]
+    host_nqn: Option<String>,
     /// Also listen for discovery on this port at the first --listen address (0: no).
     #[arg(long, default_value_t = 8009)]
     discovery_port: u16,
@@ -533,6 +537,9 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
     }
     if let Some(us) = a.busy_poll_us {
         cfg.busy_poll_us = us;
+    }
+    if let Some(q) = &a.host_nqn {
+        cfg.host_nqn = Some(q.clone());
     }
     if let Some(s) = &a.mgmt_socket {
         cfg.management_socket = s.clone();

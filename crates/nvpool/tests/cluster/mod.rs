@@ -92,6 +92,12 @@ impl Node {
         n
     }
 
+    /// What the node's engine presents when it forwards to an owner: one per node,
+    /// as on separate machines.
+    pub fn host_nqn(&self) -> String {
+        format!("nqn.2024-01.io.nvpool:test-engine:{}", self.name)
+    }
+
     pub fn socket(&self) -> PathBuf {
         self.dir.join("engine.sock")
     }
@@ -102,7 +108,7 @@ impl Node {
         let _ = std::fs::remove_file(&socket);
         let mut cmd = Command::new(BIN);
         cmd.args(["engine", "--listen", &format!("127.0.0.1:{}", self.nvme_port), "--discovery-port", "0"])
-            .args(["--reactors", "1", "--mgmt-socket"])
+            .args(["--reactors", "1", "--host-nqn", &self.host_nqn(), "--mgmt-socket"])
             .arg(&socket)
             .stdout(log(&self.dir, "engine"))
             .stderr(log(&self.dir, "engine"));

@@ -1,0 +1,395 @@
+//! Access points: the engines a host reaches a volume through. Each attachment (host,
+//! volume) gets one optimized access point and up to two non-optimized ones; the
+//! owner serves the data itself and the others forward to it (`remote:` namespaces).
+//! The host's native multipath uses the optimized path and fails over to the others
+//! when ANA says so.
+//!
+//! This module is pure: the controller hands it the nodes and the attachments it
+//! knows, and gets back the paths and why each node was or was not chosen.
+
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+
+/// How a host's optimized access point is picked.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum AccessPolicy {
+    /// One optimized access point per host and volume group: the owner of the
+    /// first volume the host attached. Without a group, the volume's owner.
+    #[default]
+    Inherit,
+    /// The volumes of a group get different optimized access points where the
+    /// nodes allow it, and the optimized load stays even across nodes.
+    Balance,
+}
+
+impl AccessPolicy {
+    pub fn name(self) -> &'static str {
+        match self {
+            AccessPolicy::Inherit => "inherit",
+            AccessPolicy::Balance => "balance",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<AccessPolicy, String> {
+        match s {
+            "inherit" => Ok(AccessPolicy::Inherit),
+            "balance" => Ok(AccessPolicy::Balance),
+            _ => Err(format!("access policy {s:?} does not exist: use inherit or balance")),
+        }
+    }
+}
+
+impl std::fmt::Display for AccessPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One optimized and two non-optimized access points at most.
+pub const MAX_PATHS: usize = 3;
+
+/// Controller IDs are split in this many blocks; a node gets one. The kernel host
+/// refuses a second path whose controller ID it already sees in the subsystem, so
+/// the paths of one attachment are always on nodes with different blocks.
+pub const CNTLID_BLOCKS: u16 = 16;
+const CNTLID_BLOCK_SIZE: u16 = 4094;
+
+/// The controller IDs of a block: 16 blocks of 4,094 IDs within 1..=65504.
+pub fn cntlid_range(block: u16) -> (u16, u16) {
+    let block = block % CNTLID_BLOCKS;
+    (1 + block * CNTLID_BLOCK_SIZE, (block + 1) * CNTLID_BLOCK_SIZE)
+}
+
+/// A node as the chooser sees it.
+#[derive(Clone, Debug)]
+pub struct Candidate {
+    pub name: String,
+    /// Heartbeats arrive and the agent reaches its engine.
+    pub healthy: bool,
+    /// The volume's placement excludes the node.
+    pub excluded: bool,
+    pub cntlid_block: u16,
+}
+
+/// An attachment that exists already.
+#[derive(Clone, Debug)]
+pub struct Attached<'a> {
+    pub volume: &'a str,
+    pub group: &'a str,
+    pub host: &'a str,
+    /// Its access points, the optimized one first.
+    pub paths: &'a [String],
+}
+
+/// The attachment to choose paths for.
+#[derive(Clone, Debug)]
+pub struct AccessRequest<'a> {
+    pub volume: &'a str,
+    pub owner: &'a str,
+    pub host: &'a str,
+    pub policy: AccessPolicy,
+    pub group: &'a str,
+    /// The attachment's paths now (empty for a new one). Those on usable nodes are
+    /// kept, and a usable optimized one stays optimized, so that a re-choice moves
+    /// only what it must.
+    pub current: &'a [String],
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Choice {
+    /// The access points, the optimized one first.
+    pub paths: Vec<String>,
+    /// One line per node: why it was or was not chosen.
+    pub explain: Vec<String>,
+}
+
+/// What the other attachments put on a node.
+#[derive(Default, Clone, Copy)]
+struct Load {
+    /// Paths of any state.
+    paths: usize,
+    /// Optimized paths.
+    optimized: usize,
+    /// Optimized paths of this host to other volumes of this group.
+    group_optimized: usize,
+}
+
+/// Chooses the access points of one attachment. Fails only when no node can serve.
+pub fn choose(nodes: &[Candidate], attached: &[Attached<'_>], req: &AccessRequest<'_>) -> Result<Choice, String> {
+    let mut load: HashMap<&str, Load> = HashMap::new();
+    for a in attached.iter().filter(|a| !(a.volume == req.volume && a.host == req.host)) {
+        for (i, node) in a.paths.iter().enumerate() {
+            let l = load.entry(node.as_str()).or_default();
+            l.paths += 1;
+            if i == 0 {
+                l.optimized += 1;
+                if !req.group.is_empty() && a.group == req.group && a.host == req.host {
+                    l.group_optimized += 1;
+                }
+            }
+        }
+    }
+    let load_of = |n: &str| load.get(n).copied().unwrap_or_default();
+    let usable = |n: &Candidate| n.healthy && !n.excluded;
+    let node = |name: &str| nodes.iter().find(|n| n.name == name);
+    let kept: Vec<&Candidate> = req.current.iter().filter_map(|p| node(p)).filter(|n| usable(n)).collect();
+
+    let optimized: &Candidate = match req.current.first().and_then(|p| node(p)).filter(|n| usable(n)) {
+        Some(n) => n,
+        None => {
+            // A lost optimized path moves to a surviving access point, which the host
+            // is connected to already; a new attachment may use any usable node.
+            let pool: Vec<&Candidate> =
+                if kept.is_empty() { nodes.iter().filter(|n| usable(n)).collect() } else { kept.clone() };
+            let is_owner = |n: &Candidate| n.name == req.owner;
+            let best = match req.policy {
+                AccessPolicy::Inherit => pool
+                    .iter()
+                    .filter(|n| load_of(&n.name).group_optimized > 0)
+                    .max_by_key(|n| (load_of(&n.name).group_optimized, std::cmp::Reverse(n.name.as_str())))
+                    .or_else(|| pool.iter().find(|n| is_owner(n)))
+                    .or_else(|| {
+                        pool.iter().min_by_key(|n| (load_of(&n.name).optimized, load_of(&n.name).paths, &n.name))
+                    }),
+                AccessPolicy::Balance => pool.iter().min_by_key(|n| {
+                    let l = load_of(&n.name);
+                    (l.group_optimized, l.optimized, !is_owner(n), l.paths, &n.name)
+                }),
+            };
+            match best {
+                Some(n) => n,
+                None => {
+                    return Err(format!(
+                        "no node can be an access point of volume {} for {}: every node is down or excluded",
+                        req.volume, req.host
+                    ));
+                }
+            }
+        }
+    };
+
+    let mut chosen: Vec<&Candidate> = vec![optimized];
+    let fits = |chosen: &[&Candidate], n: &Candidate| {
+        usable(n)
+            && chosen
+                .iter()
+                .all(|c| c.name != n.name && c.cntlid_block % CNTLID_BLOCKS != n.cntlid_block % CNTLID_BLOCKS)
+    };
+    // Surviving paths first, then the owner (no forwarding hop), then the least loaded.
+    let mut others: Vec<&Candidate> = nodes.iter().filter(|n| usable(n)).collect();
+    others.sort_by_key(|n| (n.name != req.owner, load_of(&n.name).paths, n.name.clone()));
+    for n in kept.iter().copied().chain(others) {
+        if chosen.len() < MAX_PATHS && fits(&chosen, n) {
+            chosen.push(n);
+        }
+    }
+
+    let explain = nodes
+        .iter()
+        .map(|n| {
+            let l = load_of(&n.name);
+            let role = if n.name == req.owner { "owner" } else { "forwards to the owner" };
+            let why = match chosen.iter().position(|c| c.name == n.name) {
+                Some(0) => {
+                    format!("optimized ({role}; {})", why_optimized(req, n, l, kept.iter().any(|k| k.name == n.name)))
+                }
+                Some(_) => format!("non-optimized ({role}; {} other paths here)", l.paths),
+                None if !n.healthy => "not chosen: unhealthy".to_string(),
+                None if n.excluded => "not chosen: excluded by the volume's placement".to_string(),
+                None if chosen.len() == MAX_PATHS => {
+                    format!("not chosen: {MAX_PATHS} paths are enough ({} other paths here)", l.paths)
+                }
+                None => "not chosen: its controller IDs are those of a chosen node".to_string(),
+            };
+            format!("{}: {why}", n.name)
+        })
+        .collect();
+    Ok(Choice { paths: chosen.iter().map(|n| n.name.clone()).collect(), explain })
+}
+
+fn why_optimized(req: &AccessRequest<'_>, n: &Candidate, l: Load, kept: bool) -> String {
+    if req.current.first().is_some_and(|p| *p == n.name) {
+        return "it was optimized already".into();
+    }
+    let moved = if req.current.is_empty() { "" } else { "the optimized path was lost; " };
+    let surviving = if kept { "a surviving path, " } else { "" };
+    match req.policy {
+        AccessPolicy::Inherit if l.group_optimized > 0 => {
+            format!("{moved}{surviving}inherit: the host's optimized access point for group {}", req.group)
+        }
+        AccessPolicy::Inherit => format!("{moved}{surviving}inherit: the owner, or the least loaded node"),
+        AccessPolicy::Balance => format!(
+            "{moved}{surviving}balance: {} of the group's and {} optimized paths of all hosts here",
+            l.group_optimized, l.optimized
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::{BTreeMap, HashSet};
+
+    fn nodes(n: usize) -> Vec<Candidate> {
+        (0..n)
+            .map(|i| Candidate { name: format!("n{i}"), healthy: true, excluded: false, cntlid_block: i as u16 })
+            .collect()
+    }
+
+    /// Attachments as (volume, group, host) → paths.
+    type Book = BTreeMap<(String, String, String), Vec<String>>;
+
+    fn attach(
+        nodes: &[Candidate],
+        book: &mut Book,
+        volume: &str,
+        owner: &str,
+        group: &str,
+        host: &str,
+        policy: AccessPolicy,
+    ) -> Vec<String> {
+        let attached: Vec<Attached<'_>> =
+            book.iter().map(|((v, g, h), p)| Attached { volume: v, group: g, host: h, paths: p }).collect();
+        let req = AccessRequest { volume, owner, host, policy, group, current: &[] };
+        let choice = choose(nodes, &attached, &req).unwrap();
+        assert_eq!(choice.explain.len(), nodes.len());
+        book.insert((volume.into(), group.into(), host.into()), choice.paths.clone());
+        choice.paths
+    }
+
+    #[test]
+    fn the_owner_is_optimized_by_default_and_two_others_follow() {
+        let n = nodes(4);
+        let mut book = Book::new();
+        let p = attach(&n, &mut book, "v", "n2", "", "h", AccessPolicy::Inherit);
+        assert_eq!(p[0], "n2");
+        assert_eq!(p.len(), 3);
+        let q = attach(&n, &mut book, "w", "n2", "", "h", AccessPolicy::Inherit);
+        assert_eq!(q[0], "n2");
+        // The second volume's non-optimized paths avoid the nodes the first one loaded.
+        assert!(!q[1..].iter().all(|x| p[1..].contains(x)));
+    }
+
+    #[test]
+    fn a_lost_optimized_path_moves_to_a_survivor_and_is_replaced() {
+        let mut n = nodes(5);
+        let current = vec!["n1".to_string(), "n0".to_string(), "n2".to_string()];
+        n[1].healthy = false;
+        let req = AccessRequest {
+            volume: "v",
+            owner: "n0",
+            host: "h",
+            policy: AccessPolicy::Inherit,
+            group: "",
+            current: &current,
+        };
+        let c = choose(&n, &[], &req).unwrap();
+        assert_eq!(c.paths[0], "n0", "the surviving owner takes over");
+        assert_eq!(c.paths.len(), 3);
+        assert!(c.paths.contains(&"n2".to_string()), "a surviving path is kept");
+        assert!(!c.paths.contains(&"n1".to_string()));
+        assert!(c.explain.iter().any(|l| l == "n1: not chosen: unhealthy"), "{:?}", c.explain);
+    }
+
+    #[test]
+    fn nodes_sharing_controller_ids_never_serve_one_attachment() {
+        let mut n = nodes(3);
+        n[1].cntlid_block = n[0].cntlid_block + CNTLID_BLOCKS;
+        let mut book = Book::new();
+        let p = attach(&n, &mut book, "v", "n0", "", "h", AccessPolicy::Inherit);
+        assert_eq!(p, vec!["n0".to_string(), "n2".to_string()]);
+    }
+
+    #[test]
+    fn no_usable_node_is_a_clear_error() {
+        let mut n = nodes(2);
+        n[0].healthy = false;
+        n[1].excluded = true;
+        let req = AccessRequest {
+            volume: "v",
+            owner: "n0",
+            host: "h",
+            policy: AccessPolicy::Balance,
+            group: "",
+            current: &[],
+        };
+        let e = choose(&n, &[], &req).unwrap_err();
+        assert!(e.contains("every node is down or excluded"), "{e}");
+    }
+
+    #[test]
+    fn policy_names_parse_and_unknown_ones_are_refused() {
+        assert_eq!(AccessPolicy::parse("balance"), Ok(AccessPolicy::Balance));
+        assert_eq!(AccessPolicy::parse("inherit"), Ok(AccessPolicy::Inherit));
+        assert!(AccessPolicy::parse("spread").unwrap_err().contains("use inherit or balance"));
+    }
+
+    #[test]
+    fn controller_id_blocks_do_not_overlap() {
+        let ranges: Vec<(u16, u16)> = (0..CNTLID_BLOCKS).map(cntlid_range).collect();
+        assert_eq!(ranges[0].0, 1);
+        assert!(ranges.windows(2).all(|w| w[0].1 < w[1].0));
+        assert!(ranges.last().unwrap().1 <= 0xFFEF);
+    }
+
+    proptest::proptest! {
+        /// Any cluster, any sequence of attachments: paths are distinct usable nodes
+        /// with distinct controller-ID blocks, at most three, and as many as the
+        /// usable nodes allow. Group g0 inherits: one optimized node per host. Group
+        /// g1 balances: a host's volumes get distinct optimized nodes while there
+        /// are nodes enough.
+        #[test]
+        fn policies_on_generated_clusters(
+            health in proptest::collection::vec((proptest::bool::weighted(0.8), proptest::bool::weighted(0.1), 0u16..20), 1..9),
+            attachments in proptest::collection::vec((0usize..8, 0usize..3), 1..40),
+        ) {
+            let n: Vec<Candidate> = health
+                .iter()
+                .enumerate()
+                .map(|(i, &(healthy, excluded, block))| Candidate { name: format!("n{i}"), healthy, excluded, cntlid_block: block })
+                .collect();
+            let usable = n.iter().filter(|c| c.healthy && !c.excluded).count();
+            let blocks: HashSet<u16> =
+                n.iter().filter(|c| c.healthy && !c.excluded).map(|c| c.cntlid_block % CNTLID_BLOCKS).collect();
+            let mut book = Book::new();
+            for (volume, host) in attachments {
+                let (group, policy) =
+                    if volume % 2 == 0 { ("g0", AccessPolicy::Inherit) } else { ("g1", AccessPolicy::Balance) };
+                let owner = format!("n{}", volume % n.len());
+                let (volume, host) = (format!("v{volume}"), format!("h{host}"));
+                let key = (volume.clone(), group.to_string(), host.clone());
+                if book.contains_key(&key) {
+                    continue;
+                }
+                let same_group: Vec<String> =
+                    book.iter().filter(|((_, g, h), _)| g == group && *h == host).map(|(_, p)| p[0].clone()).collect();
+                let attached: Vec<Attached<'_>> =
+                    book.iter().map(|((v, g, h), p)| Attached { volume: v, group: g, host: h, paths: p }).collect();
+                let req = AccessRequest { volume: &volume, owner: &owner, host: &host, policy, group, current: &[] };
+                let result = choose(&n, &attached, &req);
+                drop(attached);
+                if usable == 0 {
+                    proptest::prop_assert!(result.is_err());
+                    continue;
+                }
+                let paths = result.unwrap().paths;
+                let mut seen_nodes = HashSet::new();
+                let mut seen_blocks = HashSet::new();
+                for p in &paths {
+                    let c = n.iter().find(|c| &c.name == p).unwrap();
+                    proptest::prop_assert!(c.healthy && !c.excluded);
+                    proptest::prop_assert!(seen_nodes.insert(p.clone()), "two paths on {}", p);
+                    proptest::prop_assert!(seen_blocks.insert(c.cntlid_block % CNTLID_BLOCKS));
+                }
+                proptest::prop_assert_eq!(paths.len(), MAX_PATHS.min(blocks.len()));
+                if policy == AccessPolicy::Inherit {
+                    proptest::prop_assert!(same_group.iter().all(|o| *o == paths[0]), "inherit: {:?} then {}", same_group, paths[0]);
+                } else if same_group.len() < usable {
+                    proptest::prop_assert!(!same_group.contains(&paths[0]), "balance: {:?} then {}", same_group, paths[0]);
+                }
+                book.insert(key, paths);
+            }
+        }
+    }
+}
