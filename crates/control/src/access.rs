@@ -94,6 +94,9 @@ pub struct AccessRequest<'a> {
     /// kept, and a usable optimized one stays optimized, so that a re-choice moves
     /// only what it must.
     pub current: &'a [String],
+    /// The operator's choice of optimized access point, which the caller checked
+    /// is usable; it overrides the policy.
+    pub optimized: Option<&'a str>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -135,7 +138,8 @@ pub fn choose(nodes: &[Candidate], attached: &[Attached<'_>], req: &AccessReques
     let node = |name: &str| nodes.iter().find(|n| n.name == name);
     let kept: Vec<&Candidate> = req.current.iter().filter_map(|p| node(p)).filter(|n| usable(n)).collect();
 
-    let optimized: &Candidate = match req.current.first().and_then(|p| node(p)).filter(|n| usable(n)) {
+    let keep_optimized = req.optimized.or(req.current.first().map(String::as_str));
+    let optimized: &Candidate = match keep_optimized.and_then(node).filter(|n| usable(n)) {
         Some(n) => n,
         None => {
             // A lost optimized path moves to a surviving access point, which the host
@@ -209,6 +213,9 @@ pub fn choose(nodes: &[Candidate], attached: &[Attached<'_>], req: &AccessReques
 }
 
 fn why_optimized(req: &AccessRequest<'_>, n: &Candidate, l: Load, kept: bool) -> String {
+    if req.optimized == Some(n.name.as_str()) {
+        return "chosen by the operator".into();
+    }
     if req.current.first().is_some_and(|p| *p == n.name) {
         return "it was optimized already".into();
     }
@@ -251,7 +258,7 @@ mod tests {
     ) -> Vec<String> {
         let attached: Vec<Attached<'_>> =
             book.iter().map(|((v, g, h), p)| Attached { volume: v, group: g, host: h, paths: p }).collect();
-        let req = AccessRequest { volume, owner, host, policy, group, current: &[] };
+        let req = AccessRequest { volume, owner, host, policy, group, current: &[], optimized: None };
         let choice = choose(nodes, &attached, &req).unwrap();
         assert_eq!(choice.explain.len(), nodes.len());
         book.insert((volume.into(), group.into(), host.into()), choice.paths.clone());
@@ -283,6 +290,7 @@ mod tests {
             policy: AccessPolicy::Inherit,
             group: "",
             current: &current,
+            optimized: None,
         };
         let c = choose(&n, &[], &req).unwrap();
         assert_eq!(c.paths[0], "n0", "the surviving owner takes over");
@@ -290,6 +298,24 @@ mod tests {
         assert!(c.paths.contains(&"n2".to_string()), "a surviving path is kept");
         assert!(!c.paths.contains(&"n1".to_string()));
         assert!(c.explain.iter().any(|l| l == "n1: not chosen: unhealthy"), "{:?}", c.explain);
+    }
+
+    #[test]
+    fn the_operator_moves_the_optimized_path_and_the_others_stay() {
+        let n = nodes(4);
+        let current = vec!["n0".to_string(), "n1".to_string(), "n2".to_string()];
+        let req = AccessRequest {
+            volume: "v",
+            owner: "n0",
+            host: "h",
+            policy: AccessPolicy::Inherit,
+            group: "",
+            current: &current,
+            optimized: Some("n2"),
+        };
+        let c = choose(&n, &[], &req).unwrap();
+        assert_eq!(c.paths, ["n2", "n0", "n1"]);
+        assert!(c.explain.iter().any(|l| l == "n2: optimized (forwards to the owner; chosen by the operator)"));
     }
 
     #[test]
@@ -313,6 +339,7 @@ mod tests {
             policy: AccessPolicy::Balance,
             group: "",
             current: &[],
+            optimized: None,
         };
         let e = choose(&n, &[], &req).unwrap_err();
         assert!(e.contains("every node is down or excluded"), "{e}");
@@ -366,7 +393,8 @@ mod tests {
                     book.iter().filter(|((_, g, h), _)| g == group && *h == host).map(|(_, p)| p[0].clone()).collect();
                 let attached: Vec<Attached<'_>> =
                     book.iter().map(|((v, g, h), p)| Attached { volume: v, group: g, host: h, paths: p }).collect();
-                let req = AccessRequest { volume: &volume, owner: &owner, host: &host, policy, group, current: &[] };
+                let req =
+                    AccessRequest { volume: &volume, owner: &owner, host: &host, policy, group, current: &[], optimized: None };
                 let result = choose(&n, &attached, &req);
                 drop(attached);
                 if usable == 0 {

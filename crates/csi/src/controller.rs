@@ -257,7 +257,7 @@ impl Controller for ControllerService {
             volume: volume.to_string(),
             host_nqn: host.to_string(),
             readonly: req.readonly,
-            explain: false,
+            ..Default::default()
         };
         let a = self.controllers.call(async |mut c| c.attach(attach.clone()).await).await?;
         let paths: Vec<String> =

@@ -148,6 +148,23 @@ async fn access_points_follow_the_policies_and_move_off_a_dead_node() {
         wait_for("the engines to report the chosen ANA states", Duration::from_secs(10), engines_agree).await;
     }
 
+    // The operator moves a's optimized path; the other paths stay.
+    let req = proto::AttachRequest {
+        volume: a.name.clone(),
+        host_nqn: HOST.into(),
+        optimized_node: "n3".into(),
+        ..Default::default()
+    };
+    let pa = c.call(async |mut c| c.attach(req.clone()).await).await.unwrap().paths;
+    assert_eq!(path_nodes(&pa), ["n3", "n1", "n2"]);
+    wait_for("the engines to report the moved path", Duration::from_secs(10), async || {
+        check_engines_agree(&nodes_, &a.subsystem_nqn, &pa).then_some(())
+    })
+    .await;
+    let unknown = proto::AttachRequest { optimized_node: "n9".into(), ..req.clone() };
+    let e = c.call(async |mut c| c.attach(unknown.clone()).await).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{}", e.message());
+
     // Data goes in through b's optimized access point (it forwards to n1) and comes
     // back through the owner, then the other way round through a non-optimized one.
     io(node(&nodes_, &pb[0].node), &b.subsystem_nqn, 1, true);
@@ -184,6 +201,15 @@ async fn access_points_follow_the_policies_and_move_off_a_dead_node() {
     assert_eq!(moved.len(), 3, "the fourth node takes the lost access point's place");
     assert!(!path_nodes(&moved).contains(&lost));
     io(node(&nodes_, &moved[0].node), &b.subsystem_nqn, 2, false);
+    let to_dead = proto::AttachRequest {
+        volume: b.name.clone(),
+        host_nqn: HOST.into(),
+        optimized_node: lost.clone(),
+        ..Default::default()
+    };
+    let e = c.call(async |mut c| c.attach(to_dead.clone()).await).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert!(e.message().contains("it is unhealthy"), "{}", e.message());
     // Every other attachment that used the lost node moved off it too.
     for v in [&a, &x, &y].into_iter().filter(|v| v.node != lost) {
         let now = paths_of(&c, &v.name).await;

@@ -160,7 +160,9 @@ impl Cluster {
                 let due: Vec<String> = st
                     .nodes
                     .values()
-                    .filter(|n| self.healthy(n) && !st.applying.contains(&n.record.name))
+                    // An agent whose engine is down keeps the newest state, and applies
+                    // it, not an older one, when the engine is back.
+                    .filter(|n| self.heartbeating(n) && !st.applying.contains(&n.record.name))
                     .filter(|n| n.applied_generation != n.desired_generation || open.contains(&n.record.name))
                     .map(|n| n.record.name.clone())
                     .collect();

@@ -124,7 +124,12 @@ impl Cluster {
 
     /// Heartbeats arrive and the agent reaches its engine.
     pub(super) fn healthy(&self, n: &NodeEntry) -> bool {
-        n.last_seen.elapsed() < self.cfg.node_timeout && n.engine_error.is_none()
+        self.heartbeating(n) && n.engine_error.is_none()
+    }
+
+    /// Heartbeats arrive: the agent takes new states, even while its engine is down.
+    pub(super) fn heartbeating(&self, n: &NodeEntry) -> bool {
+        n.last_seen.elapsed() < self.cfg.node_timeout
     }
 
     /// The scheduler's view: reported pools, with what this controller has promised

@@ -262,9 +262,28 @@ impl Cluster {
             )));
         }
         let current = v.paths.get(host).cloned().unwrap_or_default();
+        let optimized = (!req.optimized_node.is_empty()).then_some(req.optimized_node.as_str());
         let choice = {
             let st = self.state.lock().unwrap();
-            self.choose_paths(&st, &v, host, &current).map_err(Status::unavailable)?
+            if let Some(node) = optimized {
+                let why = match st.nodes.get(node) {
+                    None => {
+                        return Err(Status::not_found(format!(
+                            "unknown node {node:?}: `nvpool node list` shows the nodes"
+                        )));
+                    }
+                    Some(n) if !self.healthy(n) => "it is unhealthy",
+                    Some(_) if v.exclude.iter().any(|e| e == node) => "the volume's placement excludes it",
+                    Some(_) => "",
+                };
+                if !why.is_empty() {
+                    return Err(Status::failed_precondition(format!(
+                        "node {node} cannot be the optimized access point of volume {volume}: {why}; pick another \
+                         node or leave the choice to the policy"
+                    )));
+                }
+            }
+            self.choose_paths(&st, &v, host, &current, optimized).map_err(Status::unavailable)?
         };
         let mut with = v.clone();
         if !with.hosts.iter().any(|h| h == host) {
@@ -326,6 +345,7 @@ impl Cluster {
         v: &VolumeRecord,
         host: &str,
         current: &[String],
+        optimized: Option<&str>,
     ) -> Result<access::Choice, String> {
         let candidates: Vec<access::Candidate> = st
             .nodes
@@ -360,6 +380,7 @@ impl Cluster {
             policy: v.access_policy,
             group: &v.group,
             current,
+            optimized,
         };
         access::choose(&candidates, &attached, &request)
     }
@@ -388,7 +409,7 @@ impl Cluster {
             let Some(current) = v.paths.get(&host).cloned() else { continue };
             let choice = {
                 let st = self.state.lock().unwrap();
-                self.choose_paths(&st, &v, &host, &current)
+                self.choose_paths(&st, &v, &host, &current, None)
             };
             let Ok(choice) = choice else { continue };
             if choice.paths == current {

@@ -54,6 +54,10 @@ pub enum Command {
         /// Show why each node is or is not an access point.
         #[arg(long)]
         explain: bool,
+        /// Make this node the host's optimized access point (also moves the
+        /// optimized path of an attached host).
+        #[arg(long, default_value = "")]
+        optimized: String,
         #[command(flatten)]
         api: ControllerApi,
     },
@@ -350,9 +354,15 @@ pub fn run(cmd: Command) -> Result<(), String> {
             Ok(())
         }),
         Command::Volume { verb, api } => rt.block_on(volume(verb, api)),
-        Command::Attach { volume, host_nqn, readonly, explain, api } => rt.block_on(async {
+        Command::Attach { volume, host_nqn, readonly, explain, optimized, api } => rt.block_on(async {
             let c = Controllers::new(&api.controller)?;
-            let req = proto::AttachRequest { volume: volume.clone(), host_nqn: host_nqn.clone(), readonly, explain };
+            let req = proto::AttachRequest {
+                volume: volume.clone(),
+                host_nqn: host_nqn.clone(),
+                readonly,
+                explain,
+                optimized_node: optimized,
+            };
             let r = c.call(async |mut c| c.attach(req.clone()).await).await.map_err(status)?;
             let mut j = serde_json::json!({ "subsystem_nqn": r.subsystem_nqn, "nsid": r.nsid, "uuid": r.uuid, "nguid": r.nguid, "paths": paths_json(&r.paths) });
             if explain {
