@@ -4,6 +4,8 @@
 //! reactors = 2                     # or: cores = [0, 1]
 //! busy_poll_us = 50                # polling after the last completion (0: never poll)
 //! host_nqn = "nqn...:engine:node1" # what remote: namespaces present to their owners
+//! remote_queues = "per-namespace"  # or "per-owner": remote namespaces of one owner
+//!                                  # subsystem share its controller and queues
 //! management_socket = "/run/nvpool/engine.sock"
 //!
 //! [limits]
@@ -115,6 +117,10 @@ pub struct EngineConfig {
     /// `remote:`; derived from the host name when absent. Owners must allow it.
     #[serde(default)]
     pub host_nqn: Option<String>,
+    /// Whether `remote:` namespaces of one owner subsystem share one controller (and
+    /// one queue per reactor) or each have their own.
+    #[serde(default)]
+    pub remote_queues: crate::backend::remote::RemoteQueues,
     /// Limits.
     #[serde(default)]
     pub limits: Limits,
@@ -156,6 +162,7 @@ impl Default for EngineConfig {
             management_socket: default_socket(),
             busy_poll_us: default_busy_poll_us(),
             host_nqn: None,
+            remote_queues: Default::default(),
             limits: Limits::default(),
             listeners: Vec::new(),
             pools: Vec::new(),

@@ -38,6 +38,8 @@ pub struct Engine {
     pools: Mutex<BTreeMap<String, Arc<pool::Pool>>>,
     /// The host NQN `remote:` namespaces present to their owners.
     host_nqn: String,
+    /// Links to owners that `remote:` namespaces share.
+    remote_links: backend::remote::RemoteLinks,
 }
 
 impl Engine {
@@ -69,6 +71,7 @@ impl Engine {
             next_port_id: AtomicU16::new(1),
             pools: Mutex::new(BTreeMap::new()),
             host_nqn: cfg.host_nqn.clone().unwrap_or_else(backend::remote::default_host_nqn),
+            remote_links: backend::remote::RemoteLinks::new(cfg.remote_queues),
         });
         let setup = || -> Result<()> {
             for p in &cfg.pools {

@@ -179,7 +179,13 @@ impl Engine {
     /// Opens the backend a namespace spec names (`file:...`, `volume:POOL/NAME`, ...).
     pub(crate) fn open_backend(&self, spec: &str) -> Result<Opened> {
         let own_listeners = self.listeners().iter().map(|l| std::net::SocketAddr::new(l.addr, l.port)).collect();
-        backend::open(spec, &OpenEnv { pool: &|name| self.pool(name), own_listeners, host_nqn: self.host_nqn() })
+        let env = OpenEnv {
+            pool: &|name| self.pool(name),
+            own_listeners,
+            host_nqn: self.host_nqn(),
+            remote_links: &self.remote_links,
+        };
+        backend::open(spec, &env)
     }
 
     fn kick_all(&self) {

@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use nvpool_engine::backend::remote::RemoteQueues;
 use nvpool_engine::config::{EngineConfig, ListenerConfig, NamespaceConfig, SubsystemConfig};
 use nvpool_engine::error::ErrorKind;
 use nvpool_initiator::{ConnectOptions, Error, Queue, connect_admin, pattern};
@@ -21,7 +22,12 @@ fn one_namespace(backend: &str, block_size: u32) -> NamespaceConfig {
 }
 
 fn engine(address: &str, namespaces: Vec<NamespaceConfig>, reactors: usize) -> TestEngine {
+    engine_with(address, namespaces, reactors, RemoteQueues::PerNamespace)
+}
+
+fn engine_with(address: &str, namespaces: Vec<NamespaceConfig>, reactors: usize, queues: RemoteQueues) -> TestEngine {
     let cfg = EngineConfig {
+        remote_queues: queues,
         reactors: Some(reactors),
         listeners: vec![ListenerConfig { address: address.parse().unwrap() }],
         subsystems: vec![SubsystemConfig {
@@ -86,6 +92,47 @@ fn a_proxy_serves_the_owners_namespace_with_its_identity_and_data() {
     while owner.engine.target().connection_count() > 2 {
         assert!(Instant::now() < deadline, "the proxy kept its connections to the owner");
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Waits until the owner counts this many connections (its own admin ones take a
+/// moment to go after a namespace is opened).
+fn wait_connections(owner: &TestEngine, want: usize, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while owner.engine.target().connection_count() != want {
+        assert!(
+            Instant::now() < deadline,
+            "{what}: the owner has {} connections, not {want}",
+            owner.engine.target().connection_count()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn namespaces_of_one_owner_share_its_queues_when_asked() {
+    for (queues, queues_per_reactor) in [(RemoteQueues::PerOwner, 1), (RemoteQueues::PerNamespace, 3)] {
+        let namespaces = (1..=3).map(|n| NamespaceConfig { nsid: Some(n), ..namespace("memory:8MiB", 512) }).collect();
+        let owner = engine("127.0.0.1:0", namespaces, 1);
+        let remote = (1..=3)
+            .map(|n| NamespaceConfig { nsid: Some(n), ..namespace(&format!("remote:{}/{NQN}/{n}", owner.addr), 0) });
+        let proxy = engine_with("127.0.0.1:0", remote.collect(), 1, queues);
+        let (_admin, mut io) = io_queue(proxy.addr);
+        // Each namespace gets its own data through the one queue or the three.
+        for n in 1..=3u32 {
+            io.write(n, 8, &pattern(u64::from(n), 4096), 512, IN_CAPSULE).unwrap();
+        }
+        for n in 1..=3u32 {
+            assert_eq!(io.read(n, 8, 8, 512).unwrap(), pattern(u64::from(n), 4096), "{queues:?}: namespace {n}");
+        }
+        // The owner sees an admin queue and an I/O queue per link, plus none of ours.
+        wait_connections(&owner, 2 * queues_per_reactor, &format!("{queues:?}"));
+        // A shared link stays while any namespace uses it, and goes with the last.
+        proxy.engine.remove_namespace(NQN, 1).unwrap();
+        assert_eq!(io.read(2, 8, 8, 512).unwrap(), pattern(2, 4096));
+        proxy.engine.remove_namespace(NQN, 2).unwrap();
+        proxy.engine.remove_namespace(NQN, 3).unwrap();
+        wait_connections(&owner, 0, &format!("{queues:?}, every namespace removed"));
     }
 }
 

@@ -130,6 +130,8 @@ pub struct OpenEnv<'a> {
     pub own_listeners: Vec<std::net::SocketAddr>,
     /// The host NQN remote namespaces present to their owners.
     pub host_nqn: &'a str,
+    /// The links remote namespaces may share.
+    pub remote_links: &'a remote::RemoteLinks,
 }
 
 /// A kind of backend: how its spec reads and how it opens.

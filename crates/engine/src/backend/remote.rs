@@ -5,17 +5,23 @@
 //! `reactor::remote`), and the owner's answer, path errors included, goes back to the
 //! host as it came.
 //!
-//! Connections are set up off the I/O path: a thread per remote namespace holds the
-//! admin queue (Connect, enable, Number of Queues) and connects one I/O queue per
-//! reactor when that reactor asks, again after a failure, with backoff. While a
-//! reactor has no queue, its commands wait up to [`HOLD_MS`]; then they fail with ANA
-//! Inaccessible (no Do Not Retry), so a multipath host retries them on another path.
+//! Connections are set up off the I/O path: a thread per link holds the admin queue
+//! (Connect, enable, Number of Queues) and connects one I/O queue per reactor when
+//! that reactor asks, again after a failure, with backoff. While a reactor has no
+//! queue, its commands wait up to [`HOLD_MS`]; then they fail with ANA Inaccessible
+//! (no Do Not Retry), so a multipath host retries them on another path.
+//!
+//! A link is a controller on the owner. By default each remote namespace has its own
+//! (`remote_queues = "per-namespace"`); with `"per-owner"` the namespaces of one
+//! owner subsystem share one, so a reactor keeps one queue to that subsystem however
+//! many of its namespaces it serves. (An NVMe queue belongs to one controller of one
+//! subsystem, so namespaces of different subsystems never share a queue.)
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use nvpool_initiator::{ConnectOptions, Queue, connect_admin};
@@ -56,20 +62,61 @@ fn parse(arg: &str) -> std::result::Result<(String, String, u32), String> {
     Ok((addr.to_string(), nqn.to_string(), nsid))
 }
 
-/// What a reactor needs to reach one owner namespace: shared by every reactor that
-/// serves the namespace, and by the thread that connects their queues.
+/// How remote namespaces reach their owners.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RemoteQueues {
+    /// A controller (admin queue and a queue per reactor) per remote namespace.
+    #[default]
+    PerNamespace,
+    /// One controller per owner subsystem, shared by its namespaces.
+    PerOwner,
+}
+
+/// The engine's links in `per-owner` mode, by owner address and subsystem NQN.
+#[derive(Default)]
+pub struct RemoteLinks {
+    mode: RemoteQueues,
+    shared: Mutex<HashMap<(SocketAddr, String), Weak<LinkHandle>>>,
+}
+
+impl RemoteLinks {
+    pub fn new(mode: RemoteQueues) -> RemoteLinks {
+        RemoteLinks { mode, shared: Mutex::default() }
+    }
+}
+
+/// What a reactor needs to reach one owner controller: shared by every reactor that
+/// forwards to it, and by the thread that connects their queues.
 pub struct RemoteLink {
     /// Tells apart the links of a reactor.
     pub id: u64,
+    /// Largest write data sent inside the command capsule, as the owner allows.
+    pub in_capsule: u32,
+    requests: Mutex<Sender<Request>>,
+    /// Set when the last namespace using the link is gone: reactors close their
+    /// queues to the owner.
+    closed: AtomicBool,
+}
+
+/// The namespaces' hold on a link: when the last one lets go, the link closes.
+pub struct LinkHandle(Arc<RemoteLink>);
+
+impl Drop for LinkHandle {
+    fn drop(&mut self) {
+        self.0.closed.store(true, Ordering::Release);
+        let tx = self.0.requests.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = tx.send(Request::Stop);
+    }
+}
+
+/// Which owner namespace a forwarded command is for.
+#[derive(Clone, Copy, Debug)]
+pub struct RemoteNamespace {
     /// The owner's namespace ID.
     pub nsid: u32,
     /// Bytes per block, the owner's.
     pub block_shift: u32,
-    /// Largest write data sent inside the command capsule, as the owner allows.
-    pub in_capsule: u32,
-    requests: Mutex<Sender<Request>>,
-    /// Set when the namespace is gone: reactors close their queues to the owner.
-    closed: AtomicBool,
 }
 
 /// What the connection thread is asked.
@@ -104,9 +151,12 @@ impl RemoteLink {
     pub fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
     }
+}
 
-    /// The NVMe command that does `plan` on the owner, with `cid`.
-    pub fn command(&self, plan: &IoPlan, cid: u16) -> Command {
+impl RemoteNamespace {
+    /// The NVMe command that does `plan` on the owner, with `cid`; write data up to
+    /// `in_capsule` bytes goes inside the capsule.
+    pub fn command(&self, plan: &IoPlan, cid: u16, in_capsule: u32) -> Command {
         use nvpool_wire::command::{PSDT_SGL, SglDescriptor, io_opcode, sgl};
         let blocks =
             |offset: u64, len: u64| (offset >> self.block_shift, ((len >> self.block_shift) as u32).wrapping_sub(1));
@@ -131,7 +181,7 @@ impl RemoteLink {
             }
         };
         let in_capsule =
-            matches!(plan, IoPlan::Write { .. } | IoPlan::DatasetManagement { .. }) && data_len <= self.in_capsule;
+            matches!(plan, IoPlan::Write { .. } | IoPlan::DatasetManagement { .. }) && data_len <= in_capsule;
         let dptr = if data_len == 0 {
             SglDescriptor::default()
         } else if in_capsule {
@@ -149,7 +199,8 @@ pub struct RemoteBackend {
     subnqn: String,
     size: u64,
     reads_zeroes: bool,
-    link: Arc<RemoteLink>,
+    link: Arc<LinkHandle>,
+    namespace: RemoteNamespace,
 }
 
 impl std::fmt::Debug for RemoteBackend {
@@ -211,14 +262,44 @@ fn open(arg: &str, env: &OpenEnv<'_>) -> Result<Opened> {
         }
     }
     let uuid = uuid.ok_or_else(|| Error::invalid(format!("namespace {nsid} of {subnqn} has no UUID to share")))?;
+    let namespace = RemoteNamespace { nsid, block_shift: block_size.trailing_zeros() };
+    // IOCCSZ counts 16-byte units of the whole capsule, the 64-byte command included.
+    let in_capsule = (controller.ioccsz * 16).saturating_sub(64);
+    let link = match env.remote_links.mode {
+        RemoteQueues::PerNamespace => start_link(addr, options, admin, in_capsule)?,
+        RemoteQueues::PerOwner => {
+            let mut shared = env.remote_links.shared.lock().unwrap_or_else(|e| e.into_inner());
+            shared.retain(|_, l| l.strong_count() > 0);
+            let key = (addr, subnqn.clone());
+            match shared.get(&key).and_then(Weak::upgrade) {
+                // The identify connection goes; the shared controller serves I/O.
+                Some(link) => link,
+                None => {
+                    let link = start_link(addr, options, admin, in_capsule)?;
+                    shared.insert(key, Arc::downgrade(&link));
+                    link
+                }
+            }
+        }
+    };
+    let backend = RemoteBackend {
+        owner,
+        subnqn,
+        size: ns.nsze << namespace.block_shift,
+        reads_zeroes: ns.dlfeat & identify::DLFEAT_READS_ZEROES != 0,
+        link,
+        namespace,
+    };
+    Ok(Opened { backend: Arc::new(backend), identity: Some((uuid, nguid)) })
+}
+
+/// A new link to an owner controller, whose thread takes over the admin queue.
+fn start_link(addr: SocketAddr, options: ConnectOptions, admin: Queue, in_capsule: u32) -> Result<Arc<LinkHandle>> {
     let (requests, inbox) = mpsc::channel();
     static NEXT_LINK: AtomicU64 = AtomicU64::new(1);
     let link = Arc::new(RemoteLink {
         id: NEXT_LINK.fetch_add(1, Ordering::Relaxed),
-        nsid,
-        block_shift: block_size.trailing_zeros(),
-        // IOCCSZ counts 16-byte units of the whole capsule, the 64-byte command included.
-        in_capsule: (controller.ioccsz * 16).saturating_sub(64),
+        in_capsule,
         requests: Mutex::new(requests),
         closed: AtomicBool::new(false),
     });
@@ -227,14 +308,7 @@ fn open(arg: &str, env: &OpenEnv<'_>) -> Result<Opened> {
         .name(format!("nvpool-remote-{}", link.id))
         .spawn(move || connector.run(inbox))
         .map_err(|e| Error::io("cannot start the remote namespace's connection thread", e))?;
-    let backend = RemoteBackend {
-        owner,
-        subnqn,
-        size: ns.nsze << link.block_shift,
-        reads_zeroes: ns.dlfeat & identify::DLFEAT_READS_ZEROES != 0,
-        link,
-    };
-    Ok(Opened { backend: Arc::new(backend), identity: Some((uuid, nguid)) })
+    Ok(Arc::new(LinkHandle(link)))
 }
 
 /// Connects I/O queues to the owner when reactors ask, off the I/O path.
@@ -305,14 +379,6 @@ impl Connector {
     }
 }
 
-impl Drop for RemoteBackend {
-    fn drop(&mut self) {
-        self.link.closed.store(true, Ordering::Release);
-        let tx = self.link.requests.lock().unwrap_or_else(|e| e.into_inner());
-        let _ = tx.send(Request::Stop);
-    }
-}
-
 impl Backend for RemoteBackend {
     fn kind(&self) -> &'static str {
         "remote"
@@ -323,16 +389,16 @@ impl Backend for RemoteBackend {
     }
 
     fn description(&self) -> String {
-        format!("remote:{}/{}/{}", self.owner, self.subnqn, self.link.nsid)
+        format!("remote:{}/{}/{}", self.owner, self.subnqn, self.namespace.nsid)
     }
 
     /// The owner promises its own blocks whole; this engine forwards them as they are.
     fn power_fail_atomic_bytes(&self) -> u32 {
-        1 << self.link.block_shift
+        1 << self.namespace.block_shift
     }
 
     fn required_block_size(&self) -> Option<u32> {
-        Some(1 << self.link.block_shift)
+        Some(1 << self.namespace.block_shift)
     }
 
     fn deallocated_reads_zeroes(&self) -> bool {
@@ -343,7 +409,7 @@ impl Backend for RemoteBackend {
         if let IoPlan::Read { len, .. } = io.plan {
             queue.give_buf(io, len as usize);
         }
-        queue.forward(io, &self.link);
+        queue.forward(io, &self.link.0, self.namespace);
     }
 
     fn resume(&self, io: &mut BlockIo, status: Status, _queue: &mut DiskQueue<'_>) {

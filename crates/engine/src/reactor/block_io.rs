@@ -270,12 +270,17 @@ impl<'a> DiskQueue<'a> {
     /// Forwards the command to the owner of a remote namespace, on this reactor's
     /// queue to it; the command's buffer goes along and comes back with the owner's
     /// answer, which the backend's `resume` takes.
-    pub fn forward(&mut self, io: &mut BlockIo, link: &std::sync::Arc<crate::backend::remote::RemoteLink>) {
+    pub fn forward(
+        &mut self,
+        io: &mut BlockIo,
+        link: &std::sync::Arc<crate::backend::remote::RemoteLink>,
+        namespace: crate::backend::remote::RemoteNamespace,
+    ) {
         io.deferred = true;
         self.deferred = true;
         let since_ms = self.reactor.target.now_ms();
-        let f =
-            super::remote::Forwarded { conn: self.conn, tag: self.tag, plan: io.plan, buf: io.buf.take(), since_ms };
+        let (conn, tag, plan, buf) = (self.conn, self.tag, io.plan, io.buf.take());
+        let f = super::remote::Forwarded { conn, tag, namespace, plan, buf, since_ms };
         self.reactor.forward(link, f);
     }
 

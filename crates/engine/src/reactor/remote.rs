@@ -21,7 +21,7 @@ use nvpool_wire::command::Completion;
 use nvpool_wire::tcp::{self, DataHeader, Digests, Pdu};
 
 use super::{Op, Reactor};
-use crate::backend::remote::{HOLD_MS, QUEUE_DEPTH, RemoteLink, RemoteSocket};
+use crate::backend::remote::{HOLD_MS, QUEUE_DEPTH, RemoteLink, RemoteNamespace, RemoteSocket};
 use crate::bufpool::Buf;
 use crate::nvme::nvm::IoPlan;
 
@@ -34,6 +34,7 @@ pub(super) struct Forwarded {
     /// The target connection and command slot it came from.
     pub conn: u32,
     pub tag: u16,
+    pub namespace: RemoteNamespace,
     pub plan: IoPlan,
     /// Its data: what a write sends, where a read lands.
     pub buf: Option<Buf>,
@@ -160,7 +161,7 @@ impl HostQueue {
         while !self.waiting.is_empty() {
             let Some(cid) = self.free_cids.pop() else { break };
             let Some(f) = self.waiting.pop_front() else { break };
-            let cmd = self.link.command(&f.plan, cid);
+            let cmd = f.namespace.command(&f.plan, cid, self.link.in_capsule);
             let data_len = cmd.dptr.length as usize;
             let in_capsule = data_len > 0 && cmd.dptr.id == nvpool_wire::command::sgl::IN_CAPSULE;
             let mut hdr = [0u8; tcp::MAX_HEADER_SIZE];

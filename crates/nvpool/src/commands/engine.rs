@@ -138,6 +138,10 @@ struct EngineArgs {
     /// (default: one per machine, from its host name).
     #[arg(long)]
     host_nqn: Option<String>,
+    /// Remote namespaces of one owner subsystem share one controller and queue per
+    /// reactor (per-owner), or each have their own (per-namespace, the default).
+    #[arg(long, value_parser = ["per-namespace", "per-owner"])]
+    remote_queues: Option<String>,
     /// Also listen for discovery on this port at the first --listen address (0: no).
     #[arg(long, default_value_t = 8009)]
     discovery_port: u16,
@@ -540,6 +544,11 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
     }
     if let Some(q) = &a.host_nqn {
         cfg.host_nqn = Some(q.clone());
+    }
+    match a.remote_queues.as_deref() {
+        Some("per-owner") => cfg.remote_queues = nvpool_engine::backend::remote::RemoteQueues::PerOwner,
+        Some(_) => cfg.remote_queues = nvpool_engine::backend::remote::RemoteQueues::PerNamespace,
+        None => {}
     }
     if let Some(s) = &a.mgmt_socket {
         cfg.management_socket = s.clone();
