@@ -29,6 +29,8 @@ pub struct AgentArgs {
     pub engine_socket: PathBuf,
     /// Where hosts reach the engine; defaults to the engine's first listener.
     pub nvme_address: Option<String>,
+    /// Where other engines reach the engine; defaults to `nvme_address`.
+    pub peer_address: Option<String>,
     pub labels: BTreeMap<String, String>,
 }
 
@@ -318,6 +320,7 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
                         labels: args.labels.clone().into_iter().collect(),
                         pools,
                         host_nqn,
+                        peer_address: args.peer_address.clone().unwrap_or_default(),
                         ..Default::default()
                     };
                     let req = proto::RegisterNodeRequest { node: Some(node) };

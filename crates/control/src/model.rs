@@ -53,6 +53,9 @@ pub struct NodeRecord {
     /// The host NQN the node's engine presents to owners when it forwards.
     #[serde(default)]
     pub host_nqn: String,
+    /// Where other engines reach this node's engine; empty: `nvme_address`.
+    #[serde(default)]
+    pub peer_address: String,
     /// The block of controller IDs the node's engine hands out (see
     /// `access::cntlid_range`); given at the first registration.
     #[serde(default)]

@@ -94,6 +94,28 @@ fn device_with_uuid(uuid: &str) -> Option<String> {
     })
 }
 
+/// The paths under a native-multipath device `nvmeXnZ`: its hidden per-path devices
+/// `nvmeXcYnZ`; 1 when the kernel runs without native multipath.
+fn paths_under(device: &str) -> usize {
+    let name = device.trim_start_matches("/dev/");
+    let Some((subsystem, namespace)) = name.strip_prefix("nvme").and_then(|rest| rest.split_once('n')) else {
+        return 1;
+    };
+    let prefix = format!("nvme{subsystem}c");
+    let suffix = format!("n{namespace}");
+    let paths = std::fs::read_dir("/sys/block").map_or(0, |d| {
+        d.flatten()
+            .filter(|b| {
+                let b = b.file_name().to_string_lossy().into_owned();
+                b.strip_prefix(&prefix)
+                    .and_then(|rest| rest.strip_suffix(&suffix))
+                    .is_some_and(|c| !c.is_empty() && c.bytes().all(|x| x.is_ascii_digit()))
+            })
+            .count()
+    });
+    paths.max(1)
+}
+
 /// The filesystem on a device, read from its superblock: what this driver makes
 /// (ext4) or accepts (xfs), or `Some("unknown")` for any other non-zero start.
 fn filesystem_on(device: &str) -> Result<Option<&'static str>, Status> {
@@ -157,9 +179,17 @@ impl NodeService {
                 return Err(Status::unavailable(format!("no path to {nqn} connected: {}", errors.join("; "))));
             }
         }
+        let connected = paths.split(';').count() - errors.len();
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if let Some(device) = device_with_uuid(&uuid) {
+                // The kernel adds each path's namespace as it scans it: give the
+                // paths just connected a moment to join the device.
+                let settle = Instant::now() + Duration::from_secs(5);
+                while paths_under(&device) < connected && Instant::now() < settle {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                tracing::info!("{nqn}: staged {device} with {} of {connected} connected paths", paths_under(&device));
                 return Ok(Staged { nqn, device });
             }
             if Instant::now() > deadline {

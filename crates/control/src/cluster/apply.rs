@@ -24,7 +24,11 @@ fn desired_volume(st: &State, v: &VolumeRecord, node: &str) -> proto::DesiredVol
         hosts.dedup();
         String::new()
     } else {
-        st.nodes.get(&v.node).map(|n| n.record.nvme_address.clone()).unwrap_or_default()
+        let owner = st.nodes.get(&v.node).map(|n| &n.record);
+        owner
+            .map(|o| if o.peer_address.is_empty() { &o.nvme_address } else { &o.peer_address })
+            .cloned()
+            .unwrap_or_default()
     };
     proto::DesiredVolume {
         id: v.id.clone(),

@@ -12,6 +12,12 @@ impl Cluster {
                 node.name, node.nvme_address
             )));
         }
+        if !node.peer_address.is_empty() && node.peer_address.parse::<std::net::SocketAddr>().is_err() {
+            return Err(Status::invalid_argument(format!(
+                "node {}: peer address {:?} is not IP:PORT",
+                node.name, node.peer_address
+            )));
+        }
         let _registering = self.registrations.lock().await;
         let _guard = self.node_locks.lock(&node.name).await;
         let cntlid_block = {
@@ -31,6 +37,7 @@ impl Cluster {
             labels: node.labels.into_iter().collect(),
             pools: node.pools.iter().map(pool_record).collect(),
             host_nqn: node.host_nqn.clone(),
+            peer_address: node.peer_address.clone(),
             cntlid_block: Some(cntlid_block),
         };
         let changed = self.state.lock().unwrap().nodes.get(&record.name).is_none_or(|n| n.record != record);
@@ -95,6 +102,7 @@ impl Cluster {
                 volumes: st.volumes.values().filter(|v| v.node == n.record.name).count() as u32,
                 engine_error: n.engine_error.clone().unwrap_or_default(),
                 host_nqn: n.record.host_nqn.clone(),
+                peer_address: n.record.peer_address.clone(),
                 cntlid_min: n.record.cntlid_block.map_or(0, |b| u32::from(access::cntlid_range(b).0)),
                 cntlid_max: n.record.cntlid_block.map_or(0, |b| u32::from(access::cntlid_range(b).1)),
             })

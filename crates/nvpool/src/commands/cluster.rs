@@ -142,6 +142,10 @@ pub struct AgentArgs {
     /// Where hosts reach the engine over NVMe/TCP (default: its first listener).
     #[arg(long)]
     nvme_address: Option<String>,
+    /// Where other engines reach this one when they forward to it (default: the
+    /// NVMe/TCP address), e.g. on a storage network apart from the hosts'.
+    #[arg(long)]
+    peer_address: Option<String>,
     /// Topology label KEY=VALUE (repeatable), e.g. zone=a.
     #[arg(long, value_parser = parse_label)]
     label: Vec<(String, String)>,
@@ -337,6 +341,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
                 advertise: a.advertise,
                 engine_socket: a.engine_socket,
                 nvme_address: a.nvme_address,
+                peer_address: a.peer_address,
                 labels: a.label.into_iter().collect::<BTreeMap<_, _>>(),
             };
             rt.block_on(agent::run(args))
