@@ -75,7 +75,7 @@ impl Limits {
         if !(1..=1024).contains(&self.max_io_queues) {
             return Err(format!("limits.max_io_queues = {} must be 1 to 1024", self.max_io_queues));
         }
-        check_cntlid_range(self.cntlid_min, self.cntlid_max)
+        check_cntlid_range(self.cntlid_min, self.cntlid_max).map_err(|e| format!("limits.cntlid_min/cntlid_max: {e}"))
     }
 }
 
