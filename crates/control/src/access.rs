@@ -244,6 +244,11 @@ mod tests {
             .collect()
     }
 
+    /// A request for host h on volume v, owned by n0, without a group.
+    fn request<'a>(policy: AccessPolicy, current: &'a [String], optimized: Option<&'a str>) -> AccessRequest<'a> {
+        AccessRequest { volume: "v", owner: "n0", host: "h", policy, group: "", current, optimized }
+    }
+
     /// Attachments as (volume, group, host) → paths.
     type Book = BTreeMap<(String, String, String), Vec<String>>;
 
@@ -279,20 +284,27 @@ mod tests {
     }
 
     #[test]
+    fn balance_keeps_the_optimized_load_even_across_hosts() {
+        let n = nodes(4);
+        let mut book = Book::new();
+        for i in 0..10 {
+            // Every volume on n0, each attached by its own host: only the load decides.
+            attach(&n, &mut book, &format!("v{i}"), "n0", "", &format!("h{i}"), AccessPolicy::Balance);
+        }
+        let mut optimized = BTreeMap::<String, usize>::new();
+        for p in book.values() {
+            *optimized.entry(p[0].clone()).or_default() += 1;
+        }
+        let (least, most) = (optimized.values().min().unwrap(), optimized.values().max().unwrap());
+        assert!(optimized.len() == 4 && most - least <= 1, "{optimized:?}");
+    }
+
+    #[test]
     fn a_lost_optimized_path_moves_to_a_survivor_and_is_replaced() {
         let mut n = nodes(5);
         let current = vec!["n1".to_string(), "n0".to_string(), "n2".to_string()];
         n[1].healthy = false;
-        let req = AccessRequest {
-            volume: "v",
-            owner: "n0",
-            host: "h",
-            policy: AccessPolicy::Inherit,
-            group: "",
-            current: &current,
-            optimized: None,
-        };
-        let c = choose(&n, &[], &req).unwrap();
+        let c = choose(&n, &[], &request(AccessPolicy::Inherit, &current, None)).unwrap();
         assert_eq!(c.paths[0], "n0", "the surviving owner takes over");
         assert_eq!(c.paths.len(), 3);
         assert!(c.paths.contains(&"n2".to_string()), "a surviving path is kept");
@@ -304,16 +316,7 @@ mod tests {
     fn the_operator_moves_the_optimized_path_and_the_others_stay() {
         let n = nodes(4);
         let current = vec!["n0".to_string(), "n1".to_string(), "n2".to_string()];
-        let req = AccessRequest {
-            volume: "v",
-            owner: "n0",
-            host: "h",
-            policy: AccessPolicy::Inherit,
-            group: "",
-            current: &current,
-            optimized: Some("n2"),
-        };
-        let c = choose(&n, &[], &req).unwrap();
+        let c = choose(&n, &[], &request(AccessPolicy::Inherit, &current, Some("n2"))).unwrap();
         assert_eq!(c.paths, ["n2", "n0", "n1"]);
         assert!(c.explain.iter().any(|l| l == "n2: optimized (forwards to the owner; chosen by the operator)"));
     }
@@ -332,16 +335,7 @@ mod tests {
         let mut n = nodes(2);
         n[0].healthy = false;
         n[1].excluded = true;
-        let req = AccessRequest {
-            volume: "v",
-            owner: "n0",
-            host: "h",
-            policy: AccessPolicy::Balance,
-            group: "",
-            current: &[],
-            optimized: None,
-        };
-        let e = choose(&n, &[], &req).unwrap_err();
+        let e = choose(&n, &[], &request(AccessPolicy::Balance, &[], None)).unwrap_err();
         assert!(e.contains("every node is down or excluded"), "{e}");
     }
 
