@@ -166,6 +166,10 @@ methods! {
         /// Allocate on first write.
         #[serde(default)]
         thin: bool,
+        /// The namespace UUID and NGUID the volume keeps for life; new ones when
+        /// absent. A migration's target takes its source's, so hosts see one namespace.
+        #[serde(default)]
+        identity: Option<VolumeIdentity>,
     }
     /// Deletes a volume that is not exported.
     "volume_delete" => DeleteVolume -> Empty {
@@ -203,6 +207,47 @@ methods! {
         name: String,
         /// What to do.
         action: DirtyAction,
+    }
+    /// Starts moving a volume to another engine: its data is copied there in rounds
+    /// (all allocated clusters, then what was written since), engine to engine over
+    /// NVMe/TCP, while hosts keep using it here.
+    "migration_start" => StartMigration -> MigrationInfo {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        name: String,
+        /// The target namespace, `HOST:PORT/NQN/NSID`: a volume of the same size on the
+        /// other engine, exported to this engine's host NQN with an ANA state it may use.
+        target: String,
+        /// Most bytes per second the copy may take; unlimited when absent.
+        #[serde(default)]
+        rate: Option<u64>,
+    }
+    /// A migration's progress, or `none` and whether the volume is still here.
+    "migration_status" => GetMigration -> MigrationInfo {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        name: String,
+    }
+    /// Lets a migration switch once a round leaves little to copy: hosts' I/O to the
+    /// volume is held, the rest copied, the volume deleted here (the point of no
+    /// return) and every command forwarded to the target from then on.
+    "migration_switch" => SwitchMigration -> MigrationInfo {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        name: String,
+        /// Longest pause of hosts' I/O the switch may cause; it waits for a round that
+        /// fits, and gives up on a pause that runs over (I/O goes on here).
+        pause_ms: Option<u32>,
+    }
+    /// Stops a migration that has not switched: the volume stays here, as it was.
+    "migration_cancel" => CancelMigration -> MigrationInfo {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        name: String,
     }
 }
 

@@ -255,6 +255,64 @@ pub struct DirtyReport {
     pub clusters: Vec<u64>,
 }
 
+/// The identity a volume's namespace keeps for life.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeIdentity {
+    /// Namespace UUID.
+    pub uuid: String,
+    /// Namespace NGUID (32 hex digits).
+    pub nguid: String,
+}
+
+/// Where a migration stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MigrationState {
+    /// No migration of this volume runs on this engine.
+    None,
+    /// Copying rounds; hosts use the volume here.
+    Copying,
+    /// Holding hosts' I/O and copying the last of it.
+    Switching,
+    /// Done: the volume is on the target, and this engine forwards to it.
+    Switched,
+    /// Stopped by an error; the volume is here, as it was.
+    Failed,
+    /// Stopped on request; the volume is here, as it was.
+    Cancelled,
+}
+
+/// A migration's progress.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigrationInfo {
+    /// Where it stands.
+    pub state: MigrationState,
+    /// Whether the volume is still in this engine's pool (it is deleted at the switch).
+    pub volume_here: bool,
+    /// The target, as given.
+    pub target: String,
+    /// Rounds begun (the first copies every allocated cluster).
+    pub round: u32,
+    /// Bytes copied over all rounds.
+    pub copied_bytes: u64,
+    /// Bytes written since the current round began, to copy next.
+    pub dirty_bytes: u64,
+    /// Bytes the first round copies (the volume's allocated clusters).
+    pub allocated_bytes: u64,
+    /// Bytes per second over the last round.
+    pub rate: u64,
+    /// Bytes each finished round copied.
+    pub round_bytes: Vec<u64>,
+    /// Whether the switch was asked for.
+    pub switch_requested: bool,
+    /// How long hosts' I/O was held at the switch, in microseconds.
+    pub pause_us: Option<u64>,
+    /// Switches begun and given up because the pause would have run over.
+    pub pauses_given_up: u32,
+    /// Why it failed.
+    pub error: Option<String>,
+}
+
 /// A namespace, in the configuration file and in `namespace_add`.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]

@@ -195,9 +195,10 @@ fn ensure(
 ) -> Result<VolumeInfo, String> {
     let (pool, name) = (d.pool.clone(), d.engine_name.clone());
     let mut info = match volume {
-        None => {
-            call(engine, CreateVolume { pool: pool.clone(), name: name.clone(), size: d.size_bytes, thin: d.thin })?
-        }
+        None => call(
+            engine,
+            CreateVolume { pool: pool.clone(), name: name.clone(), size: d.size_bytes, thin: d.thin, identity: None },
+        )?,
         Some(v) => v.clone(),
     };
     if info.size < d.size_bytes {

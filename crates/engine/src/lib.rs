@@ -10,6 +10,7 @@ pub mod bufpool;
 pub mod config;
 pub mod error;
 pub mod mgmt;
+mod migration;
 pub mod nvme;
 pub mod pool;
 pub mod reactor;
@@ -40,6 +41,8 @@ pub struct Engine {
     host_nqn: String,
     /// Links to owners that `remote:` namespaces share.
     remote_links: backend::remote::RemoteLinks,
+    /// Volumes moving to other engines.
+    migrations: migration::Migrations,
 }
 
 impl Engine {
@@ -72,6 +75,7 @@ impl Engine {
             pools: Mutex::new(BTreeMap::new()),
             host_nqn: cfg.host_nqn.clone().unwrap_or_else(backend::remote::default_host_nqn),
             remote_links: backend::remote::RemoteLinks::new(cfg.remote_queues),
+            migrations: migration::Migrations::default(),
         });
         let setup = || -> Result<()> {
             for p in &cfg.pools {
@@ -278,6 +282,7 @@ impl Engine {
 
     /// Stops every reactor and waits for them; connections are closed.
     pub fn stop(&self) {
+        self.stop_migrations();
         for l in self.links.iter() {
             l.send(Msg::Stop);
         }

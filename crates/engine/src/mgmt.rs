@@ -124,12 +124,23 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value> {
         ExportPool::NAME => answer(p, |r: ExportPool| ok(engine.export_pool(&r.name))),
         CheckPool::NAME => answer(p, |r: CheckPool| ok(engine.check_pool(&r.name))),
         ListPools::NAME => answer(p, |ListPools {}| Ok(engine.pools())),
-        CreateVolume::NAME => answer(p, |r: CreateVolume| engine.create_volume(&r.pool, &r.name, r.size, r.thin)),
+        CreateVolume::NAME => {
+            answer(p, |r: CreateVolume| engine.create_volume(&r.pool, &r.name, r.size, r.thin, r.identity.as_ref()))
+        }
         DeleteVolume::NAME => answer(p, |r: DeleteVolume| ok(engine.delete_volume(&r.pool, &r.name))),
         GetVolume::NAME => answer(p, |r: GetVolume| engine.volume(&r.pool, &r.name)),
         ResizeVolume::NAME => answer(p, |r: ResizeVolume| engine.resize_volume(&r.pool, &r.name, r.size)),
         ListVolumes::NAME => answer(p, |r: ListVolumes| engine.volumes(r.pool.as_deref())),
         VolumeDirty::NAME => answer(p, |r: VolumeDirty| engine.volume_dirty(&r.pool, &r.name, r.action)),
+        StartMigration::NAME => {
+            answer(p, |r: StartMigration| engine.start_migration(&r.pool, &r.name, &r.target, r.rate))
+        }
+        GetMigration::NAME => answer(p, |r: GetMigration| Ok(engine.migration(&r.pool, &r.name))),
+        SwitchMigration::NAME => answer(p, |r: SwitchMigration| {
+            let pause = r.pause_ms.map(|ms| std::time::Duration::from_millis(u64::from(ms)));
+            engine.switch_migration(&r.pool, &r.name, pause)
+        }),
+        CancelMigration::NAME => answer(p, |r: CancelMigration| engine.cancel_migration(&r.pool, &r.name)),
         other => Err(Error::invalid(format!("unknown method {other:?}: use {}", METHODS.join(", ")))),
     }
 }

@@ -9,13 +9,27 @@ use crate::error::{Error, Result};
 use crate::nvme::{Namespace, Subsystem, lock};
 use crate::pool::{CreateOptions, DEFAULT_CLUSTER_SIZE, Pool, PoolInfo, VolumeInfo};
 use crate::{DirtyAction, DirtyReport, Engine, Msg};
+use nvpool_api::VolumeIdentity;
+
+/// A volume identity's UUID and NGUID as bytes.
+fn parse_identity(id: &VolumeIdentity) -> Result<([u8; 16], [u8; 16])> {
+    let uuid = uuid::Uuid::parse_str(&id.uuid).map_err(|e| {
+        Error::invalid(format!("UUID {:?} is not valid ({e}): give it as 8-4-4-4-12 hex digits", id.uuid))
+    })?;
+    let nguid = (id.nguid.len() == 32)
+        .then(|| (0..16).map(|i| u8::from_str_radix(&id.nguid[2 * i..2 * i + 2], 16).ok()).collect::<Option<Vec<u8>>>())
+        .flatten()
+        .and_then(|b| <[u8; 16]>::try_from(b).ok())
+        .ok_or_else(|| Error::invalid(format!("NGUID {:?} is not valid: give it as 32 hex digits", id.nguid)))?;
+    Ok((*uuid.as_bytes(), nguid))
+}
 
 fn canonical(p: &Path) -> PathBuf {
     p.canonicalize().unwrap_or_else(|_| p.to_path_buf())
 }
 
 impl Engine {
-    fn pool(&self, name: &str) -> Result<Arc<Pool>> {
+    pub(crate) fn pool(&self, name: &str) -> Result<Arc<Pool>> {
         lock(&self.pools).get(name).cloned().ok_or_else(|| {
             Error::not_found(format!(
                 "no pool {name}: `nvpool engine pool list` shows the pools, `nvpool engine pool import` opens one"
@@ -87,7 +101,7 @@ impl Engine {
     }
 
     /// Namespaces serving volumes of `pool` (all, or volume `id`'s).
-    fn exports(&self, pool: &Arc<Pool>, id: Option<u32>) -> Vec<(Arc<Subsystem>, Arc<Namespace>)> {
+    pub(crate) fn exports(&self, pool: &Arc<Pool>, id: Option<u32>) -> Vec<(Arc<Subsystem>, Arc<Namespace>)> {
         let mut out = Vec::new();
         for s in self.target.subsystems() {
             for ns in s.namespaces().values() {
@@ -102,9 +116,17 @@ impl Engine {
         out
     }
 
-    /// Creates a volume.
-    pub fn create_volume(&self, pool: &str, name: &str, size: u64, thin: bool) -> Result<VolumeInfo> {
-        self.pool(pool)?.create_volume(name, size, thin)
+    /// Creates a volume, with the namespace identity given or a new one.
+    pub fn create_volume(
+        &self,
+        pool: &str,
+        name: &str,
+        size: u64,
+        thin: bool,
+        identity: Option<&VolumeIdentity>,
+    ) -> Result<VolumeInfo> {
+        let identity = identity.map(parse_identity).transpose()?;
+        self.pool(pool)?.create_volume(name, size, thin, identity)
     }
 
     /// Deletes a volume. Refused while it is exported.

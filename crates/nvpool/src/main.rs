@@ -19,7 +19,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the engine (an NVMe/TCP target), or manage a running one with its verbs.
-    Engine(commands::engine::EngineCommand),
+    Engine(Box<commands::engine::EngineCommand>),
     #[command(flatten)]
     Cluster(commands::cluster::Command),
     /// Drive an NVMe/TCP target with I/O and report IOPS, bandwidth and latency.
@@ -31,7 +31,7 @@ enum Command {
 /// Runs a parsed command line.
 fn run(cli: Cli) -> Result<(), String> {
     match cli.command {
-        Command::Engine(c) => commands::engine::run(c),
+        Command::Engine(c) => commands::engine::run(*c),
         Command::Cluster(c) => commands::cluster::run(c),
         Command::Bench(a) => commands::bench::run_bench(a),
         Command::Responder(a) => commands::bench::run_responder(a),

@@ -146,6 +146,31 @@ impl FileBackend {
         file.sync_data()
     }
 
+    /// Reads `buf.len()` bytes at `offset` now, blocking. With direct I/O, `buf` and
+    /// `offset` must be aligned to the device's logical block.
+    pub fn read_now(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        let mut done = 0;
+        while done < buf.len() {
+            let rest = &mut buf[done..];
+            // SAFETY: pread writes at most `rest.len()` bytes into `rest`, which is valid
+            // for writes; fd is a descriptor we own.
+            let n = unsafe {
+                libc::pread(self.fd.as_raw_fd(), rest.as_mut_ptr().cast(), rest.len(), (offset + done as u64) as i64)
+            };
+            match n {
+                0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                n if n < 0 => {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() != std::io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+                n => done += n as usize,
+            }
+        }
+        Ok(())
+    }
+
     /// Makes every completed write durable, blocking (`fdatasync`).
     pub fn sync_now(&self) -> std::io::Result<()> {
         // SAFETY: fdatasync takes a descriptor we own.

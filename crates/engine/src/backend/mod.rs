@@ -17,6 +17,7 @@
 //! [`BackendType`], plus its line in [`TYPES`].
 
 pub mod file;
+pub mod gate;
 pub mod memory;
 pub mod null;
 pub mod remote;

@@ -48,7 +48,8 @@ const IO_QUEUES: u16 = 64;
 /// Longest wait between two attempts to reach the owner.
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 
-fn parse(arg: &str) -> std::result::Result<(String, String, u32), String> {
+/// The owner's address, subsystem NQN and NSID of a `remote:` argument.
+pub fn parse(arg: &str) -> std::result::Result<(String, String, u32), String> {
     let (addr, rest) = arg.split_once('/').ok_or("no /NQN/NSID after the owner's address")?;
     let (nqn, nsid) = rest.rsplit_once('/').ok_or("no /NSID after the NQN")?;
     let nsid: u32 = nsid.parse().map_err(|_| format!("NSID {nsid:?} is not a number"))?;
@@ -215,7 +216,8 @@ pub fn default_host_nqn() -> String {
     format!("nqn.2024-01.io.nvpool:engine:{}", host.trim())
 }
 
-fn resolve(owner: &str) -> Result<SocketAddr> {
+/// The socket address of an owner named as `HOST:PORT`.
+pub fn resolve(owner: &str) -> Result<SocketAddr> {
     owner
         .to_socket_addrs()
         .map_err(|e| Error::invalid(format!("cannot resolve the owner {owner}: {e}")))?

@@ -5,12 +5,14 @@
 //! unallocated clusters are zeroes. A write to an unallocated cluster, and zeroing or
 //! deallocation (which may release clusters), go to the pool's metadata thread first.
 //! Every I/O that reads a cluster map is counted under the pool's epoch until its
-//! operations complete, so a released cluster is never reused under it.
+//! operations complete, so a released cluster is never reused under it. Every command
+//! passes the volume's [`Gate`] first, which a migration uses to move the volume.
 
 use std::sync::Arc;
 
 use nvpool_wire::Status;
 
+use super::gate::{Admitted, Gate};
 use super::{Backend, BackendType, BlockIo, DiskQueue, OpenEnv, Opened, deallocated_ranges};
 use crate::nvme::nvm::IoPlan;
 use crate::pool::{MetaRequest, VolumeIo};
@@ -23,7 +25,12 @@ pub const TYPE: BackendType = BackendType {
     open: |arg, env: &OpenEnv<'_>| {
         let (pool, name) = parse(arg)?;
         let (volume, meta) = (env.pool)(pool)?.open_volume(name)?;
-        let backend = VolumeBackend { volume, size: meta.size, description: format!("volume:{pool}/{name}") };
+        let backend = VolumeBackend {
+            volume,
+            size: meta.size,
+            description: format!("volume:{pool}/{name}"),
+            gate: Gate::new(meta.size),
+        };
         Ok(Opened { backend: Arc::new(backend), identity: Some((meta.uuid, meta.nguid)) })
     },
 };
@@ -42,6 +49,8 @@ pub struct VolumeBackend {
     pub volume: VolumeIo,
     size: u64,
     description: String,
+    /// What a migration holds, marks and forwards.
+    pub gate: Gate,
 }
 
 impl VolumeBackend {
@@ -112,6 +121,13 @@ impl Backend for VolumeBackend {
     }
 
     fn start(&self, io: &mut BlockIo, queue: &mut DiskQueue<'_>) {
+        // A command already through the gate (a write back from allocation) is not
+        // counted or parked twice.
+        if io.route == 0
+            && let Admitted::Elsewhere = self.gate.admit(io, queue)
+        {
+            return;
+        }
         let pool = &self.volume.pool;
         match io.plan {
             IoPlan::Read { offset, len } | IoPlan::Write { offset, len, .. } => {
@@ -153,8 +169,12 @@ impl Backend for VolumeBackend {
     }
 
     fn resume(&self, io: &mut BlockIo, status: Status, queue: &mut DiskQueue<'_>) {
-        if status.is_success() && matches!(io.plan, IoPlan::Write { .. }) {
-            // The clusters exist now (unless released again meanwhile): map the write anew.
+        if self.gate.resume(io, status, queue) {
+            return;
+        }
+        // A command the gate released starts now. A write whose clusters exist now
+        // (unless released again meanwhile) is mapped anew.
+        if io.route == 0 || status.is_success() && matches!(io.plan, IoPlan::Write { .. }) {
             return self.start(io, queue);
         }
         if !status.is_success() {
@@ -166,6 +186,7 @@ impl Backend for VolumeBackend {
         if let Some(epoch) = io.hold.take() {
             self.volume.pool.leave(reactor, epoch);
         }
+        self.gate.finished(io, reactor);
     }
 
     fn as_volume(&self) -> Option<&VolumeBackend> {

@@ -116,8 +116,8 @@ pub struct Namespace {
     pub uuid: [u8; 16],
     /// ANA group (1 to `ana::MAX_ANA_GROUP`); the NSID unless configured.
     pub ana_group: u32,
-    /// I/O counters.
-    pub stats: NamespaceStats,
+    /// I/O counters, kept when the backend is swapped.
+    pub stats: Arc<NamespaceStats>,
 }
 
 impl Namespace {
@@ -150,7 +150,7 @@ impl Namespace {
             nguid,
             uuid,
             ana_group: nsid,
-            stats: NamespaceStats::default(),
+            stats: Arc::default(),
         })
     }
 
@@ -332,6 +332,27 @@ impl Subsystem {
             }
             None => Err(Error::not_found(format!("no namespace {} in {}", ns.nsid, self.nqn))),
         })
+    }
+
+    /// Serves namespace `nsid` from `backend` from the next command on, keeping
+    /// everything a host sees (identity, size, blocks, counters): no event is raised.
+    /// Commands already started finish on the old backend.
+    pub fn swap_backend(&self, nsid: u32, backend: Arc<dyn Backend>) -> Result<()> {
+        let mut guard = write(&self.namespaces);
+        let old = guard.get(&nsid).ok_or_else(|| Error::not_found(format!("no namespace {nsid} in {}", self.nqn)))?;
+        if backend.size() >> old.block_shift < old.blocks {
+            return Err(Error::invalid(format!(
+                "{} is smaller than namespace {nsid} of {}",
+                backend.description(),
+                self.nqn
+            )));
+        }
+        let swapped = Namespace { backend, stats: old.stats.clone(), ..**old };
+        let mut map = (**guard).clone();
+        map.insert(nsid, Arc::new(swapped));
+        *guard = Arc::new(map);
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        Ok(())
     }
 
     /// Removes a namespace and notifies connected controllers.

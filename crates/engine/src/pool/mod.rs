@@ -328,8 +328,15 @@ impl Pool {
 
     // ----- management ----------------------------------------------------------------
 
-    /// Creates a volume of `size` bytes (rounded up to 4 KiB).
-    pub fn create_volume(&self, name: &str, size: u64, thin: bool) -> Result<VolumeInfo> {
+    /// Creates a volume of `size` bytes (rounded up to 4 KiB), with the namespace UUID
+    /// and NGUID given, or new ones.
+    pub fn create_volume(
+        &self,
+        name: &str,
+        size: u64,
+        thin: bool,
+        identity: Option<([u8; 16], [u8; 16])>,
+    ) -> Result<VolumeInfo> {
         format::check_name("volume", name)?;
         if size == 0 {
             return Err("a volume needs a size above zero".into());
@@ -351,15 +358,9 @@ impl Pool {
             return Err("the volume is too large for this cluster size".into());
         }
         let id = inner.state.next_id;
-        let uuid = uuid::Uuid::new_v4();
-        let meta = VolumeMeta {
-            id,
-            name: name.to_string(),
-            size,
-            thin,
-            uuid: *uuid.as_bytes(),
-            nguid: *uuid::Uuid::new_v4().as_bytes(),
-        };
+        let (uuid, nguid) =
+            identity.unwrap_or_else(|| (*uuid::Uuid::new_v4().as_bytes(), *uuid::Uuid::new_v4().as_bytes()));
+        let meta = VolumeMeta { id, name: name.to_string(), size, thin, uuid, nguid };
         let map = Arc::new(VolumeMap::new(clusters));
         inner.maps.insert(id, map);
         let result = if thin {
@@ -612,7 +613,7 @@ mod tests {
                     Op::Create(thin, n) => {
                         let name = format!("v{next}");
                         next += 1;
-                        let r = pool.create_volume(&name, n * CLUSTER, thin);
+                        let r = pool.create_volume(&name, n * CLUSTER, thin, None);
                         prop_assert_eq!(r.is_ok(), thin || used + n <= total);
                         if r.is_ok() {
                             let allocated = if thin { BTreeSet::new() } else { (0..n).collect() };

@@ -44,6 +44,9 @@ pub struct BlockIo {
     /// What a backend holds while the command's disk work runs and lets go of in
     /// [`crate::backend::Backend::finished`] (the volume backend's pool epoch).
     pub hold: Option<u8>,
+    /// Where a backend that hands commands on (a migrating volume's gate) sent this
+    /// one; 0 for a new command.
+    pub route: u8,
     buf: Option<Buf>,
     /// Disk operations queued and not yet completed.
     pending: u32,
@@ -61,6 +64,7 @@ impl BlockIo {
             plan: IoPlan::Flush,
             status: Status::SUCCESS,
             hold: None,
+            route: 0,
             buf: None,
             pending: 0,
             deferred: false,
@@ -74,6 +78,7 @@ impl BlockIo {
         self.plan = plan;
         self.status = Status::SUCCESS;
         self.hold = None;
+        self.route = 0;
         self.transfer_left = 0;
     }
 

@@ -653,10 +653,14 @@ impl Conn {
             slot.io.set_buf(b);
         }
         slot.io.deferred_done();
+        let Some(ns) = slot.ns.as_ref() else { return };
         if self.phase == Phase::Closed {
+            // Nobody waits for the answer, but the backend lets go of the command.
+            if slot.io.is_idle() {
+                ns.backend.finished(&mut slot.io, r.id);
+            }
             return;
         }
-        let Some(ns) = slot.ns.as_ref() else { return };
         let mut queue = DiskQueue::new(r, idx, tag, self.digests.data);
         ns.backend.resume(&mut slot.io, status, &mut queue);
         let queued = queue.queued();

@@ -6,10 +6,11 @@ use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
 use nvpool_api::{
-    AddHost, AddListener, AddNamespace, AddSubsystem, AllowAnyHost, AnaGroupInfo, AnaState, CheckPool, CreatePool,
-    CreateVolume, DeleteVolume, DirtyAction, ExportPool, GetVolume, ImportPool, ListAnaGroups, ListListeners,
-    ListPools, ListSubsystems, ListVolumes, ListenerInfo, Method, PoolInfo, RemoveHost, RemoveListener,
-    RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState, SubsystemInfo, VolumeDirty, VolumeInfo,
+    AddHost, AddListener, AddNamespace, AddSubsystem, AllowAnyHost, AnaGroupInfo, AnaState, CancelMigration, CheckPool,
+    CreatePool, CreateVolume, DeleteVolume, DirtyAction, ExportPool, GetMigration, GetVolume, ImportPool,
+    ListAnaGroups, ListListeners, ListPools, ListSubsystems, ListVolumes, ListenerInfo, Method, MigrationInfo,
+    PoolInfo, RemoveHost, RemoveListener, RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState, StartMigration,
+    SubsystemInfo, SwitchMigration, VolumeDirty, VolumeIdentity, VolumeInfo,
 };
 use nvpool_engine::Engine;
 use nvpool_engine::config::{
@@ -285,6 +286,12 @@ enum EngineVolumeVerb {
         /// Allocate clusters on first write instead of now.
         #[arg(long)]
         thin: bool,
+        /// Namespace UUID the volume keeps (another engine's volume it is to replace).
+        #[arg(long, requires = "nguid")]
+        uuid: Option<String>,
+        /// Namespace NGUID (32 hex digits), with --uuid.
+        #[arg(long, requires = "uuid")]
+        nguid: Option<String>,
     },
     /// Delete a volume and free its space.
     Delete {
@@ -319,6 +326,45 @@ enum EngineVolumeVerb {
         /// start, stop, report, or reset (report and clear).
         #[arg(value_parser = parse_dirty_action)]
         action: DirtyAction,
+    },
+    /// Move a volume to another engine under running hosts: copy it in rounds to the
+    /// target namespace (a volume of the same size and identity there, exported to
+    /// this engine's host NQN), until `switch` and `cancel`.
+    Migrate {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        name: String,
+        /// The target namespace: HOST:PORT/NQN/NSID.
+        #[arg(long)]
+        to: String,
+        /// Most bytes per second the copy takes, e.g. 200MiB.
+        #[arg(long, value_parser = parse_size)]
+        rate: Option<u64>,
+    },
+    /// Show a migration's progress.
+    Migration {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        name: String,
+    },
+    /// Let a migration switch hosts over to the target at the next short round.
+    Switch {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        name: String,
+        /// Longest pause of hosts' I/O, in milliseconds.
+        #[arg(long)]
+        pause_ms: Option<u32>,
+    },
+    /// Stop a migration that has not switched; the volume stays here.
+    Cancel {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        name: String,
     },
 }
 
@@ -446,9 +492,18 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
         },
         EngineVerb::Volume { verb, api } => match verb {
             EngineVolumeVerb::List { pool } => show(&api, ListVolumes { pool }, |r| volume_table(r)),
-            EngineVolumeVerb::Create { pool, name, size, thin } => {
-                show(&api, CreateVolume { pool, name, size, thin }, |r| volume_table(std::slice::from_ref(r)))
+            EngineVolumeVerb::Create { pool, name, size, thin, uuid, nguid } => {
+                let identity = uuid.zip(nguid).map(|(uuid, nguid)| VolumeIdentity { uuid, nguid });
+                show(&api, CreateVolume { pool, name, size, thin, identity }, |r| volume_table(std::slice::from_ref(r)))
             }
+            EngineVolumeVerb::Migrate { pool, name, to, rate } => {
+                show(&api, StartMigration { pool, name, target: to, rate }, migration_table)
+            }
+            EngineVolumeVerb::Migration { pool, name } => show(&api, GetMigration { pool, name }, migration_table),
+            EngineVolumeVerb::Switch { pool, name, pause_ms } => {
+                show(&api, SwitchMigration { pool, name, pause_ms }, migration_table)
+            }
+            EngineVolumeVerb::Cancel { pool, name } => show(&api, CancelMigration { pool, name }, migration_table),
             EngineVolumeVerb::Delete { pool, name } => {
                 let message = format!("volume {pool}/{name} deleted");
                 done(&api, DeleteVolume { pool, name }, &message)
@@ -681,6 +736,35 @@ fn pool_table(pools: &[PoolInfo]) -> Vec<Vec<String>> {
         ]);
     }
     rows
+}
+
+fn migration_table(m: &MigrationInfo) -> Vec<Vec<String>> {
+    let state = serde_json::to_value(m.state).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default();
+    let rounds: Vec<String> = m.round_bytes.iter().map(|b| human(*b)).collect();
+    vec![
+        vec![
+            "STATE".into(),
+            "TARGET".into(),
+            "ROUND".into(),
+            "COPIED".into(),
+            "DIRTY".into(),
+            "RATE".into(),
+            "ROUNDS".into(),
+            "PAUSE".into(),
+            "NOTE".into(),
+        ],
+        vec![
+            state,
+            m.target.clone(),
+            m.round.to_string(),
+            human(m.copied_bytes),
+            human(m.dirty_bytes),
+            format!("{}/s", human(m.rate)),
+            rounds.join(" "),
+            m.pause_us.map_or("-".into(), |us| format!("{:.1} ms", us as f64 / 1000.0)),
+            m.error.clone().unwrap_or_else(|| if m.volume_here { String::new() } else { "volume not here".into() }),
+        ],
+    ]
 }
 
 fn volume_table(volumes: &[VolumeInfo]) -> Vec<Vec<String>> {

@@ -1,0 +1,558 @@
+//! Moving a volume to another engine while hosts use it.
+//!
+//! The target is a volume of the same size and identity on the other engine, exported
+//! to this engine's host NQN. A thread per migration copies over NVMe/TCP, engine to
+//! engine, with no agent or controller in the data path:
+//!
+//! 1. The volume's [`Gate`] starts marking what commands change. The first round copies
+//!    every allocated cluster (a thin volume's holes stay holes on the target).
+//! 2. Each later round takes the marks (clearing them) and copies those ranges: what
+//!    is allocated here is read and written there, what is not is deallocated there.
+//!    The copy may be rate-limited, so hosts keep their speed.
+//! 3. Once the switch is asked for and a round leaves little to copy, the gate holds
+//!    new commands, the ones already on the volume finish, the rest is copied and the
+//!    target flushed. A switch that would hold I/O longer than asked gives up before
+//!    anything is decided: the gate opens and the rounds go on.
+//! 4. The volume is deleted here: that is the point of no return, durable in this
+//!    pool, so whoever asks after a crash can tell whether the switch happened. Then
+//!    the held commands and all later ones go to the target, through the remote
+//!    backend that now serves the namespace: hosts saw a pause, not an error.
+//!
+//! The copy runs on a thread of its own rather than on the reactors: it reads the
+//! volume with blocking reads and writes the target through the blocking initiator,
+//! and its pace (the rate limit) is its own, so the reactors' loop stays as it is.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nvpool_api::{MigrationInfo, MigrationState};
+use nvpool_initiator::{ConnectOptions, Queue, connect_admin};
+use nvpool_wire::Status;
+use nvpool_wire::command::{Command, io_opcode};
+use nvpool_wire::identify;
+
+use crate::Engine;
+use crate::backend::gate::Gate;
+use crate::backend::{Backend, remote};
+use crate::bufpool::Buf;
+use crate::error::{Error, Result};
+use crate::nvme::{MAX_TRANSFER, Namespace, Subsystem, lock};
+use crate::pool::{MAX_REACTORS, Pool, VolumeIo};
+
+/// The pool in-flight slot the copy counts its reads under (shared, atomically, with
+/// a reactor of that number, which is sound).
+const COPY_SLOT: usize = MAX_REACTORS - 1;
+/// Writes the copy keeps outstanding at the target.
+const COPY_DEPTH: usize = 16;
+/// Pause a switch may take when none is given.
+const DEFAULT_PAUSE: Duration = Duration::from_millis(100);
+/// Rounds after the switch was asked for before one is tried whatever is left.
+const ROUNDS_BEFORE_TRYING: u32 = 8;
+/// How often an idle copy (nothing written since its last round) looks again.
+const IDLE_WAIT: Duration = Duration::from_millis(20);
+
+/// The engine's migrations, by (pool, volume).
+#[derive(Default)]
+pub struct Migrations {
+    jobs: Mutex<BTreeMap<(String, String), Arc<Job>>>,
+}
+
+/// One migration: what it reports and what it is asked.
+struct Job {
+    info: Mutex<MigrationInfo>,
+    /// The longest pause allowed, once the switch was asked for.
+    switch: Mutex<Option<Duration>>,
+    cancel: AtomicBool,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Job {
+    fn update(&self, f: impl FnOnce(&mut MigrationInfo)) {
+        f(&mut lock(&self.info));
+    }
+
+    fn running(&self) -> bool {
+        matches!(lock(&self.info).state, MigrationState::Copying | MigrationState::Switching)
+    }
+}
+
+/// Why a switch did not happen.
+enum NoSwitch {
+    /// The pause would have run over; nothing was decided.
+    GaveUp,
+    /// Cancelled while holding.
+    Cancelled,
+    /// The copy failed.
+    Failed(Error),
+}
+
+/// What the copy thread works with.
+struct Mover {
+    pool: Arc<Pool>,
+    volume: VolumeIo,
+    name: String,
+    size: u64,
+    /// The namespace serving the volume, if it is exported, and its subsystem.
+    export: Option<(Arc<Subsystem>, Arc<Namespace>)>,
+    /// The target as a backend, which serves the namespace after the switch.
+    forward: Arc<dyn Backend>,
+    target: TargetQueue,
+    rate: Option<u64>,
+    buf: Buf,
+    job: Arc<Job>,
+}
+
+/// The copy's own queue to the target namespace.
+struct TargetQueue {
+    /// Kept so the controller stays associated (no keep-alive: KATO 0).
+    _admin: Queue,
+    io: Queue,
+    nsid: u32,
+    block_shift: u32,
+    outstanding: usize,
+}
+
+impl TargetQueue {
+    fn connect(addr: SocketAddr, nqn: &str, nsid: u32, host_nqn: &str) -> std::result::Result<TargetQueue, String> {
+        let options = ConnectOptions { kato: 0, ..ConnectOptions::admin(nqn, host_nqn) };
+        let mut admin = connect_admin(addr, &options).map_err(|e| e.to_string())?;
+        admin.set_queue_count(1).map_err(|e| e.to_string())?;
+        let ns = admin.identify_namespace(nsid).map_err(|e| e.to_string())?;
+        if ns.nsze == 0 {
+            return Err(format!("it has no namespace {nsid}"));
+        }
+        let block_shift = identify::lba_format_block_size(ns.lbaf0).trailing_zeros();
+        let io =
+            Queue::connect(addr, &options.io(1, admin.cntlid, COPY_DEPTH as u16 * 2)).map_err(|e| e.to_string())?;
+        Ok(TargetQueue { _admin: admin, io, nsid, block_shift, outstanding: 0 })
+    }
+
+    /// Takes one answer; an error status fails the copy.
+    fn reap(&mut self) -> Result<()> {
+        let reply =
+            self.io.next_reply().map_err(|e| Error::unavailable(format!("the target stopped answering: {e}")))?;
+        self.outstanding -= 1;
+        if !reply.cqe.status.is_success() {
+            return Err(target_refused(reply.cqe.status));
+        }
+        Ok(())
+    }
+
+    /// Waits for every outstanding write.
+    fn settle(&mut self) -> Result<()> {
+        while self.outstanding > 0 {
+            self.reap()?;
+        }
+        Ok(())
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) -> Result<()> {
+        if self.outstanding == COPY_DEPTH {
+            self.reap()?;
+        }
+        let cid = self.io.alloc_cid();
+        let (slba, nlb) = (offset >> self.block_shift, (data.len() >> self.block_shift) as u32);
+        let cmd = Command::read_write(io_opcode::WRITE, cid, self.nsid, slba, nlb, data.len() as u32);
+        self.io.submit(cmd, data, false).map_err(|e| Error::unavailable(format!("cannot write to the target: {e}")))?;
+        self.outstanding += 1;
+        Ok(())
+    }
+
+    fn deallocate(&mut self, offset: u64, len: u64) -> Result<()> {
+        self.settle()?;
+        let (slba, nlb) = (offset >> self.block_shift, (len >> self.block_shift) as u32);
+        let status = self
+            .io
+            .deallocate(self.nsid, slba, nlb)
+            .map_err(|e| Error::unavailable(format!("cannot deallocate on the target: {e}")))?;
+        if !status.is_success() {
+            return Err(target_refused(status));
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        self.settle()?;
+        self.io.flush(self.nsid).map_err(|e| Error::unavailable(format!("the target did not flush: {e}")))
+    }
+}
+
+fn target_refused(status: Status) -> Error {
+    let why = if status.base() == Status::CAPACITY_EXCEEDED {
+        "the target's pool is full".to_string()
+    } else {
+        format!("the target answered {status}")
+    };
+    Error::unavailable(why)
+}
+
+fn none_info(volume_here: bool) -> MigrationInfo {
+    MigrationInfo {
+        state: MigrationState::None,
+        volume_here,
+        target: String::new(),
+        round: 0,
+        copied_bytes: 0,
+        dirty_bytes: 0,
+        allocated_bytes: 0,
+        rate: 0,
+        round_bytes: Vec::new(),
+        switch_requested: false,
+        pause_us: None,
+        pauses_given_up: 0,
+        error: None,
+    }
+}
+
+impl Engine {
+    fn migration_job(&self, pool: &str, name: &str) -> Option<Arc<Job>> {
+        lock(&self.migrations.jobs).get(&(pool.to_string(), name.to_string())).cloned()
+    }
+
+    fn volume_here(&self, pool: &str, name: &str) -> bool {
+        self.pool(pool).is_ok_and(|p| p.open_volume(name).is_ok())
+    }
+
+    /// Starts moving volume `pool/name` to `target` (`HOST:PORT/NQN/NSID`).
+    pub fn start_migration(&self, pool: &str, name: &str, target: &str, rate: Option<u64>) -> Result<MigrationInfo> {
+        if let Some(job) = self.migration_job(pool, name) {
+            let state = lock(&job.info).state;
+            match state {
+                MigrationState::Copying | MigrationState::Switching => {
+                    return Err(Error::exists(format!(
+                        "volume {pool}/{name} is already moving to {}: `migration_status` shows how far it is",
+                        lock(&job.info).target
+                    )));
+                }
+                MigrationState::Switched => {
+                    return Err(Error::precondition(format!("volume {pool}/{name} has moved already")));
+                }
+                _ => {}
+            }
+        }
+        let p = self.pool(pool)?;
+        let (volume, meta) = p.open_volume(name)?;
+        let exports = self.exports(&p, Some(volume.id));
+        if exports.len() > 1 {
+            return Err(Error::precondition(format!(
+                "volume {pool}/{name} is exported {} times: remove all namespaces but one before moving it",
+                exports.len()
+            )));
+        }
+        let (addr, nqn, nsid) = remote::parse(target).map_err(|e| Error::invalid(format!("target {target:?}: {e}")))?;
+        let opened = self.open_backend(&format!("remote:{target}"))?;
+        if opened.identity != Some((meta.uuid, meta.nguid)) {
+            return Err(Error::precondition(format!(
+                "the target {target} is another namespace (its UUID or NGUID differ): create it with the volume's \
+                 identity"
+            )));
+        }
+        let block = exports.first().map_or(512, |(_, ns)| ns.block_size());
+        if opened.backend.size() != meta.size || opened.backend.required_block_size().is_some_and(|b| b != block) {
+            return Err(Error::precondition(format!(
+                "the target {target} has {} bytes in {}-byte blocks; the volume has {} bytes in {block}-byte blocks",
+                opened.backend.size(),
+                opened.backend.required_block_size().unwrap_or(0),
+                meta.size
+            )));
+        }
+        let target_queue = TargetQueue::connect(remote::resolve(&addr)?, &nqn, nsid, self.host_nqn())
+            .map_err(|e| Error::unavailable(format!("cannot reach the target {target}: {e}")))?;
+        let mut info = none_info(true);
+        info.state = MigrationState::Copying;
+        info.target = target.to_string();
+        info.allocated_bytes = volume.map.allocated() * p.cluster_size();
+        let job = Arc::new(Job {
+            info: Mutex::new(info.clone()),
+            switch: Mutex::new(None),
+            cancel: AtomicBool::new(false),
+            thread: Mutex::new(None),
+        });
+        let mover = Mover {
+            buf: Buf::new((p.cluster_size() as usize).div_ceil(4096)),
+            pool: p,
+            volume,
+            name: name.to_string(),
+            size: meta.size,
+            export: exports.into_iter().next(),
+            forward: opened.backend,
+            target: target_queue,
+            rate,
+            job: job.clone(),
+        };
+        if let Some(gate) = mover.gate() {
+            gate.track();
+        }
+        let thread = std::thread::Builder::new()
+            .name(format!("nvpool-migrate-{name}"))
+            .spawn(move || mover.run())
+            .map_err(|e| Error::io("cannot start the migration thread", e))?;
+        *lock(&job.thread) = Some(thread);
+        lock(&self.migrations.jobs).insert((pool.to_string(), name.to_string()), job);
+        tracing::info!(pool, volume = name, target, "migration started");
+        Ok(info)
+    }
+
+    /// A migration's progress; `none` (and whether the volume is here) without one.
+    pub fn migration(&self, pool: &str, name: &str) -> MigrationInfo {
+        let mut info = match self.migration_job(pool, name) {
+            Some(job) => lock(&job.info).clone(),
+            None => none_info(false),
+        };
+        info.volume_here = self.volume_here(pool, name);
+        info
+    }
+
+    /// Lets a migration switch once a round leaves little to copy.
+    pub fn switch_migration(&self, pool: &str, name: &str, pause: Option<Duration>) -> Result<MigrationInfo> {
+        let job = self.running_job(pool, name)?;
+        *lock(&job.switch) = Some(pause.unwrap_or(DEFAULT_PAUSE));
+        job.update(|i| i.switch_requested = true);
+        Ok(self.migration(pool, name))
+    }
+
+    /// Stops a migration that has not switched; waits for its thread.
+    pub fn cancel_migration(&self, pool: &str, name: &str) -> Result<MigrationInfo> {
+        let job = match self.migration_job(pool, name) {
+            Some(job) if lock(&job.info).state == MigrationState::Switched => {
+                return Err(Error::precondition(format!(
+                    "volume {pool}/{name} has moved already: the switch cannot be undone"
+                )));
+            }
+            Some(job) => job,
+            None => return Ok(self.migration(pool, name)),
+        };
+        job.cancel.store(true, Ordering::SeqCst);
+        if let Some(t) = lock(&job.thread).take() {
+            let _ = t.join();
+        }
+        Ok(self.migration(pool, name))
+    }
+
+    fn running_job(&self, pool: &str, name: &str) -> Result<Arc<Job>> {
+        self.migration_job(pool, name).filter(|j| j.running()).ok_or_else(|| {
+            Error::not_found(format!("volume {pool}/{name} is not moving: start a migration with `migration_start`"))
+        })
+    }
+
+    /// Cancels every running migration (the engine stops).
+    pub(crate) fn stop_migrations(&self) {
+        let jobs: Vec<Arc<Job>> = lock(&self.migrations.jobs).values().cloned().collect();
+        for job in &jobs {
+            job.cancel.store(true, Ordering::SeqCst);
+        }
+        for job in jobs {
+            if let Some(t) = lock(&job.thread).take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+impl Mover {
+    fn gate(&self) -> Option<&Gate> {
+        self.export.as_ref().and_then(|(_, ns)| ns.backend.as_volume()).map(|v| &v.gate)
+    }
+
+    fn cancelled(&self) -> bool {
+        self.job.cancel.load(Ordering::SeqCst)
+    }
+
+    fn run(mut self) {
+        let outcome = self.rounds();
+        if let Some(gate) = self.gate() {
+            gate.untrack();
+        }
+        let (state, error) = match outcome {
+            Ok(state) => (state, None),
+            Err(e) => {
+                tracing::warn!(volume = %self.name, "migration failed: {e}");
+                (MigrationState::Failed, Some(e.to_string()))
+            }
+        };
+        self.job.update(|i| {
+            i.state = state;
+            i.error = error;
+        });
+        if state == MigrationState::Switched {
+            tracing::info!(volume = %self.name, pause_us = ?lock(&self.job.info).pause_us, "migration switched");
+        }
+    }
+
+    /// Copies round after round until the switch, a cancel or an error.
+    fn rounds(&mut self) -> Result<MigrationState> {
+        let mut runs = self.allocated_runs();
+        let mut rounds_since_asked = 0;
+        loop {
+            if self.cancelled() {
+                return Ok(MigrationState::Cancelled);
+            }
+            self.job.update(|i| i.round += 1);
+            let started = Instant::now();
+            let bytes: u64 = runs.iter().map(|r| r.1).sum();
+            self.copy(&runs, true)?;
+            self.target.settle()?;
+            let secs = started.elapsed().as_secs_f64().max(1e-6);
+            self.job.update(|i| {
+                i.round_bytes.push(bytes);
+                if bytes > 0 {
+                    i.rate = (bytes as f64 / secs) as u64;
+                }
+            });
+            // Wait for something to copy, or for the switch.
+            loop {
+                let dirty = self.gate().map_or(0, |g| g.dirty_bytes());
+                self.job.update(|i| i.dirty_bytes = dirty);
+                if self.cancelled() {
+                    return Ok(MigrationState::Cancelled);
+                }
+                let pause = *lock(&self.job.switch);
+                if let Some(pause) = pause {
+                    let rate = lock(&self.job.info).rate.max(1);
+                    let estimate = Duration::from_secs_f64(dirty as f64 / rate as f64);
+                    if estimate <= pause / 2 || rounds_since_asked >= ROUNDS_BEFORE_TRYING {
+                        match self.switch(pause) {
+                            Ok(()) => return Ok(MigrationState::Switched),
+                            Err(NoSwitch::Cancelled) => return Ok(MigrationState::Cancelled),
+                            Err(NoSwitch::Failed(e)) => return Err(e),
+                            Err(NoSwitch::GaveUp) => {
+                                self.job.update(|i| i.pauses_given_up += 1);
+                                rounds_since_asked = 0;
+                            }
+                        }
+                    }
+                    rounds_since_asked += 1;
+                }
+                if dirty > 0 {
+                    break;
+                }
+                std::thread::sleep(IDLE_WAIT);
+            }
+            runs = self.gate().map(|g| g.take_dirty()).unwrap_or_default();
+        }
+    }
+
+    /// The allocated clusters, as joined (offset, length) ranges.
+    fn allocated_runs(&self) -> Vec<(u64, u64)> {
+        let cs = self.pool.cluster_size();
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for vc in 0..self.volume.map.clusters() {
+            if self.volume.map.get(vc) == 0 {
+                continue;
+            }
+            let offset = vc * cs;
+            let len = cs.min(self.size - offset);
+            match runs.last_mut() {
+                Some((start, l)) if *start + *l == offset => *l += len,
+                _ => runs.push((offset, len)),
+            }
+        }
+        runs
+    }
+
+    /// Copies `runs` to the target: what is allocated here is written there, what is
+    /// not is deallocated there. `paced` applies the rate limit.
+    fn copy(&mut self, runs: &[(u64, u64)], paced: bool) -> Result<()> {
+        let cs = self.pool.cluster_size();
+        let shift = self.pool.shared().cluster_shift();
+        let started = Instant::now();
+        let mut sent = 0u64;
+        for &(offset, len) in runs {
+            let end = (offset + len).min(self.size);
+            let mut at = offset;
+            while at < end {
+                if self.cancelled() {
+                    return Ok(());
+                }
+                let (vc, within) = (at >> shift, at & (cs - 1));
+                let n = (cs - within).min(end - at);
+                let pool = self.pool.shared().clone();
+                let epoch = pool.enter(COPY_SLOT);
+                let pc = self.volume.map.get(vc);
+                let read = match pool.locate(pc, within) {
+                    Some((disk, pos)) if pc != 0 => {
+                        Some(disk.read_now(&mut self.buf.as_mut_slice()[..n as usize], pos))
+                    }
+                    _ => None,
+                };
+                pool.leave(COPY_SLOT, epoch);
+                match read {
+                    Some(Ok(())) => {
+                        for piece in (0..n).step_by(MAX_TRANSFER) {
+                            let m = (n - piece).min(MAX_TRANSFER as u64) as usize;
+                            let data = &self.buf.as_slice()[piece as usize..piece as usize + m];
+                            self.target.write(at + piece, data)?;
+                        }
+                    }
+                    Some(Err(e)) => return Err(Error::io(format!("reading volume {}", self.name), e)),
+                    None => self.target.deallocate(at, n)?,
+                }
+                at += n;
+                sent += n;
+                self.job.update(|i| i.copied_bytes += n);
+                if let Some(rate) = self.rate.filter(|_| paced) {
+                    let due = Duration::from_secs_f64(sent as f64 / rate as f64);
+                    if let Some(wait) = due.checked_sub(started.elapsed()) {
+                        std::thread::sleep(wait);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Holds hosts' I/O, copies the rest, and moves the volume, within `pause`.
+    fn switch(&mut self, pause: Duration) -> std::result::Result<(), NoSwitch> {
+        self.job.update(|i| i.state = MigrationState::Switching);
+        let held = Instant::now();
+        let back = |me: &mut Mover, why: NoSwitch| {
+            if let Some(gate) = me.gate() {
+                gate.open();
+            }
+            me.job.update(|i| i.state = MigrationState::Copying);
+            Err(why)
+        };
+        if let Some(gate) = self.gate() {
+            gate.hold();
+            while !gate.drained() {
+                if held.elapsed() > pause {
+                    return back(self, NoSwitch::GaveUp);
+                }
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        }
+        let runs = self.gate().map(|g| g.take_dirty()).unwrap_or_default();
+        if let Err(e) = self.copy(&runs, false).and_then(|()| self.target.flush()) {
+            return back(self, NoSwitch::Failed(e));
+        }
+        if self.cancelled() {
+            return back(self, NoSwitch::Cancelled);
+        }
+        if held.elapsed() > pause {
+            return back(self, NoSwitch::GaveUp);
+        }
+        // The point of no return: the volume is gone from this pool, durably.
+        if let Err(e) = self.pool.delete_volume(&self.name) {
+            return back(self, NoSwitch::Failed(e));
+        }
+        if let Some((subsystem, ns)) = &self.export {
+            if let Some(gate) = ns.backend.as_volume().map(|v| &v.gate) {
+                gate.forward(self.forward.clone());
+            }
+            // Later commands skip the gate. The namespace was found by this volume, so
+            // it is there unless removed meanwhile, and then there is nothing to serve.
+            let _ = subsystem.swap_backend(ns.nsid, self.forward.clone());
+        }
+        let pause_us = held.elapsed().as_micros() as u64;
+        self.job.update(|i| {
+            i.pause_us = Some(pause_us);
+            i.dirty_bytes = 0;
+            i.round += 1;
+            i.round_bytes.push(runs.iter().map(|r| r.1).sum());
+        });
+        Ok(())
+    }
+}
