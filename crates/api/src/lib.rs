@@ -68,6 +68,17 @@ methods! {
         /// The namespace, as in the TOML configuration.
         namespace: NamespaceConfig,
     }
+    /// Serves a namespace from another backend from the next command on, keeping
+    /// what hosts see (identity, size, blocks): no event is raised. The backend must
+    /// carry the namespace's identity, if it carries one.
+    "namespace_swap" => SwapNamespace -> Empty {
+        /// Subsystem NQN.
+        nqn: String,
+        /// Namespace ID.
+        nsid: u32,
+        /// The new backend, as in the configuration (`volume:POOL/NAME`, `remote:...`).
+        backend: String,
+    }
     /// Removes a namespace.
     "namespace_remove" => RemoveNamespace -> Empty {
         /// Subsystem NQN.

@@ -53,6 +53,9 @@ pub struct SubsystemInfo {
     pub hosts: Vec<String>,
     /// Live controllers.
     pub controllers: usize,
+    /// The hosts those controllers belong to, each once.
+    #[serde(default)]
+    pub connected_hosts: Vec<String>,
     /// Namespaces.
     pub namespaces: Vec<NamespaceInfo>,
 }

@@ -9,9 +9,10 @@ use crate::client::Controllers;
 use crate::model::VOLUME_NQN_PREFIX;
 use crate::proto::{self, agent_server::AgentServer};
 use nvpool_api::{
-    AddHost, AddNamespace, AddSubsystem, AnaState, CreateVolume, DeleteVolume, GetEngineInfo, GetVolume, ListAnaGroups,
-    ListListeners, ListPools, ListSubsystems, ListVolumes, Method, NamespaceConfig, RemoveHost, RemoveSubsystem,
-    ResizeVolume, SetAnaState, SetControllerIdRange, SubsystemConfig, SubsystemInfo, VolumeInfo,
+    AddHost, AddNamespace, AddSubsystem, AnaState, CancelMigration, CreateVolume, DeleteVolume, GetEngineInfo,
+    GetMigration, GetVolume, ListAnaGroups, ListListeners, ListPools, ListSubsystems, ListVolumes, Method,
+    NamespaceConfig, RemoveHost, RemoveSubsystem, ResizeVolume, SetAnaState, SetControllerIdRange, StartMigration,
+    SubsystemConfig, SubsystemInfo, SwapNamespace, SwitchMigration, VolumeIdentity, VolumeInfo,
 };
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -68,14 +69,55 @@ impl proto::agent_server::Agent for Service {
     async fn apply(&self, r: Request<proto::NodeState>) -> Result<Response<proto::ApplyResponse>, Status> {
         Ok(Response::new(proto::ApplyResponse { results: Service::apply(self, r.into_inner()).await }))
     }
+
+    async fn migration(&self, r: Request<proto::MigrationRequest>) -> Result<Response<proto::MigrationReply>, Status> {
+        let engine = self.engine.clone();
+        let reply = tokio::task::spawn_blocking(move || migration(&engine, r.into_inner()))
+            .await
+            .map_err(|e| Status::internal(format!("agent failed: {e}")))?
+            .map_err(Status::unavailable)?;
+        Ok(Response::new(reply))
+    }
+}
+
+/// Passes a migration request to the engine.
+fn migration(engine: &Path, r: proto::MigrationRequest) -> Result<proto::MigrationReply, String> {
+    let (pool, name) = (r.pool, r.engine_name);
+    let info = match r.action.as_str() {
+        "start" => {
+            let rate = (r.rate > 0).then_some(r.rate);
+            call(engine, StartMigration { pool, name, target: r.target, rate })?
+        }
+        "status" => call(engine, GetMigration { pool, name })?,
+        "switch" => call(engine, SwitchMigration { pool, name, pause_ms: (r.pause_ms > 0).then_some(r.pause_ms) })?,
+        "cancel" => call(engine, CancelMigration { pool, name })?,
+        other => return Err(format!("migration action {other:?} is not one of start, status, switch or cancel")),
+    };
+    let state = serde_json::to_value(info.state).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default();
+    Ok(proto::MigrationReply {
+        state,
+        volume_here: info.volume_here,
+        round: info.round,
+        copied_bytes: info.copied_bytes,
+        dirty_bytes: info.dirty_bytes,
+        allocated_bytes: info.allocated_bytes,
+        rate: info.rate,
+        round_bytes: info.round_bytes,
+        pause_us: info.pause_us.unwrap_or(0),
+        pauses_given_up: info.pauses_given_up,
+        error: info.error.unwrap_or_default(),
+        switch_requested: info.switch_requested,
+        target: info.target,
+    })
 }
 
 fn call<M: Method>(engine: &Path, request: M) -> Result<M::Reply, String> {
     nvpool_api::call(engine, &request).map_err(String::from)
 }
 
-/// The result of one desired volume: its identity and allocation, or why it failed.
-fn result(id: &str, outcome: Result<Option<VolumeInfo>, String>) -> proto::VolumeResult {
+/// The result of one desired volume: its identity, allocation and connected hosts,
+/// or why it failed.
+fn result(id: &str, outcome: Result<Option<VolumeInfo>, String>, connected: Vec<String>) -> proto::VolumeResult {
     match outcome {
         Ok(info) => proto::VolumeResult {
             id: id.to_string(),
@@ -83,6 +125,7 @@ fn result(id: &str, outcome: Result<Option<VolumeInfo>, String>) -> proto::Volum
             uuid: info.as_ref().map(|i| i.uuid.clone()).unwrap_or_default(),
             nguid: info.as_ref().map(|i| i.nguid.clone()).unwrap_or_default(),
             allocated_bytes: info.as_ref().map_or(0, |i| i.allocated_bytes),
+            connected_hosts: connected,
         },
         Err(error) => proto::VolumeResult { id: id.to_string(), error, ..Default::default() },
     }
@@ -94,7 +137,7 @@ fn reconcile(engine: &Path, state: &proto::NodeState) -> Vec<proto::VolumeResult
         call(engine, ListVolumes { pool: None }).and_then(|volumes| Ok((volumes, call(engine, ListSubsystems {})?)));
     let (volumes, subsystems) = match listed {
         Ok(found) => found,
-        Err(e) => return state.volumes.iter().map(|d| result(&d.id, Err(e.clone()))).collect(),
+        Err(e) => return state.volumes.iter().map(|d| result(&d.id, Err(e.clone()), vec![])).collect(),
     };
     let mut results: Vec<proto::VolumeResult> = state
         .volumes
@@ -110,7 +153,8 @@ fn reconcile(engine: &Path, state: &proto::NodeState) -> Vec<proto::VolumeResult
                 let volume = volumes.iter().find(|v| v.pool == d.pool && v.name == d.engine_name);
                 remove(engine, d, volume.is_some(), subsystem.is_some()).map(|()| None)
             };
-            result(&d.id, outcome)
+            let connected = subsystem.map(|s| s.connected_hosts.clone()).unwrap_or_default();
+            result(&d.id, outcome, connected)
         })
         .collect();
     // A volume's export that the state no longer names is one this node stopped
@@ -119,7 +163,7 @@ fn reconcile(engine: &Path, state: &proto::NodeState) -> Vec<proto::VolumeResult
         if !state.volumes.iter().any(|d| d.subsystem_nqn == s.nqn)
             && let Err(e) = call(engine, RemoveSubsystem { nqn: s.nqn.clone() })
         {
-            results.push(result(&s.nqn, Err(format!("cannot remove the export {}: {e}", s.nqn))));
+            results.push(result(&s.nqn, Err(format!("cannot remove the export {}: {e}", s.nqn)), vec![]));
         }
     }
     results
@@ -140,7 +184,10 @@ fn forward(engine: &Path, d: &proto::DesiredVolume, subsystem: Option<&Subsystem
 }
 
 /// Makes the engine export `namespace` under the volume's subsystem to exactly the
-/// desired hosts, each with the ANA state the controller chose for it.
+/// desired hosts, each with the ANA state the controller chose for it. Each host's
+/// state is set before the host is allowed and before the namespace changes backend,
+/// so no host ever uses a path in a state it should not (a migration's target is
+/// inaccessible to hosts until it holds their data).
 fn export(
     engine: &Path,
     d: &proto::DesiredVolume,
@@ -148,30 +195,27 @@ fn export(
     subsystem: Option<&SubsystemInfo>,
 ) -> Result<(), String> {
     let nqn = d.subsystem_nqn.clone();
-    match subsystem {
+    let (allowed, backend) = match subsystem {
         None => {
             let config = SubsystemConfig {
                 nqn: nqn.clone(),
                 serial: None,
                 model: "nvpool".into(),
                 allow_any_host: false,
-                hosts: d.hosts.clone(),
-                namespaces: vec![namespace],
+                hosts: vec![],
+                namespaces: vec![namespace.clone()],
             };
             call(engine, AddSubsystem(config))?;
+            (vec![], Some(namespace.backend.clone()))
         }
         Some(s) => {
-            if !s.namespaces.iter().any(|n| n.nsid == 1) {
-                call(engine, AddNamespace { nqn: nqn.clone(), namespace })?;
+            let backend = s.namespaces.iter().find(|n| n.nsid == 1).map(|n| n.backend.clone());
+            if backend.is_none() {
+                call(engine, AddNamespace { nqn: nqn.clone(), namespace: namespace.clone() })?;
             }
-            for h in d.hosts.iter().filter(|h| !s.hosts.contains(h)) {
-                call(engine, AddHost { nqn: nqn.clone(), host: h.clone() })?;
-            }
-            for h in s.hosts.iter().filter(|h| !d.hosts.contains(h)) {
-                call(engine, RemoveHost { nqn: nqn.clone(), host: h.clone() })?;
-            }
+            (s.hosts.clone(), backend.or(Some(namespace.backend.clone())))
         }
-    }
+    };
     // The namespace is alone in ANA group 1 (its NSID).
     let groups = call(engine, ListAnaGroups { nqn: nqn.clone() })?;
     let group = groups.iter().find(|g| g.nsids.contains(&1));
@@ -182,6 +226,15 @@ fn export(
             let group = group.map_or(1, |g| g.group);
             call(engine, SetAnaState { nqn: nqn.clone(), group, host: Some(a.host_nqn.clone()), state })?;
         }
+    }
+    if backend.as_deref() != Some(namespace.backend.as_str()) {
+        call(engine, SwapNamespace { nqn: nqn.clone(), nsid: 1, backend: namespace.backend.clone() })?;
+    }
+    for h in d.hosts.iter().filter(|h| !allowed.contains(h)) {
+        call(engine, AddHost { nqn: nqn.clone(), host: h.clone() })?;
+    }
+    for h in allowed.iter().filter(|h| !d.hosts.contains(h)) {
+        call(engine, RemoveHost { nqn: nqn.clone(), host: h.clone() })?;
     }
     Ok(())
 }
@@ -195,10 +248,19 @@ fn ensure(
 ) -> Result<VolumeInfo, String> {
     let (pool, name) = (d.pool.clone(), d.engine_name.clone());
     let mut info = match volume {
-        None => call(
-            engine,
-            CreateVolume { pool: pool.clone(), name: name.clone(), size: d.size_bytes, thin: d.thin, identity: None },
-        )?,
+        None if d.keep_only => {
+            return Err(format!(
+                "volume {pool}/{name} is not on this engine and is not to be made anew (a migration may have moved \
+                 it); the controller decides where it is"
+            ));
+        }
+        None => {
+            let identity =
+                (!d.uuid.is_empty()).then(|| VolumeIdentity { uuid: d.uuid.clone(), nguid: d.nguid.clone() });
+            let create =
+                CreateVolume { pool: pool.clone(), name: name.clone(), size: d.size_bytes, thin: d.thin, identity };
+            call(engine, create)?
+        }
         Some(v) => v.clone(),
     };
     if info.size < d.size_bytes {

@@ -99,6 +99,38 @@ pub struct VolumeRecord {
     /// Each attached host's access points, the optimized one first.
     #[serde(default)]
     pub paths: BTreeMap<String, Vec<String>>,
+    /// The migration under way, if any.
+    #[serde(default)]
+    pub migration: Option<MigrationRecord>,
+    /// How the last migration ended.
+    #[serde(default)]
+    pub last_migration: String,
+}
+
+/// Where a migration stands, as recorded before each step is taken.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum MigrationPhase {
+    /// The target node makes the volume (same size and identity) and exports it to
+    /// the hosts (inaccessible) and to the owner's engine.
+    Preparing,
+    /// The owner's engine copies rounds to the target.
+    Copying,
+    /// The switch was asked for: once it happens, the target holds the only copy.
+    Switching,
+}
+
+/// A volume's move to another node.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct MigrationRecord {
+    pub to_node: String,
+    pub to_pool: String,
+    pub phase: MigrationPhase,
+    /// Most bytes per second the copy takes; 0: no limit.
+    pub rate: u64,
+    /// Longest pause of hosts' I/O at the switch.
+    pub pause_ms: u32,
+    pub started_ms: u64,
 }
 
 impl VolumeRecord {
@@ -108,10 +140,12 @@ impl VolumeRecord {
         self.paths.get(host).cloned().unwrap_or_else(|| vec![self.node.clone()])
     }
 
-    /// Every node that exports the volume: its owner and its access points.
+    /// Every node that exports the volume: its owner, its access points, and the
+    /// target of its migration.
     pub fn exporting_nodes(&self) -> BTreeSet<String> {
         let mut nodes: BTreeSet<String> = self.hosts.iter().flat_map(|h| self.paths_of(h)).collect();
         nodes.insert(self.node.clone());
+        nodes.extend(self.migration.as_ref().map(|m| m.to_node.clone()));
         nodes
     }
 }

@@ -96,6 +96,14 @@ impl proto::controller_server::Controller for Service {
         self.with(async |c| c.get_volume(&r.get_ref().name)).await
     }
 
+    async fn migrate_volume(&self, r: Request<proto::MigrateVolumeRequest>) -> Result<Response<proto::Volume>, Status> {
+        self.with(async |c| c.migrate_volume(r.get_ref()).await).await
+    }
+
+    async fn cancel_migration(&self, r: Request<proto::VolumeName>) -> Result<Response<proto::Volume>, Status> {
+        self.with(async |c| c.cancel_migration(&r.get_ref().name).await).await
+    }
+
     async fn list_volumes(
         &self,
         r: Request<proto::ListVolumesRequest>,

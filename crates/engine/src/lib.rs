@@ -214,6 +214,36 @@ impl Engine {
         Ok(nsid)
     }
 
+    /// Serves namespace `nsid` of `nqn` from another backend, invisibly to hosts: the
+    /// backend must have the namespace's identity (if it has one) and block size, and
+    /// at least its size. Refused while the namespace's volume is moving.
+    pub fn swap_namespace(&self, nqn: &str, nsid: u32, spec: &str) -> Result<()> {
+        let s = self.subsystem(nqn)?;
+        let ns = s.namespaces().get(&nsid).cloned().ok_or_else(|| {
+            Error::not_found(format!("no namespace {nsid} in {nqn}: `nvpool engine subsystem list` shows them"))
+        })?;
+        if ns.backend.as_volume().is_some_and(|v| v.gate.busy()) {
+            return Err(Error::precondition(format!(
+                "namespace {nsid} of {nqn} serves a volume that is moving: cancel its migration first"
+            )));
+        }
+        let opened = self.open_backend(spec)?;
+        if opened.identity.is_some_and(|id| id != (ns.uuid, ns.nguid)) {
+            return Err(Error::precondition(format!(
+                "{spec} is another namespace (its UUID or NGUID differ from namespace {nsid}'s): hosts would see \
+                 other data under the same identity"
+            )));
+        }
+        if opened.backend.required_block_size().is_some_and(|b| b != ns.block_size()) {
+            return Err(Error::invalid(format!(
+                "{spec} has {}-byte blocks; namespace {nsid} has {}-byte blocks",
+                opened.backend.required_block_size().unwrap_or(0),
+                ns.block_size()
+            )));
+        }
+        s.swap_backend(nsid, opened.backend)
+    }
+
     /// Removes a namespace; connected hosts get an event.
     pub fn remove_namespace(&self, nqn: &str, nsid: u32) -> Result<()> {
         self.subsystem(nqn)?.remove_namespace(nsid)?;
@@ -274,6 +304,12 @@ impl Engine {
                     allow_any_host: policy.allow_any,
                     hosts: policy.hosts.into_iter().collect(),
                     controllers: s.controllers().len(),
+                    connected_hosts: {
+                        let mut hosts: Vec<String> = s.controllers().iter().map(|c| c.hostnqn.clone()).collect();
+                        hosts.sort();
+                        hosts.dedup();
+                        hosts
+                    },
                     namespaces: s.namespaces().values().map(|ns| namespace_info(ns)).collect(),
                 }
             })

@@ -108,6 +108,7 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value> {
         AddNamespace::NAME => {
             answer(p, |r: AddNamespace| engine.add_namespace(&r.nqn, &r.namespace).map(|nsid| NamespaceAdded { nsid }))
         }
+        SwapNamespace::NAME => answer(p, |r: SwapNamespace| ok(engine.swap_namespace(&r.nqn, r.nsid, &r.backend))),
         RemoveNamespace::NAME => answer(p, |r: RemoveNamespace| ok(engine.remove_namespace(&r.nqn, r.nsid))),
         AddHost::NAME => answer(p, |r: AddHost| ok(engine.add_host(&r.nqn, &r.host))),
         RemoveHost::NAME => answer(p, |r: RemoveHost| ok(engine.remove_host(&r.nqn, &r.host))),

@@ -53,6 +53,9 @@ const DEFAULT_PAUSE: Duration = Duration::from_millis(100);
 const ROUNDS_BEFORE_TRYING: u32 = 8;
 /// How often an idle copy (nothing written since its last round) looks again.
 const IDLE_WAIT: Duration = Duration::from_millis(20);
+/// Shortest time from one round's start to the next's while no switch waits, so
+/// that each round gathers the writes of a while rather than of a few microseconds.
+const ROUND_SPACING: Duration = Duration::from_millis(100);
 
 /// The engine's migrations, by (pool, volume).
 #[derive(Default)]
@@ -426,7 +429,7 @@ impl Mover {
                     }
                     rounds_since_asked += 1;
                 }
-                if dirty > 0 {
+                if dirty > 0 && (pause.is_some() || started.elapsed() >= ROUND_SPACING) {
                     break;
                 }
                 std::thread::sleep(IDLE_WAIT);

@@ -4,8 +4,12 @@
 use super::*;
 
 /// What one node serves of a volume: the data and its export on the owner; an
-/// export that forwards to the owner on an access point.
+/// export that forwards to the owner on an access point; the copy a migration fills,
+/// on its target.
 fn desired_volume(st: &State, v: &VolumeRecord, node: &str) -> proto::DesiredVolume {
+    if let Some(m) = v.migration.as_ref().filter(|m| m.to_node == node) {
+        return migration_target(st, v, m);
+    }
     let mut hosts = Vec::new();
     let mut ana = Vec::new();
     for host in &v.hosts {
@@ -41,6 +45,38 @@ fn desired_volume(st: &State, v: &VolumeRecord, node: &str) -> proto::DesiredVol
         hosts,
         owner_address,
         ana,
+        // Once a switch may have happened, the owner's engine may have deleted the
+        // volume: it must not make a new, empty one.
+        keep_only: v.node == node && v.migration.as_ref().is_some_and(|m| m.phase == MigrationPhase::Switching),
+        ..Default::default()
+    }
+}
+
+/// The target of a migration: a volume of the same size and identity, exported to the
+/// attached hosts as inaccessible (they connect, and use it once it is theirs) and to
+/// the owner's engine, which copies into it and forwards to it after the switch.
+fn migration_target(st: &State, v: &VolumeRecord, m: &MigrationRecord) -> proto::DesiredVolume {
+    let owner_engine = st.nodes.get(&v.node).map(|n| n.record.host_nqn.clone()).unwrap_or_default();
+    let mut ana: Vec<proto::HostAna> =
+        v.hosts.iter().map(|h| proto::HostAna { host_nqn: h.clone(), state: "inaccessible".into() }).collect();
+    ana.push(proto::HostAna { host_nqn: owner_engine.clone(), state: "optimized".into() });
+    let mut hosts: Vec<String> = v.hosts.iter().cloned().chain([owner_engine]).filter(|h| !h.is_empty()).collect();
+    hosts.sort();
+    hosts.dedup();
+    proto::DesiredVolume {
+        id: v.id.clone(),
+        engine_name: v.engine_name.clone(),
+        pool: m.to_pool.clone(),
+        size_bytes: v.size,
+        thin: v.thin,
+        present: true,
+        subsystem_nqn: v.subsystem_nqn.clone(),
+        hosts,
+        owner_address: String::new(),
+        ana,
+        uuid: v.uuid.clone(),
+        nguid: v.nguid.clone(),
+        keep_only: false,
     }
 }
 
@@ -81,6 +117,9 @@ impl Cluster {
             .map_err(|e| format!("agent at {address}: {}", e.message()))?
             .into_inner();
         let results: Results = reply.results.into_iter().map(|r| (r.id.clone(), r)).collect();
+        if let Some(n) = self.state.lock().unwrap().nodes.get_mut(node) {
+            n.connected = results.values().map(|r| (r.id.clone(), r.connected_hosts.clone())).collect();
+        }
         self.absorb(node, generation, &results).await;
         Ok(results)
     }
@@ -152,6 +191,19 @@ impl Cluster {
         loop {
             tokio::time::sleep(self.cfg.heartbeat_interval / 2).await;
             self.repath_lost_access_points().await;
+            // Migrations an earlier controller recorded go on from their last step.
+            let moving: Vec<String> = self
+                .state
+                .lock()
+                .unwrap()
+                .volumes
+                .values()
+                .filter(|v| v.migration.is_some())
+                .map(|v| v.name.clone())
+                .collect();
+            for name in moving {
+                self.start_driver(&name);
+            }
             let due: Vec<String> = {
                 let mut st = self.state.lock().unwrap();
                 let open: HashSet<String> = st

@@ -52,13 +52,40 @@ impl Cluster {
                 Some(n) if self.healthy(n) => String::new(),
                 _ => format!("its owner {} is down and holds the only copy of its data", v.node),
             },
+            migration: v.migration.as_ref().map(|m| {
+                let p = st.progress.get(&v.name).cloned().unwrap_or_default();
+                proto::Migration {
+                    from_node: v.node.clone(),
+                    to_node: m.to_node.clone(),
+                    to_pool: m.to_pool.clone(),
+                    phase: match m.phase {
+                        MigrationPhase::Preparing => "preparing",
+                        MigrationPhase::Copying => "copying",
+                        MigrationPhase::Switching => "switching",
+                    }
+                    .into(),
+                    round: p.engine.round,
+                    copied_bytes: p.engine.copied_bytes,
+                    dirty_bytes: p.engine.dirty_bytes,
+                    allocated_bytes: p.engine.allocated_bytes,
+                    rate: p.engine.rate,
+                    round_bytes: p.engine.round_bytes,
+                    pause_us: p.engine.pause_us,
+                    started_ms_ago: now_ms().saturating_sub(m.started_ms),
+                    waiting: p.waiting,
+                }
+            }),
+            last_migration: v.last_migration.clone(),
         }
     }
 
-    /// A host's paths to a volume, the optimized one first.
+    /// A host's paths to a volume, the optimized one first; a migration's target last
+    /// (inaccessible until the switch), so hosts connect it beforehand.
     pub(super) fn paths_proto(&self, st: &State, v: &VolumeRecord, host: &str) -> Vec<proto::Path> {
+        let target = v.migration.as_ref().map(|m| m.to_node.clone());
         v.paths_of(host)
             .iter()
+            .chain(target.as_ref())
             .enumerate()
             .map(|(i, node)| {
                 let entry = st.nodes.get(node);
@@ -68,7 +95,7 @@ impl Cluster {
                     transport: "tcp".into(),
                     address,
                     port,
-                    ana_state: ana_state(i).into(),
+                    ana_state: if Some(node) == target.as_ref() { "inaccessible" } else { ana_state(i) }.into(),
                     owner: *node == v.node,
                     healthy: entry.is_some_and(|n| self.healthy(n)),
                 }

@@ -20,6 +20,7 @@ use tonic::transport::{Channel, Endpoint};
 
 mod apply;
 mod convert;
+mod migrations;
 mod nodes;
 mod volumes;
 
@@ -57,6 +58,9 @@ struct NodeEntry {
     applied_generation: u64,
     /// Why the agent last could not reach its engine; the node takes nothing new then.
     engine_error: Option<String>,
+    /// The hosts connected to each volume's export here (by volume ID), as of the last
+    /// Apply.
+    connected: HashMap<String, Vec<String>>,
 }
 
 struct State {
@@ -66,6 +70,10 @@ struct State {
     tombstones: BTreeMap<String, Tombstone>,
     /// Nodes with an Apply in flight, so the background loop does not pile them up.
     applying: HashSet<String>,
+    /// Volumes whose migration has a driver running.
+    driving: HashSet<String>,
+    /// What the drivers last heard of each migration.
+    progress: HashMap<String, migrations::Progress>,
     next_generation: u64,
 }
 
@@ -153,6 +161,7 @@ impl Cluster {
                 desired_generation: 0,
                 applied_generation: 0,
                 engine_error: None,
+                connected: HashMap::new(),
             };
             nodes.insert(entry.record.name.clone(), entry);
         }
@@ -168,8 +177,16 @@ impl Cluster {
         }
         // Generations start from the clock so that they never repeat one an agent
         // applied under an earlier controller.
-        let mut state =
-            State { cluster_id, nodes, volumes, tombstones, applying: HashSet::new(), next_generation: now_ms() };
+        let mut state = State {
+            cluster_id,
+            nodes,
+            volumes,
+            tombstones,
+            applying: HashSet::new(),
+            driving: HashSet::new(),
+            progress: HashMap::new(),
+            next_generation: now_ms(),
+        };
         let names: Vec<String> = state.nodes.keys().cloned().collect();
         for n in names {
             state.touch(&n);

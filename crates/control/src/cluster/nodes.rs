@@ -53,6 +53,7 @@ impl Cluster {
             desired_generation: 0,
             applied_generation: 0,
             engine_error: None,
+            connected: HashMap::new(),
         });
         entry.pools = record.pools.clone();
         entry.record = record.clone();
@@ -147,10 +148,15 @@ impl Cluster {
             st.nodes.get(node).and_then(|n| n.pools.iter().find(|p| p.name == pool)).map_or(1, |p| p.cluster_size)
         };
         let live = st.volumes.values().map(|v| (&v.node, &v.pool, &v.engine_name, v.size, v.thin));
+        // A migration's target takes the volume's room on its node from the start.
+        let moving = st
+            .volumes
+            .values()
+            .filter_map(|v| v.migration.as_ref().map(|m| (&m.to_node, &m.to_pool, &v.engine_name, v.size, v.thin)));
         let dying = st.tombstones.values().map(|t| (&t.node, &t.pool, &t.engine_name, t.size, t.thin));
         // (node, pool) -> (bytes taken, bytes promised)
         let mut promised: HashMap<(&str, &str), (u64, u64)> = HashMap::new();
-        for (node, pool, engine_name, size, thin) in live.chain(dying) {
+        for (node, pool, engine_name, size, thin) in live.chain(moving).chain(dying) {
             let taken = if thin {
                 st.nodes.get(node).and_then(|n| n.usage.get(engine_name)).copied().unwrap_or(0)
             } else {

@@ -95,6 +95,8 @@ impl Cluster {
                 access_policy,
                 group: req.group.clone(),
                 paths: BTreeMap::new(),
+                migration: None,
+                last_migration: String::new(),
             };
             // Reserve the space now, so that concurrent creations see it taken.
             st.volumes.insert(record.name.clone(), record.clone());
@@ -165,9 +167,20 @@ impl Cluster {
 
     pub async fn delete_volume(&self, name: &str) -> Result<bool, Status> {
         let _guard = self.volume_locks.lock(name).await;
-        let Some(v) = self.state.lock().unwrap().volumes.get(name).cloned() else {
+        let Some(mut v) = self.state.lock().unwrap().volumes.get(name).cloned() else {
             return Ok(false);
         };
+        if let Some(m) = v.migration.clone() {
+            if m.phase == MigrationPhase::Switching {
+                return Err(Status::unavailable(format!(
+                    "volume {name} is switching to {}; retry in a moment",
+                    m.to_node
+                )));
+            }
+            // Its move ends first: the target's copy goes with a tombstone of its own.
+            self.roll_back(&v, &m, "cancelled").await?;
+            v = self.state.lock().unwrap().volumes[name].clone();
+        }
         self.bury(&v).await?;
         // The tombstone is durable; the background loop retries if the node is away.
         let _ = self.apply_node(&v.node).await;
@@ -177,6 +190,12 @@ impl Cluster {
     pub async fn resize_volume(&self, name: &str, size: u64) -> Result<proto::Volume, Status> {
         let _guard = self.volume_locks.lock(name).await;
         let v = self.ready_volume(name)?;
+        if let Some(m) = &v.migration {
+            return Err(Status::failed_precondition(format!(
+                "volume {name} is moving to {}: resize it once it is there, or cancel the move",
+                m.to_node
+            )));
+        }
         if size <= v.size {
             return Ok(self.volume_proto(&v));
         }
@@ -355,7 +374,9 @@ impl Cluster {
                 // A lost owner stays a path: nothing else has the data, and the host
                 // gets it back through that path when the node returns.
                 healthy: self.healthy(n) || n.record.name == v.node,
-                excluded: v.exclude.contains(&n.record.name),
+                // A migration's target serves no host until the switch.
+                excluded: v.exclude.contains(&n.record.name)
+                    || v.migration.as_ref().is_some_and(|m| m.to_node == n.record.name),
                 cntlid_block: n.record.cntlid_block.unwrap_or(0),
             })
             .collect();

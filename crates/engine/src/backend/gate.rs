@@ -193,6 +193,11 @@ impl Gate {
         self.tracking.store(false, Ordering::SeqCst);
     }
 
+    /// Whether a migration uses the gate (marking, holding or forwarding).
+    pub fn busy(&self) -> bool {
+        self.tracking.load(Ordering::SeqCst) || self.mode.load(Ordering::SeqCst) != OPEN
+    }
+
     /// Parks every new command.
     pub fn hold(&self) {
         self.mode.store(HOLDING, Ordering::SeqCst);

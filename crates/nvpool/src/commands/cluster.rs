@@ -205,6 +205,27 @@ pub struct SimArgs {
 pub enum NodeVerb {
     /// List nodes with health, address and capacity.
     List,
+    /// Move every volume off a node (to nodes the scheduler picks), one at a time.
+    Drain {
+        /// Node name.
+        name: String,
+        #[command(flatten)]
+        how: MoveArgs,
+    },
+}
+
+/// How a volume moves.
+#[derive(Args, Clone)]
+pub struct MoveArgs {
+    /// Most bytes per second the copy takes, e.g. 200MiB (default: no limit).
+    #[arg(long, value_parser = parse_size)]
+    rate: Option<u64>,
+    /// Longest pause of hosts' I/O at the switch, in milliseconds.
+    #[arg(long, default_value_t = 100)]
+    pause_ms: u32,
+    /// Start and return; `nvpool volume get` shows the progress.
+    #[arg(long)]
+    no_wait: bool,
 }
 
 #[derive(Subcommand)]
@@ -271,6 +292,22 @@ pub enum ClusterVolumeVerb {
         /// Only volumes on this node.
         #[arg(long, default_value = "")]
         node: String,
+    },
+    /// Move a volume's data to another node while hosts use it; shows the progress.
+    Migrate {
+        /// Volume name.
+        name: String,
+        /// The node to move to.
+        #[arg(long, conflicts_with_all = ["auto", "cancel"], required_unless_present_any = ["auto", "cancel"])]
+        to: Option<String>,
+        /// Let the scheduler pick the node, by the volume's placement rules.
+        #[arg(long, conflicts_with = "cancel")]
+        auto: bool,
+        /// Stop a migration that has not switched; the volume stays where it was.
+        #[arg(long)]
+        cancel: bool,
+        #[command(flatten)]
+        how: MoveArgs,
     },
 }
 
@@ -352,6 +389,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
             print_or(api.json, &nodes_json(&r.nodes), || render(&node_table(&r.nodes)));
             Ok(())
         }),
+        Command::Node { verb: NodeVerb::Drain { name, how }, api } => rt.block_on(drain(&name, how, &api)),
         Command::Pool { verb: ClusterPoolVerb::List, api } => rt.block_on(async {
             let c = Controllers::new(&api.controller)?;
             let r = c.call(async |mut c| c.list_pools(proto::ListPoolsRequest {}).await).await.map_err(status)?;
@@ -513,6 +551,12 @@ async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), Strin
                 if !v.degraded.is_empty() {
                     out += &format!("\ndegraded: {}", v.degraded);
                 }
+                if let Some(m) = &v.migration {
+                    out += &format!("\nmoving from {} to {}: {}", m.from_node, m.to_node, progress_line(m));
+                }
+                if !v.last_migration.is_empty() {
+                    out += &format!("\nlast migration: {}", v.last_migration);
+                }
                 out += &format!(
                     "\naccess policy {}{}",
                     policy_name(v.access_policy),
@@ -531,8 +575,145 @@ async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), Strin
             let j = serde_json::Value::Array(r.volumes.iter().map(volume_json).collect());
             print_or(api.json, &j, || render(&volume_table(&r.volumes)));
         }
+        ClusterVolumeVerb::Migrate { name, cancel: true, .. } => {
+            let req = proto::VolumeName { name: name.clone() };
+            let v = c.call(async |mut c| c.cancel_migration(req.clone()).await).await.map_err(status)?;
+            print_or(api.json, &volume_json(&v), || {
+                if v.last_migration.is_empty() {
+                    format!("volume {name} is not moving")
+                } else {
+                    v.last_migration.clone()
+                }
+            });
+        }
+        ClusterVolumeVerb::Migrate { name, to, auto, how, .. } => {
+            migrate(&c, &name, to.unwrap_or_default(), auto, &how, api.json).await?;
+        }
     }
     Ok(())
+}
+
+/// Starts a volume's migration and, unless told not to wait, follows it to its end:
+/// a progress bar on a terminal, a line per round otherwise, JSON events with --json.
+async fn migrate(
+    c: &Controllers,
+    name: &str,
+    to_node: String,
+    auto: bool,
+    how: &MoveArgs,
+    json: bool,
+) -> Result<(), String> {
+    let req = proto::MigrateVolumeRequest {
+        name: name.to_string(),
+        to_node,
+        auto,
+        rate: how.rate.unwrap_or(0),
+        pause_ms: how.pause_ms,
+    };
+    let v = c.call(async |mut c| c.migrate_volume(req.clone()).await).await.map_err(status)?;
+    let m = v.migration.clone().unwrap_or_default();
+    if json {
+        println!("{}", serde_json::json!({ "event": "started", "volume": name, "from": m.from_node, "to": m.to_node }));
+    } else {
+        println!("moving volume {name} from {} to {} (pool {})", m.from_node, m.to_node, m.to_pool);
+    }
+    if how.no_wait {
+        return Ok(());
+    }
+    use std::io::{IsTerminal, Write};
+    let bar = !json && std::io::stdout().is_terminal();
+    let mut last_line = String::new();
+    loop {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let req = proto::VolumeName { name: name.to_string() };
+        let v = c.call(async |mut c| c.get_volume(req.clone()).await).await.map_err(status)?;
+        let Some(m) = v.migration.clone() else {
+            if bar {
+                println!();
+            }
+            let moved = v.last_migration.starts_with("moved");
+            if json {
+                let event = if moved { "moved" } else { "stopped" };
+                println!(
+                    "{}",
+                    serde_json::json!({ "event": event, "volume": name, "node": v.node, "summary": v.last_migration })
+                );
+            } else {
+                println!("{}", v.last_migration);
+            }
+            return if moved { Ok(()) } else { Err(format!("volume {name} did not move: {}", v.last_migration)) };
+        };
+        let line = progress_line(&m);
+        if json {
+            let j = serde_json::json!({
+                "event": "progress", "volume": name, "phase": m.phase, "round": m.round,
+                "copied_bytes": m.copied_bytes, "dirty_bytes": m.dirty_bytes, "allocated_bytes": m.allocated_bytes,
+                "rate": m.rate, "eta_seconds": eta(&m), "waiting": m.waiting,
+            });
+            if line != last_line {
+                println!("{j}");
+            }
+        } else if bar {
+            print!("\r\x1b[2K{line}");
+            let _ = std::io::stdout().flush();
+        } else if line != last_line {
+            println!("{line}");
+        }
+        last_line = line;
+    }
+}
+
+/// Seconds left at the last round's rate: the first round's rest, or what is dirty.
+fn eta(m: &proto::Migration) -> Option<f64> {
+    let left = if m.round <= 1 { m.allocated_bytes.saturating_sub(m.copied_bytes) } else { m.dirty_bytes };
+    (m.rate > 0).then(|| left as f64 / m.rate as f64)
+}
+
+fn progress_line(m: &proto::Migration) -> String {
+    let mut line = format!("{:<9} round {:>2}", m.phase, m.round);
+    if m.round <= 1 && m.allocated_bytes > 0 {
+        let done = (m.copied_bytes as f64 / m.allocated_bytes as f64).min(1.0);
+        let filled = (done * 20.0) as usize;
+        line += &format!(" [{}{}] {:>3.0}%", "#".repeat(filled), "-".repeat(20 - filled), done * 100.0);
+    }
+    line += &format!("  copied {}  dirty {}  {}/s", human(m.copied_bytes), human(m.dirty_bytes), human(m.rate));
+    if let Some(s) = eta(m) {
+        line += &format!("  ETA {s:.0}s");
+    }
+    if !m.waiting.is_empty() {
+        line += &format!("  (waiting: {})", m.waiting);
+    }
+    line
+}
+
+/// Moves every volume off a node, one after the other.
+async fn drain(node: &str, how: MoveArgs, api: &ControllerApi) -> Result<(), String> {
+    let c = Controllers::new(&api.controller)?;
+    let req = proto::ListVolumesRequest { node: node.to_string() };
+    let volumes = c.call(async |mut c| c.list_volumes(req.clone()).await).await.map_err(status)?.volumes;
+    if volumes.is_empty() {
+        println!("node {node} holds no volume");
+        return Ok(());
+    }
+    let how = MoveArgs { no_wait: false, ..how };
+    let mut failed = Vec::new();
+    for v in &volumes {
+        if let Err(e) = migrate(&c, &v.name, String::new(), true, &how, api.json).await {
+            eprintln!("{e}");
+            failed.push(v.name.clone());
+        }
+    }
+    if failed.is_empty() {
+        println!("node {node} drained: {} volumes moved", volumes.len());
+        Ok(())
+    } else {
+        Err(format!(
+            "{} of {} volumes did not move off {node}: {}; run the drain again",
+            failed.len(),
+            volumes.len(),
+            failed.join(", ")
+        ))
+    }
 }
 
 fn locality_name(l: i32) -> &'static str {
@@ -563,6 +744,13 @@ fn volume_json(v: &proto::Volume) -> serde_json::Value {
         "include_nodes": v.include_nodes, "exclude_nodes": v.exclude_nodes,
         "access_policy": policy_name(v.access_policy), "group": v.group, "attachments": attachments,
         "degraded": if v.degraded.is_empty() { serde_json::Value::Null } else { v.degraded.clone().into() },
+        "migration": v.migration.as_ref().map(|m| serde_json::json!({
+            "from_node": m.from_node, "to_node": m.to_node, "to_pool": m.to_pool, "phase": m.phase,
+            "round": m.round, "copied_bytes": m.copied_bytes, "dirty_bytes": m.dirty_bytes,
+            "allocated_bytes": m.allocated_bytes, "rate": m.rate, "round_bytes": m.round_bytes,
+            "pause_us": m.pause_us, "started_ms_ago": m.started_ms_ago, "waiting": m.waiting,
+        })),
+        "last_migration": v.last_migration,
     })
 }
 
