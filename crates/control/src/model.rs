@@ -118,11 +118,16 @@ pub enum MigrationPhase {
     Copying,
     /// The switch was asked for: once it happens, the target holds the only copy.
     Switching,
+    /// Switched: the target owns the volume; the old node still forwards to it, a
+    /// non-optimized path, until hosts' I/O has left it.
+    Retiring,
 }
 
 /// A volume's move to another node.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct MigrationRecord {
+    #[serde(default)]
+    pub from_node: String,
     pub to_node: String,
     pub to_pool: String,
     pub phase: MigrationPhase,
@@ -131,6 +136,9 @@ pub struct MigrationRecord {
     /// Longest pause of hosts' I/O at the switch.
     pub pause_ms: u32,
     pub started_ms: u64,
+    /// When the switch was seen (retiring).
+    #[serde(default)]
+    pub switched_ms: u64,
 }
 
 impl VolumeRecord {
@@ -140,12 +148,21 @@ impl VolumeRecord {
         self.paths.get(host).cloned().unwrap_or_else(|| vec![self.node.clone()])
     }
 
+    /// The node a migration adds to every host's paths: its target (inaccessible)
+    /// until the switch, then the old owner (non-optimized) while it retires.
+    pub fn migration_path(&self) -> Option<&str> {
+        self.migration
+            .as_ref()
+            .map(|m| if m.phase == MigrationPhase::Retiring { &m.from_node } else { &m.to_node })
+            .map(|n| n.as_str())
+    }
+
     /// Every node that exports the volume: its owner, its access points, and the
-    /// target of its migration.
+    /// node its migration adds.
     pub fn exporting_nodes(&self) -> BTreeSet<String> {
         let mut nodes: BTreeSet<String> = self.hosts.iter().flat_map(|h| self.paths_of(h)).collect();
         nodes.insert(self.node.clone());
-        nodes.extend(self.migration.as_ref().map(|m| m.to_node.clone()));
+        nodes.extend(self.migration_path().map(String::from));
         nodes
     }
 }

@@ -7,8 +7,8 @@ use super::*;
 /// export that forwards to the owner on an access point; the copy a migration fills,
 /// on its target.
 fn desired_volume(st: &State, v: &VolumeRecord, node: &str) -> proto::DesiredVolume {
-    if let Some(m) = v.migration.as_ref().filter(|m| m.to_node == node) {
-        return migration_target(st, v, m);
+    if let Some(m) = v.migration.as_ref().filter(|_| v.migration_path() == Some(node)) {
+        return if m.phase == MigrationPhase::Retiring { retiring(st, v) } else { migration_target(st, v, m) };
     }
     let mut hosts = Vec::new();
     let mut ana = Vec::new();
@@ -48,6 +48,32 @@ fn desired_volume(st: &State, v: &VolumeRecord, node: &str) -> proto::DesiredVol
         // Once a switch may have happened, the owner's engine may have deleted the
         // volume: it must not make a new, empty one.
         keep_only: v.node == node && v.migration.as_ref().is_some_and(|m| m.phase == MigrationPhase::Switching),
+        ..Default::default()
+    }
+}
+
+/// The old owner after a migration's switch: it forwards to the new owner (as its
+/// engine already does since the switch) as a non-optimized path. A host takes the
+/// ANA changes of its controllers one at a time: while it still sees the new owner
+/// inaccessible, this path stays usable, so no I/O waits for a path; once the new
+/// owner is optimized, the host leaves this one, and then its export goes.
+fn retiring(st: &State, v: &VolumeRecord) -> proto::DesiredVolume {
+    let owner = st.nodes.get(&v.node).map(|o| &o.record);
+    let owner_address = owner
+        .map(|o| if o.peer_address.is_empty() { &o.nvme_address } else { &o.peer_address })
+        .cloned()
+        .unwrap_or_default();
+    proto::DesiredVolume {
+        id: v.id.clone(),
+        engine_name: v.engine_name.clone(),
+        pool: v.pool.clone(),
+        size_bytes: v.size,
+        thin: v.thin,
+        present: true,
+        subsystem_nqn: v.subsystem_nqn.clone(),
+        hosts: v.hosts.clone(),
+        owner_address,
+        ana: v.hosts.iter().map(|h| proto::HostAna { host_nqn: h.clone(), state: "non-optimized".into() }).collect(),
         ..Default::default()
     }
 }

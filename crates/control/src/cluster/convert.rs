@@ -55,13 +55,14 @@ impl Cluster {
             migration: v.migration.as_ref().map(|m| {
                 let p = st.progress.get(&v.name).cloned().unwrap_or_default();
                 proto::Migration {
-                    from_node: v.node.clone(),
+                    from_node: m.from_node.clone(),
                     to_node: m.to_node.clone(),
                     to_pool: m.to_pool.clone(),
                     phase: match m.phase {
                         MigrationPhase::Preparing => "preparing",
                         MigrationPhase::Copying => "copying",
                         MigrationPhase::Switching => "switching",
+                        MigrationPhase::Retiring => "retiring",
                     }
                     .into(),
                     round: p.engine.round,
@@ -82,7 +83,7 @@ impl Cluster {
     /// A host's paths to a volume, the optimized one first; a migration's target last
     /// (inaccessible until the switch), so hosts connect it beforehand.
     pub(super) fn paths_proto(&self, st: &State, v: &VolumeRecord, host: &str) -> Vec<proto::Path> {
-        let target = v.migration.as_ref().map(|m| m.to_node.clone());
+        let target = v.migration_path().map(String::from);
         v.paths_of(host)
             .iter()
             .chain(target.as_ref())
@@ -95,7 +96,14 @@ impl Cluster {
                     transport: "tcp".into(),
                     address,
                     port,
-                    ana_state: if Some(node) == target.as_ref() { "inaccessible" } else { ana_state(i) }.into(),
+                    ana_state: match v.migration.as_ref() {
+                        Some(m) if Some(node) == target.as_ref() && m.phase == MigrationPhase::Retiring => {
+                            "non-optimized"
+                        }
+                        Some(_) if Some(node) == target.as_ref() => "inaccessible",
+                        _ => ana_state(i),
+                    }
+                    .into(),
                     owner: *node == v.node,
                     healthy: entry.is_some_and(|n| self.healthy(n)),
                 }

@@ -12,9 +12,11 @@
 //!   connected to the new path: the owner's engine is allowed to switch. It holds the
 //!   hosts' I/O, copies the rest, deletes its volume (the point of no return, durable
 //!   on that node) and forwards everything to the target;
-//! - then the volume's record names the target as its owner, in one write: the target
-//!   becomes each host's optimized path (an ANA change), access points forward to it,
-//!   and the old node drops its export.
+//! - **retiring**, recorded once the old owner says it switched (or has no volume any
+//!   more): the record names the target as the owner, in one write. The target becomes
+//!   each host's optimized path (an ANA change), access points forward to it, and the
+//!   old node forwards too, as a non-optimized path; a few seconds later, once the
+//!   hosts' I/O has left it, its export goes.
 //!
 //! Before the switch any failure (a node down, the target full, a cancel) rolls back:
 //! the engine's copy is cancelled, the target's volume is removed (a tombstone), and
@@ -27,6 +29,9 @@ use super::*;
 const STEP: Duration = Duration::from_millis(250);
 /// How long the target may take to make and export the volume.
 const PREPARE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long the old owner stays after the switch, forwarding and inaccessible: time
+/// for hosts to read the ANA change and finish what they sent it.
+const RETIRE_AFTER: Duration = Duration::from_secs(3);
 
 /// What a driver last heard of a migration, for `GetVolume`.
 #[derive(Clone, Default)]
@@ -100,12 +105,14 @@ impl Cluster {
             paths.retain(|n| *n != to_node);
         }
         moving.migration = Some(MigrationRecord {
+            from_node: v.node.clone(),
             to_node: to_node.clone(),
             to_pool,
             phase: MigrationPhase::Preparing,
             rate: req.rate,
             pause_ms: if req.pause_ms == 0 { 100 } else { req.pause_ms },
             started_ms: now_ms(),
+            switched_ms: 0,
         });
         self.put_volume(&moving).await?;
         drop(guard);
@@ -121,7 +128,7 @@ impl Cluster {
         let Some(m) = v.migration.clone() else {
             return Ok(self.volume_proto(&v));
         };
-        if m.phase == MigrationPhase::Switching {
+        if matches!(m.phase, MigrationPhase::Switching | MigrationPhase::Retiring) {
             return Err(Status::failed_precondition(format!(
                 "volume {name} is switching to {}: that cannot be stopped; it ends in a moment",
                 m.to_node
@@ -164,6 +171,7 @@ impl Cluster {
             MigrationPhase::Preparing => self.prepare(&v, &m).await,
             MigrationPhase::Copying => self.copying(&v, &m).await,
             MigrationPhase::Switching => self.switching(&v, &m).await,
+            MigrationPhase::Retiring => self.retire(&v, &m).await,
         };
         match outcome {
             Ok(next) => next,
@@ -281,15 +289,9 @@ impl Cluster {
         };
         let state = if status.target == self.target_of(v, m)? { status.state.as_str() } else { "none" };
         match state {
-            "switched" => {
-                self.finish_move(v, m, &status).await?;
-                return Ok(Next::Done);
-            }
-            _ if !status.volume_here => {
-                // The old owner's engine restarted after the point of no return.
-                self.finish_move(v, m, &status).await?;
-                return Ok(Next::Done);
-            }
+            "switched" => return self.record_switch(v, m, &status).await,
+            // The old owner's engine restarted after the point of no return.
+            _ if !status.volume_here => return self.record_switch(v, m, &status).await,
             "none" | "cancelled" => {
                 // The engine restarted before the switch: copy again, then switch.
                 let started = self.engine_migration(v, "start", m).await?;
@@ -354,39 +356,62 @@ impl Cluster {
     }
 
     /// The switch happened: the target owns the volume, in one write; then the nodes
-    /// follow, the new owner first (hosts' optimized path), the old one last.
-    async fn finish_move(
+    /// follow, the new owner first (hosts' optimized path), then the access points
+    /// (forwarding to it), then the old owner, which retires as a non-optimized path.
+    async fn record_switch(
         &self,
         v: &VolumeRecord,
         m: &MigrationRecord,
         engine: &proto::MigrationReply,
-    ) -> Result<(), String> {
+    ) -> Result<Next, String> {
         let from = v.node.clone();
         let mut moved = v.clone();
         moved.node = m.to_node.clone();
         moved.pool = m.to_pool.clone();
-        moved.migration = None;
+        moved.migration = Some(MigrationRecord { phase: MigrationPhase::Retiring, switched_ms: now_ms(), ..m.clone() });
         for paths in moved.paths.values_mut() {
             let rest: Vec<String> = paths.iter().filter(|n| **n != from && **n != m.to_node).cloned().collect();
             *paths = std::iter::once(m.to_node.clone()).chain(rest).collect();
         }
         let secs = now_ms().saturating_sub(m.started_ms) as f64 / 1000.0;
+        let mib = |b: u64| format!("{:.1}", b as f64 / (1u64 << 20) as f64);
+        let mut rounds: Vec<String> = engine.round_bytes.iter().take(12).map(|&b| mib(b)).collect();
+        if engine.round_bytes.len() > 12 {
+            rounds.push(format!("... {}", mib(*engine.round_bytes.last().unwrap_or(&0))));
+        }
         moved.last_migration = format!(
-            "moved from {from} to {} in {secs:.1} s: {} rounds, {} bytes copied, I/O paused {:.1} ms",
+            "moved from {from} to {} in {secs:.1} s: {} rounds ({} MiB), {} MiB copied, I/O paused {:.1} ms",
             m.to_node,
             engine.round,
-            engine.copied_bytes,
+            rounds.join(", "),
+            mib(engine.copied_bytes),
             engine.pause_us as f64 / 1000.0
         );
         self.put_volume(&moved).await.map_err(|e| e.message().to_string())?;
         tracing::info!(volume = %v.name, "{}", moved.last_migration);
         let mut order = vec![m.to_node.clone()];
-        order.extend(moved.exporting_nodes().into_iter().filter(|n| *n != m.to_node));
+        order.extend(moved.exporting_nodes().into_iter().filter(|n| *n != m.to_node && *n != from));
         order.push(from);
         for node in order {
             let _ = self.apply_node(&node).await;
         }
-        Ok(())
+        Ok(Next::Again)
+    }
+
+    /// The old owner retires once hosts have had the time to take the ANA change and
+    /// finish the I/O they sent it: then its export goes.
+    async fn retire(&self, v: &VolumeRecord, m: &MigrationRecord) -> Result<Next, String> {
+        if Duration::from_millis(now_ms().saturating_sub(m.switched_ms)) < RETIRE_AFTER {
+            self.set_progress(&v.name, None, format!("the old owner {} retires", m.from_node));
+            return Ok(Next::Again);
+        }
+        let mut done = v.clone();
+        done.migration = None;
+        self.put_volume(&done).await.map_err(|e| e.message().to_string())?;
+        for node in [&m.from_node, &v.node] {
+            let _ = self.apply_node(node).await;
+        }
+        Ok(Next::Done)
     }
 
     /// Ends a migration before its switch: the engine stops copying, the target's

@@ -149,10 +149,12 @@ impl Cluster {
         };
         let live = st.volumes.values().map(|v| (&v.node, &v.pool, &v.engine_name, v.size, v.thin));
         // A migration's target takes the volume's room on its node from the start.
-        let moving = st
-            .volumes
-            .values()
-            .filter_map(|v| v.migration.as_ref().map(|m| (&m.to_node, &m.to_pool, &v.engine_name, v.size, v.thin)));
+        let moving = st.volumes.values().filter_map(|v| {
+            v.migration
+                .as_ref()
+                .filter(|m| m.phase != MigrationPhase::Retiring)
+                .map(|m| (&m.to_node, &m.to_pool, &v.engine_name, v.size, v.thin))
+        });
         let dying = st.tombstones.values().map(|t| (&t.node, &t.pool, &t.engine_name, t.size, t.thin));
         // (node, pool) -> (bytes taken, bytes promised)
         let mut promised: HashMap<(&str, &str), (u64, u64)> = HashMap::new();

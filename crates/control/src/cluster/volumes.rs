@@ -171,7 +171,7 @@ impl Cluster {
             return Ok(false);
         };
         if let Some(m) = v.migration.clone() {
-            if m.phase == MigrationPhase::Switching {
+            if matches!(m.phase, MigrationPhase::Switching | MigrationPhase::Retiring) {
                 return Err(Status::unavailable(format!(
                     "volume {name} is switching to {}; retry in a moment",
                     m.to_node
@@ -374,9 +374,8 @@ impl Cluster {
                 // A lost owner stays a path: nothing else has the data, and the host
                 // gets it back through that path when the node returns.
                 healthy: self.healthy(n) || n.record.name == v.node,
-                // A migration's target serves no host until the switch.
-                excluded: v.exclude.contains(&n.record.name)
-                    || v.migration.as_ref().is_some_and(|m| m.to_node == n.record.name),
+                // The node a migration adds serves hosts only as the migration says.
+                excluded: v.exclude.contains(&n.record.name) || v.migration_path() == Some(n.record.name.as_str()),
                 cntlid_block: n.record.cntlid_block.unwrap_or(0),
             })
             .collect();
