@@ -312,6 +312,10 @@ pub struct MigrationInfo {
     pub pause_us: Option<u64>,
     /// Switches begun and given up because the pause would have run over.
     pub pauses_given_up: u32,
+    /// Bytes per second hosts may write while the rounds do not shrink enough to
+    /// switch (writes wait in the engine meanwhile); 0 when hosts are not held back.
+    #[serde(default)]
+    pub throttle: u64,
     /// Why it failed.
     pub error: Option<String>,
 }

@@ -213,6 +213,7 @@ pub fn run(
                 errors: 0,
                 verify_failures: 0,
                 cpu_seconds,
+                timeline: Vec::new(),
             });
         }
     }

@@ -80,6 +80,19 @@ pub struct Options {
     pub digests: Digests,
     /// Use only the first `span` bytes of the namespace (all of it when `None`).
     pub span: Option<u64>,
+    /// Report IOPS and the slowest I/O of every window this long, too.
+    pub timeline: Option<Duration>,
+}
+
+/// One window of a run's timeline.
+#[derive(Clone, Debug, Serialize)]
+pub struct Window {
+    /// Seconds from the start of the measured time to the window's start.
+    pub at_s: f64,
+    /// I/Os per second in the window.
+    pub iops: f64,
+    /// The slowest I/O completed in the window, in microseconds.
+    pub max_us: f64,
 }
 
 /// Latency figures in microseconds.
@@ -138,6 +151,8 @@ pub struct Report {
     pub verify_failures: u64,
     /// CPU seconds the generator's thread used while measuring.
     pub cpu_seconds: f64,
+    /// With `timeline`: the measured time, window by window.
+    pub timeline: Vec<Window>,
 }
 
 /// Marks a block written with `verify`: the first 8 bytes; the next 8 are the LBA.
@@ -294,7 +309,7 @@ pub fn run(o: &Options) -> Result<Report, String> {
             maxh2cdata,
         });
     }
-    let result = drive(&plan, &mut conns, o.warmup, o.duration);
+    let result = drive(&plan, &mut conns, o.warmup, o.duration, o.timeline);
     drop(admin);
     let r = result?;
     Ok(Report { workload: o.workload, io_size: o.io_size, queue_depth: o.queue_depth, connections: o.connections, ..r })
@@ -327,6 +342,9 @@ struct Counters {
     errors: u64,
     verify_failures: u64,
     hist: Histogram,
+    /// I/Os and the slowest one since the timeline's window began.
+    window_ios: u64,
+    window_max_ns: u64,
 }
 
 /// CPU time the calling thread has used, in nanoseconds.
@@ -337,7 +355,13 @@ pub(crate) fn thread_cpu_ns() -> u64 {
         .unwrap_or(0)
 }
 
-fn drive(plan: &Plan, conns: &mut [Conn], warmup: Duration, duration: Duration) -> Result<Report, String> {
+fn drive(
+    plan: &Plan,
+    conns: &mut [Conn],
+    warmup: Duration,
+    duration: Duration,
+    timeline: Option<Duration>,
+) -> Result<Report, String> {
     let start = Instant::now();
     let measure_at = start + warmup;
     let end_at = measure_at + duration;
@@ -355,6 +379,8 @@ fn drive(plan: &Plan, conns: &mut [Conn], warmup: Duration, duration: Duration) 
     }
     let mut pass: u32 = 0;
     let mut drain_deadline = None;
+    let mut windows = Vec::new();
+    let mut window_start = start;
     loop {
         for c in conns.iter_mut() {
             c.flush()?;
@@ -380,6 +406,17 @@ fn drive(plan: &Plan, conns: &mut [Conn], warmup: Duration, duration: Duration) 
             measure_start = now;
             cpu_start = thread_cpu_ns();
             counters = Counters::default();
+            window_start = now;
+        }
+        if let Some(every) = timeline.filter(|&w| measuring && now - window_start >= w) {
+            let secs = (now - window_start).as_secs_f64();
+            windows.push(Window {
+                at_s: (window_start - measure_start).as_secs_f64(),
+                iops: counters.window_ios as f64 / secs,
+                max_us: counters.window_max_ns as f64 / 1000.0,
+            });
+            (counters.window_ios, counters.window_max_ns) = (0, 0);
+            window_start += every;
         }
         if running && now >= end_at {
             running = false;
@@ -411,6 +448,7 @@ fn drive(plan: &Plan, conns: &mut [Conn], warmup: Duration, duration: Duration) 
         errors: counters.errors,
         verify_failures: counters.verify_failures,
         cpu_seconds: cpu_secs,
+        timeline: windows,
     })
 }
 
@@ -487,9 +525,12 @@ impl Conn {
     fn complete(&mut self, plan: &Plan, cid: u16, ok: bool, t: Tick, k: &mut Counters) {
         let Some(slot) = self.slots.get_mut(usize::from(cid)).and_then(Option::take) else { return };
         if t.measuring {
-            k.hist.record((t.now - slot.start).as_nanos() as u64);
+            let ns = (t.now - slot.start).as_nanos() as u64;
+            k.hist.record(ns);
             k.ios += 1;
             k.bytes += u64::from(plan.io_size);
+            k.window_ios += 1;
+            k.window_max_ns = k.window_max_ns.max(ns);
         }
         if !ok {
             k.errors += 1;

@@ -12,7 +12,10 @@
 //! 3. Once the switch is asked for and a round leaves little to copy, the gate holds
 //!    new commands, the ones already on the volume finish, the rest is copied and the
 //!    target flushed. A switch that would hold I/O longer than asked gives up before
-//!    anything is decided: the gate opens and the rounds go on.
+//!    anything is decided: the gate opens and the rounds go on. Hosts that write
+//!    faster than the copy would keep the rounds from shrinking: then the gate parks
+//!    writes and this thread lets them through at a quarter of the copy rate, halved
+//!    again each round that still leaves too much, which makes the rounds converge.
 //! 4. The volume is deleted here: that is the point of no return, durable in this
 //!    pool, so whoever asks after a crash can tell whether the switch happened. Then
 //!    the held commands and all later ones go to the target, through the remote
@@ -56,6 +59,8 @@ const IDLE_WAIT: Duration = Duration::from_millis(20);
 /// Shortest time from one round's start to the next's while no switch waits, so
 /// that each round gathers the writes of a while rather than of a few microseconds.
 const ROUND_SPACING: Duration = Duration::from_millis(100);
+/// The least a throttle lets hosts write, in bytes per second.
+const MIN_THROTTLE: u64 = 1 << 20;
 
 /// The engine's migrations, by (pool, volume).
 #[derive(Default)]
@@ -106,6 +111,15 @@ struct Mover {
     rate: Option<u64>,
     buf: Buf,
     job: Arc<Job>,
+    /// What the current round copies, as marked (before ranges are joined), and
+    /// whether the round was found not to converge.
+    marked: u64,
+    judged: bool,
+    /// Bytes per second hosts may write (0: not throttled), the bytes they may write
+    /// now, and when that was last counted.
+    throttle: u64,
+    allowance: f64,
+    paced_at: Instant,
 }
 
 /// The copy's own queue to the target namespace.
@@ -206,6 +220,7 @@ fn none_info(volume_here: bool) -> MigrationInfo {
         switch_requested: false,
         pause_us: None,
         pauses_given_up: 0,
+        throttle: 0,
         error: None,
     }
 }
@@ -285,6 +300,11 @@ impl Engine {
             target: target_queue,
             rate,
             job: job.clone(),
+            marked: 0,
+            judged: false,
+            throttle: 0,
+            allowance: 0.0,
+            paced_at: Instant::now(),
         };
         if let Some(gate) = mover.gate() {
             gate.track();
@@ -368,6 +388,7 @@ impl Mover {
         let outcome = self.rounds();
         if let Some(gate) = self.gate() {
             gate.untrack();
+            gate.throttle(false);
         }
         let (state, error) = match outcome {
             Ok(state) => (state, None),
@@ -388,6 +409,7 @@ impl Mover {
     /// Copies round after round until the switch, a cancel or an error.
     fn rounds(&mut self) -> Result<MigrationState> {
         let mut runs = self.allocated_runs();
+        self.marked = runs.iter().map(|r| r.1).sum();
         let mut rounds_since_asked = 0;
         loop {
             if self.cancelled() {
@@ -407,11 +429,12 @@ impl Mover {
             });
             // Wait for something to copy, or for the switch.
             loop {
-                let dirty = self.gate().map_or(0, |g| g.dirty_bytes());
-                self.job.update(|i| i.dirty_bytes = dirty);
                 if self.cancelled() {
                     return Ok(MigrationState::Cancelled);
                 }
+                self.pace_writes();
+                let dirty = self.gate().map_or(0, |g| g.dirty_bytes());
+                self.job.update(|i| i.dirty_bytes = dirty);
                 let pause = *lock(&self.job.switch);
                 if let Some(pause) = pause {
                     let rate = lock(&self.job.info).rate.max(1);
@@ -427,14 +450,62 @@ impl Mover {
                             }
                         }
                     }
-                    rounds_since_asked += 1;
                 }
                 if dirty > 0 && (pause.is_some() || started.elapsed() >= ROUND_SPACING) {
+                    if pause.is_some() {
+                        rounds_since_asked += 1;
+                    }
                     break;
                 }
-                std::thread::sleep(IDLE_WAIT);
+                // Held-back writes are let through every millisecond, not every 20.
+                std::thread::sleep(if self.throttle > 0 { Duration::from_millis(1) } else { IDLE_WAIT });
             }
+            self.marked = self.gate().map_or(0, |g| g.dirty_bytes());
+            self.judged = false;
             runs = self.gate().map(|g| g.take_dirty()).unwrap_or_default();
+        }
+    }
+
+    /// Holds hosts' writes back harder: a quarter of the copy rate at first, half the
+    /// last throttle after.
+    fn tighten(&mut self, copy_rate: u64) {
+        if self.gate().is_none() {
+            return;
+        }
+        self.throttle = if self.throttle == 0 { copy_rate / 4 } else { self.throttle / 2 }.max(MIN_THROTTLE);
+        if let Some(gate) = self.gate() {
+            gate.throttle(true);
+        }
+        self.paced_at = Instant::now();
+        let throttle = self.throttle;
+        self.job.update(|i| i.throttle = throttle);
+        tracing::info!(volume = %self.name, "hosts' writes held back to {throttle} bytes/s so the rounds shrink");
+    }
+
+    /// Holds hosts' writes back when the round cannot converge, once the switch
+    /// waits: it has left more than half of what it had to copy (hosts write about as
+    /// fast as the copy goes). Judged once a round, as soon as that shows. Then lets
+    /// parked writes through at the throttle's rate.
+    fn pace_writes(&mut self) {
+        if !self.judged && lock(&self.job.switch).is_some() {
+            let left = self.gate().map_or(0, |g| g.dirty_bytes());
+            if left * 2 > self.marked {
+                self.judged = true;
+                let rate = lock(&self.job.info).rate.max(1);
+                self.tighten(rate);
+            }
+        }
+        if self.throttle == 0 {
+            return;
+        }
+        let now = Instant::now();
+        let earned = self.throttle as f64 * (now - self.paced_at).as_secs_f64();
+        self.paced_at = now;
+        // At most a tenth of a second's worth waits unused: a burst stays a burst.
+        self.allowance = (self.allowance + earned).min(self.throttle as f64 / 10.0);
+        if let Some(gate) = self.gate() {
+            let passed = gate.let_writes_through(self.allowance as u64);
+            self.allowance -= passed as f64;
         }
     }
 
@@ -470,6 +541,7 @@ impl Mover {
                 if self.cancelled() {
                     return Ok(());
                 }
+                self.pace_writes();
                 let (vc, within) = (at >> shift, at & (cs - 1));
                 let n = (cs - within).min(end - at);
                 let pool = self.pool.shared().clone();

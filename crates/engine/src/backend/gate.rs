@@ -5,11 +5,14 @@
 //! cache line is shared between cores) and, while a migration copies, marks the
 //! granules each write, zeroing or deallocation touched once it has completed: a
 //! granule marked after a round read it is copied again by the next round, and one
-//! completed before the round read it was copied with it. Holding, the gate parks new
-//! commands (deferred, buffers kept) while those already through finish, so the last
-//! round copies a volume nobody changes. Then it either opens again (the switch gave
-//! up) or forwards every parked and later command to the volume's new place.
+//! completed before the round read it was copied with it. Throttled, it parks the
+//! writes and the migration lets them through at a rate below its copy rate, so the
+//! rounds shrink however hard hosts write. Holding, the gate parks every new command
+//! (deferred, buffers kept) while those already through finish, so the last round
+//! copies a volume nobody changes. Then it either opens again (the switch gave up) or
+//! forwards every parked and later command to the volume's new place.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -26,6 +29,8 @@ const COUNTERS: usize = 64;
 const MIN_GRANULE_SHIFT: u32 = 12;
 /// Most granules a dirty map has (16 MiB of bits); larger volumes get larger granules.
 const MAX_GRANULES: u64 = 1 << 27;
+/// Dirty ranges closer than this are copied as one.
+const JOIN_GAP: u64 = 32 << 10;
 
 /// How commands pass.
 const OPEN: u8 = 0;
@@ -36,6 +41,8 @@ const FORWARDING: u8 = 2;
 pub(super) const ROUTE_HERE: u8 = 1;
 const ROUTE_PARKED: u8 = 2;
 const ROUTE_FORWARDED: u8 = 3;
+/// Parked, then let go: it passes the gate once more, but no throttle parks it again.
+const ROUTE_RELEASED: u8 = 4;
 
 /// What became of a command at the gate.
 pub(super) enum Admitted {
@@ -54,7 +61,10 @@ struct Counter(AtomicU64);
 pub struct Gate {
     mode: AtomicU8,
     passed: Box<[Counter]>,
-    parked: Mutex<Vec<Done>>,
+    /// Parked commands, oldest first, with the bytes each writes (0 for others).
+    parked: Mutex<VecDeque<(u64, Done)>>,
+    /// Whether writes park until the migration lets them through.
+    throttled: AtomicBool,
     /// Where commands go once the gate forwards.
     target: Mutex<Option<Arc<dyn Backend>>>,
     tracking: AtomicBool,
@@ -74,7 +84,8 @@ impl Gate {
         Gate {
             mode: AtomicU8::new(OPEN),
             passed: (0..COUNTERS).map(|_| Counter::default()).collect(),
-            parked: Mutex::new(Vec::new()),
+            parked: Mutex::new(VecDeque::new()),
+            throttled: AtomicBool::new(false),
             target: Mutex::new(None),
             tracking: AtomicBool::new(false),
             dirty: OnceLock::new(),
@@ -89,8 +100,17 @@ impl Gate {
     /// Lets a new command through, parks it, or forwards it.
     pub(super) fn admit(&self, io: &mut BlockIo, queue: &mut DiskQueue<'_>) -> Admitted {
         let reactor = queue.reactor_id();
+        let written = written_bytes(io);
         loop {
             match self.mode.load(Ordering::SeqCst) {
+                OPEN if written > 0 && io.route != ROUTE_RELEASED && self.throttled.load(Ordering::Relaxed) => {
+                    let mut parked = lock(&self.parked);
+                    if self.mode.load(Ordering::SeqCst) == OPEN && self.throttled.load(Ordering::SeqCst) {
+                        io.route = ROUTE_PARKED;
+                        parked.push_back((written, queue.defer(io)));
+                        return Admitted::Elsewhere;
+                    }
+                }
                 OPEN => {
                     // Counted before the mode is checked again, so a switch that set
                     // HOLDING either sees this count or this command sees HOLDING.
@@ -107,7 +127,7 @@ impl Gate {
                     // after the parked commands were released.
                     if self.mode.load(Ordering::SeqCst) == HOLDING {
                         io.route = ROUTE_PARKED;
-                        parked.push(queue.defer(io));
+                        parked.push_back((written, queue.defer(io)));
                         return Admitted::Elsewhere;
                     }
                 }
@@ -128,12 +148,12 @@ impl Gate {
         }
     }
 
-    /// Continues a command the gate parked or forwarded; false for one served here.
+    /// Continues a command the gate parked or forwarded; false for one served here
+    /// and one released (which is to pass the gate again).
     pub(super) fn resume(&self, io: &mut BlockIo, status: Status, queue: &mut DiskQueue<'_>) -> bool {
         match io.route {
             ROUTE_PARKED if status.is_success() => {
-                // Released: it passes the gate anew.
-                io.route = 0;
+                io.route = ROUTE_RELEASED;
                 false
             }
             ROUTE_PARKED => {
@@ -198,6 +218,38 @@ impl Gate {
         self.tracking.load(Ordering::SeqCst) || self.mode.load(Ordering::SeqCst) != OPEN
     }
 
+    /// Parks writes from now on, or stops doing so (and lets the parked ones go).
+    pub fn throttle(&self, on: bool) {
+        self.throttled.store(on, Ordering::SeqCst);
+        if !on && self.mode.load(Ordering::SeqCst) == OPEN {
+            self.release(OPEN);
+        }
+    }
+
+    /// Lets parked writes through, oldest first, up to `budget` bytes (at least one
+    /// if any waits and the budget is not empty); returns the bytes let through.
+    pub fn let_writes_through(&self, budget: u64) -> u64 {
+        let mut released = Vec::new();
+        let mut bytes = 0;
+        {
+            let mut parked = lock(&self.parked);
+            if self.mode.load(Ordering::SeqCst) != OPEN {
+                return 0;
+            }
+            while let Some(&(n, _)) = parked.front() {
+                if budget == 0 || (bytes > 0 && bytes + n > budget) {
+                    break;
+                }
+                bytes += n;
+                released.extend(parked.pop_front().map(|(_, resume)| resume));
+            }
+        }
+        for resume in released {
+            resume(Status::SUCCESS);
+        }
+        bytes
+    }
+
     /// Parks every new command.
     pub fn hold(&self) {
         self.mode.store(HOLDING, Ordering::SeqCst);
@@ -225,9 +277,19 @@ impl Gate {
             self.mode.store(mode, Ordering::SeqCst);
             std::mem::take(&mut *parked)
         };
-        for resume in parked {
+        for (_, resume) in parked {
             resume(Status::SUCCESS);
         }
+    }
+}
+
+/// The bytes a command writes (0 for reads and flushes): what a throttle counts.
+fn written_bytes(io: &BlockIo) -> u64 {
+    match io.plan {
+        IoPlan::Write { len, .. } => u64::from(len),
+        IoPlan::WriteZeroes { len, .. } => len,
+        IoPlan::DatasetManagement { deallocate: true, .. } => 1,
+        _ => 0,
     }
 }
 
@@ -290,8 +352,9 @@ impl DirtyMap {
         set << self.shift
     }
 
-    /// The marked ranges as (offset, length), adjacent granules joined, and clears
-    /// them: a command that completes meanwhile is in these or in the next.
+    /// The marked ranges as (offset, length), and clears them: a command that
+    /// completes meanwhile is in these or in the next. Ranges less than
+    /// [`JOIN_GAP`] apart are joined: one larger read and write cost less than two.
     pub fn take(&self) -> Vec<(u64, u64)> {
         let mut runs: Vec<(u64, u64)> = Vec::new();
         let g = self.granule();
@@ -302,7 +365,7 @@ impl DirtyMap {
                 bits &= bits - 1;
                 let offset = (i as u64 * 64 + b) * g;
                 match runs.last_mut() {
-                    Some((start, len)) if *start + *len == offset => *len += g,
+                    Some((start, len)) if offset - (*start + *len) < JOIN_GAP => *len = offset + g - *start,
                     _ => runs.push((offset, g)),
                 }
             }
@@ -323,8 +386,12 @@ mod tests {
         m.mark(4096, 4096);
         m.mark(64 * 4096 - 1, 2);
         m.mark(1 << 20, 128 << 10);
-        assert_eq!(m.bytes(), (2 + 2 + 32) * 4096);
-        assert_eq!(m.take(), vec![(0, 8192), (63 * 4096, 8192), (1 << 20, 128 << 10)]);
+        m.mark(70 * 4096, 1);
+        m.mark(100 * 4096, 1);
+        assert_eq!(m.bytes(), (2 + 2 + 1 + 1 + 32) * 4096);
+        // Ranges less than 32 KiB apart are joined (a 20 KiB gap), others not (116 KiB).
+        let runs = vec![(0, 8192), (63 * 4096, 8 * 4096), (100 * 4096, 4096), (1 << 20, 128 << 10)];
+        assert_eq!(m.take(), runs);
         assert_eq!(m.bytes(), 0);
         assert!(m.take().is_empty());
     }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use nvpool_wire::Status;
 
-use super::gate::{Admitted, Gate};
+use super::gate::{Admitted, Gate, ROUTE_HERE};
 use super::{Backend, BackendType, BlockIo, DiskQueue, OpenEnv, Opened, deallocated_ranges};
 use crate::nvme::nvm::IoPlan;
 use crate::pool::{MetaRequest, VolumeIo};
@@ -123,7 +123,7 @@ impl Backend for VolumeBackend {
     fn start(&self, io: &mut BlockIo, queue: &mut DiskQueue<'_>) {
         // A command already through the gate (a write back from allocation) is not
         // counted or parked twice.
-        if io.route == 0
+        if io.route != ROUTE_HERE
             && let Admitted::Elsewhere = self.gate.admit(io, queue)
         {
             return;
@@ -174,7 +174,7 @@ impl Backend for VolumeBackend {
         }
         // A command the gate released starts now. A write whose clusters exist now
         // (unless released again meanwhile) is mapped anew.
-        if io.route == 0 || status.is_success() && matches!(io.plan, IoPlan::Write { .. }) {
+        if io.route != ROUTE_HERE || status.is_success() && matches!(io.plan, IoPlan::Write { .. }) {
             return self.start(io, queue);
         }
         if !status.is_success() {

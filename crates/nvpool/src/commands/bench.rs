@@ -59,6 +59,9 @@ pub struct BenchArgs {
     /// Use only the first SIZE bytes of the namespace.
     #[arg(long, value_parser = parse_size)]
     span: Option<u64>,
+    /// Also report IOPS and the slowest I/O of every window of this many milliseconds.
+    #[arg(long)]
+    timeline_ms: Option<u64>,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -139,6 +142,7 @@ fn bench_nvme(
         verify: a.verify,
         digests: nvpool_wire::tcp::Digests { header: a.digests, data: a.digests },
         span: a.span,
+        timeline: a.timeline_ms.map(Duration::from_millis),
     };
     nvpool_bench::load::run(&o)
 }
@@ -182,6 +186,13 @@ fn print_report(r: &nvpool_bench::load::Report, json: bool) {
             ],
         ];
         println!("{}", render(&rows));
+        if !r.timeline.is_empty() {
+            let mut rows = vec![["AT s", "IOPS", "MAX us"].map(String::from).to_vec()];
+            for w in &r.timeline {
+                rows.push(vec![format!("{:.1}", w.at_s), format!("{:.0}", w.iops), format!("{:.0}", w.max_us)]);
+            }
+            println!("\n{}", render(&rows));
+        }
     }
 }
 
