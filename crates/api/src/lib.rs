@@ -227,6 +227,10 @@ methods! {
         pool: String,
         /// Volume name.
         name: String,
+        /// What the caller calls this migration; `migration_status` repeats it, so an
+        /// earlier migration's outcome is never taken for this one's.
+        #[serde(default)]
+        id: String,
         /// The target namespace, `HOST:PORT/NQN/NSID`: a volume of the same size on the
         /// other engine, exported to this engine's host NQN with an ANA state it may use.
         target: String,

@@ -288,6 +288,9 @@ pub enum MigrationState {
 /// A migration's progress.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MigrationInfo {
+    /// The ID the migration was started with.
+    #[serde(default)]
+    pub id: String,
     /// Where it stands.
     pub state: MigrationState,
     /// Whether the volume is still in this engine's pool (it is deleted at the switch).

@@ -26,6 +26,7 @@ fn options(target: std::net::SocketAddr, nqn: &str, workload: Workload, io_size:
         verify,
         digests: Digests::default(),
         span: Some(8 << 20),
+        timeline: Some(Duration::from_millis(100)),
     }
 }
 
@@ -49,6 +50,8 @@ fn drives_the_minimal_responder() {
         let rep = run(&options(addr, "nqn.any", workload, bs, false)).unwrap();
         assert!(rep.ios > 0 && rep.errors == 0, "{workload:?} {bs}: {rep:?}");
         assert!(rep.latency.p50_us > 0.0 && rep.latency.p99_us >= rep.latency.p50_us);
+        // 400 ms measured in windows of 100 ms, each with I/O and a slowest one.
+        assert!(rep.timeline.len() >= 3 && rep.timeline.iter().all(|w| w.iops > 0.0 && w.max_us > 0.0), "{rep:?}");
     }
     stop.store(true, Ordering::Relaxed);
     server.join().unwrap();

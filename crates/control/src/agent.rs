@@ -86,7 +86,7 @@ fn migration(engine: &Path, r: proto::MigrationRequest) -> Result<proto::Migrati
     let info = match r.action.as_str() {
         "start" => {
             let rate = (r.rate > 0).then_some(r.rate);
-            call(engine, StartMigration { pool, name, target: r.target, rate })?
+            call(engine, StartMigration { pool, name, id: r.id, target: r.target, rate })?
         }
         "status" => call(engine, GetMigration { pool, name })?,
         "switch" => call(engine, SwitchMigration { pool, name, pause_ms: (r.pause_ms > 0).then_some(r.pause_ms) })?,
@@ -108,6 +108,7 @@ fn migration(engine: &Path, r: proto::MigrationRequest) -> Result<proto::Migrati
         error: info.error.unwrap_or_default(),
         switch_requested: info.switch_requested,
         target: info.target,
+        id: info.id,
     })
 }
 

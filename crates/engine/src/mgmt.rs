@@ -134,7 +134,7 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value> {
         ListVolumes::NAME => answer(p, |r: ListVolumes| engine.volumes(r.pool.as_deref())),
         VolumeDirty::NAME => answer(p, |r: VolumeDirty| engine.volume_dirty(&r.pool, &r.name, r.action)),
         StartMigration::NAME => {
-            answer(p, |r: StartMigration| engine.start_migration(&r.pool, &r.name, &r.target, r.rate))
+            answer(p, |r: StartMigration| engine.start_migration(&r.pool, &r.name, &r.id, &r.target, r.rate))
         }
         GetMigration::NAME => answer(p, |r: GetMigration| Ok(engine.migration(&r.pool, &r.name))),
         SwitchMigration::NAME => answer(p, |r: SwitchMigration| {

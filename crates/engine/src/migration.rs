@@ -208,6 +208,7 @@ fn target_refused(status: Status) -> Error {
 
 fn none_info(volume_here: bool) -> MigrationInfo {
     MigrationInfo {
+        id: String::new(),
         state: MigrationState::None,
         volume_here,
         target: String::new(),
@@ -234,22 +235,21 @@ impl Engine {
         self.pool(pool).is_ok_and(|p| p.open_volume(name).is_ok())
     }
 
-    /// Starts moving volume `pool/name` to `target` (`HOST:PORT/NQN/NSID`).
-    pub fn start_migration(&self, pool: &str, name: &str, target: &str, rate: Option<u64>) -> Result<MigrationInfo> {
-        if let Some(job) = self.migration_job(pool, name) {
-            let state = lock(&job.info).state;
-            match state {
-                MigrationState::Copying | MigrationState::Switching => {
-                    return Err(Error::exists(format!(
-                        "volume {pool}/{name} is already moving to {}: `migration_status` shows how far it is",
-                        lock(&job.info).target
-                    )));
-                }
-                MigrationState::Switched => {
-                    return Err(Error::precondition(format!("volume {pool}/{name} has moved already")));
-                }
-                _ => {}
-            }
+    /// Starts moving volume `pool/name` to `target` (`HOST:PORT/NQN/NSID`); `id` is
+    /// the caller's name for this migration. An ended migration's record gives way.
+    pub fn start_migration(
+        &self,
+        pool: &str,
+        name: &str,
+        id: &str,
+        target: &str,
+        rate: Option<u64>,
+    ) -> Result<MigrationInfo> {
+        if let Some(job) = self.migration_job(pool, name).filter(|j| j.running()) {
+            return Err(Error::exists(format!(
+                "volume {pool}/{name} is already moving to {}: `migration_status` shows how far it is",
+                lock(&job.info).target
+            )));
         }
         let p = self.pool(pool)?;
         let (volume, meta) = p.open_volume(name)?;
@@ -280,6 +280,7 @@ impl Engine {
         let target_queue = TargetQueue::connect(remote::resolve(&addr)?, &nqn, nsid, self.host_nqn())
             .map_err(|e| Error::unavailable(format!("cannot reach the target {target}: {e}")))?;
         let mut info = none_info(true);
+        info.id = id.to_string();
         info.state = MigrationState::Copying;
         info.target = target.to_string();
         info.allocated_bytes = volume.map.allocated() * p.cluster_size();

@@ -8,109 +8,33 @@ mod cluster;
 use cluster::*;
 use nvpool_control::client::Controllers;
 use nvpool_control::proto;
-use nvpool_initiator::{ConnectOptions, Queue, connect_admin, pattern};
-use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tonic::Code;
 
 const MIB: u64 = 1 << 20;
-const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:0b0b0b0b-1111-2222-3333-444455556666";
-const BLOCK: usize = 4096;
 const BLOCKS: u64 = 64 * MIB / BLOCK as u64;
-/// Status code type 3: path-related (ANA states), which a multipath host retries on
-/// another path.
-const PATH_RELATED: u8 = 3;
-
-fn addr(n: &Node) -> SocketAddr {
-    format!("127.0.0.1:{}", n.nvme_port).parse().unwrap()
-}
-
-/// One path of the host: an admin queue (which makes the host "connected") and an
-/// I/O queue.
-struct HostPath {
-    _admin: Queue,
-    io: Queue,
-}
-
-fn connect(at: SocketAddr, nqn: &str) -> Option<HostPath> {
-    let o = ConnectOptions { kato: 0, ..ConnectOptions::admin(nqn, HOST) };
-    let mut admin = connect_admin(at, &o).ok()?;
-    admin.set_queue_count(1).ok()?;
-    let io = Queue::connect(at, &o.io(1, admin.cntlid, 31)).ok()?;
-    Some(HostPath { _admin: admin, io })
-}
-
-/// What each block holds: the seed of its last write.
-type Model = Arc<Mutex<HashMap<u64, u64>>>;
-
-/// Writes random blocks through the first path that works, moving to the next when a
-/// path fails or answers with a path error (as the kernel's multipath does), until
-/// stopped. Returns (writes, errors that reached the "application").
-fn host_writer(
-    paths: Vec<SocketAddr>,
-    nqn: String,
-    model: Model,
-    stop: Arc<AtomicBool>,
-) -> std::thread::JoinHandle<(u64, u64)> {
-    std::thread::spawn(move || {
-        let mut current = 0;
-        let mut path = connect(paths[current], &nqn);
-        let (mut n, mut errors) = (0u64, 0u64);
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
-        while !stop.load(Ordering::SeqCst) {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let lba = x % (BLOCKS / 2);
-            let seed = x | 1;
-            let data = pattern(seed, BLOCK);
-            let started = Instant::now();
-            loop {
-                let outcome = path.as_mut().map(|p| p.io.write(1, lba, &data, BLOCK as u32, 8192));
-                match outcome {
-                    Some(Ok(())) => {
-                        model.lock().unwrap().insert(lba, seed);
-                        break;
-                    }
-                    Some(Err(nvpool_initiator::Error::Command(s))) if s.code_type() != PATH_RELATED => {
-                        errors += 1;
-                        break;
-                    }
-                    // The path is gone or answered a path error: the next one.
-                    _ => {
-                        assert!(started.elapsed() < Duration::from_secs(30), "no path took the write for 30 s");
-                        std::thread::sleep(Duration::from_millis(20));
-                        current = (current + 1) % paths.len();
-                        path = connect(paths[current], &nqn);
-                    }
-                }
-            }
-            n += 1;
-        }
-        (n, errors)
-    })
-}
-
-fn verify(at: SocketAddr, nqn: &str, model: &Model, through: &str) {
-    let mut p = connect(at, nqn).unwrap_or_else(|| panic!("connect through {through}"));
-    for (&lba, &seed) in model.lock().unwrap().iter() {
-        let got = p.io.read(1, lba, 1, BLOCK as u32).unwrap_or_else(|e| panic!("read {lba} through {through}: {e}"));
-        assert!(got == pattern(seed, BLOCK), "block {lba} through {through} is not what was last written");
-    }
-}
 
 async fn get(c: &Controllers, name: &str) -> proto::Volume {
     let req = proto::VolumeName { name: name.into() };
     c.call(async |mut c| c.get_volume(req.clone()).await).await.unwrap()
 }
 
+/// Starts a move; retried while the controller says to retry (an earlier move's copy
+/// on the target is still being removed).
 async fn migrate(c: &Controllers, name: &str, to: &str, rate: u64) -> Result<proto::Volume, tonic::Status> {
     let req =
         proto::MigrateVolumeRequest { name: name.into(), to_node: to.into(), auto: to.is_empty(), rate, pause_ms: 500 };
-    c.call(async |mut c| c.migrate_volume(req.clone()).await).await
+    let start = Instant::now();
+    loop {
+        match c.call(async |mut c| c.migrate_volume(req.clone()).await).await {
+            Err(e) if e.code() == Code::Unavailable && start.elapsed() < Duration::from_secs(30) => {
+                tokio::time::sleep(Duration::from_millis(200)).await
+            }
+            r => return r,
+        }
+    }
 }
 
 /// Waits for the volume's migration to end; returns the volume.
@@ -154,7 +78,8 @@ async fn a_volume_moves_under_a_writing_host_and_failed_moves_leave_it_in_place(
     let nqn = v.subsystem_nqn.clone();
     let model: Model = Arc::default();
     let stop = Arc::new(AtomicBool::new(false));
-    let writer = host_writer(vec![addr(&nodes_[0]), addr(&nodes_[1])], nqn.clone(), model.clone(), stop.clone());
+    let writer =
+        host_writer(vec![addr(&nodes_[0]), addr(&nodes_[1])], nqn.clone(), model.clone(), stop.clone(), BLOCKS / 2);
     let _n2_path = connect(addr(&nodes_[1]), &nqn).unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
 

@@ -98,6 +98,11 @@ impl Cluster {
             };
             (chosen.node.clone(), chosen.pool.clone())
         };
+        if self.state.lock().unwrap().tombstones.contains_key(&leftover_id(&v, &to_node)) {
+            return Err(Status::unavailable(format!(
+                "the copy an earlier move of {name} left on {to_node} is still being removed; retry in a moment"
+            )));
+        }
         let mut moving = v.clone();
         // The target is no access point while it fills: hosts that used it as one go
         // through the others meanwhile.
@@ -232,7 +237,7 @@ impl Cluster {
             }
         };
         // What the engine reports of an earlier migration is no answer about this one.
-        let state = if status.target == self.target_of(v, m)? { status.state.as_str() } else { "none" };
+        let state = if status.id == migration_id(m) { status.state.as_str() } else { "none" };
         match state {
             "none" | "cancelled" | "failed" if !status.volume_here => {
                 return Err(format!("node {} no longer has the volume", v.node));
@@ -287,7 +292,7 @@ impl Cluster {
                 return Ok(Next::Again);
             }
         };
-        let state = if status.target == self.target_of(v, m)? { status.state.as_str() } else { "none" };
+        let state = if status.id == migration_id(m) { status.state.as_str() } else { "none" };
         match state {
             "switched" => return self.record_switch(v, m, &status).await,
             // The old owner's engine restarted after the point of no return.
@@ -340,6 +345,7 @@ impl Cluster {
             st.nodes.get(&v.node).ok_or_else(|| format!("unknown node {}", v.node))?.record.agent_address.clone()
         };
         let request = proto::MigrationRequest {
+            id: migration_id(m),
             action: action.into(),
             pool: v.pool.clone(),
             engine_name: v.engine_name.clone(),
@@ -429,7 +435,7 @@ impl Cluster {
             format!("the move to {} failed: {why}; the volume stays on {}", m.to_node, v.node)
         };
         let tomb = Tombstone {
-            id: format!("{}@{}", v.id, m.to_node),
+            id: leftover_id(v, &m.to_node),
             node: m.to_node.clone(),
             pool: m.to_pool.clone(),
             engine_name: v.engine_name.clone(),
@@ -455,4 +461,14 @@ impl Cluster {
         let _ = self.apply_node(&m.to_node).await;
         Ok(())
     }
+}
+
+/// The name the engine knows a migration by: one per recorded migration.
+fn migration_id(m: &MigrationRecord) -> String {
+    format!("{}@{}", m.to_node, m.started_ms)
+}
+
+/// The tombstone of the copy a migration that did not switch left on `node`.
+fn leftover_id(v: &VolumeRecord, node: &str) -> String {
+    format!("{}@{node}", v.id)
 }

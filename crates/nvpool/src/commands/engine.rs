@@ -497,7 +497,7 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
                 show(&api, CreateVolume { pool, name, size, thin, identity }, |r| volume_table(std::slice::from_ref(r)))
             }
             EngineVolumeVerb::Migrate { pool, name, to, rate } => {
-                show(&api, StartMigration { pool, name, target: to, rate }, migration_table)
+                show(&api, StartMigration { pool, name, id: String::new(), target: to, rate }, migration_table)
             }
             EngineVolumeVerb::Migration { pool, name } => show(&api, GetMigration { pool, name }, migration_table),
             EngineVolumeVerb::Switch { pool, name, pause_ms } => {

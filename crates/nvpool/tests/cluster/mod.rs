@@ -5,9 +5,13 @@
 
 use nvpool_control::client::Controllers;
 use nvpool_control::proto;
-use std::net::TcpListener;
+use nvpool_initiator::{ConnectOptions, Queue, connect_admin, pattern};
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_nvpool");
@@ -178,4 +182,105 @@ pub async fn wait_healthy(c: &Controllers, names: &[&str]) {
 
 pub fn create_request(name: &str, size: u64) -> proto::CreateVolumeRequest {
     proto::CreateVolumeRequest { name: name.into(), size_bytes: size, ..Default::default() }
+}
+
+// ----- a host with several paths, as the kernel's native multipath uses them ---------
+
+/// The host NQN the test hosts present.
+pub const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:0b0b0b0b-1111-2222-3333-444455556666";
+/// Block size of the volumes the controller exports (4 KiB).
+pub const BLOCK: usize = 4096;
+/// Status code type 3: path-related (ANA states), which a multipath host retries on
+/// another path.
+const PATH_RELATED: u8 = 3;
+
+pub fn addr(n: &Node) -> SocketAddr {
+    format!("127.0.0.1:{}", n.nvme_port).parse().unwrap()
+}
+
+/// One path of the host: an admin queue (which makes the host "connected") and an
+/// I/O queue.
+pub struct HostPath {
+    admin: Queue,
+    pub io: Queue,
+}
+
+pub fn connect(at: SocketAddr, nqn: &str) -> Option<HostPath> {
+    let o = ConnectOptions { kato: 0, ..ConnectOptions::admin(nqn, HOST) };
+    let mut admin = connect_admin(at, &o).ok()?;
+    admin.set_queue_count(1).ok()?;
+    let io = Queue::connect(at, &o.io(1, admin.cntlid, 31)).ok()?;
+    Some(HostPath { admin, io })
+}
+
+impl HostPath {
+    /// Whether the path still answers (a Keep Alive on its admin queue).
+    pub fn keep_alive(&mut self) -> bool {
+        let keep_alive = nvpool_wire::command::Command {
+            opcode: nvpool_wire::command::admin_opcode::KEEP_ALIVE,
+            ..Default::default()
+        };
+        self.admin.execute(keep_alive, 0).is_ok()
+    }
+}
+
+/// What each block holds: the seed of its last write.
+pub type Model = Arc<Mutex<HashMap<u64, u64>>>;
+
+/// Writes random blocks among the first `blocks` through the first path that works,
+/// moving to the next when a path fails or answers with a path error (as the kernel's
+/// multipath does), until stopped. Returns (writes, errors that reached the
+/// "application").
+pub fn host_writer(
+    paths: Vec<SocketAddr>,
+    nqn: String,
+    model: Model,
+    stop: Arc<AtomicBool>,
+    blocks: u64,
+) -> std::thread::JoinHandle<(u64, u64)> {
+    std::thread::spawn(move || {
+        let mut current = 0;
+        let mut path = connect(paths[current], &nqn);
+        let (mut n, mut errors) = (0u64, 0u64);
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        while !stop.load(Ordering::SeqCst) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let lba = x % blocks;
+            let seed = x | 1;
+            let data = pattern(seed, BLOCK);
+            let started = Instant::now();
+            loop {
+                let outcome = path.as_mut().map(|p| p.io.write(1, lba, &data, BLOCK as u32, 8192));
+                match outcome {
+                    Some(Ok(())) => {
+                        model.lock().unwrap().insert(lba, seed);
+                        break;
+                    }
+                    Some(Err(nvpool_initiator::Error::Command(s))) if s.code_type() != PATH_RELATED => {
+                        errors += 1;
+                        break;
+                    }
+                    // The path is gone or answered a path error: the next one.
+                    _ => {
+                        assert!(started.elapsed() < Duration::from_secs(60), "no path took the write for 60 s");
+                        std::thread::sleep(Duration::from_millis(20));
+                        current = (current + 1) % paths.len();
+                        path = connect(paths[current], &nqn);
+                    }
+                }
+            }
+            n += 1;
+        }
+        (n, errors)
+    })
+}
+
+pub fn verify(at: SocketAddr, nqn: &str, model: &Model, through: &str) {
+    let mut p = connect(at, nqn).unwrap_or_else(|| panic!("connect through {through}"));
+    for (&lba, &seed) in model.lock().unwrap().iter() {
+        let got = p.io.read(1, lba, 1, BLOCK as u32).unwrap_or_else(|e| panic!("read {lba} through {through}: {e}"));
+        assert!(got == pattern(seed, BLOCK), "block {lba} through {through} is not what was last written");
+    }
 }
