@@ -67,7 +67,8 @@ pub struct CsiArgs {
     /// `unix:///path`, `unix:/path` or a path.
     pub endpoint: String,
     pub mode: Mode,
-    /// nvpool controller addresses (needed by the Controller service).
+    /// nvpool controller addresses: the Controller service calls them, and the Node
+    /// service asks them for the paths of its staged volumes.
     pub controllers: String,
     pub node_name: String,
     pub host_nqn: String,
@@ -86,7 +87,8 @@ pub async fn run(args: CsiArgs) -> Result<(), String> {
     }
     let listener = tokio::net::UnixListener::bind(&path).map_err(|e| format!("cannot listen on {path}: {e}"))?;
     let serves_controller = args.mode != Mode::Node;
-    let controllers = if serves_controller { Some(Arc::new(Controllers::new(&args.controllers)?)) } else { None };
+    let client = Arc::new(Controllers::new(&args.controllers)?);
+    let controllers = serves_controller.then(|| client.clone());
     let mut router = tonic::transport::Server::builder().add_service(csi::identity_server::IdentityServer::new(
         controller::IdentityService { controllers: controllers.clone() },
     ));
@@ -102,11 +104,14 @@ pub async fn run(args: CsiArgs) -> Result<(), String> {
                 args.host_nqn
             ));
         }
-        router = router.add_service(csi::node_server::NodeServer::new(node::NodeService {
+        let node = Arc::new(node::NodeService {
             node_name: args.node_name,
             host_nqn: args.host_nqn,
             state_dir: args.state_dir,
-        }));
+            path_changes: tokio::sync::Mutex::new(()),
+        });
+        tokio::spawn(node.clone().follow_paths(client));
+        router = router.add_service(csi::node_server::NodeServer::from_arc(node));
     }
     tracing::info!("nvpool csi ({:?}) serving {PLUGIN_NAME} on {path}", args.mode);
     router

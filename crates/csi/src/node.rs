@@ -2,12 +2,17 @@
 //! (`nvme connect`), finds its block device by the namespace UUID, makes a filesystem
 //! when the device has none, and mounts or bind-mounts it where the CO asks. What a
 //! staged volume uses (its subsystem NQN and device) is kept in a small file per
-//! volume, so that unstaging works after a plugin restart.
+//! volume, so that unstaging works after a plugin restart. The node also follows the
+//! paths the controller gives its staged volumes: a path added later (a migration's
+//! target, which waits for its hosts to connect) is connected within seconds.
 
 use crate::csi::{self, node_server::Node, volume_capability::AccessType};
 use crate::{TOPOLOGY_NODE_KEY, capability_error, fsinfo, required};
+use nvpool_control::client::Controllers;
+use nvpool_control::proto;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::process::Command;
 use tonic::{Request, Response, Status};
@@ -18,6 +23,9 @@ pub struct NodeService {
     pub host_nqn: String,
     /// Where staged volumes are recorded.
     pub state_dir: PathBuf,
+    /// Held while paths are connected or disconnected, so that following a volume's
+    /// paths never reconnects one that unstaging is taking down.
+    pub path_changes: tokio::sync::Mutex<()>,
 }
 
 /// What a staged volume uses.
@@ -83,6 +91,25 @@ fn controller_of(nqn: &str) -> Option<String> {
     })
 }
 
+/// Whether the kernel has a controller (live or reconnecting) for a subsystem at an
+/// address and port.
+fn path_connected(nqn: &str, address: &str, port: u32) -> bool {
+    let Ok(dir) = std::fs::read_dir("/sys/class/nvme") else { return false };
+    let (traddr, trsvcid) = (format!("traddr={address},"), format!("trsvcid={port}"));
+    dir.flatten().any(|c| {
+        let read =
+            |f: &str| std::fs::read_to_string(c.path().join(f)).map(|s| s.trim().to_string()).unwrap_or_default();
+        let at = read("address");
+        read("subsysnqn") == nqn
+            && at.contains(&traddr)
+            && at.split(',').any(|part| part == trsvcid)
+            && read("state") != "deleting"
+    })
+}
+
+/// How often the node looks for new paths of its staged volumes.
+const FOLLOW_EVERY: Duration = Duration::from_secs(2);
+
 /// The block device whose namespace has this UUID.
 fn device_with_uuid(uuid: &str) -> Option<String> {
     std::fs::read_dir("/sys/block").ok()?.flatten().find_map(|b| {
@@ -142,6 +169,64 @@ fn device_size(device: &str) -> Option<u64> {
 }
 
 impl NodeService {
+    /// Runs for ever: connects every path the controller lists for this host to a
+    /// staged volume that the kernel has no controller for. Paths that go away need
+    /// nothing: the kernel drops a controller whose subsystem is gone.
+    pub async fn follow_paths(self: Arc<Self>, controllers: Arc<Controllers>) {
+        let mut unreachable_told = false;
+        loop {
+            tokio::time::sleep(FOLLOW_EVERY).await;
+            let staged: Vec<(String, Staged)> = std::fs::read_dir(&self.state_dir)
+                .map(|d| {
+                    d.flatten()
+                        .filter_map(|f| f.file_name().to_string_lossy().strip_suffix(".staged").map(String::from))
+                        .filter_map(|v| self.staged(&v).map(|s| (v, s)))
+                        .collect()
+                })
+                .unwrap_or_default();
+            for (volume, _) in staged {
+                let req = proto::VolumeName { name: volume.clone() };
+                let v = match controllers.call(async |mut c| c.get_volume(req.clone()).await).await {
+                    Ok(v) => v,
+                    Err(e) => {
+                        if !std::mem::replace(&mut unreachable_told, true) {
+                            tracing::warn!("cannot ask the controller for the paths of {volume}: {}", e.message());
+                        }
+                        continue;
+                    }
+                };
+                unreachable_told = false;
+                let _changing = self.path_changes.lock().await;
+                // Unstaged meanwhile: its paths are not to come back.
+                let Some(staged) = self.staged(&volume) else { continue };
+                let paths = v.attachments.into_iter().find(|a| a.host_nqn == self.host_nqn).map(|a| a.paths);
+                for p in paths.unwrap_or_default() {
+                    if path_connected(&staged.nqn, &p.address, p.port) {
+                        continue;
+                    }
+                    let port = p.port.to_string();
+                    let args = [
+                        "connect",
+                        "-t",
+                        &p.transport,
+                        "-a",
+                        &p.address,
+                        "-s",
+                        &port,
+                        "-n",
+                        &staged.nqn,
+                        "--hostnqn",
+                        &self.host_nqn,
+                    ];
+                    match run("nvme", &args).await {
+                        Ok(_) => tracing::info!("{volume}: connected the path through {} ({})", p.node, p.ana_state),
+                        Err(e) => tracing::warn!("{volume}: path through {}: {}", p.node, e.message()),
+                    }
+                }
+            }
+        }
+    }
+
     fn state_file(&self, volume: &str) -> PathBuf {
         self.state_dir.join(format!("{volume}.staged"))
     }
@@ -216,12 +301,14 @@ impl Node for NodeService {
         let capability =
             req.volume_capability.as_ref().ok_or_else(|| Status::invalid_argument("volume_capability is required"))?;
         capability_error(capability).map_or(Ok(()), |e| Err(Status::invalid_argument(e)))?;
+        let changing = self.path_changes.lock().await;
         let staged = self.connect(&req.publish_context).await?;
         std::fs::create_dir_all(&self.state_dir)
             .and_then(|()| std::fs::write(self.state_file(volume), format!("{}\n{}\n", staged.nqn, staged.device)))
             .map_err(|e| {
                 Status::internal(format!("cannot record the staged volume in {}: {e}", self.state_dir.display()))
             })?;
+        drop(changing);
         if let Some(AccessType::Mount(m)) = &capability.access_type {
             if is_mounted(staging) {
                 return Ok(Response::new(csi::NodeStageVolumeResponse {}));
@@ -260,6 +347,7 @@ impl Node for NodeService {
         if is_mounted(staging) {
             run("umount", &[staging]).await?;
         }
+        let _changing = self.path_changes.lock().await;
         if let Some(staged) = self.staged(volume) {
             // Each volume is its own subsystem; disconnect it unless something still uses
             // one of its devices (a bind mount left behind, say).

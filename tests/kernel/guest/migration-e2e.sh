@@ -1,4 +1,5 @@
-# Guest side of migration-e2e (busybox sh), in /host. Env: NQN, PORT_A, PORT_B.
+# Guest side of migration-e2e (busybox sh), in /host. Env: NQN, PORT_A, PORT_B,
+# CONTROLLER (the nvpool controller, for the CSI node plugin).
 # The engines are at 10.0.2.2; the host side moves the volume when asked.
 T=10.0.2.2
 # The controller (nvmeN) connected to PORT.
@@ -16,14 +17,13 @@ path_of() {
 }
 state_of() { cat /sys/class/nvme/$(ctrl_on $1)/state 2>/dev/null || echo gone; }
 ana_of() { cat /sys/block/$(path_of $1)/ana_state 2>/dev/null || echo none; }
-move() {   # move NAME [PORT]: the host moves the volume; the guest connects PORT's new path
+move() {   # move NAME [PORT]: the host moves the volume; the CSI node plugin connects PORT's new path
     touch /host/req-$1
     if [ -n "$2" ]; then
-        # The old path is gone since the last move (its subsystem vanished): connect the
-        # target's as soon as it is exported, as a CSI node would.
-        wait_for 120 sh -c "nvme connect -t tcp -a $T -s $2 -n $NQN --reconnect-delay=1 >/dev/null 2>&1" ||
-            fail "could not connect the new path through $2"
-        echo "connected the new path through $2: $(ana_of $2)"
+        # The old path is gone since the last move (its subsystem vanished); nvpool's
+        # CSI node plugin connects the target's, which the controller lists as a path.
+        wait_for 120 ctrl_on $2 >/dev/null || { cat /host/csi-node.log; fail "no new path through $2"; }
+        echo "the CSI node plugin connected the new path through $2: $(state_of $2)"
     fi
     wait_for 600 test -f /host/done-$1 || fail "the host did not finish $1"
     for f in /host/fail-*; do [ -e "$f" ] && fail "$(cat "$f")"; done
@@ -90,6 +90,11 @@ dd if=$HEAD of=/dev/null bs=1M 2>dd.txt || fail "reading the whole device failed
 tail -1 dd.txt
 
 step "ext4: files checksummed, then moved back to A while more are written"
+# The CSI node plugin, with the volume recorded as staged on this device (as NodeStage
+# records it), follows the volume's paths.
+mkdir -p /tmp/csi-state && printf '%s\n%s\n' "$NQN" "$HEAD" > /tmp/csi-state/mig.staged
+/host/nvpool csi --mode node --endpoint unix:///tmp/csi.sock --controller $CONTROLLER --node-name guest \
+    --host-nqn $NVME_HOSTNQN --state-dir /tmp/csi-state > /host/csi-node.log 2>&1 &
 mkfs.ext4 -q -F $HEAD || fail "mkfs.ext4"
 mkdir -p /mnt && mount $HEAD /mnt || fail "mount"
 i=0
