@@ -26,7 +26,9 @@ def main():
     ap.add_argument("new")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--duration", type=float, default=2.0)
-    ap.add_argument("--backend", action="append", help="default: null:1GiB and a file on /dev/shm")
+    ap.add_argument("--backend", action="append",
+                    help="a namespace spec, or `volume` (a thick 1 GiB volume of a pool on a file in /dev/shm); "
+                         "default: null:1GiB and a file on /dev/shm")
     ap.add_argument("--workload", action="append", metavar="NAME:BS:QD",
                     help="e.g. randread:4096:1 (default: 4K random read at QD1/32/128, 4K random write QD32, 128K read QD32)")
     ap.add_argument("--target-core", type=int, default=0)
@@ -40,13 +42,24 @@ def main():
     try:
         for backend in backends:
             ports = {}
+            # A volume is namespace 2, beside a null namespace 1 the quick form needs.
+            nsid = 2 if backend == "volume" else 1
             for name, binary in (("A", args.old), ("B", args.new)):
                 port = free_port()
+                sock = f"{tmp}/{name}-{port}.sock"
                 procs.append(subprocess.Popen(
-                    [binary, "engine", "--listen", f"127.0.0.1:{port}", "--subsystem", NQN, "--namespace", backend,
-                     "--cores", str(args.target_core), "--discovery-port", "0",
-                     "--mgmt-socket", f"{tmp}/{name}-{port}.sock"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                    [binary, "engine", "--listen", f"127.0.0.1:{port}", "--subsystem", NQN, "--namespace",
+                     "null:1GiB" if backend == "volume" else backend, "--cores", str(args.target_core),
+                     "--discovery-port", "0", "--mgmt-socket", sock], stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL))
                 wait_port(port)
+                if backend == "volume":
+                    disk = f"{tmp}/{name}-pool.img"
+                    with open(disk, "wb") as f:
+                        f.truncate(1100 << 20)
+                    for cmd in (["pool", "create", "p", disk], ["volume", "create", "p", "v", "1GiB"],
+                                ["namespace", "add", NQN, "volume:p/v", "--nsid", "2"]):
+                        subprocess.run([binary, "engine", *cmd, "--socket", sock], check=True, capture_output=True)
                 ports[name] = port
             print(f"\n{backend}: A = {args.old}, B = {args.new}; {args.rounds} rounds of {args.duration} s")
             print(f"| workload | A IOPS | B IOPS | B/A | A mean us | B mean us |")
@@ -60,7 +73,7 @@ def main():
                     for name in order:
                         out = subprocess.run(
                             [args.new, "bench", "--target", f"127.0.0.1:{ports[name]}", "--nqn", NQN,
-                             "--workload", w, "--bs", str(bs), "--qd", str(qd), "--duration", str(args.duration),
+                             "--nsid", str(nsid), "--workload", w, "--bs", str(bs), "--qd", str(qd), "--duration", str(args.duration),
                              "--warmup", "0.5", "--core", str(args.bench_core), "--json"],
                             capture_output=True, text=True, check=True)
                         got[name] = json.loads(out.stdout)

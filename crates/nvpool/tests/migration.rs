@@ -163,4 +163,47 @@ async fn a_volume_moves_under_a_writing_host_and_failed_moves_leave_it_in_place(
     let back = settled(&c, "mv", Duration::from_secs(60)).await;
     assert!(back.last_migration.starts_with("moved from n2 to n1"), "{}", back.last_migration);
     verify(addr(&nodes_[0]), &nqn, &model, "n1 after the move back");
+
+    // `nvpool node drain n1` (the CLI) moves n1's volumes to the only other healthy
+    // node, by their placement rules: two that prefer n1 (one attached and written,
+    // one no host uses); the host connects the new paths as they appear, as a CSI node
+    // does. A volume that may only be on n1 (--include n1) cannot move: it goes first.
+    let req = proto::VolumeName { name: "mv".into() };
+    c.call(async |mut c| c.delete_volume(req.clone()).await).await.unwrap();
+    let local = |name: &str| proto::CreateVolumeRequest {
+        locality: proto::Locality::Local as i32,
+        host_node: "n1".into(),
+        ..create_request(name, 8 * MIB)
+    };
+    let mut drained_nqn = String::new();
+    for name in ["busy", "idle"] {
+        let req = local(name);
+        let v = c.call(async |mut c| c.create_volume(req.clone()).await).await.unwrap().volume.unwrap();
+        assert_eq!(v.node, "n1");
+        if name == "busy" {
+            drained_nqn = v.subsystem_nqn.clone();
+            let attach = proto::AttachRequest { volume: name.into(), host_nqn: HOST.into(), ..Default::default() };
+            c.call(async |mut c| c.attach(attach.clone()).await).await.unwrap();
+        }
+    }
+    let data = nvpool_initiator::pattern(7, 16 * BLOCK);
+    let mut p = connect(addr(&nodes_[0]), &drained_nqn).unwrap();
+    p.io.write(1, 0, &data, BLOCK as u32, 0).unwrap();
+    let stop_holding = Arc::new(AtomicBool::new(false));
+    let holder = hold_paths(vec![addr(&nodes_[0]), addr(&nodes_[1])], drained_nqn.clone(), stop_holding.clone());
+    let address = controller.address.clone();
+    let drain = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(BIN).args(["node", "drain", "n1", "--controller", &address]).output().unwrap()
+    })
+    .await
+    .unwrap();
+    stop_holding.store(true, Ordering::SeqCst);
+    holder.join().unwrap();
+    let said = String::from_utf8_lossy(&drain.stdout);
+    println!("nvpool node drain n1:\n{said}{}", String::from_utf8_lossy(&drain.stderr));
+    assert!(drain.status.success() && said.contains("node n1 drained: 2 volumes moved"), "{said}");
+    let left: Vec<String> = volumes(&c).await.into_iter().filter(|v| v.node == "n1").map(|v| v.name).collect();
+    assert!(left.is_empty(), "still on n1: {left:?}");
+    let mut p = connect(addr(&nodes_[1]), &drained_nqn).unwrap();
+    assert!(p.io.read(1, 0, 16, BLOCK as u32).unwrap() == data, "the drained volume's data, read through n2");
 }

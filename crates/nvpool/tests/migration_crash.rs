@@ -10,7 +10,6 @@ mod cluster;
 use cluster::*;
 use nvpool_control::client::Controllers;
 use nvpool_control::proto;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -20,24 +19,6 @@ const RUNS: usize = 20;
 const VOLUME: &str = "cv";
 
 const VICTIMS: [&str; 5] = ["source engine", "target engine", "controller", "source agent", "target agent"];
-
-/// Keeps an admin connection to the volume's subsystem on every node that exports
-/// it, as a host connects every path it is given: the controller switches a move only
-/// once the host is connected to the target.
-fn hold_paths(addrs: Vec<SocketAddr>, nqn: String, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || {
-        let mut held: Vec<Option<HostPath>> = addrs.iter().map(|_| None).collect();
-        while !stop.load(Ordering::SeqCst) {
-            for (slot, &at) in held.iter_mut().zip(&addrs) {
-                let alive = slot.as_mut().is_some_and(|p| p.keep_alive());
-                if !alive {
-                    *slot = connect(at, &nqn);
-                }
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    })
-}
 
 /// The volume as the controller sees it, or None while the controller is away.
 async fn volume(c: &Controllers) -> Option<proto::Volume> {

@@ -284,3 +284,21 @@ pub fn verify(at: SocketAddr, nqn: &str, model: &Model, through: &str) {
         assert!(got == pattern(seed, BLOCK), "block {lba} through {through} is not what was last written");
     }
 }
+
+/// Keeps an admin connection to the volume's subsystem on every node that exports
+/// it, as a host connects every path it is given: the controller switches a move only
+/// once the host is connected to the target.
+pub fn hold_paths(addrs: Vec<SocketAddr>, nqn: String, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut held: Vec<Option<HostPath>> = addrs.iter().map(|_| None).collect();
+        while !stop.load(Ordering::SeqCst) {
+            for (slot, &at) in held.iter_mut().zip(&addrs) {
+                let alive = slot.as_mut().is_some_and(|p| p.keep_alive());
+                if !alive {
+                    *slot = connect(at, &nqn);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    })
+}
