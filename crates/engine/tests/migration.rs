@@ -34,19 +34,24 @@ impl Drop for Node {
     }
 }
 
-fn disks(dir: &Path) -> Vec<PathBuf> {
+fn disks(dir: &Path, size: u64) -> Vec<PathBuf> {
     (0..2)
         .map(|i| {
             let p = dir.join(format!("disk{i}"));
-            std::fs::File::create(&p).unwrap().set_len(256 * MIB).unwrap();
+            std::fs::File::create(&p).unwrap().set_len(size).unwrap();
             p
         })
         .collect()
 }
 
 impl Node {
-    /// An engine with pool `p` and an empty subsystem that any host may use.
+    /// An engine with pool `p` (two 256 MiB disks) and an empty subsystem that any host
+    /// may use.
     fn start(host_nqn: &str) -> Node {
+        Node::with_disks(host_nqn, 256 * MIB)
+    }
+
+    fn with_disks(host_nqn: &str, disk_size: u64) -> Node {
         let dir = tempfile::tempdir().unwrap();
         let cfg = EngineConfig {
             reactors: Some(2),
@@ -57,7 +62,7 @@ impl Node {
         let engine = Engine::start(&cfg).expect("engine starts");
         let l = &engine.listeners()[0];
         let node = Node { engine, addr: SocketAddr::new(l.addr, l.port), _dir: dir };
-        let d = disks(node._dir.path());
+        let d = disks(node._dir.path(), disk_size);
         node.ok("pool_create", json!({ "name": "p", "disks": d }));
         node.ok("subsystem_add", json!({ "nqn": NQN, "allow_any_host": true }));
         node
@@ -260,6 +265,18 @@ fn a_cancelled_or_failed_migration_leaves_the_volume_where_it_was() {
     }
     let e = source.call("migration_switch", json!({ "pool": "p", "name": "v" })).unwrap_err();
     assert_eq!(e.kind, ErrorKind::NotFound, "{e}");
+
+    // A target whose pool is smaller than the volume's data: the copy fails when the
+    // target's pool is full, and the volume stays.
+    let small = Node::with_disks("nqn.2024-01.io.nvpool:engine-t2-small", 12 * MIB);
+    small.volume(Some(&v));
+    let to = format!("{}/{NQN}/1", small.addr);
+    source.ok("migration_start", json!({ "pool": "p", "name": "v", "target": to }));
+    let m = source.wait_for("the failure", Duration::from_secs(30), |m| m["state"] == "failed");
+    println!("a target that ran out of space: {}", m["error"]);
+    assert!(m["error"].as_str().unwrap().contains("pool is full"), "{m}");
+    assert_eq!(m["volume_here"], true);
+    assert_eq!(io.read(1, 3, 1, BLOCK as u32).unwrap(), pattern(99, BLOCK));
 }
 
 #[test]
