@@ -75,7 +75,10 @@ def main():
                             [args.new, "bench", "--target", f"127.0.0.1:{ports[name]}", "--nqn", NQN,
                              "--nsid", str(nsid), "--workload", w, "--bs", str(bs), "--qd", str(qd), "--duration", str(args.duration),
                              "--warmup", "0.5", "--core", str(args.bench_core), "--json"],
-                            capture_output=True, text=True, check=True)
+                            capture_output=True, text=True)
+                        if out.returncode != 0:
+                            raise SystemExit(f"{name} ({args.old if name == 'A' else args.new}) on {backend}, "
+                                             f"{w} {bs} QD{qd}: {out.stderr.strip()}")
                         got[name] = json.loads(out.stdout)
                         res[name].append(got[name])
                     ratios.append(got["B"]["iops"] / got["A"]["iops"])

@@ -853,6 +853,15 @@ impl Conn {
             done += 1;
         }
         self.sending -= done;
+        if done > 0 && self.sending > 0 {
+            // The batch goes on from its first unsent item, which is now the queue's
+            // front: the copies of the headers and digests move to the front with it
+            // (no send is posted now). Left in place, the rest of the batch would go
+            // out under the headers of items already sent: other commands' IDs.
+            let area = &mut *self.send_area;
+            area.headers.copy_within(done..done + self.sending, 0);
+            area.digests.copy_within(done..done + self.sending, 0);
+        }
         for item in self.out.drain(..done) {
             if let Payload::Pool(b, _) = item.payload {
                 r.pool.put(b);
