@@ -62,6 +62,13 @@ pub struct NodeRecord {
     pub cntlid_block: Option<u16>,
 }
 
+impl NodeRecord {
+    /// Where other engines reach this node's engine.
+    pub fn peer(&self) -> &str {
+        if self.peer_address.is_empty() { &self.nvme_address } else { &self.peer_address }
+    }
+}
+
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum VolumeState {

@@ -28,28 +28,36 @@ fn desired_volume(st: &State, v: &VolumeRecord, node: &str) -> proto::DesiredVol
         hosts.dedup();
         String::new()
     } else {
-        let owner = st.nodes.get(&v.node).map(|n| &n.record);
-        owner
-            .map(|o| if o.peer_address.is_empty() { &o.nvme_address } else { &o.peer_address })
-            .cloned()
-            .unwrap_or_default()
+        owner_peer(st, v)
     };
     proto::DesiredVolume {
-        id: v.id.clone(),
-        engine_name: v.engine_name.clone(),
-        pool: v.pool.clone(),
-        size_bytes: v.size,
-        thin: v.thin,
-        present: true,
-        subsystem_nqn: v.subsystem_nqn.clone(),
         hosts,
         owner_address,
         ana,
         // Once a switch may have happened, the owner's engine may have deleted the
         // volume: it must not make a new, empty one.
         keep_only: v.node == node && v.migration.as_ref().is_some_and(|m| m.phase == MigrationPhase::Switching),
+        ..present(v, &v.pool)
+    }
+}
+
+/// The volume, present in `pool`: what every node that serves it is told.
+fn present(v: &VolumeRecord, pool: &str) -> proto::DesiredVolume {
+    proto::DesiredVolume {
+        id: v.id.clone(),
+        engine_name: v.engine_name.clone(),
+        pool: pool.to_string(),
+        size_bytes: v.size,
+        thin: v.thin,
+        present: true,
+        subsystem_nqn: v.subsystem_nqn.clone(),
         ..Default::default()
     }
+}
+
+/// Where engines that forward reach the volume's owner.
+fn owner_peer(st: &State, v: &VolumeRecord) -> String {
+    st.nodes.get(&v.node).map(|o| o.record.peer().to_string()).unwrap_or_default()
 }
 
 /// The old owner after a migration's switch: it forwards to the new owner (as its
@@ -58,23 +66,11 @@ fn desired_volume(st: &State, v: &VolumeRecord, node: &str) -> proto::DesiredVol
 /// inaccessible, this path stays usable, so no I/O waits for a path; once the new
 /// owner is optimized, the host leaves this one, and then its export goes.
 fn retiring(st: &State, v: &VolumeRecord) -> proto::DesiredVolume {
-    let owner = st.nodes.get(&v.node).map(|o| &o.record);
-    let owner_address = owner
-        .map(|o| if o.peer_address.is_empty() { &o.nvme_address } else { &o.peer_address })
-        .cloned()
-        .unwrap_or_default();
     proto::DesiredVolume {
-        id: v.id.clone(),
-        engine_name: v.engine_name.clone(),
-        pool: v.pool.clone(),
-        size_bytes: v.size,
-        thin: v.thin,
-        present: true,
-        subsystem_nqn: v.subsystem_nqn.clone(),
         hosts: v.hosts.clone(),
-        owner_address,
+        owner_address: owner_peer(st, v),
         ana: v.hosts.iter().map(|h| proto::HostAna { host_nqn: h.clone(), state: "non-optimized".into() }).collect(),
-        ..Default::default()
+        ..present(v, &v.pool)
     }
 }
 
@@ -89,21 +85,7 @@ fn migration_target(st: &State, v: &VolumeRecord, m: &MigrationRecord) -> proto:
     let mut hosts: Vec<String> = v.hosts.iter().cloned().chain([owner_engine]).filter(|h| !h.is_empty()).collect();
     hosts.sort();
     hosts.dedup();
-    proto::DesiredVolume {
-        id: v.id.clone(),
-        engine_name: v.engine_name.clone(),
-        pool: m.to_pool.clone(),
-        size_bytes: v.size,
-        thin: v.thin,
-        present: true,
-        subsystem_nqn: v.subsystem_nqn.clone(),
-        hosts,
-        owner_address: String::new(),
-        ana,
-        uuid: v.uuid.clone(),
-        nguid: v.nguid.clone(),
-        keep_only: false,
-    }
+    proto::DesiredVolume { hosts, ana, uuid: v.uuid.clone(), nguid: v.nguid.clone(), ..present(v, &m.to_pool) }
 }
 
 impl Cluster {

@@ -328,8 +328,7 @@ impl Cluster {
     fn target_of(&self, v: &VolumeRecord, m: &MigrationRecord) -> Result<String, String> {
         let st = self.state.lock().unwrap();
         let to = st.nodes.get(&m.to_node).ok_or_else(|| format!("unknown node {}", m.to_node))?;
-        let peer = if to.record.peer_address.is_empty() { &to.record.nvme_address } else { &to.record.peer_address };
-        Ok(format!("{peer}/{}/1", v.subsystem_nqn))
+        Ok(format!("{}/{}/1", to.record.peer(), v.subsystem_nqn))
     }
 
     /// Asks the owner's agent to start, read, switch or cancel the engine's migration.
