@@ -13,3 +13,9 @@ ctrl_of() {
     done
     return 1
 }
+# fio for runs during which a path breaks. The kernel's nvme-tcp host sends a command
+# straight from the submitting task when it can, without MSG_NOSIGNAL, so a send that
+# meets a connection the host is tearing down raises SIGPIPE in fio itself (seen as
+# "fio: pid=N, got signal=13" and a lost job). The I/O is failed over and completes;
+# only the signal is wrong. Databases ignore SIGPIPE, and so does fio here.
+fio_across_path_faults() { ( trap '' PIPE; exec fio "$@" ); }

@@ -57,7 +57,7 @@ step "fio writes and verifies through $HEAD while the volume moves from A to B"
 # latencies around the move can be told from the rest.
 uptime_ms() { awk '{printf "%d", $1 * 1000}' /proc/uptime; }
 T0=$(uptime_ms)
-fio --name=mig --filename=$HEAD --rw=randwrite --bs=4k --ioengine=io_uring --direct=1 --iodepth=8 \
+fio_across_path_faults --name=mig --filename=$HEAD --rw=randwrite --bs=4k --ioengine=io_uring --direct=1 --iodepth=8 \
     --size=96m --rate_iops=500 --verify=crc32c --do_verify=1 --verify_fatal=1 --randseed=11 \
     --write_lat_log=lat --log_avg_msec=0 --eta=never --output=fio.txt &
 FIO=$!

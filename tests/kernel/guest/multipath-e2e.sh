@@ -59,7 +59,7 @@ done
 
 step "fio writes and verifies through $HEAD while the paths change"
 # A rate cap keeps it running across all three faults.
-fio --name=mpath --filename=$HEAD --rw=randwrite --bs=4k --ioengine=io_uring --direct=1 --iodepth=8 \
+fio_across_path_faults --name=mpath --filename=$HEAD --rw=randwrite --bs=4k --ioengine=io_uring --direct=1 --iodepth=8 \
     --size=160m --rate_iops=600 --verify=crc32c --do_verify=1 --verify_fatal=1 --randseed=7 \
     --eta=never --output=fio.txt &
 FIO=$!
