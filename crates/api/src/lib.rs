@@ -264,6 +264,14 @@ methods! {
         /// Volume name.
         name: String,
     }
+    /// Replaces the running engine with a new binary without closing a connection:
+    /// the new process takes over every socket and all the state, then this one exits.
+    /// If the new binary fails, this engine goes on serving and the call says why.
+    "engine_upgrade" => UpgradeEngine -> UpgradeReport {
+        /// The new binary; the engine's own executable path when absent (where a
+        /// package upgrade puts the new version).
+        binary: Option<std::path::PathBuf>,
+    }
 }
 
 /// Adds a subsystem, as in the TOML configuration.

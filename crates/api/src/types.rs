@@ -25,6 +25,29 @@ pub struct EngineInfo {
     pub cntlid_min: u16,
     /// The last controller ID new controllers may get.
     pub cntlid_max: u16,
+    /// The engine's process ID (it changes with a hot upgrade).
+    #[serde(default)]
+    pub pid: u32,
+}
+
+/// What a hot upgrade did.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpgradeReport {
+    /// The process that served before, and its version.
+    pub old_pid: u32,
+    /// The old engine's version.
+    pub old_version: String,
+    /// The process that serves now.
+    pub new_pid: u32,
+    /// The new engine's version.
+    pub new_version: String,
+    /// Connections handed over, each with its controller and queue state.
+    pub connections: usize,
+    /// Controllers handed over.
+    pub controllers: usize,
+    /// How long no command was read, in microseconds: from the moment the old
+    /// engine stopped reading to the moment the new one was told to go on.
+    pub pause_us: u64,
 }
 
 /// A listener, as the discovery log reports it.

@@ -15,11 +15,14 @@ pub mod nvme;
 pub mod pool;
 pub mod reactor;
 mod storage;
+pub mod upgrade;
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener};
-use std::sync::atomic::{AtomicU16, Ordering};
-use std::sync::{Arc, Mutex};
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 
 use config::{EngineConfig, NamespaceConfig, SubsystemConfig};
@@ -28,6 +31,9 @@ use nvme::subsystem::HostPolicy;
 use nvme::{ListenerInfo, Namespace, Subsystem, Target, lock};
 pub use nvpool_api::{DirtyAction, DirtyReport, NamespaceInfo, SubsystemInfo};
 use reactor::{Msg, ReactorLink};
+
+/// This build's version, as management and hot upgrades report it.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// A running engine.
 pub struct Engine {
@@ -43,6 +49,16 @@ pub struct Engine {
     remote_links: backend::remote::RemoteLinks,
     /// Volumes moving to other engines.
     migrations: migration::Migrations,
+    /// The configuration it started with (a hot upgrade hands it on).
+    config: Mutex<EngineConfig>,
+    /// The binary a hot upgrade starts unless told another.
+    executable: Mutex<PathBuf>,
+    /// The management socket's listener, for a hot upgrade to hand on.
+    management: Mutex<Option<UnixListener>>,
+    /// Management calls hold it shared; a hot upgrade holds it alone.
+    upgrade_lock: RwLock<()>,
+    /// Set once a hot upgrade handed everything to a new process.
+    handed_over: AtomicBool,
 }
 
 impl Engine {
@@ -76,6 +92,11 @@ impl Engine {
             host_nqn: cfg.host_nqn.clone().unwrap_or_else(backend::remote::default_host_nqn),
             remote_links: backend::remote::RemoteLinks::new(cfg.remote_queues),
             migrations: migration::Migrations::default(),
+            config: Mutex::new(cfg.clone()),
+            executable: Mutex::new(upgrade::own_executable()),
+            management: Mutex::new(None),
+            upgrade_lock: RwLock::new(()),
+            handed_over: AtomicBool::new(false),
         });
         let setup = || -> Result<()> {
             for p in &cfg.pools {
@@ -114,6 +135,16 @@ impl Engine {
             return Err(e);
         }
         Ok(engine)
+    }
+
+    /// Keeps a copy of the management socket's listener, which a hot upgrade hands on.
+    pub fn set_management_listener(&self, l: &UnixListener) {
+        *lock(&self.management) = l.try_clone().ok();
+    }
+
+    /// Held shared by every management call, so none runs during a hot upgrade.
+    pub fn management_guard(&self) -> std::sync::RwLockReadGuard<'_, ()> {
+        self.upgrade_lock.read().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The host NQN this engine presents to the owners of its `remote:` namespaces.

@@ -3,9 +3,11 @@
 //! method's reply type (the wire form and every method are documented there).
 
 use std::io::{BufRead, BufReader, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use nvpool_api::*;
 use serde::Deserialize;
@@ -13,6 +15,7 @@ use serde_json::{Value, json};
 
 use crate::Engine;
 use crate::error::{Error, Result};
+use crate::upgrade::channel::wait_readable;
 
 /// Binds the management socket and serves it on a background thread.
 pub fn serve(engine: Arc<Engine>, path: &Path) -> std::result::Result<PathBuf, String> {
@@ -28,10 +31,29 @@ pub fn serve(engine: Arc<Engine>, path: &Path) -> std::result::Result<PathBuf, S
     let _ = std::fs::remove_file(path);
     let listener =
         UnixListener::bind(path).map_err(|e| format!("cannot bind the management socket {}: {e}", path.display()))?;
+    serve_listener(engine, listener)?;
+    Ok(path.to_path_buf())
+}
+
+/// Serves management on a bound socket (a hot upgrade's new process gets it bound).
+pub fn serve_listener(engine: Arc<Engine>, listener: UnixListener) -> std::result::Result<(), String> {
+    engine.set_management_listener(&listener);
+    listener.set_nonblocking(true).map_err(|e| format!("management socket: {e}"))?;
     std::thread::Builder::new()
         .name("nvpool-mgmt".into())
         .spawn(move || {
-            for stream in listener.incoming().flatten() {
+            loop {
+                // Accepting waits while a hot upgrade runs, and ends once it handed the
+                // socket over: a client that connects then is served by the new engine.
+                if !wait_readable(listener.as_raw_fd(), Duration::from_millis(200)) {
+                    continue;
+                }
+                let _guard = engine.management_guard();
+                if engine.handed_over() {
+                    return;
+                }
+                let Ok((stream, _)) = listener.accept() else { continue };
+                let _ = stream.set_nonblocking(false);
                 let engine = engine.clone();
                 let _ = std::thread::Builder::new()
                     .name("nvpool-mgmt-client".into())
@@ -39,7 +61,7 @@ pub fn serve(engine: Arc<Engine>, path: &Path) -> std::result::Result<PathBuf, S
             }
         })
         .map_err(|e| format!("cannot start the management thread: {e}"))?;
-    Ok(path.to_path_buf())
+    Ok(())
 }
 
 fn client(engine: &Engine, stream: UnixStream) {
@@ -55,7 +77,14 @@ fn client(engine: &Engine, stream: UnixStream) {
             Ok(v) => json!({ "result": v }),
             Err(e) => json!(ErrorReply { error: &e.message, kind: e.kind }),
         };
-        if writeln!(out, "{reply}").is_err() {
+        let written = writeln!(out, "{reply}");
+        if engine.handed_over() {
+            // The new engine serves from here on; this process lets go of nothing it
+            // handed over (its sockets close only as descriptors: no shutdown).
+            let _ = out.flush();
+            std::process::exit(0);
+        }
+        if written.is_err() {
             return;
         }
     }
@@ -87,10 +116,19 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value> {
         Error::invalid(format!("request is not valid JSON of the form {{\"method\": ..., \"params\": ...}}: {e}"))
     })?;
     let p = call.params;
+    if call.method == UpgradeEngine::NAME {
+        // Holds the management lock alone, waiting for calls under way.
+        return answer(p, |r: UpgradeEngine| engine.upgrade(r.binary.as_deref()));
+    }
+    let _guard = engine.management_guard();
+    if engine.handed_over() {
+        return Err(Error::unavailable("this engine handed over to a new process: connect again"));
+    }
     match call.method.as_str() {
         GetEngineInfo::NAME => answer(p, |GetEngineInfo {}| {
             Ok(EngineInfo {
-                version: env!("CARGO_PKG_VERSION").into(),
+                version: crate::VERSION.into(),
+                pid: std::process::id(),
                 controllers: engine.target().controller_count(),
                 connections: engine.target().connection_count(),
                 listeners: engine.listeners(),

@@ -362,6 +362,14 @@ impl Engine {
         })
     }
 
+    /// A volume whose migration is under way, as `POOL/NAME`, if any.
+    pub(crate) fn migration_running(&self) -> Option<String> {
+        lock(&self.migrations.jobs)
+            .iter()
+            .find(|(_, job)| lock(&job.thread).as_ref().is_some_and(|t| !t.is_finished()))
+            .map(|((pool, name), _)| format!("{pool}/{name}"))
+    }
+
     /// Cancels every running migration (the engine stops).
     pub(crate) fn stop_migrations(&self) {
         let jobs: Vec<Arc<Job>> = lock(&self.migrations.jobs).values().cloned().collect();

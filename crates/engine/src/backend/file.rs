@@ -10,7 +10,9 @@ use std::path::{Path, PathBuf};
 
 use nvpool_wire::Status;
 
-use super::{Backend, BackendType, BlockIo, DiskFd, DiskQueue, OpenEnv, Opened, deallocated_ranges, size_arg};
+use super::{
+    Backend, BackendType, BlockIo, DiskFd, DiskQueue, Handover, OpenEnv, Opened, deallocated_ranges, size_arg,
+};
 use crate::error::{Error, Result};
 use crate::nvme::nvm::IoPlan;
 
@@ -189,6 +191,10 @@ impl Backend for FileBackend {
 
     fn description(&self) -> String {
         self.path.display().to_string()
+    }
+
+    fn handover(&self) -> Handover<'_> {
+        Handover::Spec(format!("file:{}", self.path.display()))
     }
 
     fn direct_io(&self) -> bool {

@@ -4,12 +4,14 @@
 #![allow(unsafe_code)]
 
 use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 
 use nvpool_wire::Status;
 
-use super::{Backend, BackendType, BlockIo, DiskFd, DiskQueue, OpenEnv, Opened, deallocated_ranges, size_arg};
+use super::{
+    Backend, BackendType, BlockIo, DiskFd, DiskQueue, Handover, OpenEnv, Opened, deallocated_ranges, size_arg,
+};
 use crate::error::{Error, Result};
 use crate::nvme::nvm::IoPlan;
 
@@ -176,6 +178,12 @@ impl Memory {
         Ok(Memory { ram: Mapping::new(&fd, len)?, fd, size })
     }
 
+    /// A RAM backend over the memfd of another engine process's, data and all.
+    pub fn from_memfd(fd: OwnedFd, size: u64) -> Result<Memory> {
+        let len = usize::try_from(size).map_err(|_| Error::invalid(format!("memory:{size} does not fit in memory")))?;
+        Ok(Memory { ram: Mapping::new(&fd, len)?, fd, size })
+    }
+
     fn memfd(&self) -> DiskFd {
         DiskFd::new(self.fd.as_raw_fd(), false)
     }
@@ -192,6 +200,10 @@ impl Backend for Memory {
 
     fn description(&self) -> String {
         format!("memory:{}", self.size)
+    }
+
+    fn handover(&self) -> Handover<'_> {
+        Handover::Memfd { fd: self.fd.as_fd(), size: self.size }
     }
 
     fn start(&self, io: &mut BlockIo, queue: &mut DiskQueue<'_>) {

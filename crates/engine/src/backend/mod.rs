@@ -48,6 +48,9 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// What it is, for people (the path, or kind and size).
     fn description(&self) -> String;
 
+    /// How a new engine process opens it again after a hot upgrade.
+    fn handover(&self) -> Handover<'_>;
+
     /// Whether I/O bypasses the page cache.
     fn direct_io(&self) -> bool {
         false
@@ -106,6 +109,19 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn as_volume(&self) -> Option<&volume::VolumeBackend> {
         None
     }
+}
+
+/// How a backend opens again in a new engine process.
+pub enum Handover<'a> {
+    /// From this spec: the data is on a disk or another engine.
+    Spec(String),
+    /// RAM: the memfd is handed over, so the data stays.
+    Memfd {
+        /// The memfd.
+        fd: std::os::fd::BorrowedFd<'a>,
+        /// Size in bytes.
+        size: u64,
+    },
 }
 
 /// An opened backend, and the identity it carries, if any (a volume keeps its UUID

@@ -1,7 +1,7 @@
 //! `null:SIZE`: no storage. Reads return zeroes, writes are received and dropped;
 //! the fastest a namespace can be, for measuring everything around the storage.
 
-use super::{Backend, BackendType, BlockIo, DiskQueue, OpenEnv, Opened, size_arg};
+use super::{Backend, BackendType, BlockIo, DiskQueue, Handover, OpenEnv, Opened, size_arg};
 
 /// The registration of `null:SIZE`.
 pub const TYPE: BackendType = BackendType {
@@ -35,6 +35,10 @@ impl Backend for Null {
 
     fn description(&self) -> String {
         format!("null:{}", self.size)
+    }
+
+    fn handover(&self) -> Handover<'_> {
+        Handover::Spec(self.description())
     }
 
     fn keeps_write_data(&self) -> bool {

@@ -30,7 +30,7 @@ use nvpool_wire::command::{Command, admin_opcode};
 use nvpool_wire::identify::{self, cns, nidt};
 use nvpool_wire::tcp::Digests;
 
-use super::{Backend, BackendType, BlockIo, DiskQueue, OpenEnv, Opened};
+use super::{Backend, BackendType, BlockIo, DiskQueue, Handover, OpenEnv, Opened};
 use crate::error::{Error, Result};
 use crate::nvme::nvm::IoPlan;
 use crate::reactor::{Msg, ReactorLink};
@@ -392,6 +392,10 @@ impl Backend for RemoteBackend {
 
     fn description(&self) -> String {
         format!("remote:{}/{}/{}", self.owner, self.subnqn, self.namespace.nsid)
+    }
+
+    fn handover(&self) -> Handover<'_> {
+        Handover::Spec(self.description())
     }
 
     /// The owner promises its own blocks whole; this engine forwards them as they are.

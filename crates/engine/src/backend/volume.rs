@@ -13,7 +13,7 @@ use std::sync::Arc;
 use nvpool_wire::Status;
 
 use super::gate::{Admitted, Gate, ROUTE_HERE};
-use super::{Backend, BackendType, BlockIo, DiskQueue, OpenEnv, Opened, deallocated_ranges};
+use super::{Backend, BackendType, BlockIo, DiskQueue, Handover, OpenEnv, Opened, deallocated_ranges};
 use crate::nvme::nvm::IoPlan;
 use crate::pool::{MetaRequest, VolumeIo};
 
@@ -109,6 +109,10 @@ impl Backend for VolumeBackend {
 
     fn description(&self) -> String {
         self.description.clone()
+    }
+
+    fn handover(&self) -> Handover<'_> {
+        Handover::Spec(self.description())
     }
 
     fn direct_io(&self) -> bool {

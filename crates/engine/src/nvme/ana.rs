@@ -14,6 +14,7 @@ use nvpool_wire::log::{self, AnaGroup, ana_state};
 
 use super::MAX_NSID;
 use super::subsystem::NamespaceMap;
+use crate::upgrade::image::AnaImage;
 
 /// Highest ANA group ID (ANAGRPMAX, and NANAGRPID): a group per namespace at most.
 pub const MAX_ANA_GROUP: u32 = MAX_NSID;
@@ -67,6 +68,24 @@ pub struct AnaTable {
 }
 
 impl AnaTable {
+    /// The table, for a new engine process.
+    pub fn image(&self) -> AnaImage {
+        AnaImage {
+            groups: self.groups.iter().map(|(&g, &s)| (g, s)).collect(),
+            hosts: self.hosts.iter().map(|((h, g), &s)| (h.clone(), *g, s)).collect(),
+            change_count: self.change_count,
+        }
+    }
+
+    /// The table another engine process left.
+    pub fn restore(i: &AnaImage) -> AnaTable {
+        AnaTable {
+            groups: i.groups.iter().copied().collect(),
+            hosts: i.hosts.iter().map(|(h, g, s)| ((h.clone(), *g), *s)).collect(),
+            change_count: i.change_count,
+        }
+    }
+
     /// The state `host` sees for `group`.
     pub fn state(&self, host: &str, group: u32) -> AnaState {
         self.hosts.get(&(host.to_string(), group)).copied().unwrap_or_else(|| self.group_state(group))

@@ -12,6 +12,7 @@ use nvpool_wire::log::{async_event, lid};
 
 use super::ana::{self, MAX_ANA_GROUP};
 use super::{Subsystem, lock};
+use crate::upgrade::image::ControllerImage;
 
 /// Async Event Configuration bit 8: namespace attribute notices.
 const AEC_NS_ATTRIBUTE: u32 = 1 << 8;
@@ -85,6 +86,55 @@ impl Controller {
             connected_queues: Mutex::new(vec![false; max_io_queues as usize + 1]),
             events: Mutex::new(Events::default()),
             ana: (0..=MAX_ANA_GROUP).map(|_| AtomicU8::new(ana::code(AnaState::Optimized))).collect(),
+            dead: AtomicBool::new(false),
+        }
+    }
+
+    /// What a new engine process needs to go on with this controller.
+    pub fn image(&self) -> ControllerImage {
+        let e = lock(&self.events);
+        ControllerImage {
+            cntlid: self.cntlid,
+            subsystem: self.subsystem.nqn.clone(),
+            hostnqn: self.hostnqn.clone(),
+            hostid: self.hostid,
+            kato_ms: self.kato_ms(),
+            cc: self.cc(),
+            csts: self.csts(),
+            io_queues_granted: self.io_queues_granted(),
+            queue_slots: lock(&self.connected_queues).len() as u32,
+            async_event_config: self.async_event_config(),
+            pending_events: e.pending.iter().copied().collect(),
+            masked_events: e.masked,
+            changed_namespaces: e.changed_namespaces.clone(),
+            ana: self.ana.iter().map(|s| s.load(Ordering::Relaxed)).collect(),
+        }
+    }
+
+    /// A controller as another engine process left it, its Keep Alive timer started
+    /// at `now_ms`; its queues are claimed as their connections are adopted.
+    pub fn restore(i: &ControllerImage, subsystem: Arc<Subsystem>, now_ms: u64) -> Controller {
+        let ana: Box<[AtomicU8]> = (0..=MAX_ANA_GROUP as usize)
+            .map(|g| AtomicU8::new(i.ana.get(g).copied().unwrap_or(ana::code(AnaState::Optimized))))
+            .collect();
+        Controller {
+            cntlid: i.cntlid,
+            subsystem,
+            hostnqn: i.hostnqn.clone(),
+            hostid: i.hostid,
+            kato_ms: AtomicU32::new(i.kato_ms),
+            keep_alive_deadline_ms: AtomicU64::new(now_ms + u64::from(i.kato_ms)),
+            cc: AtomicU32::new(i.cc),
+            csts: AtomicU32::new(i.csts),
+            io_queues_granted: AtomicU32::new(i.io_queues_granted),
+            async_event_config: AtomicU32::new(i.async_event_config),
+            connected_queues: Mutex::new(vec![false; i.queue_slots.max(1) as usize]),
+            events: Mutex::new(Events {
+                pending: i.pending_events.iter().copied().collect(),
+                masked: i.masked_events,
+                changed_namespaces: i.changed_namespaces.clone(),
+            }),
+            ana,
             dead: AtomicBool::new(false),
         }
     }

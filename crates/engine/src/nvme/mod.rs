@@ -151,6 +151,23 @@ impl Target {
         None
     }
 
+    /// Registers a controller another engine process handed over, under its own ID.
+    pub fn adopt_controller(&self, c: Arc<Controller>) {
+        lock(&self.controllers).insert(c.cntlid, c);
+    }
+
+    /// Where handing out controller IDs goes on.
+    pub fn cntlid_cursor(&self) -> u16 {
+        self.next_cntlid.load(Ordering::Relaxed)
+    }
+
+    /// Goes on handing out controller IDs where another engine process stopped, with
+    /// its discovery log generation.
+    pub fn continue_from(&self, cntlid_cursor: u16, discovery_generation: u64) {
+        self.next_cntlid.store(cntlid_cursor, Ordering::Relaxed);
+        self.discovery_generation.store(discovery_generation, Ordering::Release);
+    }
+
     /// The controller IDs new controllers get.
     pub fn cntlid_range(&self) -> (u16, u16) {
         let range = self.cntlid_range.load(Ordering::Relaxed);
@@ -174,6 +191,11 @@ impl Target {
     /// Forgets a controller whose association ended.
     pub fn unregister_controller(&self, cntlid: u16) {
         lock(&self.controllers).remove(&cntlid);
+    }
+
+    /// Every registered controller.
+    pub fn controllers(&self) -> Vec<Arc<Controller>> {
+        lock(&self.controllers).values().cloned().collect()
     }
 
     /// Number of live controllers.

@@ -12,6 +12,7 @@ use super::ana::{self, AnaTable};
 use super::{Controller, MAX_NSID, lock, read, write};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
+use crate::upgrade::image::AnaImage;
 pub use nvpool_api::StatsSnapshot;
 
 /// Reactors with their own counter shard; any further reactors share one more shard.
@@ -409,6 +410,23 @@ impl Subsystem {
             }
         }
         Ok(())
+    }
+
+    /// The ANA table, for a new engine process.
+    pub fn ana_image(&self) -> AnaImage {
+        lock(&self.ana).image()
+    }
+
+    /// Takes the ANA table another engine process left (before any controller joins).
+    pub fn restore_ana(&self, i: &AnaImage) {
+        *lock(&self.ana) = AnaTable::restore(i);
+    }
+
+    /// Tracks a controller handed over by another engine process; it keeps the ANA view
+    /// it had.
+    pub fn adopt_controller(&self, c: &Arc<Controller>) {
+        let mut list = lock(&self.controllers);
+        list.push(Arc::downgrade(c));
     }
 
     /// The ANA groups and their states, for management.

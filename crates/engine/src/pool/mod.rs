@@ -316,6 +316,23 @@ impl Pool {
         *lock(&self.shared.requests) = mpsc::channel().0;
     }
 
+    /// Writes the whole metadata as a checkpoint, so the next open replays no journal:
+    /// a hot upgrade's new process opens the pool right after, while this one holds
+    /// it quiet.
+    pub fn checkpoint(&self) -> Result<()> {
+        let mut inner = lock(&self.inner);
+        if let Some(why) = &inner.failed {
+            return Err(Error::unavailable(format!("pool {:?} stopped taking changes: {why}", self.name)));
+        }
+        let Inner { store, state, .. } = &mut *inner;
+        store.checkpoint(state).map_err(io_err(&format!("checkpointing pool {:?}", self.name)))
+    }
+
+    /// The paths of its disks, in pool order.
+    pub fn disk_paths(&self) -> Vec<PathBuf> {
+        self.shared.disks.iter().map(|d| d.path.clone()).collect()
+    }
+
     /// Bytes per cluster.
     pub fn cluster_size(&self) -> u64 {
         self.cluster_size

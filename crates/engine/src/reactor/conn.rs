@@ -30,6 +30,7 @@ use crate::nvme::subsystem::NamespaceMap;
 use crate::nvme::{
     ADMIN_IN_CAPSULE_DATA, Controller, Counted, IO_IN_CAPSULE_DATA, MAX_H2C_DATA, Namespace, Target, fabrics,
 };
+use crate::upgrade::image::{ConnImage, QueueImage};
 
 /// Controller PDU data alignment asked of hosts: 0, dword-aligned data, which every
 /// host's plain layout (data right after the header and its digest) already has.
@@ -205,6 +206,15 @@ pub(super) struct Conn {
     slots: Vec<Slot>,
     free_slots: Vec<u16>,
     aers: Vec<u16>,
+    /// Set while a hot upgrade parks the connection: it finishes what it took and
+    /// takes nothing new (see `park_step`).
+    parking: bool,
+    /// Whole capsules that arrived while parking, not acted on.
+    held: Vec<u8>,
+    /// Whether parking asked the kernel to take the posted receive back.
+    recv_cancelled: bool,
+    /// Parking was called off while a receive was posted: resume once it is back.
+    resume_after_recv: bool,
 }
 
 impl Conn {
@@ -236,11 +246,164 @@ impl Conn {
             slots: Vec::new(),
             free_slots: Vec::new(),
             aers: Vec::new(),
+            parking: false,
+            held: Vec::new(),
+            recv_cancelled: false,
+            resume_after_recv: false,
         }
+    }
+
+    /// A connection as another engine process left it, on `socket`: its handshake,
+    /// digests, queue (claimed again in its controller), outstanding Asynchronous Event
+    /// Requests. Its unread input is fed in by `resume`.
+    pub(super) fn restore(
+        socket: TcpStream,
+        i: &ConnImage,
+        controller: Option<Arc<Controller>>,
+        now_ms: u64,
+    ) -> Result<Conn, String> {
+        let mut c = Conn::new(socket, now_ms, i.port_id);
+        c.digests = Digests { header: i.header_digest, data: i.data_digest };
+        if i.ready {
+            c.phase = Phase::Ready;
+        }
+        if let Some(q) = &i.queue {
+            let controller = controller.ok_or_else(|| format!("controller {} of a connection is missing", q.cntlid))?;
+            if !controller.claim_queue(q.qid) {
+                return Err(format!("queue {} of controller {} is taken twice", q.qid, q.cntlid));
+            }
+            let depth = usize::from(q.sqsize) + 1;
+            c.slots = (0..depth).map(|_| Slot::free()).collect();
+            c.free_slots = (0..depth as u16).rev().collect();
+            let namespaces = controller.subsystem.namespaces();
+            let generation = controller.subsystem.generation();
+            c.queue = Some(Queue {
+                controller,
+                qid: q.qid,
+                sqsize: q.sqsize,
+                sqhd: q.sqhd,
+                flow_control_disabled: q.flow_control_disabled,
+                namespaces,
+                generation,
+            });
+        }
+        c.aers = i.aers.clone();
+        c.held = i.input.clone();
+        // Parked as the other process left it, until `resume`.
+        c.parking = true;
+        Ok(c)
+    }
+
+    // ----- hot upgrade --------------------------------------------------------------
+
+    /// Starts parking: commands already taken finish, new ones are held.
+    pub(super) fn park(&mut self) {
+        self.parking = true;
+    }
+
+    /// Whether nothing is in flight but, perhaps, the posted receive.
+    fn quiet(&self) -> bool {
+        matches!(self.phase, Phase::Handshake | Phase::Ready)
+            && self.out.is_empty()
+            && !self.send_posted
+            && self.ops_in_flight == u32::from(self.recv_posted)
+            && self.slots.iter().all(|s| s.state == SlotState::Free)
+    }
+
+    /// Moves parking on: once quiet, the posted receive is taken back. Returns whether
+    /// the connection is parked (quiet, nothing posted).
+    pub(super) fn park_step(&mut self, r: &mut Reactor, idx: u32) -> bool {
+        if !self.parking || !self.quiet() {
+            return false;
+        }
+        if self.recv_posted {
+            if !self.recv_cancelled {
+                self.recv_cancelled = true;
+                let sqe = opcode::AsyncCancel::new(Op::Recv(idx).encode()).build().user_data(0);
+                // SAFETY: a cancellation points at no memory.
+                unsafe { r.push(sqe) };
+            }
+            return false;
+        }
+        true
+    }
+
+    /// What a new engine process needs to serve this parked connection, its socket
+    /// being descriptor `fd`.
+    pub(super) fn image(&self, reactor: usize, fd: usize) -> ConnImage {
+        let mut input = self.held.clone();
+        if let Some(buf) = &self.recv_buf {
+            input.extend_from_slice(&buf.as_slice()[self.recv_start..self.recv_end]);
+        }
+        ConnImage {
+            reactor,
+            fd,
+            port_id: self.port_id,
+            ready: self.phase == Phase::Ready,
+            header_digest: self.digests.header,
+            data_digest: self.digests.data,
+            input,
+            queue: self.queue.as_ref().map(|q| QueueImage {
+                cntlid: q.controller.cntlid,
+                qid: q.qid,
+                sqsize: q.sqsize,
+                sqhd: q.sqhd,
+                flow_control_disabled: q.flow_control_disabled,
+            }),
+            aers: self.aers.clone(),
+        }
+    }
+
+    /// Goes on serving after parking (or after a handover): the held commands and the
+    /// partial PDU behind them are acted on, in order, then receiving starts again.
+    pub(super) fn resume(&mut self, r: &mut Reactor, idx: u32) {
+        if !self.parking {
+            return;
+        }
+        if self.recv_posted {
+            // The kernel may still write into the buffer: resume once the receive
+            // is back (with data or cancelled).
+            self.resume_after_recv = true;
+            if !std::mem::replace(&mut self.recv_cancelled, true) {
+                let sqe = opcode::AsyncCancel::new(Op::Recv(idx).encode()).build().user_data(0);
+                // SAFETY: a cancellation points at no memory.
+                unsafe { r.push(sqe) };
+            }
+            return;
+        }
+        self.parking = false;
+        self.recv_cancelled = false;
+        let mut input = std::mem::take(&mut self.held);
+        if let Some(buf) = &self.recv_buf {
+            input.extend_from_slice(&buf.as_slice()[self.recv_start..self.recv_end]);
+        }
+        self.recv_start = 0;
+        self.recv_end = 0;
+        let mut rest = &input[..];
+        while !rest.is_empty() && matches!(self.phase, Phase::Handshake | Phase::Ready) {
+            let Some(buf) = self.recv_buf.as_mut() else { break };
+            compact(buf.as_mut_slice(), &mut self.recv_start, &mut self.recv_end);
+            let n = rest.len().min(buf.capacity() - self.recv_end);
+            if n == 0 {
+                // Cannot happen: the buffer holds the largest PDU, and whole PDUs are
+                // consumed before more is copied in.
+                break;
+            }
+            buf.as_mut_slice()[self.recv_end..self.recv_end + n].copy_from_slice(&rest[..n]);
+            self.recv_end += n;
+            rest = &rest[n..];
+            self.parse_input(r, idx);
+        }
+        r.mark_dirty(idx);
     }
 
     pub(super) fn raw_fd(&self) -> RawFd {
         self.socket.as_raw_fd()
+    }
+
+    /// A second descriptor of the socket, for another engine process.
+    pub(super) fn dup_socket(&self) -> std::io::Result<TcpStream> {
+        self.socket.try_clone()
     }
 
     /// Whether the connection is closed and nothing references its memory any more.
@@ -285,6 +448,8 @@ impl Conn {
         if self.recv_posted
             || !matches!(self.phase, Phase::Handshake | Phase::Ready)
             || self.out.len() >= MAX_OUT_BACKLOG
+            // Parking reads only the data of commands already taken.
+            || (self.parking && !self.slots.iter().any(|s| s.state == SlotState::AwaitingData))
         {
             return;
         }
@@ -313,17 +478,34 @@ impl Conn {
     pub(super) fn on_recv(&mut self, r: &mut Reactor, idx: u32, res: i32) {
         self.ops_in_flight -= 1;
         self.recv_posted = false;
-        if res <= 0 {
+        if res == -libc::ECANCELED && self.parking {
+            // Parking took the receive back before anything arrived.
+        } else if res <= 0 {
             // 0: the host closed; negative: the socket failed or was shut down.
             self.begin_close();
             return;
+        } else {
+            self.recv_end += res as usize;
+            self.parse_input(r, idx);
         }
-        self.recv_end += res as usize;
+        if std::mem::take(&mut self.resume_after_recv) {
+            self.resume(r, idx);
+        }
+    }
+
+    /// Acts on every whole PDU in the receive buffer; a partial one stays at the front.
+    fn parse_input(&mut self, r: &mut Reactor, idx: u32) {
         // The buffer is taken out so PDUs can borrow it while the connection changes.
         let Some(buf) = self.recv_buf.take() else { return };
         while matches!(self.phase, Phase::Handshake | Phase::Ready) {
             match tcp::parse(&buf.as_slice()[self.recv_start..self.recv_end], self.digests, RECV_LIMITS) {
                 Ok(None) => break,
+                Ok(Some(p)) if self.parking && matches!(p.pdu, Pdu::CapsuleCmd { .. } | Pdu::IcReq(_)) => {
+                    // A parking connection takes no new command: the bytes wait for
+                    // whichever process serves the connection next.
+                    self.held.extend_from_slice(&buf.as_slice()[self.recv_start..self.recv_start + p.len]);
+                    self.recv_start += p.len;
+                }
                 Ok(Some(p)) => {
                     self.recv_start += p.len;
                     self.on_pdu(r, idx, p.pdu, p.data_digest_ok);

@@ -34,7 +34,8 @@ use std::time::{Duration, Instant};
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
 
 use crate::bufpool::BufPool;
-use crate::nvme::{MAX_TRANSFER, Target};
+use crate::nvme::{Controller, MAX_TRANSFER, Target};
+use crate::upgrade::image::ConnImage;
 use conn::Conn;
 use remote::{Answer, Forwarded, HostQueue};
 
@@ -87,8 +88,33 @@ pub enum Msg {
     },
     /// A queue to the owner of a remote namespace, connected for this reactor.
     RemoteSocket(crate::backend::remote::RemoteSocket),
+    /// Hot upgrade: stop accepting and taking new commands, finish the ones taken,
+    /// then report the parked connections (and listeners) here.
+    Park(Sender<Parked>),
+    /// Hot upgrade called off: serve again, the held commands first.
+    Resume,
+    /// Hot upgrade, new process: serve a connection another engine process parked.
+    Restore {
+        /// The connection.
+        stream: TcpStream,
+        /// Its state.
+        image: ConnImage,
+        /// Its controller, already restored.
+        controller: Option<Arc<Controller>>,
+    },
     /// Close everything and exit.
     Stop,
+}
+
+/// A reactor's report that it is parked: nothing in flight, nothing accepted or read
+/// until it resumes or the process exits.
+pub struct Parked {
+    /// Which reactor.
+    pub reactor: usize,
+    /// Each connection's state (its `fd` not yet filled in) and a copy of its socket.
+    pub conns: Vec<(ConnImage, TcpStream)>,
+    /// Copies of the listening sockets this reactor accepts on, by port ID.
+    pub listeners: Vec<(u16, TcpListener)>,
 }
 
 /// A handle to send messages to a reactor and wake it.
@@ -342,6 +368,12 @@ struct Reactor {
     dirty: Vec<u32>,
     is_dirty: Vec<bool>,
     stopping: bool,
+    /// Where to report once parked, while a hot upgrade parks this reactor.
+    parking: Option<Sender<Parked>>,
+    /// Whether the parked report went out.
+    parked: bool,
+    /// Multishot accepts posted and not yet ended.
+    armed_accepts: usize,
     last_tick: Instant,
     warnings: WarningLimit,
 }
@@ -385,6 +417,9 @@ impl Reactor {
             dirty: Vec::with_capacity(256),
             is_dirty: Vec::new(),
             stopping: false,
+            parking: None,
+            parked: false,
+            armed_accepts: 0,
             last_tick: Instant::now(),
             warnings: WarningLimit::default(),
         }
@@ -479,6 +514,7 @@ impl Reactor {
                 opcode::AcceptMulti::new(types::Fd(l.as_raw_fd())).build().user_data(Op::Accept(port_id).encode());
             // SAFETY: an accept points at no memory (no peer address is asked for).
             unsafe { self.push(sqe) };
+            self.armed_accepts += 1;
         }
     }
 
@@ -533,6 +569,9 @@ impl Reactor {
             now = Instant::now();
             if self.after_enter(&mut completions, now) {
                 last_activity = now;
+            }
+            if self.parking.is_some() && !self.parked {
+                self.park_progress();
             }
             if self.stopping && self.conns.iter().all(Option::is_none) {
                 return;
@@ -633,6 +672,9 @@ impl Reactor {
                         self.with_remote(q, |r, queue, _| queue.on_socket(r, q, socket));
                     }
                 }
+                Msg::Park(report) => self.park(report),
+                Msg::Resume => self.resume(),
+                Msg::Restore { stream, image, controller } => self.restore_conn(stream, &image, controller),
                 Msg::Stop => {
                     self.stopping = true;
                     let ports: Vec<u16> = self.listeners.keys().copied().collect();
@@ -688,8 +730,11 @@ impl Reactor {
             let e = std::io::Error::from_raw_os_error(-res);
             tracing::warn!(reactor = self.id, suppressed, "accept on port {port_id} failed: {e}");
         }
-        if !cqueue::more(flags) && !self.stopping {
-            self.post_accept(port_id);
+        if !cqueue::more(flags) {
+            self.armed_accepts -= 1;
+            if !self.stopping && self.parking.is_none() {
+                self.post_accept(port_id);
+            }
         }
     }
 
@@ -702,11 +747,21 @@ impl Reactor {
         }
         // Small PDUs must leave at once; the reactor batches writes itself.
         let _ = stream.set_nodelay(true);
+        let mut conn = Box::new(Conn::new(stream, self.target.now_ms(), port_id));
+        if self.parking.is_some() {
+            conn.park();
+        }
+        let idx = self.insert_conn(conn);
+        self.with_conn(idx, |r, conn| conn.post_recv(r, idx));
+    }
+
+    /// Puts a connection in a free slot of the table, its socket in the ring's file
+    /// table where there is room; returns the slot.
+    fn insert_conn(&mut self, mut conn: Box<Conn>) -> u32 {
         let idx = self.free_conns.pop().unwrap_or_else(|| {
             self.conns.push(None);
             (self.conns.len() - 1) as u32
         });
-        let mut conn = Box::new(Conn::new(stream, self.target.now_ms(), port_id));
         if self.files_registered
             && idx < REGISTERED_FILES
             && self.ring.submitter().register_files_update(idx, &[conn.raw_fd()]).is_ok()
@@ -715,7 +770,75 @@ impl Reactor {
         }
         self.target.connection_opened();
         self.conns[idx as usize] = Some(conn);
-        self.with_conn(idx, |r, conn| conn.post_recv(r, idx));
+        idx
+    }
+
+    // ----- hot upgrade --------------------------------------------------------------
+
+    /// Starts parking: accepts are taken back and every connection parks.
+    fn park(&mut self, report: Sender<Parked>) {
+        self.parking = Some(report);
+        self.parked = false;
+        let ports: Vec<u16> = self.listeners.keys().copied().collect();
+        for port_id in ports {
+            let sqe = opcode::AsyncCancel::new(Op::Accept(port_id).encode()).build().user_data(0);
+            // SAFETY: a cancellation points at no memory.
+            unsafe { self.push(sqe) };
+        }
+        for c in 0..self.conns.len() as u32 {
+            self.with_conn(c, |_, conn| conn.park());
+        }
+        self.park_progress();
+    }
+
+    /// Reports the parked state once every connection is parked (or gone) and no
+    /// accept is armed.
+    fn park_progress(&mut self) {
+        let mut all = true;
+        for c in 0..self.conns.len() as u32 {
+            self.with_conn(c, |r, conn| all &= conn.park_step(r, c));
+        }
+        if !all || self.armed_accepts > 0 {
+            return;
+        }
+        let mut conns = Vec::new();
+        for conn in self.conns.iter().flatten() {
+            match conn.dup_socket() {
+                Ok(s) => conns.push((conn.image(self.id, 0), s)),
+                Err(e) => tracing::warn!(reactor = self.id, "cannot copy a connection's socket: {e}"),
+            }
+        }
+        let listeners = self.listeners.iter().filter_map(|(&id, l)| l.try_clone().ok().map(|l| (id, l))).collect();
+        if let Some(report) = &self.parking {
+            let _ = report.send(Parked { reactor: self.id, conns, listeners });
+        }
+        self.parked = true;
+    }
+
+    /// Serves again after parking.
+    fn resume(&mut self) {
+        self.parking = None;
+        self.parked = false;
+        for c in 0..self.conns.len() as u32 {
+            self.with_conn(c, |r, conn| conn.resume(r, c));
+        }
+        let ports: Vec<u16> = self.listeners.keys().copied().collect();
+        for p in ports {
+            self.post_accept(p);
+        }
+    }
+
+    /// Serves a connection another engine process parked.
+    fn restore_conn(&mut self, stream: TcpStream, image: &ConnImage, controller: Option<Arc<Controller>>) {
+        let conn = match Conn::restore(stream, image, controller, self.target.now_ms()) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(reactor = self.id, "a handed-over connection is dropped: {e}");
+                return;
+            }
+        };
+        let idx = self.insert_conn(Box::new(conn));
+        self.with_conn(idx, |r, conn| conn.resume(r, idx));
     }
 
     fn free_conn(&mut self, idx: u32, mut conn: Box<Conn>) {
@@ -734,14 +857,22 @@ impl Reactor {
     }
 
     fn kick(&mut self) {
+        // Parked connections are handed over as they are: nothing new goes out.
+        if self.parking.is_some() {
+            return;
+        }
         for c in 0..self.conns.len() as u32 {
             self.with_conn(c, |r, conn| conn.check(r, c, false));
         }
     }
 
     fn tick(&mut self) {
-        for c in 0..self.conns.len() as u32 {
-            self.with_conn(c, |r, conn| conn.check(r, c, true));
+        // Parked, no timer may end a connection: a hot upgrade's new process may be
+        // serving it already.
+        if self.parking.is_none() {
+            for c in 0..self.conns.len() as u32 {
+                self.with_conn(c, |r, conn| conn.check(r, c, true));
+            }
         }
         let now = self.target.now_ms();
         for q in 0..self.remotes.len() as u32 {

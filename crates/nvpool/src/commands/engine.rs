@@ -7,10 +7,10 @@ use std::path::PathBuf;
 use clap::{Args, Subcommand};
 use nvpool_api::{
     AddHost, AddListener, AddNamespace, AddSubsystem, AllowAnyHost, AnaGroupInfo, AnaState, CancelMigration, CheckPool,
-    CreatePool, CreateVolume, DeleteVolume, DirtyAction, ExportPool, GetMigration, GetVolume, ImportPool,
-    ListAnaGroups, ListListeners, ListPools, ListSubsystems, ListVolumes, ListenerInfo, Method, MigrationInfo,
-    PoolInfo, RemoveHost, RemoveListener, RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState, StartMigration,
-    SubsystemInfo, SwitchMigration, VolumeDirty, VolumeIdentity, VolumeInfo,
+    CreatePool, CreateVolume, DeleteVolume, DirtyAction, ExportPool, GetEngineInfo, GetMigration, GetVolume,
+    ImportPool, ListAnaGroups, ListListeners, ListPools, ListSubsystems, ListVolumes, ListenerInfo, Method,
+    MigrationInfo, PoolInfo, RemoveHost, RemoveListener, RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState,
+    StartMigration, SubsystemInfo, SwitchMigration, UpgradeEngine, VolumeDirty, VolumeIdentity, VolumeInfo,
 };
 use nvpool_engine::Engine;
 use nvpool_engine::config::{
@@ -86,6 +86,20 @@ enum EngineVerb {
         #[command(flatten)]
         api: EngineSocket,
     },
+    /// Show the engine's version, process, connections and listeners.
+    Info {
+        #[command(flatten)]
+        api: EngineSocket,
+    },
+    /// Replace the running engine with a new binary, keeping every connection (hot
+    /// upgrade). If the new binary fails, the running engine goes on serving.
+    Upgrade {
+        /// The new nvpool binary (default: the running engine's executable path).
+        #[arg(long)]
+        binary: Option<PathBuf>,
+        #[command(flatten)]
+        api: EngineSocket,
+    },
 }
 
 #[derive(Args)]
@@ -100,6 +114,10 @@ struct EngineSocket {
 
 #[derive(Args)]
 struct EngineArgs {
+    /// Take over a running engine that started this process for a hot upgrade (set
+    /// by `nvpool engine upgrade`, never by hand).
+    #[arg(long, hide = true)]
+    take_over: bool,
     /// A TOML configuration file (see the README); the quick flags below are then
     /// not allowed.
     #[arg(long, conflicts_with_all = ["listen", "subsystem", "namespace", "host", "pool"])]
@@ -531,6 +549,36 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
             }
         },
         EngineVerb::Stats { api } => show(&api, ListSubsystems {}, |r| stats_table(r)),
+        EngineVerb::Info { api } => show(&api, GetEngineInfo {}, |i| {
+            let listeners: Vec<String> = i.listeners.iter().map(|l| format!("{}:{}", l.addr, l.port)).collect();
+            vec![
+                ["VERSION", "PID", "CONTROLLERS", "CONNECTIONS", "LISTENERS", "HOST NQN"].map(String::from).to_vec(),
+                vec![
+                    i.version.clone(),
+                    i.pid.to_string(),
+                    i.controllers.to_string(),
+                    i.connections.to_string(),
+                    listeners.join(","),
+                    i.host_nqn.clone(),
+                ],
+            ]
+        }),
+        EngineVerb::Upgrade { binary, api } => {
+            let r = api.call(UpgradeEngine { binary })?;
+            print_or(api.json, &r, || {
+                format!(
+                    "upgraded: pid {} ({}) -> pid {} ({}); {} connections and {} controllers kept; I/O paused {:.2} ms",
+                    r.old_pid,
+                    r.old_version,
+                    r.new_pid,
+                    r.new_version,
+                    r.connections,
+                    r.controllers,
+                    r.pause_us as f64 / 1000.0
+                )
+            });
+            Ok(())
+        }
     }
 }
 
@@ -613,6 +661,9 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
 }
 
 fn run_engine(a: EngineArgs) -> Result<(), String> {
+    if a.take_over {
+        return run_taken_over();
+    }
     let cfg = engine_config(&a)?;
     let engine = Engine::start(&cfg)?;
     if let Err(e) = mgmt::serve(engine.clone(), &cfg.management_socket) {
@@ -637,6 +688,33 @@ fn run_engine(a: EngineArgs) -> Result<(), String> {
     println!("nvpool engine stopping");
     engine.stop();
     let _ = std::fs::remove_file(&cfg.management_socket);
+    Ok(())
+}
+
+/// The new process of a hot upgrade: takes the running engine over, then serves
+/// until stopped, like any engine.
+fn run_taken_over() -> Result<(), String> {
+    let env = nvpool_engine::upgrade::TAKEOVER_FD_ENV;
+    let fd = std::env::var(env)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| format!("--take-over is for `nvpool engine upgrade`: {env} names no handover socket"))?;
+    let taken = Engine::take_over(fd)?;
+    let engine = taken.engine;
+    if let Err(e) = mgmt::serve_listener(engine.clone(), taken.management) {
+        engine.stop();
+        return Err(e);
+    }
+    println!(
+        "nvpool engine {} took over (pid {}); management socket {}",
+        nvpool_engine::VERSION,
+        std::process::id(),
+        taken.config.management_socket.display()
+    );
+    crate::signals::wait_for_stop();
+    println!("nvpool engine stopping");
+    engine.stop();
+    let _ = std::fs::remove_file(&taken.config.management_socket);
     Ok(())
 }
 

@@ -1,0 +1,248 @@
+//! Hot upgrade of a running engine under load, through the CLI: hosts (our initiator)
+//! write and read back on a memory and a file namespace, over queues with and without
+//! digests, while the engine is replaced by a new process again and again. No command
+//! may fail, no connection may drop (each queue keeps its socket and its controller
+//! ID), and all data must read back. Upgrades that fail (a binary that exits at once,
+//! one that crashes in the middle of the handover) must leave the old engine serving.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::Path;
+use std::process::{Child, Command as Process, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nvpool_initiator::{ConnectOptions, Queue, connect_admin, pattern};
+use nvpool_wire::tcp::Digests;
+
+const BIN: &str = env!("CARGO_BIN_EXE_nvpool");
+const NQN: &str = "nqn.2024-01.io.nvpool:upgrade";
+const BLOCK: u32 = 4096;
+const UPGRADES: usize = 10;
+/// Blocks each writer owns, per namespace.
+const SPAN: u64 = 2048;
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn cli(socket: &Path, args: &[&str]) -> Result<String, String> {
+    let out = Process::new(BIN).arg("engine").args(args).arg("--socket").arg(socket).output().unwrap();
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+fn engine_pid(socket: &Path) -> u32 {
+    let info: serde_json::Value = serde_json::from_str(&cli(socket, &["info", "--json"]).unwrap()).unwrap();
+    info["pid"].as_u64().unwrap() as u32
+}
+
+fn start_engine(dir: &Path, port: u16) -> Child {
+    let file = dir.join("ns2.img");
+    Process::new(BIN)
+        .args(["engine", "--listen", &format!("127.0.0.1:{port}"), "--discovery-port", "0", "--reactors", "2"])
+        .args(["--subsystem", NQN, "--block-size", "4096", "--namespace", "memory:64MiB", "--namespace"])
+        .arg(format!("file:{}:64MiB", file.display()))
+        .arg("--mgmt-socket")
+        .arg(dir.join("sock"))
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.join("engine.log")).unwrap())
+        .spawn()
+        .unwrap()
+}
+
+/// What the writers saw.
+#[derive(Default)]
+struct Tally {
+    commands: AtomicU64,
+    errors: AtomicU64,
+    slowest_us: AtomicU64,
+    first_error: Mutex<Option<String>>,
+}
+
+impl Tally {
+    fn error(&self, what: String) {
+        self.errors.fetch_add(1, Ordering::SeqCst);
+        self.first_error.lock().unwrap().get_or_insert(what);
+    }
+}
+
+/// A host's I/O queue writing and reading back its own blocks of both namespaces:
+/// 4 KiB writes go in the capsule, 64 KiB writes through R2T and H2CData.
+fn writer(addr: SocketAddr, io: ConnectOptions, id: u64, stop: Arc<AtomicBool>, tally: Arc<Tally>) -> Vec<Vec<u64>> {
+    let mut q = Queue::connect(addr, &io).expect("I/O queue");
+    let mut seeds = vec![vec![0u64; SPAN as usize]; 2];
+    let mut n = 0u64;
+    while !stop.load(Ordering::SeqCst) {
+        n += 1;
+        let nsid = (n % 2) as u32 + 1;
+        let blocks: u64 = if n.is_multiple_of(3) { 16 } else { 1 };
+        let first = (n * 7919) % (SPAN - blocks);
+        let seed = id << 40 | n;
+        let data: Vec<u8> = (0..blocks).flat_map(|b| pattern(seed ^ (first + b), BLOCK as usize)).collect();
+        let start = Instant::now();
+        let lba = id * SPAN + first;
+        if let Err(e) = q.write(nsid, lba, &data, BLOCK, 8192) {
+            tally.error(format!("writer {id}: write of {blocks} blocks at {lba} on namespace {nsid}: {e:?}"));
+            return seeds;
+        }
+        match q.read(nsid, lba, blocks as u32, BLOCK) {
+            Ok(back) if back == data => {}
+            Ok(_) => tally.error(format!("writer {id}: blocks at {lba} on namespace {nsid} read back other data")),
+            Err(e) => {
+                tally.error(format!("writer {id}: read at {lba} on namespace {nsid}: {e:?}"));
+                return seeds;
+            }
+        }
+        tally.slowest_us.fetch_max(start.elapsed().as_micros() as u64, Ordering::SeqCst);
+        tally.commands.fetch_add(2, Ordering::SeqCst);
+        for b in 0..blocks {
+            seeds[nsid as usize - 1][(first + b) as usize] = seed;
+        }
+    }
+    seeds
+}
+
+struct Host {
+    admin: Queue,
+    cntlid: u16,
+    io: ConnectOptions,
+}
+
+fn host(addr: SocketAddr, name: &str, digests: Digests) -> Host {
+    let mut o = ConnectOptions::admin(NQN, &format!("nqn.2024-01.io.nvpool:upgrade-{name}"));
+    o.digests = digests;
+    o.kato = 5_000;
+    let mut admin = connect_admin(addr, &o).expect("admin queue");
+    admin.set_queue_count(2).expect("Set Features Number of Queues");
+    let cntlid = admin.cntlid;
+    Host { admin, cntlid, io: o.io(1, cntlid, 63) }
+}
+
+#[test]
+fn the_engine_is_replaced_under_load_and_no_host_notices() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("sock");
+    let port = free_port();
+    let mut first = start_engine(dir.path(), port);
+    let serving = StopOnDrop(socket.clone());
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while cli(&socket, &["info"]).is_err() {
+        assert!(Instant::now() < deadline, "the engine did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut hosts =
+        [host(addr, "plain", Digests::default()), host(addr, "digests", Digests { header: true, data: true })];
+    let stop = Arc::new(AtomicBool::new(false));
+    let tally = Arc::new(Tally::default());
+    let mut writers = Vec::new();
+    for (i, h) in hosts.iter().enumerate() {
+        for qid in 1..=2u16 {
+            let mut io = h.io.clone();
+            io.qid = qid;
+            let id = (i * 2 + usize::from(qid) - 1) as u64;
+            let (stop, tally) = (stop.clone(), tally.clone());
+            writers.push((id, std::thread::spawn(move || writer(addr, io, id, stop, tally))));
+        }
+    }
+    std::thread::sleep(Duration::from_millis(300));
+
+    // Upgrades that fail leave the old engine serving.
+    let pid = engine_pid(&socket);
+    let e = cli(&socket, &["upgrade", "--binary", "/bin/false"]).unwrap_err();
+    assert!(e.contains("called off") && e.contains("goes on serving"), "{e}");
+    let crashing = dir.path().join("crashing-nvpool");
+    std::fs::write(&crashing, format!("#!/bin/sh\nNVPOOL_FAULT_TAKEOVER=abort-after-state exec {BIN} \"$@\"\n"))
+        .unwrap();
+    std::fs::set_permissions(&crashing, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let e = cli(&socket, &["upgrade", "--binary", crashing.to_str().unwrap()]).unwrap_err();
+    assert!(e.contains("called off"), "{e}");
+    assert_eq!(engine_pid(&socket), pid, "a failed upgrade keeps the old engine");
+    let before = tally.commands.load(Ordering::SeqCst);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        tally.commands.load(Ordering::SeqCst) > before,
+        "I/O goes on after failed upgrades (first error: {:?}; engine log: {})",
+        tally.first_error.lock().unwrap(),
+        std::fs::read_to_string(dir.path().join("engine.log")).unwrap_or_default()
+    );
+    println!("failed upgrades: /bin/false and a crash mid-handover were called off; pid {pid} serves on");
+
+    let mut pauses = Vec::new();
+    let mut pids = vec![pid];
+    for i in 0..UPGRADES {
+        let report: serde_json::Value = serde_json::from_str(&cli(&socket, &["upgrade", "--json"]).unwrap()).unwrap();
+        pauses.push(report["pause_us"].as_u64().unwrap());
+        assert_eq!(report["connections"].as_u64(), Some(6), "two admin and four I/O queues: {report}");
+        assert_eq!(report["controllers"].as_u64(), Some(2), "{report}");
+        let new_pid = report["new_pid"].as_u64().unwrap() as u32;
+        assert!(!pids.contains(&new_pid));
+        assert_eq!(engine_pid(&socket), new_pid, "upgrade {i}: the new process answers management");
+        pids.push(new_pid);
+        // The admin queues go on under their controllers, with their IDs.
+        for h in &mut hosts {
+            let id = h.admin.identify_controller().expect("Identify on the admin queue after an upgrade");
+            assert_eq!(id.cntlid, h.cntlid, "the controller ID is kept");
+        }
+        let before = tally.commands.load(Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(150));
+        assert!(
+            tally.commands.load(Ordering::SeqCst) > before,
+            "upgrade {i}: I/O goes on (first error: {:?}; engine log: {})",
+            tally.first_error.lock().unwrap(),
+            std::fs::read_to_string(dir.path().join("engine.log")).unwrap_or_default()
+        );
+    }
+    // The first engine exited at the first upgrade.
+    let _ = first.wait();
+    stop.store(true, Ordering::SeqCst);
+    let mut models = Vec::new();
+    for (id, w) in writers {
+        models.push((id, w.join().unwrap()));
+    }
+    let errors = tally.errors.load(Ordering::SeqCst);
+    assert_eq!(errors, 0, "first error: {:?}", tally.first_error.lock().unwrap());
+
+    // Everything written reads back through a new connection.
+    let h = host(addr, "checker", Digests::default());
+    let mut q = Queue::connect(addr, &h.io).unwrap();
+    let mut checked = 0;
+    for (id, seeds) in &models {
+        for (ns, blocks) in seeds.iter().enumerate() {
+            for (b, &seed) in blocks.iter().enumerate().filter(|(_, s)| **s != 0) {
+                let lba = id * SPAN + b as u64;
+                let got = q.read(ns as u32 + 1, lba, 1, BLOCK).unwrap();
+                assert_eq!(got, pattern(seed ^ b as u64, BLOCK as usize), "namespace {} block {lba}", ns + 1);
+                checked += 1;
+            }
+        }
+    }
+    pauses.sort_unstable();
+    println!(
+        "{UPGRADES} upgrades under load: {} commands, 0 errors, {checked} blocks verified; pause p50 {:.2} ms, max \
+         {:.2} ms; slowest write+read-back {:.2} ms; pids {pids:?}",
+        tally.commands.load(Ordering::SeqCst),
+        pauses[pauses.len() / 2] as f64 / 1000.0,
+        pauses[pauses.len() - 1] as f64 / 1000.0,
+        tally.slowest_us.load(Ordering::SeqCst) as f64 / 1000.0,
+    );
+    drop(serving);
+}
+
+/// Stops whichever engine process serves the socket when the test ends, passed or not.
+struct StopOnDrop(std::path::PathBuf);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        if let Ok(out) = cli(&self.0, &["info", "--json"]) {
+            let info: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+            if let Some(pid) = info["pid"].as_u64() {
+                let _ = Process::new("kill").arg(pid.to_string()).status();
+            }
+        }
+    }
+}
