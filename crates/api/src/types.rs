@@ -45,9 +45,18 @@ pub struct UpgradeReport {
     pub connections: usize,
     /// Controllers handed over.
     pub controllers: usize,
+    /// How long the new binary took to start, greet and start its reactors, in
+    /// microseconds: the old engine served all along.
+    pub start_us: u64,
     /// How long no command was read, in microseconds: from the moment the old
     /// engine stopped reading to the moment the new one was told to go on.
     pub pause_us: u64,
+    /// Of the pause: finishing the commands under way.
+    pub park_us: u64,
+    /// Of the pause: checkpointing the pools and sending the state and sockets.
+    pub transfer_us: u64,
+    /// Of the pause: the new process rebuilding the engine, until it said ready.
+    pub rebuild_us: u64,
 }
 
 /// A listener, as the discovery log reports it.

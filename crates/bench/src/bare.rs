@@ -156,6 +156,7 @@ pub fn run(
     }
     let (measure_at, end_at) = (start + warmup, start + warmup + duration);
     let (mut measuring, mut measure_start, mut cpu_start) = (false, start, 0);
+    let mut started_unix_s = 0.0;
     let (mut ios, mut hist) = (0u64, Histogram::default());
     let mut pass: u32 = 0;
     loop {
@@ -196,6 +197,7 @@ pub fn run(
         let now = Instant::now();
         if !measuring && now >= measure_at {
             (measuring, measure_start, cpu_start) = (true, now, crate::load::thread_cpu_ns());
+            started_unix_s = crate::load::unix_now();
         }
         if now >= end_at {
             let seconds = (now - measure_start).as_secs_f64();
@@ -214,6 +216,7 @@ pub fn run(
                 verify_failures: 0,
                 cpu_seconds,
                 timeline: Vec::new(),
+                started_unix_s,
             });
         }
     }

@@ -8,7 +8,7 @@
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use nvpool_initiator::{ConnectOptions, Queue, connect_admin};
 use nvpool_wire::bytes::compact;
@@ -153,6 +153,9 @@ pub struct Report {
     pub cpu_seconds: f64,
     /// With `timeline`: the measured time, window by window.
     pub timeline: Vec<Window>,
+    /// When the measured time began, in seconds since the Unix epoch: lines the
+    /// timeline up with events outside the run (an upgrade, a path change).
+    pub started_unix_s: f64,
 }
 
 /// Marks a block written with `verify`: the first 8 bytes; the next 8 are the LBA.
@@ -355,6 +358,11 @@ pub(crate) fn thread_cpu_ns() -> u64 {
         .unwrap_or(0)
 }
 
+/// Seconds since the Unix epoch.
+pub(crate) fn unix_now() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}
+
 fn drive(
     plan: &Plan,
     conns: &mut [Conn],
@@ -369,6 +377,7 @@ fn drive(
     let mut measuring = false;
     let mut running = true;
     let mut measure_start = start;
+    let mut started_unix_s = 0.0;
     let mut cpu_start = 0;
     let mut measured_secs = 0.0;
     let mut cpu_secs = 0.0;
@@ -404,6 +413,7 @@ fn drive(
         if !measuring && running && now >= measure_at {
             measuring = true;
             measure_start = now;
+            started_unix_s = unix_now();
             cpu_start = thread_cpu_ns();
             counters = Counters::default();
             window_start = now;
@@ -449,6 +459,7 @@ fn drive(
         verify_failures: counters.verify_failures,
         cpu_seconds: cpu_secs,
         timeline: windows,
+        started_unix_s,
     })
 }
 

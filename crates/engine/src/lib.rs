@@ -32,8 +32,13 @@ use nvme::{ListenerInfo, Namespace, Subsystem, Target, lock};
 pub use nvpool_api::{DirtyAction, DirtyReport, NamespaceInfo, SubsystemInfo};
 use reactor::{Msg, ReactorLink};
 
-/// This build's version, as management and hot upgrades report it.
-pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+/// This build's version, as management, hot upgrades and Identify's firmware revision
+/// report it: the package version, or `NVPOOL_VERSION` when set at build time (the
+/// upgrade tests build a second binary that way, to tell the two apart).
+pub const VERSION: &str = match option_env!("NVPOOL_VERSION") {
+    Some(v) => v,
+    None => env!("CARGO_PKG_VERSION"),
+};
 
 /// A running engine.
 pub struct Engine {

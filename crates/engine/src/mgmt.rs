@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 
 use crate::Engine;
 use crate::error::{Error, Result};
-use crate::upgrade::channel::wait_readable;
+use crate::upgrade::process::wait_readable;
 
 /// Binds the management socket and serves it on a background thread.
 pub fn serve(engine: Arc<Engine>, path: &Path) -> std::result::Result<PathBuf, String> {
@@ -82,6 +82,7 @@ fn client(engine: &Engine, stream: UnixStream) {
             // The new engine serves from here on; this process lets go of nothing it
             // handed over (its sockets close only as descriptors: no shutdown).
             let _ = out.flush();
+            crate::upgrade::process::step_aside();
             std::process::exit(0);
         }
         if written.is_err() {

@@ -10,7 +10,7 @@ use clap::{Parser, Subcommand};
 
 /// nvpool: pool every node's NVMe SSDs and serve volumes over NVMe/TCP.
 #[derive(Parser)]
-#[command(version, about)]
+#[command(version = nvpool_engine::VERSION, about)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -177,6 +177,7 @@ fn the_engine_is_replaced_under_load_and_no_host_notices() {
     for i in 0..UPGRADES {
         let report: serde_json::Value = serde_json::from_str(&cli(&socket, &["upgrade", "--json"]).unwrap()).unwrap();
         pauses.push(report["pause_us"].as_u64().unwrap());
+        println!("{report}");
         assert_eq!(report["connections"].as_u64(), Some(6), "two admin and four I/O queues: {report}");
         assert_eq!(report["controllers"].as_u64(), Some(2), "{report}");
         let new_pid = report["new_pid"].as_u64().unwrap() as u32;

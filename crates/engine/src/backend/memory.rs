@@ -36,6 +36,21 @@ struct Mapping {
     len: usize,
 }
 
+/// When a mapping's page tables are made.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum PageTables {
+    /// At once, like SPDK's malloc bdev: the RAM is the namespace, and zero-filling
+    /// faults on first touch would otherwise be in the I/O latency.
+    Now,
+    /// On first touch, one minor fault per page: a hot upgrade maps RAM that is already
+    /// there, beside a serving engine, and making the page tables of a large namespace
+    /// at once would take the reactors' CPU for tens of milliseconds (0.75 us a page
+    /// here). A thread making them in the background at idle priority was tried: it
+    /// holds the address space's lock when preempted, and starves everything that maps
+    /// memory behind it.
+    OnFirstTouch,
+}
+
 // SAFETY: the mapping lives as long as `Mapping` and Rust touches it only through
 // bounds-checked atomic copies (`copy_out`, `copy_in`), which any number of threads may
 // run at once.
@@ -44,7 +59,8 @@ unsafe impl Send for Mapping {}
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
-    fn new(fd: &OwnedFd, len: usize) -> Result<Mapping> {
+    fn new(fd: &OwnedFd, len: usize, tables: PageTables) -> Result<Mapping> {
+        let populate = if tables == PageTables::Now { libc::MAP_POPULATE } else { 0 };
         // SAFETY: maps `len` bytes of a memfd we own, shared, with no fixed address; the
         // result is checked before use.
         let ptr = unsafe {
@@ -52,9 +68,7 @@ impl Mapping {
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                // Populated up front, like SPDK's malloc bdev: the RAM is the namespace,
-                // and page faults on first touch would otherwise dominate I/O latency.
-                libc::MAP_SHARED | libc::MAP_POPULATE,
+                libc::MAP_SHARED | populate,
                 fd.as_raw_fd(),
                 0,
             )
@@ -175,13 +189,14 @@ impl Memory {
         file.set_len(size).map_err(|e| Error::io(format!("cannot size the memory backend to {size} bytes"), e))?;
         let len = usize::try_from(size).map_err(|_| Error::invalid(format!("memory:{size} does not fit in memory")))?;
         let fd: OwnedFd = file.into();
-        Ok(Memory { ram: Mapping::new(&fd, len)?, fd, size })
+        Ok(Memory { ram: Mapping::new(&fd, len, PageTables::Now)?, fd, size })
     }
 
-    /// A RAM backend over the memfd of another engine process's, data and all.
+    /// A RAM backend over the memfd of another engine process, data and all (a hot
+    /// upgrade): its pages are mapped as they are first touched.
     pub fn from_memfd(fd: OwnedFd, size: u64) -> Result<Memory> {
         let len = usize::try_from(size).map_err(|_| Error::invalid(format!("memory:{size} does not fit in memory")))?;
-        Ok(Memory { ram: Mapping::new(&fd, len)?, fd, size })
+        Ok(Memory { ram: Mapping::new(&fd, len, PageTables::OnFirstTouch)?, fd, size })
     }
 
     fn memfd(&self) -> DiskFd {

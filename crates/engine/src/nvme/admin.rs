@@ -19,8 +19,9 @@ use super::{
     fabrics,
 };
 
-/// Firmware revision reported in Identify and the firmware slot log.
-pub const FIRMWARE_REVISION: &str = env!("CARGO_PKG_VERSION");
+/// Firmware revision reported in Identify and the firmware slot log (8 characters:
+/// longer versions are cut).
+pub const FIRMWARE_REVISION: &str = crate::VERSION;
 /// Error log entries the controller keeps, 0's based (one entry, always empty).
 const ERROR_LOG_ENTRIES: u8 = 0;
 

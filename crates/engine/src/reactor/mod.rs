@@ -90,20 +90,33 @@ pub enum Msg {
     RemoteSocket(crate::backend::remote::RemoteSocket),
     /// Hot upgrade: stop accepting and taking new commands, finish the ones taken,
     /// then report the parked connections (and listeners) here.
-    Park(Sender<Parked>),
+    Park(Sender<Result<Parked, String>>),
     /// Hot upgrade called off: serve again, the held commands first.
     Resume,
-    /// Hot upgrade, new process: serve a connection another engine process parked.
+    /// Hot upgrade, new process: take the connections and listeners another engine
+    /// process parked, and hold them parked until `Resume`. Reports how many
+    /// connections it took, or why one could not be taken.
     Restore {
-        /// The connection.
-        stream: TcpStream,
-        /// Its state.
-        image: ConnImage,
-        /// Its controller, already restored.
-        controller: Option<Arc<Controller>>,
+        /// Each connection's socket, state and controller (already restored).
+        conns: Vec<(TcpStream, ConnImage, Option<Arc<Controller>>)>,
+        /// Listening sockets, by port ID.
+        listeners: Vec<(u16, TcpListener)>,
+        /// Where to report.
+        done: Sender<Result<usize, String>>,
     },
     /// Close everything and exit.
     Stop,
+}
+
+/// Where a reactor stands in a hot upgrade.
+enum Upgrade {
+    /// Serving.
+    Serving,
+    /// Finishing the commands it took; reports here once nothing is in flight.
+    Parking(Sender<Result<Parked, String>>),
+    /// Held still: reported (the old process) or restored (the new one), until
+    /// `Resume` or the process exits.
+    Parked,
 }
 
 /// A reactor's report that it is parked: nothing in flight, nothing accepted or read
@@ -368,10 +381,8 @@ struct Reactor {
     dirty: Vec<u32>,
     is_dirty: Vec<bool>,
     stopping: bool,
-    /// Where to report once parked, while a hot upgrade parks this reactor.
-    parking: Option<Sender<Parked>>,
-    /// Whether the parked report went out.
-    parked: bool,
+    /// Where it stands in a hot upgrade.
+    upgrade: Upgrade,
     /// Multishot accepts posted and not yet ended.
     armed_accepts: usize,
     last_tick: Instant,
@@ -417,8 +428,7 @@ impl Reactor {
             dirty: Vec::with_capacity(256),
             is_dirty: Vec::new(),
             stopping: false,
-            parking: None,
-            parked: false,
+            upgrade: Upgrade::Serving,
             armed_accepts: 0,
             last_tick: Instant::now(),
             warnings: WarningLimit::default(),
@@ -570,7 +580,7 @@ impl Reactor {
             if self.after_enter(&mut completions, now) {
                 last_activity = now;
             }
-            if self.parking.is_some() && !self.parked {
+            if matches!(self.upgrade, Upgrade::Parking(_)) {
                 self.park_progress();
             }
             if self.stopping && self.conns.iter().all(Option::is_none) {
@@ -674,7 +684,7 @@ impl Reactor {
                 }
                 Msg::Park(report) => self.park(report),
                 Msg::Resume => self.resume(),
-                Msg::Restore { stream, image, controller } => self.restore_conn(stream, &image, controller),
+                Msg::Restore { conns, listeners, done } => self.restore(conns, listeners, done),
                 Msg::Stop => {
                     self.stopping = true;
                     let ports: Vec<u16> = self.listeners.keys().copied().collect();
@@ -732,7 +742,7 @@ impl Reactor {
         }
         if !cqueue::more(flags) {
             self.armed_accepts -= 1;
-            if !self.stopping && self.parking.is_none() {
+            if !self.stopping && !self.held() {
                 self.post_accept(port_id);
             }
         }
@@ -748,7 +758,7 @@ impl Reactor {
         // Small PDUs must leave at once; the reactor batches writes itself.
         let _ = stream.set_nodelay(true);
         let mut conn = Box::new(Conn::new(stream, self.target.now_ms(), port_id));
-        if self.parking.is_some() {
+        if self.held() {
             conn.park();
         }
         let idx = self.insert_conn(conn);
@@ -775,10 +785,15 @@ impl Reactor {
 
     // ----- hot upgrade --------------------------------------------------------------
 
+    /// Whether a hot upgrade holds this reactor still: nothing is accepted, no new
+    /// command is taken and no timer ends a connection.
+    fn held(&self) -> bool {
+        !matches!(self.upgrade, Upgrade::Serving)
+    }
+
     /// Starts parking: accepts are taken back and every connection parks.
-    fn park(&mut self, report: Sender<Parked>) {
-        self.parking = Some(report);
-        self.parked = false;
+    fn park(&mut self, report: Sender<Result<Parked, String>>) {
+        self.upgrade = Upgrade::Parking(report);
         let ports: Vec<u16> = self.listeners.keys().copied().collect();
         for port_id in ports {
             let sqe = opcode::AsyncCancel::new(Op::Accept(port_id).encode()).build().user_data(0);
@@ -801,24 +816,25 @@ impl Reactor {
         if !all || self.armed_accepts > 0 {
             return;
         }
-        let mut conns = Vec::new();
-        for conn in self.conns.iter().flatten() {
-            match conn.dup_socket() {
-                Ok(s) => conns.push((conn.image(self.id, 0), s)),
-                Err(e) => tracing::warn!(reactor = self.id, "cannot copy a connection's socket: {e}"),
+        let Upgrade::Parking(report) = std::mem::replace(&mut self.upgrade, Upgrade::Parked) else { return };
+        let copies = || -> std::io::Result<Parked> {
+            let mut conns = Vec::new();
+            for conn in self.conns.iter().flatten() {
+                conns.push((conn.image(self.id, 0), conn.dup_socket()?));
             }
-        }
-        let listeners = self.listeners.iter().filter_map(|(&id, l)| l.try_clone().ok().map(|l| (id, l))).collect();
-        if let Some(report) = &self.parking {
-            let _ = report.send(Parked { reactor: self.id, conns, listeners });
-        }
-        self.parked = true;
+            let mut listeners = Vec::new();
+            for (&port_id, l) in &self.listeners {
+                listeners.push((port_id, l.try_clone()?));
+            }
+            Ok(Parked { reactor: self.id, conns, listeners })
+        };
+        let _ = report.send(copies().map_err(|e| format!("reactor {} cannot copy a socket: {e}", self.id)));
     }
 
-    /// Serves again after parking.
+    /// Serves again: after parking (the upgrade was called off), or once a new
+    /// process was told to go on with what it restored.
     fn resume(&mut self) {
-        self.parking = None;
-        self.parked = false;
+        self.upgrade = Upgrade::Serving;
         for c in 0..self.conns.len() as u32 {
             self.with_conn(c, |r, conn| conn.resume(r, c));
         }
@@ -828,17 +844,25 @@ impl Reactor {
         }
     }
 
-    /// Serves a connection another engine process parked.
-    fn restore_conn(&mut self, stream: TcpStream, image: &ConnImage, controller: Option<Arc<Controller>>) {
-        let conn = match Conn::restore(stream, image, controller, self.target.now_ms()) {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(reactor = self.id, "a handed-over connection is dropped: {e}");
-                return;
+    /// Takes the connections and listeners another engine process parked, and holds
+    /// them parked until `resume`.
+    fn restore(
+        &mut self,
+        conns: Vec<(TcpStream, ConnImage, Option<Arc<Controller>>)>,
+        listeners: Vec<(u16, TcpListener)>,
+        done: Sender<Result<usize, String>>,
+    ) {
+        self.upgrade = Upgrade::Parked;
+        self.listeners.extend(listeners);
+        let count = conns.len();
+        let taken = || -> Result<usize, String> {
+            for (stream, image, controller) in conns {
+                let conn = Conn::restore(stream, &image, controller, self.target.now_ms())?;
+                self.insert_conn(Box::new(conn));
             }
+            Ok(count)
         };
-        let idx = self.insert_conn(Box::new(conn));
-        self.with_conn(idx, |r, conn| conn.resume(r, idx));
+        let _ = done.send(taken());
     }
 
     fn free_conn(&mut self, idx: u32, mut conn: Box<Conn>) {
@@ -858,7 +882,7 @@ impl Reactor {
 
     fn kick(&mut self) {
         // Parked connections are handed over as they are: nothing new goes out.
-        if self.parking.is_some() {
+        if self.held() {
             return;
         }
         for c in 0..self.conns.len() as u32 {
@@ -869,7 +893,7 @@ impl Reactor {
     fn tick(&mut self) {
         // Parked, no timer may end a connection: a hot upgrade's new process may be
         // serving it already.
-        if self.parking.is_none() {
+        if !self.held() {
             for c in 0..self.conns.len() as u32 {
                 self.with_conn(c, |r, conn| conn.check(r, c, true));
             }

@@ -15,7 +15,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 /// Descriptors sent with one frame: below the kernel's limit of 253 per message.
-pub const MAX_FDS_PER_FRAME: usize = 200;
+const MAX_FDS_PER_FRAME: usize = 200;
 /// The largest frame accepted: a state image with a thousand connections and their
 /// unread commands stays far below it.
 const MAX_FRAME: usize = 256 << 20;
@@ -49,6 +49,26 @@ impl Channel {
         let len = (body.len() as u32).to_le_bytes();
         send_with_fds(&self.socket, &len, fds)?;
         (&self.socket).write_all(&body)
+    }
+
+    /// Sends descriptors, in as many frames as they need; the receiver is told how
+    /// many to expect in a frame before them.
+    pub fn send_fds(&self, fds: &[RawFd]) -> std::io::Result<()> {
+        fds.chunks(MAX_FDS_PER_FRAME).try_for_each(|chunk| self.send(&chunk.len(), chunk))
+    }
+
+    /// Receives `count` descriptors sent with `send_fds`.
+    pub fn recv_fds(&self, count: usize) -> std::io::Result<Vec<OwnedFd>> {
+        let mut all = Vec::with_capacity(count);
+        while all.len() < count {
+            let (promised, got): (usize, _) = self.recv()?;
+            if promised != got.len() || got.is_empty() {
+                let why = format!("a frame promised {promised} descriptors and carried {}", got.len());
+                return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, why));
+            }
+            all.extend(got);
+        }
+        Ok(all)
     }
 
     /// Receives one frame and the descriptors sent with it.
@@ -162,37 +182,6 @@ fn recv_with_fds(socket: &UnixStream, buf: &mut [u8]) -> std::io::Result<(usize,
     Ok((n, fds))
 }
 
-/// Clears close-on-exec on `fd`, so a child started next inherits it.
-pub fn inherit(fd: RawFd) -> std::io::Result<()> {
-    // SAFETY: fcntl on a descriptor the caller owns; F_SETFD only sets its flags.
-    if unsafe { libc::fcntl(fd, libc::F_SETFD, 0) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-/// Takes ownership of a descriptor inherited from the parent, named by number.
-pub fn adopt_inherited(fd: RawFd) -> std::io::Result<UnixStream> {
-    // SAFETY: F_GETFD only reads the flags, and fails for a descriptor that is not open.
-    if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: the parent passed this descriptor to this process alone, for this use,
-    // and it is open (checked above); nothing else in the process owns it.
-    let socket = unsafe { UnixStream::from_raw_fd(fd) };
-    // SAFETY: F_SETFD with FD_CLOEXEC on the descriptor now owned; no child inherits it.
-    unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
-    Ok(socket)
-}
-
-/// Waits up to `timeout` until `fd` is readable (a listener has a connection waiting).
-pub fn wait_readable(fd: RawFd, timeout: Duration) -> bool {
-    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-    // SAFETY: poll reads and writes the one pollfd passed.
-    let n = unsafe { libc::poll(&mut p, 1, timeout.as_millis() as libc::c_int) };
-    n > 0 && p.revents & libc::POLLIN != 0
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -202,18 +191,26 @@ mod tests {
     fn frames_carry_their_descriptors() {
         let (a, b) = Channel::pair().unwrap();
         let b = Channel::new(b);
-        let (x, _y) = UnixStream::pair().unwrap();
-        a.send(&"first", &[x.as_fd().as_raw_fd(), x.as_fd().as_raw_fd()]).unwrap();
-        a.send(&vec![1u32, 2, 3], &[]).unwrap();
         let big: Vec<u8> = (0..1_000_000).map(|i| i as u8).collect();
-        a.send(&big, &[x.as_raw_fd()]).unwrap();
+        // The big frame is larger than the socket's buffer: it is sent while read.
+        let sender = std::thread::spawn({
+            let big = big.clone();
+            move || {
+                let (x, _y) = UnixStream::pair().unwrap();
+                a.send(&"first", &[x.as_fd().as_raw_fd(), x.as_fd().as_raw_fd()]).unwrap();
+                a.send(&vec![1u32, 2, 3], &[]).unwrap();
+                a.send(&big, &[x.as_raw_fd()]).unwrap();
+                a.send_fds(&vec![x.as_raw_fd(); 450]).unwrap();
+            }
+        });
         let (first, fds): (String, _) = b.recv().unwrap();
         assert_eq!((first.as_str(), fds.len()), ("first", 2));
         let (second, fds): (Vec<u32>, _) = b.recv().unwrap();
         assert_eq!((second, fds.len()), (vec![1, 2, 3], 0));
         let (third, fds): (Vec<u8>, _) = b.recv().unwrap();
         assert_eq!((third == big, fds.len()), (true, 1));
-        drop(a);
+        assert_eq!(b.recv_fds(450).unwrap().len(), 450);
+        sender.join().unwrap();
         assert_eq!(b.recv::<String>().unwrap_err().kind(), std::io::ErrorKind::UnexpectedEof);
     }
 }

@@ -30,10 +30,19 @@ pub struct Hello {
 /// What the old process says after the hello.
 #[derive(Debug, Serialize, Deserialize)]
 pub enum Order {
-    /// The image follows, then its descriptors in `fd_frames` frames.
+    /// Start the reactors of this configuration (its listener, subsystem and pool
+    /// lists empty) and map these memory namespaces (their memfds follow, in this
+    /// order) while the old engine still serves, and answer `Prepared`.
+    Prepare {
+        /// The configuration.
+        config: Box<EngineConfig>,
+        /// The memory namespaces.
+        memory: Vec<MemoryImage>,
+    },
+    /// The image follows, then its descriptors.
     Image {
-        /// How many descriptor frames follow the image.
-        fd_frames: usize,
+        /// How many descriptors follow the image.
+        descriptors: usize,
     },
     /// Start serving: the old process has let go of everything.
     Go,
@@ -44,17 +53,24 @@ pub enum Order {
 /// What the new process answers.
 #[derive(Debug, Serialize, Deserialize)]
 pub enum Answer {
-    /// Everything is rebuilt; waiting for `Go`.
+    /// The reactors run; waiting for the image.
+    Prepared,
+    /// Everything is rebuilt and every connection sits parked on its reactor;
+    /// waiting for `Go`.
     Ready,
     /// The image could not be taken over; the new process exits.
     Failed(String),
 }
 
-/// A descriptor frame's body: how many descriptors it carries.
+/// A memory namespace, sent before the pause: mapping its RAM takes time.
 #[derive(Debug, Serialize, Deserialize)]
-pub struct FdFrame {
-    /// Descriptors attached.
-    pub count: usize,
+pub struct MemoryImage {
+    /// Its subsystem.
+    pub nqn: String,
+    /// NSID.
+    pub nsid: u32,
+    /// Size in bytes.
+    pub size: u64,
 }
 
 /// The whole engine.
@@ -64,9 +80,6 @@ pub struct EngineImage {
     pub format: u32,
     /// The version that wrote it.
     pub version: String,
-    /// Reactors, limits, management socket path and the like; its listener, subsystem
-    /// and pool lists are empty (the lists below replace them).
-    pub config: EngineConfig,
     /// The executable the engine runs (the default binary of the next upgrade).
     pub executable: PathBuf,
     /// The management socket's listening descriptor.
@@ -146,13 +159,8 @@ pub struct NamespaceImage {
 pub enum BackendImage {
     /// From its spec, as management adds one (files, volumes, remote namespaces).
     Spec(String),
-    /// RAM: the memfd itself, so the data stays.
-    Memory {
-        /// Size in bytes.
-        size: u64,
-        /// Index of the memfd.
-        fd: usize,
-    },
+    /// RAM: the memfd sent and mapped before the pause, so the data stays.
+    Memory,
 }
 
 /// A subsystem's ANA table.

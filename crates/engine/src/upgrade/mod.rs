@@ -2,8 +2,10 @@
 //! and no host notices more than a pause.
 //!
 //! The old engine starts the new binary (`nvpool engine --take-over`) with one end of a
-//! Unix socket pair and waits for its hello, which says which state formats it reads;
-//! nothing has stopped yet, so a binary that does not start costs nothing. Then:
+//! Unix socket pair and waits for its hello, which says which state formats it reads.
+//! It sends its configuration, and the new process starts its reactors (threads,
+//! rings, registered buffers) while the old one still serves: a binary that does not
+//! start costs nothing, and the slow part of starting is out of the pause. Then:
 //!
 //! 1. **Park.** Reactor 0 stops accepting, then every reactor parks its connections:
 //!    commands already taken finish (their data, disk work, forwarding and answers),
@@ -12,18 +14,21 @@
 //!    image (subsystems, namespaces, ANA tables, controllers, each connection's queue,
 //!    held bytes and outstanding Asynchronous Event Requests) goes over the channel with
 //!    copies of the sockets, memfds and the management socket (SCM_RIGHTS).
-//! 3. **Ready.** The new process rebuilds everything and says so, still not reading.
+//! 3. **Ready.** The new process rebuilds everything, puts each connection parked on
+//!    its reactor, and says so. Everything that can fail is done by now.
 //! 4. **Go.** The old engine tells it to go on, answers the caller and exits without
-//!    touching a socket; the new one restores the connections on its reactors, which
-//!    act on the held bytes first and then read on.
+//!    touching a socket; the new reactors act on the held bytes first, then read on.
 //!
 //! Until Go, the old engine can take everything back: a new process that exits,
 //! crashes, says it failed or does not answer in time is killed, and the reactors
-//! resume (the held commands are acted on first). Management calls wait while an
+//! resume (the held commands are acted on first). The new process never stops what it
+//! was given when it gives up, since stopping would shut down sockets the old engine
+//! serves: it exits, which only closes its copies. Management calls wait while an
 //! upgrade runs; one is refused while a volume migrates.
 
 pub mod channel;
 pub mod image;
+pub mod process;
 
 use std::collections::BTreeMap;
 use std::net::{TcpListener, TcpStream};
@@ -35,7 +40,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
-use channel::{Channel, MAX_FDS_PER_FRAME};
+use channel::Channel;
 use image::*;
 use nvpool_api::UpgradeReport;
 
@@ -53,8 +58,8 @@ pub const TAKEOVER_FD_ENV: &str = "NVPOOL_TAKEOVER_FD";
 /// Set to `abort-after-state` in a new process's environment, it crashes once it has
 /// the state image: how the tests show that a crash mid-handover loses nothing.
 pub const FAULT_ENV: &str = "NVPOOL_FAULT_TAKEOVER";
-/// How long the new binary may take to start and say hello.
-const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the new binary may take to start, say hello and start its reactors.
+const START_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the connections may take to finish the commands they took.
 const PARK_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long the new process may take to rebuild the engine from the image.
@@ -64,7 +69,8 @@ const READY_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct TakenOver {
     /// The engine, serving.
     pub engine: Arc<Engine>,
-    /// Its configuration (lists of listeners, pools and subsystems empty).
+    /// Its configuration (the lists of listeners, pools and subsystems empty: they
+    /// were the old engine's start, and are its state now).
     pub config: EngineConfig,
     /// The management socket, listening.
     pub management: UnixListener,
@@ -102,6 +108,7 @@ impl Engine {
             )));
         }
         let binary = binary.map(Path::to_path_buf).unwrap_or_else(|| lock(&self.executable).clone());
+        let called = Instant::now();
         let (channel, mut child) = start_new_engine(&binary)?;
         let hello = match channel.recv::<Hello>() {
             Ok((h, _)) => h,
@@ -115,9 +122,19 @@ impl Engine {
             );
             return Err(abandon(&channel, &mut child, &binary, &why));
         }
+        let prepared = self.prepare(&channel).and_then(|()| match channel.recv::<Answer>() {
+            Ok((Answer::Prepared, _)) => Ok(()),
+            Ok((Answer::Failed(why), _)) => Err(format!("it could not start its reactors: {why}")),
+            Ok((other, _)) => Err(format!("it answered {other:?} to the configuration")),
+            Err(e) => Err(format!("it did not start its reactors ({e})")),
+        });
+        if let Err(why) = prepared {
+            return Err(abandon(&channel, &mut child, &binary, &why));
+        }
 
         // From here until Go, no command is read.
         let paused = Instant::now();
+        let start = paused - called;
         let parked = match self.park_all() {
             Ok(p) => p,
             Err(e) => {
@@ -125,12 +142,15 @@ impl Engine {
                 return Err(abandon(&channel, &mut child, &binary, &e));
             }
         };
+        let park = paused.elapsed();
         let handed = self.hand_over(&channel, parked);
+        let transfer = paused.elapsed() - park;
         let ready = handed.and_then(|counts| {
             channel.set_timeout(Some(READY_TIMEOUT)).map_err(|e| e.to_string())?;
             match channel.recv::<Answer>() {
                 Ok((Answer::Ready, _)) => Ok(counts),
                 Ok((Answer::Failed(why), _)) => Err(format!("it could not take over: {why}")),
+                Ok((other, _)) => Err(format!("it answered {other:?} to the state")),
                 Err(e) => Err(format!("it did not confirm the takeover ({e})")),
             }
         });
@@ -161,7 +181,11 @@ impl Engine {
             new_version: hello.version,
             connections,
             controllers,
+            start_us: start.as_micros() as u64,
             pause_us: pause.as_micros() as u64,
+            park_us: park.as_micros() as u64,
+            transfer_us: transfer.as_micros() as u64,
+            rebuild_us: (pause - park - transfer).as_micros() as u64,
         })
     }
 
@@ -175,13 +199,13 @@ impl Engine {
     fn park_all(&self) -> std::result::Result<Vec<Parked>, String> {
         let deadline = Instant::now() + PARK_TIMEOUT;
         let (tx, rx) = mpsc::channel();
-        let wait = |rx: &mpsc::Receiver<Parked>| {
+        let wait = |rx: &mpsc::Receiver<std::result::Result<Parked, String>>| {
             rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).map_err(|_| {
                 format!(
                     "the connections did not finish their commands within {PARK_TIMEOUT:?} (a host that does not \
                      send the data it was asked for, or a backend that does not answer)"
                 )
-            })
+            })?
         };
         self.links[0].send(Msg::Park(tx.clone()));
         let mut parked = vec![wait(&rx)?];
@@ -210,11 +234,10 @@ impl Engine {
         let image = self.image(parked, &mut fds)?;
         let counts = (image.connections.len(), image.controllers.len());
         let raw = fds.raw();
-        let frames: Vec<&[RawFd]> = raw.chunks(MAX_FDS_PER_FRAME).collect();
         let sent = channel
-            .send(&Order::Image { fd_frames: frames.len() }, &[])
+            .send(&Order::Image { descriptors: raw.len() }, &[])
             .and_then(|()| channel.send(&image, &[]))
-            .and_then(|()| frames.iter().try_for_each(|f| channel.send(&FdFrame { count: f.len() }, f)));
+            .and_then(|()| channel.send_fds(&raw));
         sent.map_err(|e| format!("the state could not be sent ({e})"))?;
         Ok(counts)
     }
@@ -249,10 +272,7 @@ impl Engine {
             for ns in s.namespaces().values() {
                 let backend = match ns.backend.handover() {
                     Handover::Spec(spec) => BackendImage::Spec(spec),
-                    Handover::Memfd { fd, size } => {
-                        let fd = fd.try_clone_to_owned().map_err(|e| copy("memory namespace", e))?;
-                        BackendImage::Memory { size, fd: fds.push(fd) }
-                    }
+                    Handover::Memfd { .. } => BackendImage::Memory,
                 };
                 namespaces.push(NamespaceImage {
                     nsid: ns.nsid,
@@ -275,14 +295,9 @@ impl Engine {
         }
         let controllers = self.target.controllers().iter().filter(|c| !c.is_dead()).map(|c| c.image()).collect();
         let (cntlid_min, cntlid_max) = self.target.cntlid_range();
-        let mut config = lock(&self.config).clone();
-        config.listeners.clear();
-        config.pools.clear();
-        config.subsystems.clear();
         Ok(EngineImage {
             format: FORMAT,
             version: crate::VERSION.to_string(),
-            config,
             executable: lock(&self.executable).clone(),
             management_fd,
             pools,
@@ -298,169 +313,181 @@ impl Engine {
         })
     }
 
-    /// The new process's side: says hello on the inherited channel `fd`, rebuilds the
-    /// engine from the image it gets, says it is ready, and on Go serves every
-    /// connection. Errors are reported to the old process too, which goes on serving.
+    /// Sends what a new process can set up while this one still serves: the
+    /// configuration to start its reactors with (without the listeners, pools and
+    /// subsystems this one started with: the image carries what there is now), and
+    /// the memory namespaces with their memfds. Nothing changes them until the image
+    /// is sent: management calls wait.
+    fn prepare(&self, channel: &Channel) -> std::result::Result<(), String> {
+        let mut config = lock(&self.config).clone();
+        config.listeners.clear();
+        config.pools.clear();
+        config.subsystems.clear();
+        let mut memory = Vec::new();
+        let mut fds = FdList::default();
+        for s in self.target.subsystems() {
+            for ns in s.namespaces().values() {
+                if let Handover::Memfd { fd, size } = ns.backend.handover() {
+                    let fd = fd.try_clone_to_owned().map_err(|e| format!("cannot copy a memfd: {e}"))?;
+                    fds.push(fd);
+                    memory.push(MemoryImage { nqn: s.nqn.clone(), nsid: ns.nsid, size });
+                }
+            }
+        }
+        channel
+            .send(&Order::Prepare { config: Box::new(config), memory }, &[])
+            .and_then(|()| channel.send_fds(&fds.raw()))
+            .map_err(|e| format!("it went away before it got the configuration ({e})"))
+    }
+
+    /// The new process's side: says hello on the inherited channel `fd`, starts its
+    /// reactors, rebuilds the engine from the image it gets with every connection
+    /// parked, says it is ready, and on Go lets the connections run. Errors are told
+    /// to the old process too, which goes on serving.
     pub fn take_over(fd: RawFd) -> std::result::Result<TakenOver, String> {
-        let socket = channel::adopt_inherited(fd).map_err(|e| format!("no handover socket at descriptor {fd}: {e}"))?;
+        let socket = process::adopt_inherited(fd).map_err(|e| format!("no handover socket at descriptor {fd}: {e}"))?;
         let channel = Channel::new(socket);
         let hello = Hello { version: crate::VERSION.to_string(), pid: std::process::id(), reads: READS.to_vec() };
         channel.send(&hello, &[]).map_err(|e| format!("cannot greet the running engine: {e}"))?;
         let lost = |e: std::io::Error| format!("the running engine went away during the handover: {e}");
-        let fd_frames = match channel.recv::<Order>().map_err(lost)?.0 {
-            Order::Image { fd_frames } => fd_frames,
-            Order::Abort(why) => return Err(format!("the running engine called the upgrade off: {why}")),
-            Order::Go => return Err("the running engine said go before sending its state".into()),
+        let failed = |why: String| {
+            let _ = channel.send(&Answer::Failed(why.clone()), &[]);
+            why
+        };
+        let (config, memory) = match channel.recv::<Order>().map_err(lost)?.0 {
+            Order::Prepare { config, memory } => (*config, memory),
+            other => return Err(unexpected(other, "its configuration")),
+        };
+        let memfds = channel.recv_fds(memory.len()).map_err(lost)?;
+        let mut mapped = BTreeMap::new();
+        for (m, fd) in memory.into_iter().zip(memfds) {
+            let ram = Memory::from_memfd(fd, m.size).map_err(|e| failed(e.to_string()))?;
+            mapped.insert((m.nqn, m.nsid), Arc::new(ram));
+        }
+        let engine = Engine::start(&config).map_err(|e| failed(e.to_string()))?;
+        *lock(&engine.config) = config.clone();
+        channel.send(&Answer::Prepared, &[]).map_err(lost)?;
+
+        let descriptors = match channel.recv::<Order>().map_err(lost)?.0 {
+            Order::Image { descriptors } => descriptors,
+            other => return Err(unexpected(other, "its state")),
         };
         let (image, _) = channel.recv::<EngineImage>().map_err(lost)?;
-        let mut fds = Vec::new();
-        for _ in 0..fd_frames {
-            let (frame, got) = channel.recv::<FdFrame>().map_err(lost)?;
-            if frame.count != got.len() {
-                return Err(format!("a frame promised {} descriptors and carried {}", frame.count, got.len()));
-            }
-            fds.extend(got.into_iter().map(Some));
-        }
+        let fds = channel.recv_fds(descriptors).map_err(lost)?.into_iter().map(Some).collect();
         if std::env::var(FAULT_ENV).as_deref() == Ok("abort-after-state") {
             // Tests: a binary that crashes in the middle of a handover.
             std::process::abort();
         }
-        let rebuilt = if READS.contains(&image.format) {
-            Rebuilt::from_image(image, fds)
-        } else {
-            Err(format!("state format {} is not one this build reads ({READS:?})", image.format))
-        };
-        let rebuilt = match rebuilt {
-            Ok(r) => r,
-            Err(e) => {
-                let _ = channel.send(&Answer::Failed(e.clone()), &[]);
-                return Err(e);
-            }
-        };
+        if !READS.contains(&image.format) {
+            return Err(failed(format!("state format {} is not one this build reads ({READS:?})", image.format)));
+        }
+        let management = rebuild(&engine, image, fds, mapped).map_err(failed)?;
         channel.send(&Answer::Ready, &[]).map_err(lost)?;
         match channel.recv::<Order>() {
             Ok((Order::Go, _)) => {}
-            Ok((Order::Abort(why), _)) => {
-                rebuilt.engine.stop();
-                return Err(format!("the running engine called the upgrade off: {why}"));
-            }
-            Ok((Order::Image { .. }, _)) => {
-                rebuilt.engine.stop();
-                return Err("the running engine sent its state twice".into());
-            }
+            Ok((other, _)) => return Err(unexpected(other, "go")),
             // The old process is gone: nobody else serves these connections now.
             Err(e) => tracing::warn!("the running engine went away before it said go ({e}); serving on"),
         }
-        Ok(rebuilt.serve())
+        for l in engine.links.iter() {
+            l.send(Msg::Resume);
+        }
+        *lock(&engine.management) = management.try_clone().ok();
+        Ok(TakenOver { engine, config, management })
     }
 }
 
-/// The engine rebuilt in the new process, its connections and listeners waiting for Go.
-struct Rebuilt {
-    engine: Arc<Engine>,
-    config: EngineConfig,
-    management: UnixListener,
-    listeners: Vec<(u16, TcpListener)>,
-    conns: Vec<(TcpStream, ConnImage, Option<Arc<Controller>>)>,
+/// The new process's error for an order out of turn.
+fn unexpected(order: Order, waited_for: &str) -> String {
+    match order {
+        Order::Abort(why) => format!("the running engine called the upgrade off: {why}"),
+        other => format!("the running engine sent {other:?} where it was to send {waited_for}"),
+    }
 }
 
-impl Rebuilt {
-    fn from_image(image: EngineImage, mut fds: Vec<Option<OwnedFd>>) -> std::result::Result<Rebuilt, String> {
-        let mut take = |i: usize| fds.get_mut(i).and_then(Option::take).ok_or(format!("descriptor {i} is missing"));
-        let management = UnixListener::from(take(image.management_fd)?);
-        let mut listeners = Vec::new();
-        for l in &image.listeners {
-            listeners.push((l.port_id, l.address, TcpListener::from(take(l.fd)?)));
+/// Memory namespaces mapped before the pause, by subsystem and NSID.
+type Mapped = BTreeMap<(String, u32), Arc<Memory>>;
+
+/// Rebuilds the image's state in `engine` (whose reactors run) and puts every
+/// listener and connection parked on its reactor. Returns the management socket.
+fn rebuild(
+    engine: &Arc<Engine>,
+    image: EngineImage,
+    mut fds: Vec<Option<OwnedFd>>,
+    mut mapped: Mapped,
+) -> std::result::Result<UnixListener, String> {
+    let mut take = |i: usize| fds.get_mut(i).and_then(Option::take).ok_or(format!("descriptor {i} is missing"));
+    let management = UnixListener::from(take(image.management_fd)?);
+    let reactors = engine.links.len();
+    let mut conns: Vec<Vec<_>> = (0..reactors).map(|_| Vec::new()).collect();
+    let mut listeners = Vec::new();
+    for l in &image.listeners {
+        listeners.push((l.port_id, TcpListener::from(take(l.fd)?)));
+    }
+    let mut sockets = Vec::new();
+    for c in &image.connections {
+        sockets.push(TcpStream::from(take(c.fd)?));
+    }
+    let controllers = (|| -> Result<_> {
+        *lock(&engine.executable) = image.executable.clone();
+        engine.next_port_id.store(image.next_port_id, Ordering::Relaxed);
+        engine.target.set_cntlid_range(image.cntlid_min, image.cntlid_max)?;
+        engine.target.continue_from(image.cntlid_cursor, image.discovery_generation);
+        for disks in &image.pools {
+            engine.import_pool(disks)?;
         }
-        let mut sockets = Vec::new();
-        for c in &image.connections {
-            sockets.push(TcpStream::from(take(c.fd)?));
-        }
-        let mut memfds = BTreeMap::new();
         for s in &image.subsystems {
-            for ns in &s.namespaces {
-                if let BackendImage::Memory { fd, .. } = ns.backend {
-                    memfds.insert(fd, take(fd)?);
-                }
-            }
+            engine.restore_subsystem(s, &mut mapped)?;
         }
-        let engine = Engine::start(&image.config).map_err(|e| e.to_string())?;
-        let built = (|| -> Result<_> {
-            *lock(&engine.executable) = image.executable.clone();
-            *lock(&engine.config) = image.config.clone();
-            engine.next_port_id.store(image.next_port_id, Ordering::Relaxed);
-            engine.target.set_cntlid_range(image.cntlid_min, image.cntlid_max)?;
-            engine.target.continue_from(image.cntlid_cursor, image.discovery_generation);
-            for disks in &image.pools {
-                engine.import_pool(disks)?;
-            }
-            for s in &image.subsystems {
-                engine.restore_subsystem(s, &mut memfds)?;
-            }
-            let now = engine.target.now_ms();
-            let mut controllers = BTreeMap::new();
-            for c in &image.controllers {
-                let subsystem = engine.target.subsystem(&c.subsystem).ok_or_else(|| {
-                    Error::internal(format!("controller {} belongs to the unknown subsystem {}", c.cntlid, c.subsystem))
-                })?;
-                let controller = Arc::new(Controller::restore(c, subsystem.clone(), now));
-                engine.target.adopt_controller(controller.clone());
-                subsystem.adopt_controller(&controller);
-                controllers.insert(c.cntlid, controller);
-            }
-            Ok(controllers)
-        })();
-        let controllers = match built {
-            Ok(c) => c,
-            Err(e) => {
-                engine.stop();
-                return Err(e.to_string());
-            }
-        };
-        let mut listener_list = Vec::new();
-        for (port_id, address, l) in listeners {
-            lock(&engine.listeners).insert(port_id, address);
-            let info = nvpool_api::ListenerInfo { port_id, addr: address.ip(), port: address.port() };
-            engine.target.add_listener_info(info);
-            listener_list.push((port_id, l));
+        let now = engine.target.now_ms();
+        let mut controllers = BTreeMap::new();
+        for c in &image.controllers {
+            let subsystem = engine.target.subsystem(&c.subsystem).ok_or_else(|| {
+                Error::internal(format!("controller {} belongs to the unknown subsystem {}", c.cntlid, c.subsystem))
+            })?;
+            let controller = Arc::new(Controller::restore(c, subsystem.clone(), now));
+            engine.target.adopt_controller(controller.clone());
+            subsystem.adopt_controller(&controller);
+            controllers.insert(c.cntlid, controller);
         }
-        let conns = sockets
-            .into_iter()
-            .zip(image.connections)
-            .map(|(s, c)| {
-                let controller = c.queue.as_ref().and_then(|q| controllers.get(&q.cntlid).cloned());
-                (s, c, controller)
-            })
-            .collect();
-        Ok(Rebuilt { engine, config: image.config, management, listeners: listener_list, conns })
+        Ok(controllers)
+    })()
+    .map_err(|e| e.to_string())?;
+    for l in &image.listeners {
+        lock(&engine.listeners).insert(l.port_id, l.address);
+        let info = nvpool_api::ListenerInfo { port_id: l.port_id, addr: l.address.ip(), port: l.address.port() };
+        engine.target.add_listener_info(info);
     }
-
-    /// Go: the reactors take the listeners and connections.
-    fn serve(self) -> TakenOver {
-        let links = &self.engine.links;
-        for (port_id, listener) in self.listeners {
-            links[0].send(Msg::Listen { port_id, listener });
-        }
-        for (stream, image, controller) in self.conns {
-            links[image.reactor % links.len()].send(Msg::Restore { stream, image, controller });
-        }
-        *lock(&self.engine.management) = self.management.try_clone().ok();
-        TakenOver { engine: self.engine, config: self.config, management: self.management }
+    for (stream, c) in sockets.into_iter().zip(image.connections) {
+        let controller = c.queue.as_ref().and_then(|q| controllers.get(&q.cntlid).cloned());
+        conns[c.reactor % reactors].push((stream, c, controller));
     }
+    let (done, restored) = mpsc::channel();
+    // Reactor 0 accepts, and hands the connections it accepts to the others.
+    let mut listeners = Some(listeners);
+    for (link, conns) in engine.links.iter().zip(conns) {
+        let listeners = listeners.take().unwrap_or_default();
+        link.send(Msg::Restore { conns, listeners, done: done.clone() });
+    }
+    let deadline = Instant::now() + READY_TIMEOUT;
+    for _ in 0..reactors {
+        restored
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .map_err(|_| "a reactor did not take its connections in time".to_string())??;
+    }
+    Ok(management)
 }
 
 impl Engine {
-    fn restore_subsystem(&self, i: &SubsystemImage, memfds: &mut BTreeMap<usize, OwnedFd>) -> Result<()> {
+    fn restore_subsystem(&self, i: &SubsystemImage, mapped: &mut Mapped) -> Result<()> {
         let policy = HostPolicy { allow_any: i.allow_any_host, hosts: i.hosts.iter().cloned().collect() };
         let s = Subsystem::new(&i.nqn, &i.serial, &i.model, policy)?;
         for n in &i.namespaces {
             let backend = match &n.backend {
                 BackendImage::Spec(spec) => self.open_backend(spec)?.backend,
-                BackendImage::Memory { size, fd } => {
-                    let fd =
-                        memfds.remove(fd).ok_or_else(|| Error::internal("a memory namespace's memfd is missing"))?;
-                    Arc::new(Memory::from_memfd(fd, *size)?)
-                }
+                BackendImage::Memory => mapped.remove(&(i.nqn.clone(), n.nsid)).ok_or_else(|| {
+                    Error::internal(format!("memory namespace {} of {} was not sent before the pause", n.nsid, i.nqn))
+                })?,
             };
             let mut ns = Namespace::new(n.nsid, backend, n.block_size, n.uuid, n.nguid)?;
             ns.ana_group = n.ana_group;
@@ -474,7 +501,7 @@ impl Engine {
 /// Starts `binary` as a new engine that takes over through the returned channel.
 fn start_new_engine(binary: &Path) -> Result<(Channel, Child)> {
     let (channel, child_end) = Channel::pair().map_err(|e| Error::io("cannot create the handover socket pair", e))?;
-    channel::inherit(child_end.as_raw_fd()).map_err(|e| Error::io("cannot pass the handover socket on", e))?;
+    process::inherit(child_end.as_raw_fd()).map_err(|e| Error::io("cannot pass the handover socket on", e))?;
     let child = Command::new(binary)
         .args(["engine", "--take-over"])
         .env(TAKEOVER_FD_ENV, child_end.as_raw_fd().to_string())
@@ -484,7 +511,7 @@ fn start_new_engine(binary: &Path) -> Result<(Channel, Child)> {
         })?;
     // The child has its copy; ours would keep the channel open if the child died.
     drop(child_end);
-    channel.set_timeout(Some(HELLO_TIMEOUT)).map_err(|e| Error::io("handover socket", e))?;
+    channel.set_timeout(Some(START_TIMEOUT)).map_err(|e| Error::io("handover socket", e))?;
     Ok((channel, child))
 }
 

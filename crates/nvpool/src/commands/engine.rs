@@ -567,14 +567,20 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
             let r = api.call(UpgradeEngine { binary })?;
             print_or(api.json, &r, || {
                 format!(
-                    "upgraded: pid {} ({}) -> pid {} ({}); {} connections and {} controllers kept; I/O paused {:.2} ms",
+                    "upgraded: pid {} ({}) -> pid {} ({}); {} connections and {} controllers kept; the new binary \
+                     started in {:.1} ms; I/O paused {:.2} ms (finishing commands {:.2}, handing over {:.2}, \
+                     rebuilding {:.2})",
                     r.old_pid,
                     r.old_version,
                     r.new_pid,
                     r.new_version,
                     r.connections,
                     r.controllers,
-                    r.pause_us as f64 / 1000.0
+                    r.start_us as f64 / 1000.0,
+                    r.pause_us as f64 / 1000.0,
+                    r.park_us as f64 / 1000.0,
+                    r.transfer_us as f64 / 1000.0,
+                    r.rebuild_us as f64 / 1000.0,
                 )
             });
             Ok(())

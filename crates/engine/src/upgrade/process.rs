@@ -1,0 +1,50 @@
+//! What a hot upgrade asks of the operating system besides the channel: passing the
+//! channel's descriptor to the new process, waiting on the management socket, and an
+//! old process that steps aside as it exits.
+#![allow(unsafe_code)]
+
+use std::os::fd::{FromRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+/// Clears close-on-exec on `fd`, so a child started next inherits it.
+pub fn inherit(fd: RawFd) -> std::io::Result<()> {
+    // SAFETY: fcntl on a descriptor the caller owns; F_SETFD only sets its flags.
+    if unsafe { libc::fcntl(fd, libc::F_SETFD, 0) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Takes ownership of a descriptor inherited from the parent, named by number.
+pub fn adopt_inherited(fd: RawFd) -> std::io::Result<UnixStream> {
+    // SAFETY: F_GETFD only reads the flags, and fails for a descriptor that is not open.
+    if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the parent passed this descriptor to this process alone, for this use,
+    // and it is open (checked above); nothing else in the process owns it.
+    let socket = unsafe { UnixStream::from_raw_fd(fd) };
+    // SAFETY: F_SETFD with FD_CLOEXEC on the descriptor now owned; no child inherits it.
+    unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+    Ok(socket)
+}
+
+/// Lowers every thread of this process to the lowest priority (nice 19), so that
+/// tearing the process down as it exits yields the CPUs to the engine that took over.
+pub fn step_aside() {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return };
+    for tid in tasks.flatten().filter_map(|t| t.file_name().to_str()?.parse::<libc::id_t>().ok()) {
+        // SAFETY: setpriority only changes the scheduling priority of one of this
+        // process's threads.
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, 19) };
+    }
+}
+
+/// Waits up to `timeout` until `fd` is readable (a listener has a connection waiting).
+pub fn wait_readable(fd: RawFd, timeout: Duration) -> bool {
+    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: poll reads and writes the one pollfd passed.
+    let n = unsafe { libc::poll(&mut p, 1, timeout.as_millis() as libc::c_int) };
+    n > 0 && p.revents & libc::POLLIN != 0
+}
