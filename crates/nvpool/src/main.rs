@@ -4,7 +4,7 @@
 
 mod commands;
 mod output;
-mod signals;
+mod process;
 
 use clap::{Parser, Subcommand};
 

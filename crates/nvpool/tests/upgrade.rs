@@ -1,9 +1,12 @@
 //! Hot upgrade of a running engine under load, through the CLI: hosts (our initiator)
-//! write and read back on a memory and a file namespace, over queues with and without
-//! digests, while the engine is replaced by a new process again and again. No command
-//! may fail, no connection may drop (each queue keeps its socket and its controller
-//! ID), and all data must read back. Upgrades that fail (a binary that exits at once,
-//! one that crashes in the middle of the handover) must leave the old engine serving.
+//! write and read back on a memory namespace, a file and a thin volume (allocating as
+//! it is written), over queues with and without digests, while the engine is replaced
+//! by a new process again and again. No command may fail, no connection may drop (each
+//! queue keeps its socket and its controller ID), and all data must read back. Upgrades
+//! that fail (a binary that exits at once, one that crashes in the middle of the
+//! handover) must leave the old engine serving. A thousand connections are handed over
+//! at once, and an upgrade while a volume migrates is refused with the reason.
+#![allow(unsafe_code)]
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::Path;
@@ -21,6 +24,8 @@ const BLOCK: u32 = 4096;
 const UPGRADES: usize = 10;
 /// Blocks each writer owns, per namespace.
 const SPAN: u64 = 2048;
+/// The namespaces: RAM, a file, a thin volume.
+const NAMESPACES: u32 = 3;
 
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
@@ -40,18 +45,31 @@ fn engine_pid(socket: &Path) -> u32 {
     info["pid"].as_u64().unwrap() as u32
 }
 
-fn start_engine(dir: &Path, port: u16) -> Child {
-    let file = dir.join("ns2.img");
-    Process::new(BIN)
+/// An engine serving `namespaces` of NQN (RAM when none), its management socket in `dir`.
+fn start_engine(dir: &Path, port: u16, namespaces: &[String]) -> Child {
+    let mut engine = Process::new(BIN);
+    engine
         .args(["engine", "--listen", &format!("127.0.0.1:{port}"), "--discovery-port", "0", "--reactors", "2"])
-        .args(["--subsystem", NQN, "--block-size", "4096", "--namespace", "memory:64MiB", "--namespace"])
-        .arg(format!("file:{}:64MiB", file.display()))
+        .args(["--subsystem", NQN, "--block-size", "4096"]);
+    for ns in namespaces {
+        engine.args(["--namespace", ns]);
+    }
+    if namespaces.is_empty() {
+        engine.args(["--namespace", "memory:64MiB"]);
+    }
+    let engine = engine
         .arg("--mgmt-socket")
         .arg(dir.join("sock"))
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(dir.join("engine.log")).unwrap())
         .spawn()
-        .unwrap()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while cli(&dir.join("sock"), &["info"]).is_err() {
+        assert!(Instant::now() < deadline, "the engine did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    engine
 }
 
 /// What the writers saw.
@@ -74,11 +92,11 @@ impl Tally {
 /// 4 KiB writes go in the capsule, 64 KiB writes through R2T and H2CData.
 fn writer(addr: SocketAddr, io: ConnectOptions, id: u64, stop: Arc<AtomicBool>, tally: Arc<Tally>) -> Vec<Vec<u64>> {
     let mut q = Queue::connect(addr, &io).expect("I/O queue");
-    let mut seeds = vec![vec![0u64; SPAN as usize]; 2];
+    let mut seeds = vec![vec![0u64; SPAN as usize]; NAMESPACES as usize];
     let mut n = 0u64;
     while !stop.load(Ordering::SeqCst) {
         n += 1;
-        let nsid = (n % 2) as u32 + 1;
+        let nsid = (n % u64::from(NAMESPACES)) as u32 + 1;
         let blocks: u64 = if n.is_multiple_of(3) { 16 } else { 1 };
         let first = (n * 7919) % (SPAN - blocks);
         let seed = id << 40 | n;
@@ -127,14 +145,18 @@ fn the_engine_is_replaced_under_load_and_no_host_notices() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("sock");
     let port = free_port();
-    let mut first = start_engine(dir.path(), port);
+    let file = format!("file:{}:64MiB", dir.path().join("ns2.img").display());
+    let mut first = start_engine(dir.path(), port, &["memory:64MiB".into(), file]);
     let serving = StopOnDrop(socket.clone());
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while cli(&socket, &["info"]).is_err() {
-        assert!(Instant::now() < deadline, "the engine did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    std::fs::File::create(dir.path().join("disk")).unwrap().set_len(256 << 20).unwrap();
+    cli(&socket, &["pool", "create", "p", dir.path().join("disk").to_str().unwrap()]).unwrap();
+    cli(&socket, &["volume", "create", "p", "v", "128MiB", "--thin"]).unwrap();
+    cli(
+        &socket,
+        &["namespace", "add", NQN, "volume:p/v", "--nsid", "3", "--block-size", "4096", "--allow-torn-writes"],
+    )
+    .unwrap();
     let mut hosts =
         [host(addr, "plain", Digests::default()), host(addr, "digests", Digests { header: true, data: true })];
     let stop = Arc::new(AtomicBool::new(false));
@@ -245,5 +267,107 @@ impl Drop for StopOnDrop {
                 let _ = Process::new("kill").arg(pid.to_string()).status();
             }
         }
+    }
+}
+
+/// Lets this process open `n` files (the test holds a socket per connection).
+fn allow_open_files(n: u64) {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit and setrlimit read and write the one struct passed.
+    unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);
+        limit.rlim_cur = limit.rlim_cur.max(n.min(limit.rlim_max));
+        libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+    }
+}
+
+#[test]
+fn a_thousand_connections_are_handed_over() {
+    const CONTROLLERS: u16 = 20;
+    const IO_QUEUES: u16 = 49;
+    allow_open_files(4096);
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("sock");
+    let port = free_port();
+    let mut first = start_engine(dir.path(), port, &[]);
+    let serving = StopOnDrop(socket.clone());
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let mut admins = Vec::new();
+    let mut queues = Vec::new();
+    for c in 0..CONTROLLERS {
+        let mut o = ConnectOptions::admin(NQN, &format!("nqn.2024-01.io.nvpool:upgrade-many-{c}"));
+        o.kato = 30_000;
+        let mut admin = connect_admin(addr, &o).expect("admin queue");
+        admin.set_queue_count(IO_QUEUES).expect("Set Features Number of Queues");
+        let cntlid = admin.cntlid;
+        for qid in 1..=IO_QUEUES {
+            queues.push(Queue::connect(addr, &o.io(qid, cntlid, 7)).expect("I/O queue"));
+        }
+        admins.push((admin, cntlid));
+    }
+    let connections = admins.len() + queues.len();
+    assert_eq!(connections, 1000);
+    // Each queue writes its own block before the upgrade, and reads it back after.
+    for (i, q) in queues.iter_mut().enumerate() {
+        q.write(1, i as u64, &pattern(i as u64, BLOCK as usize), BLOCK, 8192).expect("write before the upgrade");
+    }
+    let report: serde_json::Value = serde_json::from_str(&cli(&socket, &["upgrade", "--json"]).unwrap()).unwrap();
+    assert_eq!(report["connections"].as_u64(), Some(connections as u64), "{report}");
+    assert_eq!(report["controllers"].as_u64(), Some(u64::from(CONTROLLERS)), "{report}");
+    // The first engine exited once it had handed over.
+    let _ = first.wait();
+    for (admin, cntlid) in &mut admins {
+        assert_eq!(admin.identify_controller().expect("Identify after the upgrade").cntlid, *cntlid);
+    }
+    for (i, q) in queues.iter_mut().enumerate() {
+        let back = q.read(1, i as u64, 1, BLOCK).expect("read after the upgrade");
+        assert_eq!(back, pattern(i as u64, BLOCK as usize), "block {i}");
+    }
+    println!(
+        "{connections} connections ({CONTROLLERS} controllers) handed over; pause {:.2} ms (finishing commands \
+         {:.2}, handing over {:.2}, rebuilding {:.2}); every queue read its block back",
+        report["pause_us"].as_f64().unwrap() / 1000.0,
+        report["park_us"].as_f64().unwrap() / 1000.0,
+        report["transfer_us"].as_f64().unwrap() / 1000.0,
+        report["rebuild_us"].as_f64().unwrap() / 1000.0,
+    );
+    drop(serving);
+}
+
+#[test]
+fn an_upgrade_is_refused_while_a_volume_migrates() {
+    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    let ports = [free_port(), free_port()];
+    let mut engines = Vec::new();
+    let mut guards = Vec::new();
+    for (dir, &port) in dirs.iter().zip(&ports) {
+        engines.push(start_engine(dir.path(), port, &[]));
+        let socket = dir.path().join("sock");
+        guards.push(StopOnDrop(socket.clone()));
+        std::fs::File::create(dir.path().join("disk")).unwrap().set_len(256 << 20).unwrap();
+        cli(&socket, &["pool", "create", "p", dir.path().join("disk").to_str().unwrap()]).unwrap();
+    }
+    let (a, b) = (dirs[0].path().join("sock"), dirs[1].path().join("sock"));
+    let v: serde_json::Value =
+        serde_json::from_str(&cli(&a, &["volume", "create", "p", "v", "64MiB", "--json"]).unwrap()).unwrap();
+    let (uuid, nguid) = (v["uuid"].as_str().unwrap(), v["nguid"].as_str().unwrap());
+    cli(&b, &["volume", "create", "p", "v", "64MiB", "--uuid", uuid, "--nguid", nguid]).unwrap();
+    for socket in [&a, &b] {
+        cli(socket, &["namespace", "add", NQN, "volume:p/v", "--nsid", "2"]).unwrap();
+    }
+    let target = format!("127.0.0.1:{}/{NQN}/2", ports[1]);
+    cli(&a, &["volume", "migrate", "p", "v", "--to", &target, "--rate", "1MiB"]).unwrap();
+    let e = cli(&a, &["upgrade"]).unwrap_err();
+    assert!(e.contains("p/v is moving to another engine") && e.contains("failed_precondition"), "{e}");
+    cli(&a, &["volume", "cancel", "p", "v"]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while cli(&a, &["upgrade"]).is_err() {
+        assert!(Instant::now() < deadline, "the upgrade stays refused after the migration was cancelled");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    println!("an upgrade during a migration was refused: {}", e.trim());
+    drop(guards);
+    for mut e in engines {
+        let _ = e.wait();
     }
 }

@@ -38,6 +38,9 @@ pub enum Order {
         config: Box<EngineConfig>,
         /// The memory namespaces.
         memory: Vec<MemoryImage>,
+        /// About how many descriptors the image will bring: the descriptor table is
+        /// grown for them now, not while no command is read.
+        descriptors: usize,
     },
     /// The image follows, then its descriptors.
     Image {

@@ -334,8 +334,11 @@ impl Engine {
                 }
             }
         }
+        // A copy of every connection's socket, a listener's, the management socket's.
+        let descriptors = self.target.connection_count() + lock(&self.listeners).len() + 1;
+        process::reserve_descriptors(descriptors);
         channel
-            .send(&Order::Prepare { config: Box::new(config), memory }, &[])
+            .send(&Order::Prepare { config: Box::new(config), memory, descriptors }, &[])
             .and_then(|()| channel.send_fds(&fds.raw()))
             .map_err(|e| format!("it went away before it got the configuration ({e})"))
     }
@@ -355,7 +358,10 @@ impl Engine {
             why
         };
         let (config, memory) = match channel.recv::<Order>().map_err(lost)?.0 {
-            Order::Prepare { config, memory } => (*config, memory),
+            Order::Prepare { config, memory, descriptors } => {
+                process::reserve_descriptors(descriptors);
+                (*config, memory)
+            }
             other => return Err(unexpected(other, "its configuration")),
         };
         let memfds = channel.recv_fds(memory.len()).map_err(lost)?;

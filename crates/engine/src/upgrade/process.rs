@@ -48,3 +48,27 @@ pub fn wait_readable(fd: RawFd, timeout: Duration) -> bool {
     let n = unsafe { libc::poll(&mut p, 1, timeout.as_millis() as libc::c_int) };
     n > 0 && p.revents & libc::POLLIN != 0
 }
+
+/// Grows this process's descriptor table so that `extra` more descriptors fit beside
+/// those open now. The kernel grows a table that threads share only after an RCU grace
+/// period, milliseconds each time it doubles; a hot upgrade copies or receives one
+/// descriptor per connection while no command is read, so it grows the table before.
+pub fn reserve_descriptors(extra: usize) {
+    let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes the one struct passed.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return;
+    }
+    let wanted = (open + extra + 64) as u64;
+    let Ok(at) = libc::c_int::try_from(wanted.min(limit.rlim_cur.saturating_sub(1))) else { return };
+    let Ok(probe) = std::fs::File::open("/dev/null") else { return };
+    // SAFETY: F_DUPFD returns a new descriptor, the lowest free one at `at` or above,
+    // and touches no other; it is closed at once, and the table keeps its size.
+    unsafe {
+        let copy = libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&probe), libc::F_DUPFD, at);
+        if copy >= 0 {
+            libc::close(copy);
+        }
+    }
+}

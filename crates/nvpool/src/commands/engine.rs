@@ -667,6 +667,7 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
 }
 
 fn run_engine(a: EngineArgs) -> Result<(), String> {
+    crate::process::raise_open_file_limit();
     if a.take_over {
         return run_taken_over();
     }
@@ -690,7 +691,7 @@ fn run_engine(a: EngineArgs) -> Result<(), String> {
             println!("connect a host with:\n  nvme connect -t tcp -a {} -s {} -n {}", l.addr, l.port, s.nqn);
         }
     }
-    crate::signals::wait_for_stop();
+    crate::process::wait_for_stop();
     println!("nvpool engine stopping");
     engine.stop();
     let _ = std::fs::remove_file(&cfg.management_socket);
@@ -717,7 +718,7 @@ fn run_taken_over() -> Result<(), String> {
         std::process::id(),
         taken.config.management_socket.display()
     );
-    crate::signals::wait_for_stop();
+    crate::process::wait_for_stop();
     println!("nvpool engine stopping");
     engine.stop();
     let _ = std::fs::remove_file(&taken.config.management_socket);
