@@ -371,3 +371,43 @@ fn an_upgrade_is_refused_while_a_volume_migrates() {
         let _ = e.wait();
     }
 }
+
+/// The service manager's side, as systemd sees it: the engine says it is ready and
+/// which process it is; after each upgrade the new process names itself the main
+/// process before the old one exits; a stopping engine says so.
+#[test]
+fn the_service_manager_follows_the_engine_across_upgrades() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("sock");
+    let notify = std::os::unix::net::UnixDatagram::bind(dir.path().join("notify")).unwrap();
+    notify.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let next = || {
+        let mut buf = [0u8; 512];
+        let n = notify.recv(&mut buf).expect("a notification");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    let port = free_port();
+    let mut first = Process::new(BIN)
+        .args(["engine", "--listen", &format!("127.0.0.1:{port}"), "--discovery-port", "0"])
+        .args(["--subsystem", NQN, "--namespace", "memory:16MiB", "--mgmt-socket"])
+        .arg(&socket)
+        .env("NOTIFY_SOCKET", dir.path().join("notify"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let serving = StopOnDrop(socket.clone());
+    assert_eq!(next(), format!("READY=1\nMAINPID={}", first.id()));
+    let mut pids = vec![first.id()];
+    for _ in 0..3 {
+        let report: serde_json::Value = serde_json::from_str(&cli(&socket, &["upgrade", "--json"]).unwrap()).unwrap();
+        let new_pid = report["new_pid"].as_u64().unwrap();
+        assert_eq!(next(), format!("MAINPID={new_pid}\nREADY=1"), "after the upgrade to pid {new_pid}");
+        pids.push(new_pid as u32);
+    }
+    let _ = first.wait();
+    Process::new("kill").arg(pids.last().unwrap().to_string()).status().unwrap();
+    assert_eq!(next(), "STOPPING=1");
+    println!("the service manager was told: ready as pid {}, then main pid {:?}, then stopping", pids[0], &pids[1..]);
+    drop(serving);
+}

@@ -61,6 +61,8 @@ pub enum Answer {
     /// Everything is rebuilt and every connection sits parked on its reactor;
     /// waiting for `Go`.
     Ready,
+    /// After `Go`: serving, and named the service's main process.
+    Serving,
     /// The image could not be taken over; the new process exits.
     Failed(String),
 }

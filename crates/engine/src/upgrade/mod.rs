@@ -16,8 +16,10 @@
 //!    copies of the sockets, memfds and the management socket (SCM_RIGHTS).
 //! 3. **Ready.** The new process rebuilds everything, puts each connection parked on
 //!    its reactor, and says so. Everything that can fail is done by now.
-//! 4. **Go.** The old engine tells it to go on, answers the caller and exits without
-//!    touching a socket; the new reactors act on the held bytes first, then read on.
+//! 4. **Go.** The old engine tells it to go on. The new reactors act on the held bytes
+//!    first, then read on; the new process names itself the service's main process
+//!    to systemd, if systemd started the engine, and says it serves. The old engine
+//!    then answers the caller and exits without touching a socket.
 //!
 //! Until Go, the old engine can take everything back: a new process that exits,
 //! crashes, says it failed or does not answer in time is killed, and the reactors
@@ -64,6 +66,8 @@ const START_TIMEOUT: Duration = Duration::from_secs(10);
 const PARK_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long the new process may take to rebuild the engine from the image.
 const READY_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the old process waits, after Go, for the new one to say it serves.
+const SERVING_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// What a new engine process took over: the engine and its management socket.
 pub struct TakenOver {
@@ -167,6 +171,14 @@ impl Engine {
         };
         let pause = paused.elapsed();
         self.handed_over.store(true, Ordering::SeqCst);
+        // The new process serves now. It names itself the service's main process
+        // before it says so; this one exits only then, so a service manager never
+        // sees the main process gone. Past Go nothing is taken back: a new process
+        // that does not answer is waited for a moment only.
+        let _ = channel.set_timeout(Some(SERVING_TIMEOUT));
+        if !matches!(channel.recv::<Answer>(), Ok((Answer::Serving, _))) {
+            tracing::warn!(new_pid = hello.pid, "the new engine did not confirm that it serves");
+        }
         tracing::info!(
             new_pid = hello.pid,
             version = %hello.version,
@@ -398,6 +410,8 @@ impl Engine {
         for l in engine.links.iter() {
             l.send(Msg::Resume);
         }
+        process::notify_service_manager(&format!("MAINPID={}\nREADY=1", std::process::id()));
+        let _ = channel.send(&Answer::Serving, &[]);
         *lock(&engine.management) = management.try_clone().ok();
         Ok(TakenOver { engine, config, management })
     }

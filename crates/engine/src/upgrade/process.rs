@@ -1,6 +1,7 @@
 //! What a hot upgrade asks of the operating system besides the channel: passing the
-//! channel's descriptor to the new process, waiting on the management socket, and an
-//! old process that steps aside as it exits.
+//! channel's descriptor to the new process, waiting on the management socket, room
+//! for descriptors, an old process that steps aside as it exits, and telling the
+//! service manager which process is the engine now.
 #![allow(unsafe_code)]
 
 use std::os::fd::{FromRawFd, RawFd};
@@ -70,5 +71,26 @@ pub fn reserve_descriptors(extra: usize) {
         if copy >= 0 {
             libc::close(copy);
         }
+    }
+}
+
+/// Tells the service manager that started this process (systemd, through the datagram
+/// socket named by `NOTIFY_SOCKET`) `state`, e.g. `READY=1` or `MAINPID=...`; nothing
+/// when there is none. A hot upgrade's new process names itself the main process this
+/// way before the old one exits, so systemd follows the engine rather than taking the
+/// old process's exit for the service's end (the unit needs `NotifyAccess=all`).
+pub fn notify_service_manager(state: &str) {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::net::{SocketAddr, UnixDatagram};
+    let Some(socket) = std::env::var_os("NOTIFY_SOCKET") else { return };
+    // A leading '@' names a socket in the abstract namespace.
+    let address = match socket.as_bytes().strip_prefix(b"@") {
+        Some(name) => SocketAddr::from_abstract_name(name),
+        None => SocketAddr::from_pathname(&socket),
+    };
+    let sent = address.and_then(|a| UnixDatagram::unbound()?.send_to_addr(state.as_bytes(), &a));
+    if let Err(e) = sent {
+        tracing::warn!("cannot notify the service manager ({state:?}): {e}");
     }
 }

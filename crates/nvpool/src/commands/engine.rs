@@ -2,7 +2,7 @@
 //! socket (subsystems, namespaces, hosts, listeners, pools, volumes, stats).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::{Args, Subcommand};
 use nvpool_api::{
@@ -17,6 +17,7 @@ use nvpool_engine::config::{
     EngineConfig, ListenerConfig, NamespaceConfig, PoolConfig, SubsystemConfig, default_socket,
 };
 use nvpool_engine::mgmt;
+use nvpool_engine::upgrade::process::notify_service_manager;
 
 use crate::output::{human, parse_size, print_or, render};
 
@@ -677,11 +678,7 @@ fn run_engine(a: EngineArgs) -> Result<(), String> {
         engine.stop();
         return Err(e);
     }
-    println!(
-        "nvpool engine {} running; management socket {}",
-        env!("CARGO_PKG_VERSION"),
-        cfg.management_socket.display()
-    );
+    println!("nvpool engine {} running; management socket {}", nvpool_engine::VERSION, cfg.management_socket.display());
     for l in engine.listeners() {
         println!("  listening on {}:{}", l.addr, l.port);
     }
@@ -691,11 +688,18 @@ fn run_engine(a: EngineArgs) -> Result<(), String> {
             println!("connect a host with:\n  nvme connect -t tcp -a {} -s {} -n {}", l.addr, l.port, s.nqn);
         }
     }
+    notify_service_manager(&format!("READY=1\nMAINPID={}", std::process::id()));
+    serve_until_stopped(&engine, &cfg.management_socket);
+    Ok(())
+}
+
+/// Serves until SIGINT or SIGTERM, then stops the engine and removes its socket.
+fn serve_until_stopped(engine: &Engine, management_socket: &Path) {
     crate::process::wait_for_stop();
     println!("nvpool engine stopping");
+    notify_service_manager("STOPPING=1");
     engine.stop();
-    let _ = std::fs::remove_file(&cfg.management_socket);
-    Ok(())
+    let _ = std::fs::remove_file(management_socket);
 }
 
 /// The new process of a hot upgrade: takes the running engine over, then serves
@@ -718,10 +722,7 @@ fn run_taken_over() -> Result<(), String> {
         std::process::id(),
         taken.config.management_socket.display()
     );
-    crate::process::wait_for_stop();
-    println!("nvpool engine stopping");
-    engine.stop();
-    let _ = std::fs::remove_file(&taken.config.management_socket);
+    serve_until_stopped(&engine, &taken.config.management_socket);
     Ok(())
 }
 
