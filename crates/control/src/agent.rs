@@ -9,10 +9,11 @@ use crate::client::Controllers;
 use crate::model::VOLUME_NQN_PREFIX;
 use crate::proto::{self, agent_server::AgentServer};
 use nvpool_api::{
-    AddHost, AddNamespace, AddSubsystem, AnaState, CancelMigration, CreateVolume, DeleteVolume, GetEngineInfo,
-    GetMigration, GetVolume, ListAnaGroups, ListListeners, ListPools, ListSubsystems, ListVolumes, Method,
-    NamespaceConfig, RemoveHost, RemoveSubsystem, ResizeVolume, SetAnaState, SetControllerIdRange, StartMigration,
-    SubsystemConfig, SubsystemInfo, SwapNamespace, SwitchMigration, VolumeIdentity, VolumeInfo,
+    AddHost, AddNamespace, AddSubsystem, AnaState, CancelMigration, CreateVolume, DeleteVolume, ErrorKind,
+    GetEngineInfo, GetMigration, GetVolume, ListAnaGroups, ListListeners, ListPools, ListSubsystems, ListVolumes,
+    Method, NamespaceConfig, RemoveHost, RemoveSubsystem, ResizeVolume, SetAnaState, SetControllerIdRange,
+    StartMigration, SubsystemConfig, SubsystemInfo, SwapNamespace, SwitchMigration, UpgradeEngine, VolumeIdentity,
+    VolumeInfo,
 };
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -77,6 +78,32 @@ impl proto::agent_server::Agent for Service {
             .map_err(|e| Status::internal(format!("agent failed: {e}")))?
             .map_err(Status::unavailable)?;
         Ok(Response::new(reply))
+    }
+
+    async fn upgrade_engine(
+        &self,
+        r: Request<proto::UpgradeEngineRequest>,
+    ) -> Result<Response<proto::UpgradeReply>, Status> {
+        let engine = self.engine.clone();
+        let binary = Some(r.into_inner().binary).filter(|b| !b.is_empty()).map(PathBuf::from);
+        let report = tokio::task::spawn_blocking(move || nvpool_api::call(&engine, &UpgradeEngine { binary }))
+            .await
+            .map_err(|e| Status::internal(format!("agent failed: {e}")))?
+            .map_err(|e| match e.kind {
+                ErrorKind::FailedPrecondition => Status::failed_precondition(e.message),
+                ErrorKind::InvalidArgument => Status::invalid_argument(e.message),
+                _ => Status::unavailable(e.message),
+            })?;
+        Ok(Response::new(proto::UpgradeReply {
+            node: String::new(),
+            old_pid: report.old_pid,
+            old_version: report.old_version,
+            new_pid: report.new_pid,
+            new_version: report.new_version,
+            connections: report.connections as u64,
+            controllers: report.controllers as u64,
+            pause_us: report.pause_us,
+        }))
     }
 }
 
@@ -293,9 +320,17 @@ fn remove(engine: &Path, d: &proto::DesiredVolume, has_volume: bool, has_subsyst
     Ok(())
 }
 
-/// The node's pools and its volumes' allocations, as the engine reports them; an
-/// error when the engine cannot be asked, so that nothing reports an empty node.
-fn usage(engine: &Path) -> Result<(Vec<proto::PoolReport>, Vec<proto::VolumeUsage>), String> {
+/// What the engine reports: its version, the node's pools and its volumes'
+/// allocations; an error when the engine cannot be asked, so that nothing reports an
+/// empty node.
+struct Usage {
+    version: String,
+    pools: Vec<proto::PoolReport>,
+    volumes: Vec<proto::VolumeUsage>,
+}
+
+fn usage(engine: &Path) -> Result<Usage, String> {
+    let version = call(engine, GetEngineInfo {})?.version;
     let pools = call(engine, ListPools {})?;
     let volumes = call(engine, ListVolumes { pool: None })?;
     let pools = pools
@@ -314,7 +349,7 @@ fn usage(engine: &Path) -> Result<(Vec<proto::PoolReport>, Vec<proto::VolumeUsag
         .into_iter()
         .map(|v| proto::VolumeUsage { engine_name: v.name, allocated_bytes: v.allocated_bytes })
         .collect();
-    Ok((pools, volumes))
+    Ok(Usage { version, pools, volumes })
 }
 
 /// The address hosts use: the engine's first listener, unless one was given.
@@ -371,18 +406,19 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
             let found = tokio::task::spawn_blocking(move || {
                 let nvme = nvme_address(&engine2, &given)?;
                 let host_nqn = call(&engine2, GetEngineInfo {})?.host_nqn;
-                usage(&engine2).map(|(pools, _)| (nvme, host_nqn, pools))
+                usage(&engine2).map(|u| (nvme, host_nqn, u))
             })
             .await
             .map_err(|e| e.to_string())?;
             match found {
-                Ok((nvme, host_nqn, pools)) => {
+                Ok((nvme, host_nqn, usage)) => {
                     let node = proto::Node {
                         name: args.name.clone(),
                         agent_address: advertise.clone(),
                         nvme_address: nvme,
                         labels: args.labels.clone().into_iter().collect(),
-                        pools,
+                        pools: usage.pools,
+                        engine_version: usage.version,
                         host_nqn,
                         peer_address: args.peer_address.clone().unwrap_or_default(),
                         ..Default::default()
@@ -424,7 +460,7 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
             let usage = tokio::task::spawn_blocking(move || usage(&engine2)).await.map_err(|e| e.to_string())?;
             let applied_generation = service.applied.lock().await.generation;
             let hb = match usage {
-                Ok((pools, volumes)) => {
+                Ok(Usage { version, pools, volumes }) => {
                     if engine_down.take().is_some() {
                         tracing::info!(agent = %args.name, "engine at {} answers again", engine.display());
                     }
@@ -433,6 +469,7 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
                         pools,
                         volumes,
                         applied_generation,
+                        engine_version: version,
                         ..Default::default()
                     }
                 }

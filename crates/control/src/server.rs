@@ -170,6 +170,13 @@ impl proto::controller_server::Controller for Service {
         .await
     }
 
+    async fn upgrade_node(
+        &self,
+        r: Request<proto::UpgradeNodeRequest>,
+    ) -> Result<Response<proto::UpgradeReply>, Status> {
+        self.with(async |c| c.upgrade_node(&r.get_ref().node, &r.get_ref().binary).await).await
+    }
+
     async fn heartbeat(
         &self,
         r: Request<proto::HeartbeatRequest>,

@@ -58,9 +58,29 @@ struct NodeEntry {
     applied_generation: u64,
     /// Why the agent last could not reach its engine; the node takes nothing new then.
     engine_error: Option<String>,
+    /// The version the node's engine runs, as last reported.
+    engine_version: String,
     /// The hosts connected to each volume's export here (by volume ID), as of the last
     /// Apply.
     connected: HashMap<String, Vec<String>>,
+}
+
+impl NodeEntry {
+    /// A node as recorded, last seen at `last_seen`, with nothing reported yet beyond
+    /// its record's pools.
+    fn new(record: NodeRecord, last_seen: Instant) -> NodeEntry {
+        NodeEntry {
+            pools: record.pools.clone(),
+            record,
+            last_seen,
+            usage: HashMap::new(),
+            desired_generation: 0,
+            applied_generation: 0,
+            engine_error: None,
+            engine_version: String::new(),
+            connected: HashMap::new(),
+        }
+    }
 }
 
 struct State {
@@ -150,19 +170,10 @@ impl Cluster {
         let mut nodes = BTreeMap::new();
         for (_, b) in store.list(NODES).await.map_err(store_status)? {
             let record: NodeRecord = serde_json::from_slice(&b).map_err(corrupt)?;
-            let entry = NodeEntry {
-                pools: record.pools.clone(),
-                record,
-                // A new leader gives every node a full timeout to report, so that creations
-                // go on through a failover. (A node that died meanwhile fails its first
-                // Apply; the volume is given up and the call can be retried.)
-                last_seen: now,
-                usage: HashMap::new(),
-                desired_generation: 0,
-                applied_generation: 0,
-                engine_error: None,
-                connected: HashMap::new(),
-            };
+            // A new leader gives every node a full timeout to report, so that creations
+            // go on through a failover. (A node that died meanwhile fails its first
+            // Apply; the volume is given up and the call can be retried.)
+            let entry = NodeEntry::new(record, now);
             nodes.insert(entry.record.name.clone(), entry);
         }
         let mut volumes = BTreeMap::new();

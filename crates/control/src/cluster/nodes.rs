@@ -2,6 +2,10 @@
 
 use super::*;
 
+/// How long a node's agent may take to upgrade its engine: the engine itself gives up
+/// on a new binary after about 20 s.
+const UPGRADE_TIMEOUT: Duration = Duration::from_secs(60);
+
 impl Cluster {
     /// Records a node; returns the controller IDs its engine is to hand out.
     pub async fn register_node(&self, node: proto::Node) -> Result<(u16, u16), Status> {
@@ -45,16 +49,9 @@ impl Cluster {
             self.commit(Txn::default().put(format!("{NODES}{}", record.name), to_json(&record))).await?;
         }
         let mut st = self.state.lock().unwrap();
-        let entry = st.nodes.entry(record.name.clone()).or_insert_with(|| NodeEntry {
-            record: record.clone(),
-            last_seen: Instant::now(),
-            pools: vec![],
-            usage: HashMap::new(),
-            desired_generation: 0,
-            applied_generation: 0,
-            engine_error: None,
-            connected: HashMap::new(),
-        });
+        let entry =
+            st.nodes.entry(record.name.clone()).or_insert_with(|| NodeEntry::new(record.clone(), Instant::now()));
+        entry.engine_version = node.engine_version.clone();
         entry.pools = record.pools.clone();
         entry.record = record.clone();
         entry.last_seen = Instant::now();
@@ -82,6 +79,7 @@ impl Cluster {
         if n.engine_error.take().is_some() {
             tracing::info!(node = %hb.node, "the node's engine is back");
         }
+        n.engine_version = hb.engine_version;
         n.pools = hb.pools.iter().map(pool_record).collect();
         n.usage = hb.volumes.into_iter().map(|u| (u.engine_name, u.allocated_bytes)).collect();
         n.applied_generation = hb.applied_generation;
@@ -106,8 +104,40 @@ impl Cluster {
                 peer_address: n.record.peer_address.clone(),
                 cntlid_min: n.record.cntlid_block.map_or(0, |b| u32::from(access::cntlid_range(b).0)),
                 cntlid_max: n.record.cntlid_block.map_or(0, |b| u32::from(access::cntlid_range(b).1)),
+                engine_version: n.engine_version.clone(),
             })
             .collect()
+    }
+
+    /// Hot-upgrades a node's engine through its agent: every connection stays, and a
+    /// binary that cannot take over leaves the old engine serving (the error says why).
+    pub async fn upgrade_node(&self, node: &str, binary: &str) -> Result<proto::UpgradeReply, Status> {
+        let address = {
+            let st = self.state.lock().unwrap();
+            let n = st
+                .nodes
+                .get(node)
+                .ok_or_else(|| Status::not_found(format!("node {node} is not registered (see `nvpool node list`)")))?;
+            if !self.heartbeating(n) {
+                return Err(Status::failed_precondition(format!(
+                    "node {node} has not heartbeated for {:.1} s: its agent is down; upgrade it when it is back",
+                    n.last_seen.elapsed().as_secs_f64()
+                )));
+            }
+            n.record.agent_address.clone()
+        };
+        let mut client = AgentClient::new(self.channel(&address).map_err(Status::unavailable)?);
+        let request = proto::UpgradeEngineRequest { binary: binary.to_string() };
+        let reply = tokio::time::timeout(UPGRADE_TIMEOUT, client.upgrade_engine(request))
+            .await
+            .map_err(|_| {
+                Status::deadline_exceeded(format!("node {node}'s agent did not answer within {UPGRADE_TIMEOUT:?}"))
+            })?
+            .map_err(|e| Status::new(e.code(), format!("node {node}: {}", e.message())))?;
+        let mut reply = reply.into_inner();
+        reply.node = node.to_string();
+        tracing::info!(node, from = %reply.old_version, to = %reply.new_version, pause_us = reply.pause_us, "engine upgraded");
+        Ok(reply)
     }
 
     pub fn list_pools(&self) -> Vec<proto::PoolOnNode> {

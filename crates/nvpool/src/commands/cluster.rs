@@ -212,6 +212,23 @@ pub enum NodeVerb {
         #[command(flatten)]
         how: MoveArgs,
     },
+    /// Hot-upgrade a node's engine (every connection stays), or every node's, one by
+    /// one: each must be healthy again, running the new version, before the next.
+    Upgrade {
+        /// Node name.
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        name: Option<String>,
+        /// Every node, in name order; stops at the first that fails.
+        #[arg(long)]
+        all: bool,
+        /// The new nvpool binary, a path on the nodes (default: each engine's own
+        /// executable path, where a package upgrade puts the new version).
+        #[arg(long)]
+        binary: Option<String>,
+        /// How long a node may take to be healthy again with the new version.
+        #[arg(long, default_value_t = 30)]
+        health_timeout_s: u64,
+    },
 }
 
 /// How a volume moves.
@@ -390,6 +407,10 @@ pub fn run(cmd: Command) -> Result<(), String> {
             Ok(())
         }),
         Command::Node { verb: NodeVerb::Drain { name, how }, api } => rt.block_on(drain(&name, how, &api)),
+        Command::Node { verb: NodeVerb::Upgrade { name, all: _, binary, health_timeout_s }, api } => {
+            let health_timeout = Duration::from_secs(health_timeout_s);
+            rt.block_on(upgrade_nodes(name, binary.unwrap_or_default(), health_timeout, &api))
+        }
         Command::Pool { verb: ClusterPoolVerb::List, api } => rt.block_on(async {
             let c = Controllers::new(&api.controller)?;
             let r = c.call(async |mut c| c.list_pools(proto::ListPoolsRequest {}).await).await.map_err(status)?;
@@ -716,6 +737,83 @@ async fn drain(node: &str, how: MoveArgs, api: &ControllerApi) -> Result<(), Str
     }
 }
 
+/// Hot-upgrades `node`'s engine, or every node's (`None`) one after the other, each
+/// healthy again with its new version before the next one starts.
+async fn upgrade_nodes(
+    node: Option<String>,
+    binary: String,
+    health_timeout: Duration,
+    api: &ControllerApi,
+) -> Result<(), String> {
+    let c = Controllers::new(&api.controller)?;
+    let nodes = match node {
+        Some(n) => vec![n],
+        None => {
+            let listed = c.call(async |mut c| c.list_nodes(proto::ListNodesRequest {}).await).await.map_err(status)?;
+            let mut names: Vec<String> = listed.nodes.into_iter().map(|n| n.name).collect();
+            names.sort();
+            names
+        }
+    };
+    let mut reports = Vec::new();
+    for (i, node) in nodes.iter().enumerate() {
+        let left = |done: usize| -> String {
+            if nodes.len() > 1 && done < nodes.len() {
+                format!("; not upgraded: {}", nodes[done..].join(", "))
+            } else {
+                String::new()
+            }
+        };
+        let req = proto::UpgradeNodeRequest { node: node.clone(), binary: binary.clone() };
+        let r = c
+            .call(async |mut c| c.upgrade_node(req.clone()).await)
+            .await
+            .map_err(|e| format!("{}{}", e.message(), left(i)))?;
+        if !api.json {
+            println!(
+                "{node}: {} (pid {}) -> {} (pid {}); {} connections kept; I/O paused {:.2} ms",
+                r.old_version,
+                r.old_pid,
+                r.new_version,
+                r.new_pid,
+                r.connections,
+                r.pause_us as f64 / 1000.0
+            );
+        }
+        healthy_with(&c, node, &r.new_version, health_timeout).await.map_err(|e| format!("{e}{}", left(i + 1)))?;
+        reports.push(serde_json::json!({
+            "node": r.node, "old_version": r.old_version, "new_version": r.new_version, "old_pid": r.old_pid,
+            "new_pid": r.new_pid, "connections": r.connections, "controllers": r.controllers, "pause_us": r.pause_us,
+        }));
+    }
+    if api.json {
+        println!("{}", serde_json::Value::Array(reports));
+    }
+    Ok(())
+}
+
+/// Waits until the controller sees `node` healthy, its engine at `version`.
+async fn healthy_with(c: &Controllers, node: &str, version: &str, timeout: Duration) -> Result<(), String> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let listed = c.call(async |mut c| c.list_nodes(proto::ListNodesRequest {}).await).await.map_err(status)?;
+        let n = listed.nodes.into_iter().find(|n| n.name == node);
+        if n.as_ref().is_some_and(|n| n.healthy && n.engine_version == version) {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            let seen = n.map_or("gone from the cluster".to_string(), |n| {
+                format!("{}, engine version {:?}", if n.healthy { "healthy" } else { "unhealthy" }, n.engine_version)
+            });
+            return Err(format!(
+                "node {node} was upgraded to {version} but is not healthy with it after {timeout:?} ({seen}); look at \
+                 its agent and engine before going on"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 fn locality_name(l: i32) -> &'static str {
     match proto::Locality::try_from(l) {
         Ok(proto::Locality::Local) => "local",
@@ -847,6 +945,7 @@ fn nodes_json(nodes: &[proto::Node]) -> serde_json::Value {
                 "healthy": n.healthy, "last_heartbeat_ms_ago": n.last_heartbeat_ms_ago, "volumes": n.volumes,
                 "pools": n.pools.iter().map(pool_json).collect::<Vec<_>>(),
                 "engine_error": if n.engine_error.is_empty() { serde_json::Value::Null } else { n.engine_error.clone().into() },
+                "engine_version": n.engine_version,
             })
         })
         .collect()
@@ -862,7 +961,7 @@ fn pool_json(p: &proto::PoolReport) -> serde_json::Value {
 
 fn node_table(nodes: &[proto::Node]) -> Vec<Vec<String>> {
     let mut rows = vec![
-        ["NODE", "HEALTH", "NVME ADDRESS", "POOLS", "CAPACITY", "USED", "VOLUMES", "LAST SEEN"]
+        ["NODE", "HEALTH", "VERSION", "NVME ADDRESS", "POOLS", "CAPACITY", "USED", "VOLUMES", "LAST SEEN"]
             .map(String::from)
             .to_vec(),
     ];
@@ -875,6 +974,7 @@ fn node_table(nodes: &[proto::Node]) -> Vec<Vec<String>> {
                 (false, true) => "unhealthy",
             }
             .into(),
+            n.engine_version.clone(),
             n.nvme_address.clone(),
             n.pools.len().to_string(),
             human(n.pools.iter().map(|p| p.capacity_bytes).sum()),
