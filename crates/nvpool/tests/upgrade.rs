@@ -177,12 +177,16 @@ fn the_engine_is_replaced_under_load_and_no_host_notices() {
     let pid = engine_pid(&socket);
     let e = cli(&socket, &["upgrade", "--binary", "/bin/false"]).unwrap_err();
     assert!(e.contains("called off") && e.contains("goes on serving"), "{e}");
-    let crashing = dir.path().join("crashing-nvpool");
-    std::fs::write(&crashing, format!("#!/bin/sh\nNVPOOL_FAULT_TAKEOVER=abort-after-state exec {BIN} \"$@\"\n"))
-        .unwrap();
-    std::fs::set_permissions(&crashing, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let e = cli(&socket, &["upgrade", "--binary", crashing.to_str().unwrap()]).unwrap_err();
-    assert!(e.contains("called off"), "{e}");
+    let faulty = |fault: &str| {
+        let binary = dir.path().join(format!("{fault}-nvpool"));
+        std::fs::write(&binary, format!("#!/bin/sh\nNVPOOL_FAULT_TAKEOVER={fault} exec {BIN} \"$@\"\n")).unwrap();
+        std::fs::set_permissions(&binary, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        cli(&socket, &["upgrade", "--binary", binary.to_str().unwrap()]).unwrap_err()
+    };
+    let e = faulty("abort-after-state");
+    assert!(e.contains("called off") && e.contains("did not confirm the takeover"), "{e}");
+    let e = faulty("reads-no-format");
+    assert!(e.contains("reads state formats []") && e.contains("upgrade through a version that reads both"), "{e}");
     assert_eq!(engine_pid(&socket), pid, "a failed upgrade keeps the old engine");
     let before = tally.commands.load(Ordering::SeqCst);
     std::thread::sleep(Duration::from_millis(200));
@@ -192,7 +196,10 @@ fn the_engine_is_replaced_under_load_and_no_host_notices() {
         tally.first_error.lock().unwrap(),
         std::fs::read_to_string(dir.path().join("engine.log")).unwrap_or_default()
     );
-    println!("failed upgrades: /bin/false and a crash mid-handover were called off; pid {pid} serves on");
+    println!(
+        "failed upgrades: /bin/false, a crash mid-handover and a binary that cannot read the state were called off; \
+         pid {pid} serves on"
+    );
 
     let mut pauses = Vec::new();
     let mut pids = vec![pid];

@@ -12,7 +12,7 @@ use crate::config::EngineConfig;
 
 /// The format this build writes. A new engine lists the formats it reads in its
 /// hello; the old one refuses to hand over to a binary that cannot read its own.
-pub const FORMAT: u32 = 1;
+pub const FORMAT: u32 = 2;
 /// The formats this build reads.
 pub const READS: &[u32] = &[FORMAT];
 

@@ -57,8 +57,9 @@ use crate::reactor::{Msg, Parked};
 
 /// The environment variable naming the handover socket's descriptor in the new process.
 pub const TAKEOVER_FD_ENV: &str = "NVPOOL_TAKEOVER_FD";
-/// Set to `abort-after-state` in a new process's environment, it crashes once it has
-/// the state image: how the tests show that a crash mid-handover loses nothing.
+/// In a new process's environment, for the tests: `abort-after-state` crashes it once
+/// it has the state image (a crash mid-handover loses nothing); `reads-no-format`
+/// makes it say it reads no state format (the old engine refuses to hand over).
 pub const FAULT_ENV: &str = "NVPOOL_FAULT_TAKEOVER";
 /// How long the new binary may take to start, say hello and start its reactors.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
@@ -362,7 +363,9 @@ impl Engine {
     pub fn take_over(fd: RawFd) -> std::result::Result<TakenOver, String> {
         let socket = process::adopt_inherited(fd).map_err(|e| format!("no handover socket at descriptor {fd}: {e}"))?;
         let channel = Channel::new(socket);
-        let hello = Hello { version: crate::VERSION.to_string(), pid: std::process::id(), reads: READS.to_vec() };
+        let fault = std::env::var(FAULT_ENV).unwrap_or_default();
+        let reads = if fault == "reads-no-format" { Vec::new() } else { READS.to_vec() };
+        let hello = Hello { version: crate::VERSION.to_string(), pid: std::process::id(), reads };
         channel.send(&hello, &[]).map_err(|e| format!("cannot greet the running engine: {e}"))?;
         let lost = |e: std::io::Error| format!("the running engine went away during the handover: {e}");
         let failed = |why: String| {
@@ -392,7 +395,7 @@ impl Engine {
         };
         let (image, _) = channel.recv::<EngineImage>().map_err(lost)?;
         let fds = channel.recv_fds(descriptors).map_err(lost)?.into_iter().map(Some).collect();
-        if std::env::var(FAULT_ENV).as_deref() == Ok("abort-after-state") {
+        if fault == "abort-after-state" {
             // Tests: a binary that crashes in the middle of a handover.
             std::process::abort();
         }
