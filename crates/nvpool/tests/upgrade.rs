@@ -133,7 +133,9 @@ struct Host {
 fn host(addr: SocketAddr, name: &str, digests: Digests) -> Host {
     let mut o = ConnectOptions::admin(NQN, &format!("nqn.2024-01.io.nvpool:upgrade-{name}"));
     o.digests = digests;
-    o.kato = 5_000;
+    // These hosts send no Keep Alive: the timeout outlasts the test's longest wait (a
+    // new binary that never answers is given 10 s), while the engine keeps time.
+    o.kato = 30_000;
     let mut admin = connect_admin(addr, &o).expect("admin queue");
     admin.set_queue_count(2).expect("Set Features Number of Queues");
     let cntlid = admin.cntlid;
@@ -187,6 +189,11 @@ fn the_engine_is_replaced_under_load_and_no_host_notices() {
     assert!(e.contains("called off") && e.contains("did not confirm the takeover"), "{e}");
     let e = faulty("reads-no-format");
     assert!(e.contains("reads state formats []") && e.contains("upgrade through a version that reads both"), "{e}");
+    let hanging = dir.path().join("hanging-nvpool");
+    std::fs::write(&hanging, "#!/bin/sh\nexec sleep 600\n").unwrap();
+    std::fs::set_permissions(&hanging, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let e = cli(&socket, &["upgrade", "--binary", hanging.to_str().unwrap()]).unwrap_err();
+    assert!(e.contains("it did not say hello (no answer within 10s)") && e.contains("goes on serving"), "{e}");
     assert_eq!(engine_pid(&socket), pid, "a failed upgrade keeps the old engine");
     let before = tally.commands.load(Ordering::SeqCst);
     std::thread::sleep(Duration::from_millis(200));
@@ -197,8 +204,8 @@ fn the_engine_is_replaced_under_load_and_no_host_notices() {
         std::fs::read_to_string(dir.path().join("engine.log")).unwrap_or_default()
     );
     println!(
-        "failed upgrades: /bin/false, a crash mid-handover and a binary that cannot read the state were called off; \
-         pid {pid} serves on"
+        "failed upgrades: /bin/false, a crash mid-handover, a binary that cannot read the state and one that never \
+         answers were called off; pid {pid} serves on"
     );
 
     let mut pauses = Vec::new();

@@ -23,12 +23,14 @@ const MAX_FRAME: usize = 256 << 20;
 /// One end of the handover channel.
 pub struct Channel {
     socket: UnixStream,
+    /// How long a `recv` waits, for the error when nothing came.
+    timeout: std::cell::Cell<Option<Duration>>,
 }
 
 impl Channel {
     /// Wraps a connected Unix stream socket.
     pub fn new(socket: UnixStream) -> Channel {
-        Channel { socket }
+        Channel { socket, timeout: std::cell::Cell::new(None) }
     }
 
     /// A connected pair: one end for each process.
@@ -39,6 +41,7 @@ impl Channel {
 
     /// Bounds how long a `recv` waits; `None` waits for ever.
     pub fn set_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        self.timeout.set(t);
         self.socket.set_read_timeout(t)
     }
 
@@ -71,8 +74,18 @@ impl Channel {
         Ok(all)
     }
 
-    /// Receives one frame and the descriptors sent with it.
+    /// Receives one frame and the descriptors sent with it; an error of kind
+    /// `TimedOut` when nothing came in time.
     pub fn recv<T: DeserializeOwned>(&self) -> std::io::Result<(T, Vec<OwnedFd>)> {
+        self.recv_frame().map_err(|e| match (e.kind(), self.timeout.get()) {
+            (std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut, Some(t)) => {
+                std::io::Error::new(std::io::ErrorKind::TimedOut, format!("no answer within {t:?}"))
+            }
+            _ => e,
+        })
+    }
+
+    fn recv_frame<T: DeserializeOwned>(&self) -> std::io::Result<(T, Vec<OwnedFd>)> {
         let mut len = [0u8; 4];
         let (got, fds) = recv_with_fds(&self.socket, &mut len)?;
         if got == 0 {
