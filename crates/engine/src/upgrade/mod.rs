@@ -386,7 +386,6 @@ impl Engine {
             mapped.insert((m.nqn, m.nsid), Arc::new(ram));
         }
         let engine = Engine::start(&config).map_err(|e| failed(e.to_string()))?;
-        *lock(&engine.config) = config.clone();
         channel.send(&Answer::Prepared, &[]).map_err(lost)?;
 
         let descriptors = match channel.recv::<Order>().map_err(lost)?.0 {
