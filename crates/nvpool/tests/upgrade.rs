@@ -124,6 +124,18 @@ fn writer(addr: SocketAddr, io: ConnectOptions, id: u64, stop: Arc<AtomicBool>, 
     seeds
 }
 
+/// Asserts that the writers complete commands within the next 200 ms.
+fn io_goes_on(tally: &Tally, dir: &Path, when: &str) {
+    let before = tally.commands.load(Ordering::SeqCst);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        tally.commands.load(Ordering::SeqCst) > before,
+        "I/O goes on {when} (first error: {:?}; engine log: {})",
+        tally.first_error.lock().unwrap(),
+        std::fs::read_to_string(dir.join("engine.log")).unwrap_or_default()
+    );
+}
+
 struct Host {
     admin: Queue,
     cntlid: u16,
@@ -195,14 +207,7 @@ fn the_engine_is_replaced_under_load_and_no_host_notices() {
     let e = cli(&socket, &["upgrade", "--binary", hanging.to_str().unwrap()]).unwrap_err();
     assert!(e.contains("it did not say hello (no answer within 10s)") && e.contains("goes on serving"), "{e}");
     assert_eq!(engine_pid(&socket), pid, "a failed upgrade keeps the old engine");
-    let before = tally.commands.load(Ordering::SeqCst);
-    std::thread::sleep(Duration::from_millis(200));
-    assert!(
-        tally.commands.load(Ordering::SeqCst) > before,
-        "I/O goes on after failed upgrades (first error: {:?}; engine log: {})",
-        tally.first_error.lock().unwrap(),
-        std::fs::read_to_string(dir.path().join("engine.log")).unwrap_or_default()
-    );
+    io_goes_on(&tally, dir.path(), "after failed upgrades");
     println!(
         "failed upgrades: /bin/false, a crash mid-handover, a binary that cannot read the state and one that never \
          answers were called off; pid {pid} serves on"
@@ -225,14 +230,7 @@ fn the_engine_is_replaced_under_load_and_no_host_notices() {
             let id = h.admin.identify_controller().expect("Identify on the admin queue after an upgrade");
             assert_eq!(id.cntlid, h.cntlid, "the controller ID is kept");
         }
-        let before = tally.commands.load(Ordering::SeqCst);
-        std::thread::sleep(Duration::from_millis(150));
-        assert!(
-            tally.commands.load(Ordering::SeqCst) > before,
-            "upgrade {i}: I/O goes on (first error: {:?}; engine log: {})",
-            tally.first_error.lock().unwrap(),
-            std::fs::read_to_string(dir.path().join("engine.log")).unwrap_or_default()
-        );
+        io_goes_on(&tally, dir.path(), &format!("after upgrade {i}"));
     }
     // The first engine exited at the first upgrade.
     let _ = first.wait();

@@ -328,13 +328,20 @@ impl Conn {
         true
     }
 
-    /// What a new engine process needs to serve this parked connection, its socket
-    /// being descriptor `fd`.
-    pub(super) fn image(&self, reactor: usize, fd: usize) -> ConnImage {
+    /// The bytes read and not acted on, in order: the capsules held while parking,
+    /// then whatever the receive buffer has not parsed (the start of the next PDU).
+    fn unread_input(&self) -> Vec<u8> {
         let mut input = self.held.clone();
         if let Some(buf) = &self.recv_buf {
             input.extend_from_slice(&buf.as_slice()[self.recv_start..self.recv_end]);
         }
+        input
+    }
+
+    /// What a new engine process needs to serve this parked connection, its socket
+    /// being descriptor `fd`.
+    pub(super) fn image(&self, reactor: usize, fd: usize) -> ConnImage {
+        let input = self.unread_input();
         ConnImage {
             reactor,
             fd,
@@ -373,10 +380,8 @@ impl Conn {
         }
         self.parking = false;
         self.recv_cancelled = false;
-        let mut input = std::mem::take(&mut self.held);
-        if let Some(buf) = &self.recv_buf {
-            input.extend_from_slice(&buf.as_slice()[self.recv_start..self.recv_end]);
-        }
+        let input = self.unread_input();
+        self.held.clear();
         self.recv_start = 0;
         self.recv_end = 0;
         let mut rest = &input[..];
