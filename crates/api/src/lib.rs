@@ -86,6 +86,19 @@ methods! {
         /// Namespace ID.
         nsid: u32,
     }
+    /// Serves a namespace as a block device of this node (ublk), or takes back one an
+    /// engine that exited left.
+    "local_add" => AddLocalDevice -> LocalDeviceAdded {
+        /// The device, as in the configuration's `[[local]]`.
+        device: LocalDeviceConfig,
+    }
+    /// Removes a local device: `/dev/ublkbN` goes away once the I/O under way is done.
+    "local_remove" => RemoveLocalDevice -> Empty {
+        /// The ublk device number.
+        ublk_id: u32,
+    }
+    /// Every local device this engine serves.
+    "local_list" => ListLocalDevices -> Vec<LocalDeviceInfo> {}
     /// Allows a host on a subsystem.
     "host_add" => AddHost -> Empty {
         /// Subsystem NQN.

@@ -411,3 +411,58 @@ pub struct SubsystemConfig {
 fn default_model() -> String {
     "nvpool".into()
 }
+
+/// A local device: a namespace served to this node's own containers and VMs without
+/// NVMe/TCP, in the configuration file (`[[local]]`) and in `local_add`.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct LocalDeviceConfig {
+    /// What it serves: `NQN/NSID`, or `volume:POOL/NAME` for the namespace that serves
+    /// that volume.
+    pub target: String,
+    /// The ublk device number (the N of `/dev/ublkbN`); the first free one when absent.
+    /// A device of that number left by an engine that exited is taken back, with the
+    /// I/O it held.
+    #[serde(default)]
+    pub ublk_id: Option<u32>,
+    /// Refuse writes.
+    #[serde(default)]
+    pub read_only: bool,
+    /// Requests in flight per queue (one queue per reactor); 128 when absent.
+    #[serde(default)]
+    pub queue_depth: Option<u16>,
+}
+
+/// A local device, as `local_list` reports it.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+pub struct LocalDeviceInfo {
+    /// `ublk`.
+    pub kind: String,
+    /// The block device, e.g. `/dev/ublkb0`.
+    pub device: String,
+    /// The ublk device number.
+    pub ublk_id: u32,
+    /// What it serves, `NQN/NSID`.
+    pub target: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Block size.
+    pub block_size: u32,
+    /// Whether writes are refused.
+    pub read_only: bool,
+    /// Queues (one per reactor) and requests in flight per queue.
+    pub queues: u16,
+    /// Requests in flight per queue.
+    pub queue_depth: u16,
+    /// How data moves between the device and the engine, and why.
+    pub data_path: String,
+    /// Whether it was taken back from an engine that exited, rather than created.
+    pub recovered: bool,
+}
+
+/// What `local_add` made.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+pub struct LocalDeviceAdded {
+    /// The device.
+    pub device: LocalDeviceInfo,
+}

@@ -34,6 +34,13 @@
 //! allow_torn_writes = false         # optional: allow blocks the storage may tear
 //! ana_group = 1                     # optional: the ANA group (default: the NSID)
 //! uuid = "..."                     # optional: derived from the NQN and NSID
+//!
+//! [[local]]                        # a block device of this node (ublk)
+//! target = "nqn.2024-01.io.nvpool:vol1/1"   # NQN/NSID, or volume:POOL/NAME
+//! ublk_id = 0                      # optional: /dev/ublkb0; taken back if an engine
+//!                                  # that exited left it
+//! read_only = false                # optional
+//! queue_depth = 128                # optional: requests in flight per reactor
 //! ```
 
 use std::net::SocketAddr;
@@ -41,7 +48,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-pub use nvpool_api::{NamespaceConfig, SubsystemConfig};
+pub use nvpool_api::{LocalDeviceConfig, NamespaceConfig, SubsystemConfig};
 
 /// Limits the target enforces.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
@@ -133,6 +140,9 @@ pub struct EngineConfig {
     /// Subsystems.
     #[serde(default, rename = "subsystem")]
     pub subsystems: Vec<SubsystemConfig>,
+    /// Local devices (ublk), made or taken back at start, after the subsystems.
+    #[serde(default, rename = "local")]
+    pub local: Vec<LocalDeviceConfig>,
 }
 
 /// A pool to import: all of its disks.
@@ -167,6 +177,7 @@ impl Default for EngineConfig {
             listeners: Vec::new(),
             pools: Vec::new(),
             subsystems: Vec::new(),
+            local: Vec::new(),
         }
     }
 }

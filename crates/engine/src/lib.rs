@@ -9,6 +9,7 @@ pub mod backend;
 pub mod bufpool;
 pub mod config;
 pub mod error;
+pub mod local;
 pub mod mgmt;
 mod migration;
 pub mod nvme;
@@ -64,6 +65,8 @@ pub struct Engine {
     upgrade_lock: RwLock<()>,
     /// Set once a hot upgrade handed everything to a new process.
     handed_over: AtomicBool,
+    /// Block devices of this node served from namespaces (ublk).
+    local: local::LocalDevices,
 }
 
 impl Engine {
@@ -102,6 +105,7 @@ impl Engine {
             management: Mutex::new(None),
             upgrade_lock: RwLock::new(()),
             handed_over: AtomicBool::new(false),
+            local: local::LocalDevices::default(),
         });
         let setup = || -> Result<()> {
             for p in &cfg.pools {
@@ -132,6 +136,9 @@ impl Engine {
                         r => break r.map(|_| ())?,
                     }
                 }
+            }
+            for d in &cfg.local {
+                engine.add_local(d)?;
             }
             Ok(())
         };
@@ -280,8 +287,14 @@ impl Engine {
         s.swap_backend(nsid, opened.backend)
     }
 
-    /// Removes a namespace; connected hosts get an event.
+    /// Removes a namespace; connected hosts get an event. Refused while a local
+    /// device serves it.
     pub fn remove_namespace(&self, nqn: &str, nsid: u32) -> Result<()> {
+        if let Some(id) = self.local_device_of(nqn, nsid) {
+            return Err(Error::precondition(format!(
+                "namespace {nsid} of {nqn} backs /dev/ublkb{id}: remove that first (`nvpool engine local remove {id}`)"
+            )));
+        }
         self.subsystem(nqn)?.remove_namespace(nsid)?;
         self.kick();
         Ok(())
@@ -355,6 +368,11 @@ impl Engine {
     /// Stops every reactor and waits for them; connections are closed.
     pub fn stop(&self) {
         self.stop_migrations();
+        // A new process that took over keeps the local devices; otherwise they go, so
+        // none is left waiting for an engine that will not come.
+        if !self.handed_over() {
+            self.remove_all_local();
+        }
         for l in self.links.iter() {
             l.send(Msg::Stop);
         }

@@ -149,6 +149,11 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value> {
         }
         SwapNamespace::NAME => answer(p, |r: SwapNamespace| ok(engine.swap_namespace(&r.nqn, r.nsid, &r.backend))),
         RemoveNamespace::NAME => answer(p, |r: RemoveNamespace| ok(engine.remove_namespace(&r.nqn, r.nsid))),
+        AddLocalDevice::NAME => {
+            answer(p, |r: AddLocalDevice| engine.add_local(&r.device).map(|device| LocalDeviceAdded { device }))
+        }
+        RemoveLocalDevice::NAME => answer(p, |r: RemoveLocalDevice| ok(engine.remove_local(r.ublk_id))),
+        ListLocalDevices::NAME => answer(p, |ListLocalDevices {}| Ok(engine.local_devices())),
         AddHost::NAME => answer(p, |r: AddHost| ok(engine.add_host(&r.nqn, &r.host))),
         RemoveHost::NAME => answer(p, |r: RemoveHost| ok(engine.remove_host(&r.nqn, &r.host))),
         AllowAnyHost::NAME => answer(p, |r: AllowAnyHost| ok(engine.set_allow_any_host(&r.nqn, r.allow))),

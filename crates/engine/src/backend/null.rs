@@ -45,6 +45,11 @@ impl Backend for Null {
         false
     }
 
-    /// Nothing to do: a read with no buffer is sent as zeroes.
-    fn start(&self, _io: &mut BlockIo, _queue: &mut DiskQueue<'_>) {}
+    /// Nothing to do: a read with no buffer is sent as zeroes; a read that has one (a
+    /// local device's) gets zeroes in it.
+    fn start(&self, io: &mut BlockIo, _queue: &mut DiskQueue<'_>) {
+        if let crate::nvme::nvm::IoPlan::Read { len, .. } = io.plan {
+            io.zero(0, len as usize);
+        }
+    }
 }

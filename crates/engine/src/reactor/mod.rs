@@ -18,6 +18,7 @@
 
 mod block_io;
 mod conn;
+mod local;
 mod remote;
 
 pub use block_io::{BlockIo, DiskFd, DiskQueue};
@@ -37,6 +38,7 @@ use crate::bufpool::BufPool;
 use crate::nvme::{Controller, MAX_TRANSFER, Target};
 use crate::upgrade::image::ConnImage;
 use conn::Conn;
+use local::LocalQueue;
 use remote::{Answer, Forwarded, HostQueue};
 
 use crate::backend::remote::RemoteLink;
@@ -55,6 +57,9 @@ const REGISTERED_BUFFERS: u32 = 512;
 const REGISTERED_FILES: u32 = 1024;
 /// io_uring_enter flag: process completions (run deferred work) before returning.
 const IORING_ENTER_GETEVENTS: u32 = 1;
+/// Disk operations and handed-on commands name who issued them: a connection's slot,
+/// or a local device queue's slot with this bit set.
+const LOCAL_OWNER: u32 = 1 << 23;
 
 /// A message to a reactor.
 pub enum Msg {
@@ -88,6 +93,15 @@ pub enum Msg {
     },
     /// A queue to the owner of a remote namespace, connected for this reactor.
     RemoteSocket(crate::backend::remote::RemoteSocket),
+    /// Serve queue `queue` of a local device: fetch its tags, then report.
+    LocalQueue {
+        /// The device.
+        device: Arc<crate::local::LocalDevice>,
+        /// Which of its queues.
+        queue: u16,
+        /// Where to report.
+        done: Sender<Result<(), String>>,
+    },
     /// Hot upgrade: stop accepting and taking new commands, finish the ones taken,
     /// then report the parked connections (and listeners) here.
     Park(Sender<Result<Parked, String>>),
@@ -292,6 +306,8 @@ enum Op {
     Wake,
     RemoteRecv(u32),
     RemoteSend(u32),
+    /// A local device queue's command for a tag: (queue slot, tag).
+    Local(u32, u16),
 }
 
 impl Op {
@@ -304,6 +320,7 @@ impl Op {
             Op::Wake => (5, 0, 0),
             Op::RemoteRecv(q) => (6, q, 0),
             Op::RemoteSend(q) => (7, q, 0),
+            Op::Local(q, tag) => (8, q, u32::from(tag)),
         };
         kind << 56 | u64::from(conn & 0xFF_FFFF) << 32 | u64::from(extra)
     }
@@ -319,6 +336,7 @@ impl Op {
             5 => Op::Wake,
             6 => Op::RemoteRecv(conn),
             7 => Op::RemoteSend(conn),
+            8 => Op::Local(conn, extra as u16),
             _ => return None,
         })
     }
@@ -357,6 +375,8 @@ struct Reactor {
     remotes: Vec<Option<Box<HostQueue>>>,
     /// The slot of each remote link this reactor has used.
     remote_slots: BTreeMap<u64, u32>,
+    /// Its queues of local devices, by slot; boxed, so their buffers stay put.
+    locals: Vec<Option<Box<LocalQueue>>>,
     /// Answers of forwarded commands, gathered during a call into a remote queue.
     answers: Vec<Answer>,
     listeners: BTreeMap<u16, TcpListener>,
@@ -415,6 +435,7 @@ impl Reactor {
             free_conns: Vec::new(),
             remotes: Vec::new(),
             remote_slots: BTreeMap::new(),
+            locals: Vec::new(),
             answers: Vec::new(),
             listeners: BTreeMap::new(),
             closed_ports: BTreeSet::new(),
@@ -583,7 +604,10 @@ impl Reactor {
             if matches!(self.upgrade, Upgrade::Parking(_)) {
                 self.park_progress();
             }
-            if self.stopping && self.conns.iter().all(Option::is_none) {
+            if self.stopping
+                && self.conns.iter().all(Option::is_none)
+                && !self.locals.iter().flatten().any(|q| q.serving())
+            {
                 return;
             }
         }
@@ -601,7 +625,12 @@ impl Reactor {
                 Some(Op::Accept(port)) => self.on_accept(port, res, flags),
                 Some(Op::Recv(c)) => self.with_conn(c, |r, conn| conn.on_recv(r, c, res)),
                 Some(Op::Send(c)) => self.with_conn(c, |r, conn| conn.on_send(r, c, res)),
+                Some(Op::Disk(c, tag)) if c & LOCAL_OWNER != 0 => {
+                    let q = c & !LOCAL_OWNER;
+                    self.with_local(q, |r, queue| queue.on_disk(r, q, tag, res))
+                }
                 Some(Op::Disk(c, tag)) => self.with_conn(c, |r, conn| conn.on_disk(r, c, tag, res)),
+                Some(Op::Local(q, tag)) => self.with_local(q, |r, queue| queue.on_command(r, q, tag, res)),
                 Some(Op::RemoteRecv(q)) => self.with_remote(q, |r, queue, answers| queue.on_recv(r, q, res, answers)),
                 Some(Op::RemoteSend(q)) => self.with_remote(q, |r, queue, answers| queue.on_send(r, q, res, answers)),
                 None => {}
@@ -643,9 +672,51 @@ impl Reactor {
         self.remotes[q as usize] = Some(queue);
         for a in answers.drain(..) {
             self.remote_in_flight -= 1;
-            self.with_conn(a.conn, |r, c| c.on_resumed(r, a.conn, a.tag, a.status, a.buf));
+            self.resumed(a.conn, a.tag, a.status, a.buf);
         }
         self.answers = answers;
+    }
+
+    /// Routes the answer to a command handed to another thread or engine back to
+    /// whoever issued it: a connection, or a local device queue.
+    fn resumed(&mut self, owner: u32, tag: u16, status: nvpool_wire::Status, buf: Option<crate::bufpool::Buf>) {
+        if owner & LOCAL_OWNER != 0 {
+            let q = owner & !LOCAL_OWNER;
+            self.with_local(q, |r, queue| queue.on_resumed(r, q, tag, status, buf));
+        } else {
+            self.with_conn(owner, |r, c| c.on_resumed(r, owner, tag, status, buf));
+        }
+    }
+
+    /// Runs `f` on local device queue `q` taken out of the table. A queue the driver
+    /// ended is dropped, and its device told.
+    fn with_local(&mut self, q: u32, f: impl FnOnce(&mut Reactor, &mut LocalQueue)) {
+        let Some(mut queue) = self.locals.get_mut(q as usize).and_then(Option::take) else {
+            return;
+        };
+        f(self, &mut queue);
+        if queue.ended() {
+            let device = queue.device().clone();
+            queue.release(self);
+            device.queue_ended();
+        } else {
+            self.locals[q as usize] = Some(queue);
+        }
+    }
+
+    /// Starts serving queue `queue` of a local device: every tag goes to the driver.
+    fn add_local_queue(&mut self, device: Arc<crate::local::LocalDevice>, queue: u16) -> Result<(), String> {
+        let mut local = Box::new(LocalQueue::new(self, device, queue)?);
+        let q = match self.locals.iter().position(Option::is_none) {
+            Some(q) => q as u32,
+            None => {
+                self.locals.push(None);
+                (self.locals.len() - 1) as u32
+            }
+        };
+        local.fetch_all(self, q);
+        self.locals[q as usize] = Some(local);
+        Ok(())
     }
 
     /// Forwards a command to the owner of a remote namespace on this reactor's queue
@@ -674,13 +745,14 @@ impl Reactor {
                 }
                 Msg::Unlisten(port_id) => self.unlisten(port_id),
                 Msg::Kick => self.kick(),
-                Msg::Deferred { conn, tag, status } => {
-                    self.with_conn(conn, |r, c| c.on_resumed(r, conn, tag, status, None))
-                }
+                Msg::Deferred { conn, tag, status } => self.resumed(conn, tag, status, None),
                 Msg::RemoteSocket(socket) => {
                     if let Some(&q) = self.remote_slots.get(&socket.link) {
                         self.with_remote(q, |r, queue, _| queue.on_socket(r, q, socket));
                     }
+                }
+                Msg::LocalQueue { device, queue, done } => {
+                    let _ = done.send(self.add_local_queue(device, queue));
                 }
                 Msg::Park(report) => self.park(report),
                 Msg::Resume => self.resume(),
@@ -813,7 +885,8 @@ impl Reactor {
         for c in 0..self.conns.len() as u32 {
             self.with_conn(c, |r, conn| all &= conn.park_step(r, c));
         }
-        if !all || self.armed_accepts > 0 {
+        let local_serving = self.locals.iter().flatten().any(|q| q.serving());
+        if !all || local_serving || self.armed_accepts > 0 {
             return;
         }
         let Upgrade::Parking(report) = std::mem::replace(&mut self.upgrade, Upgrade::Parked) else { return };
@@ -841,6 +914,9 @@ impl Reactor {
         let ports: Vec<u16> = self.listeners.keys().copied().collect();
         for p in ports {
             self.post_accept(p);
+        }
+        for q in 0..self.locals.len() as u32 {
+            self.with_local(q, |r, queue| queue.start_held(r, q));
         }
     }
 
@@ -1035,6 +1111,7 @@ mod tests {
             Op::Wake,
             Op::RemoteRecv(3),
             Op::RemoteSend(0xFF_FFFF),
+            Op::Local(2, 4095),
         ] {
             assert_eq!(Op::decode(op.encode()), Some(op));
         }

@@ -12,9 +12,9 @@ use crate::config::EngineConfig;
 
 /// The format this build writes. A new engine lists the formats it reads in its
 /// hello; the old one refuses to hand over to a binary that cannot read its own.
-pub const FORMAT: u32 = 2;
-/// The formats this build reads.
-pub const READS: &[u32] = &[FORMAT];
+pub const FORMAT: u32 = 3;
+/// The formats this build reads: 2 is 3 without local devices.
+pub const READS: &[u32] = &[2, FORMAT];
 
 /// The new process's first message: what it is and what it can read.
 #[derive(Debug, Serialize, Deserialize)]
@@ -110,6 +110,9 @@ pub struct EngineImage {
     pub controllers: Vec<ControllerImage>,
     /// Open connections.
     pub connections: Vec<ConnImage>,
+    /// Local devices, which the new process takes back once this one has exited.
+    #[serde(default)]
+    pub local: Vec<nvpool_api::LocalDeviceConfig>,
 }
 
 /// A listener.

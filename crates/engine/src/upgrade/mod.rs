@@ -323,6 +323,7 @@ impl Engine {
             subsystems,
             controllers,
             connections,
+            local: self.local_configs(),
         })
     }
 
@@ -336,6 +337,7 @@ impl Engine {
         config.listeners.clear();
         config.pools.clear();
         config.subsystems.clear();
+        config.local.clear();
         let mut memory = Vec::new();
         let mut fds = FdList::default();
         for s in self.target.subsystems() {
@@ -392,7 +394,8 @@ impl Engine {
             Order::Image { descriptors } => descriptors,
             other => return Err(unexpected(other, "its state")),
         };
-        let (image, _) = channel.recv::<EngineImage>().map_err(lost)?;
+        let (mut image, _) = channel.recv::<EngineImage>().map_err(lost)?;
+        let local = std::mem::take(&mut image.local);
         let fds = channel.recv_fds(descriptors).map_err(lost)?.into_iter().map(Some).collect();
         if fault == "abort-after-state" {
             // Tests: a binary that crashes in the middle of a handover.
@@ -414,6 +417,9 @@ impl Engine {
         }
         process::notify_service_manager(&format!("MAINPID={}\nREADY=1", std::process::id()));
         let _ = channel.send(&Answer::Serving, &[]);
+        // The old process exits now; the driver lets its local devices go once its
+        // rings are torn down, and they are taken back with the I/O they held.
+        engine.recover_local(local);
         *lock(&engine.management) = management.try_clone().ok();
         Ok(TakenOver { engine, config, management })
     }

@@ -6,11 +6,12 @@ use std::path::{Path, PathBuf};
 
 use clap::{Args, Subcommand};
 use nvpool_api::{
-    AddHost, AddListener, AddNamespace, AddSubsystem, AllowAnyHost, AnaGroupInfo, AnaState, CancelMigration, CheckPool,
-    CreatePool, CreateVolume, DeleteVolume, DirtyAction, ExportPool, GetEngineInfo, GetMigration, GetVolume,
-    ImportPool, ListAnaGroups, ListListeners, ListPools, ListSubsystems, ListVolumes, ListenerInfo, Method,
-    MigrationInfo, PoolInfo, RemoveHost, RemoveListener, RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState,
-    StartMigration, SubsystemInfo, SwitchMigration, UpgradeEngine, VolumeDirty, VolumeIdentity, VolumeInfo,
+    AddHost, AddListener, AddLocalDevice, AddNamespace, AddSubsystem, AllowAnyHost, AnaGroupInfo, AnaState,
+    CancelMigration, CheckPool, CreatePool, CreateVolume, DeleteVolume, DirtyAction, ExportPool, GetEngineInfo,
+    GetMigration, GetVolume, ImportPool, ListAnaGroups, ListListeners, ListLocalDevices, ListPools, ListSubsystems,
+    ListVolumes, ListenerInfo, LocalDeviceConfig, LocalDeviceInfo, Method, MigrationInfo, PoolInfo, RemoveHost,
+    RemoveListener, RemoveLocalDevice, RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState, StartMigration,
+    SubsystemInfo, SwitchMigration, UpgradeEngine, VolumeDirty, VolumeIdentity, VolumeInfo,
 };
 use nvpool_engine::Engine;
 use nvpool_engine::config::{
@@ -44,6 +45,13 @@ enum EngineVerb {
     Namespace {
         #[command(subcommand)]
         verb: NamespaceVerb,
+        #[command(flatten)]
+        api: EngineSocket,
+    },
+    /// Serve namespaces as block devices of this node (ublk), for its own containers.
+    Local {
+        #[command(subcommand)]
+        verb: LocalVerb,
         #[command(flatten)]
         api: EngineSocket,
     },
@@ -227,6 +235,35 @@ enum NamespaceVerb {
         /// Namespace ID.
         nsid: u32,
     },
+}
+
+#[derive(Subcommand)]
+enum LocalVerb {
+    /// Serve a namespace as /dev/ublkbN, or take back the device of that number an
+    /// engine that exited left (with the I/O it held).
+    Add {
+        /// NQN/NSID, or volume:POOL/NAME for the namespace that serves that volume.
+        target: String,
+        /// As a ublk block device (Linux 6.0 or later, module ublk_drv).
+        #[arg(long, required = true)]
+        ublk: bool,
+        /// The device number N of /dev/ublkbN (the first free one by default).
+        #[arg(long)]
+        id: Option<u32>,
+        /// Refuse writes.
+        #[arg(long)]
+        read_only: bool,
+        /// Requests in flight per reactor (128 by default).
+        #[arg(long)]
+        queue_depth: Option<u16>,
+    },
+    /// Remove a local device once the I/O under way is done.
+    Remove {
+        /// The device number N of /dev/ublkbN.
+        id: u32,
+    },
+    /// List the local devices.
+    List,
 }
 
 #[derive(Subcommand)]
@@ -462,6 +499,22 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
                 let message = format!("namespace {nsid} removed from {nqn}");
                 done(&api, RemoveNamespace { nqn, nsid }, &message)
             }
+        },
+        EngineVerb::Local { verb, api } => match verb {
+            LocalVerb::Add { target, ublk: _, id, read_only, queue_depth } => {
+                let device = LocalDeviceConfig { target, ublk_id: id, read_only, queue_depth };
+                let r = api.call(AddLocalDevice { device })?;
+                let d = &r.device;
+                let how = if d.recovered { "taken back" } else { "serving" };
+                print_or(api.json, &r, || {
+                    format!("{} {how} {} ({}; {})", d.device, d.target, human(d.size), d.data_path)
+                });
+                Ok(())
+            }
+            LocalVerb::Remove { id } => {
+                done(&api, RemoveLocalDevice { ublk_id: id }, &format!("/dev/ublkb{id} removed"))
+            }
+            LocalVerb::List => show(&api, ListLocalDevices {}, |r| local_table(r)),
         },
         EngineVerb::Ana { verb, api } => match verb {
             AnaVerb::List { nqn } => show(&api, ListAnaGroups { nqn }, |r| ana_table(r)),
@@ -766,6 +819,17 @@ fn subsystem_table(subsystems: &[SubsystemInfo]) -> Vec<Vec<String>> {
                 hosts.clone(),
             ]);
         }
+    }
+    rows
+}
+
+fn local_table(devices: &[LocalDeviceInfo]) -> Vec<Vec<String>> {
+    let mut rows = vec![["DEVICE", "TARGET", "SIZE", "MODE", "QUEUES", "DATA PATH"].map(String::from).to_vec()];
+    for d in devices {
+        let mode = if d.read_only { "ro" } else { "rw" };
+        let queues = format!("{}x{}", d.queues, d.queue_depth);
+        let path = d.data_path.split(':').next().unwrap_or_default().to_string();
+        rows.push(vec![d.device.clone(), d.target.clone(), human(d.size), mode.into(), queues, path]);
     }
     rows
 }

@@ -1,0 +1,318 @@
+//! A local device's queue on a reactor: the reactor fetches every tag of its ublk
+//! queue with `URING_CMD`s on its own ring, serves each request the driver delivers
+//! from the namespace's backend (the same `BlockIo` and `DiskQueue` an NVMe command
+//! uses), and commits the result with the command that fetches the tag again.
+//!
+//! Each tag owns a buffer for good: the driver copies a write's data into it before
+//! it delivers the request, and a read's data out of it when the result is committed.
+//! While a tag's command is with the driver, its buffer belongs to the kernel; Rust
+//! touches it only between delivery and commit.
+#![allow(unsafe_code)]
+
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+
+use io_uring::{opcode, types};
+use nvpool_wire::Status;
+
+use super::block_io::{BlockIo, DiskQueue};
+use super::{LOCAL_OWNER, Op, Reactor};
+use crate::bufpool::{Buf, PAGE_SIZE};
+use crate::local::LocalDevice;
+use crate::local::request;
+use crate::local::uapi::{self, IO_DESC_SIZE, IoCmd, IoDesc, op};
+use crate::nvme::Namespace;
+use crate::nvme::nvm::IoPlan;
+use crate::nvme::subsystem::Counted;
+
+/// Where a tag stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TagState {
+    /// Its fetch (or commit and fetch) is with the driver.
+    Fetching,
+    /// A request arrived while a hot upgrade holds the reactor: not started. If this
+    /// process exits with it, the driver issues it again to the next one.
+    Held,
+    /// Its request is with the backend.
+    Serving,
+    /// The driver ended it: the device is stopping.
+    Ended,
+}
+
+struct Tag {
+    io: BlockIo,
+    /// The tag's buffer while the tag is not serving (then `io` has it).
+    buf: Option<Buf>,
+    state: TagState,
+}
+
+/// One device's queue on this reactor.
+pub(super) struct LocalQueue {
+    device: Arc<LocalDevice>,
+    queue: u16,
+    /// The driver's descriptors of this queue's requests, mapped read-only.
+    descriptors: *const u8,
+    descriptors_len: usize,
+    tags: Box<[Tag]>,
+    /// The namespace as last looked up, and the subsystem generation it is from.
+    ns: Option<Arc<Namespace>>,
+    generation: u64,
+    /// Tags whose command is with the driver.
+    with_driver: u32,
+    /// Tags whose request is with the backend.
+    serving: u32,
+}
+
+impl LocalQueue {
+    /// Maps queue `queue`'s descriptors of `device` and gives each tag a buffer.
+    pub(super) fn new(r: &mut Reactor, device: Arc<LocalDevice>, queue: u16) -> Result<LocalQueue, String> {
+        let len = uapi::descriptors_len(device.depth, PAGE_SIZE);
+        let offset = uapi::descriptors_offset(queue, PAGE_SIZE);
+        // SAFETY: maps `len` bytes of the char device read-only and shared at the offset
+        // the driver gives this queue; the result is checked before use.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
+                device.char_dev.as_raw_fd(),
+                offset as libc::off_t,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            let e = std::io::Error::last_os_error();
+            return Err(format!("cannot map the descriptors of queue {queue} of /dev/ublkc{}: {e}", device.dev_id));
+        }
+        let tags = (0..device.depth)
+            .map(|_| Tag {
+                io: BlockIo::idle(),
+                buf: Some(r.io_buf(device.max_io_bytes as usize)),
+                state: TagState::Ended,
+            })
+            .collect();
+        Ok(LocalQueue {
+            device,
+            queue,
+            descriptors: ptr.cast(),
+            descriptors_len: len,
+            tags,
+            ns: None,
+            generation: u64::MAX,
+            with_driver: 0,
+            serving: 0,
+        })
+    }
+
+    /// Whether a request of this queue is with the backend.
+    pub(super) fn serving(&self) -> bool {
+        self.serving > 0
+    }
+
+    /// Whether the driver ended every tag (the device stopped).
+    pub(super) fn ended(&self) -> bool {
+        self.with_driver == 0 && self.serving == 0 && self.tags.iter().all(|t| t.state == TagState::Ended)
+    }
+
+    /// The device, to tell it this queue ended.
+    pub(super) fn device(&self) -> &Arc<LocalDevice> {
+        &self.device
+    }
+
+    /// Gives every tag to the driver.
+    pub(super) fn fetch_all(&mut self, r: &mut Reactor, slot: u32) {
+        for tag in 0..self.device.depth {
+            self.send(r, slot, tag, uapi::io::FETCH_REQ, 0);
+        }
+    }
+
+    /// Sends tag `tag`'s command with its buffer: a fetch, or a commit of `result`.
+    fn send(&mut self, r: &mut Reactor, slot: u32, tag: u16, cmd_op: u32, result: i32) {
+        let t = &mut self.tags[usize::from(tag)];
+        let Some(buf) = t.buf.as_mut() else { return };
+        let cmd = IoCmd { queue: self.queue, tag, result, buf_addr: buf.as_mut_ptr() as u64 };
+        let sqe = opcode::UringCmd16::new(types::Fd(self.device.char_dev.as_raw_fd()), cmd_op)
+            .cmd(cmd.encode())
+            .build()
+            .user_data(Op::Local(slot, tag).encode());
+        // SAFETY: the command points at the tag's buffer, which stays in `t.buf` (Rust
+        // leaves it alone) until the command's completion is reaped, and which is
+        // never freed while a command may be with the driver (see `Drop`). The ring is
+        // dropped before the queues.
+        unsafe { r.push(sqe) };
+        t.state = TagState::Fetching;
+        self.with_driver += 1;
+    }
+
+    /// Tag `tag`'s command completed: a request arrived, or the device is stopping.
+    pub(super) fn on_command(&mut self, r: &mut Reactor, slot: u32, tag: u16, res: i32) {
+        let Some(t) = self.tags.get_mut(usize::from(tag)) else { return };
+        self.with_driver = self.with_driver.saturating_sub(1);
+        if res != 0 {
+            if res != uapi::IO_RES_ABORT {
+                let e = std::io::Error::from_raw_os_error(-res);
+                tracing::warn!(device = ?self.device, tag, "a ublk command failed: {e}");
+            }
+            t.state = TagState::Ended;
+            return;
+        }
+        if r.held() {
+            t.state = TagState::Held;
+        } else {
+            self.start(r, slot, tag);
+        }
+    }
+
+    /// Starts the requests held during a hot upgrade that was called off.
+    pub(super) fn start_held(&mut self, r: &mut Reactor, slot: u32) {
+        for tag in 0..self.device.depth {
+            if self.tags[usize::from(tag)].state == TagState::Held {
+                self.start(r, slot, tag);
+            }
+        }
+    }
+
+    fn descriptor(&self, tag: u16) -> IoDesc {
+        let at = usize::from(tag) * IO_DESC_SIZE;
+        debug_assert!(at + IO_DESC_SIZE <= self.descriptors_len);
+        // SAFETY: tag < depth, so the descriptor lies inside the mapping; the driver
+        // wrote it before it completed the tag's command, which was reaped.
+        let bytes = unsafe { std::ptr::read_volatile(self.descriptors.add(at).cast::<[u8; IO_DESC_SIZE]>()) };
+        IoDesc::decode(&bytes)
+    }
+
+    /// The namespace now, looked up again only when the subsystem changed.
+    fn namespace(&mut self) -> Option<Arc<Namespace>> {
+        let g = self.device.subsystem.generation();
+        if g != self.generation {
+            self.generation = g;
+            self.ns = self.device.subsystem.namespaces().get(&self.device.nsid).cloned();
+        }
+        self.ns.clone()
+    }
+
+    /// Hands tag `tag`'s request to the namespace's backend.
+    fn start(&mut self, r: &mut Reactor, slot: u32, tag: u16) {
+        let desc = self.descriptor(tag);
+        let ns = self.namespace();
+        let t = &mut self.tags[usize::from(tag)];
+        t.state = TagState::Serving;
+        self.serving += 1;
+        let Some(ns) = ns else {
+            return self.commit(r, slot, tag, -libc::EIO);
+        };
+        let plan = match request::plan(&desc, ns.block_shift, ns.blocks << ns.block_shift, self.device.read_only) {
+            Ok(p) => p,
+            Err(errno) => {
+                ns.stats.count(r.id, Counted::Error);
+                return self.commit(r, slot, tag, -errno);
+            }
+        };
+        t.io.reset(plan);
+        if let Some(mut buf) = t.buf.take() {
+            if desc.op == op::DISCARD {
+                request::discard_range(&desc, ns.block_shift, buf.as_mut_slice());
+            }
+            t.io.set_buf(buf);
+        }
+        // Reads land in the tag's buffer, where the driver takes them from.
+        let mut queue = DiskQueue::new(r, slot | LOCAL_OWNER, tag, true);
+        ns.backend.start(&mut t.io, &mut queue);
+        let queued = queue.queued();
+        r.disk_in_flight += queued.ops;
+        if queued.ops > 0 {
+            if queued.on_device {
+                r.submit_disk_ops();
+            } else {
+                r.disk_queued = true;
+            }
+        }
+        if t.io.is_idle() {
+            self.backend_done(r, slot, tag);
+        }
+    }
+
+    /// A disk operation of tag `tag`'s request completed.
+    pub(super) fn on_disk(&mut self, r: &mut Reactor, slot: u32, tag: u16, res: i32) {
+        r.disk_in_flight -= 1;
+        let Some(t) = self.tags.get_mut(usize::from(tag)) else { return };
+        if t.io.op_done(res) && t.io.is_idle() {
+            self.backend_done(r, slot, tag);
+        }
+    }
+
+    /// The thread or owner tag `tag`'s request was handed to answered.
+    pub(super) fn on_resumed(&mut self, r: &mut Reactor, slot: u32, tag: u16, status: Status, buf: Option<Buf>) {
+        let ns = self.ns.clone();
+        let Some(t) = self.tags.get_mut(usize::from(tag)) else { return };
+        if let Some(b) = buf {
+            t.io.set_buf(b);
+        }
+        t.io.deferred_done();
+        let Some(ns) = ns else { return };
+        let mut queue = DiskQueue::new(r, slot | LOCAL_OWNER, tag, true);
+        ns.backend.resume(&mut t.io, status, &mut queue);
+        let queued = queue.queued();
+        r.disk_in_flight += queued.ops;
+        if queued.ops > 0 {
+            r.submit_disk_ops();
+        }
+        if t.io.is_idle() {
+            self.backend_done(r, slot, tag);
+        }
+    }
+
+    /// Tag `tag`'s request has nothing in flight: the backend lets go, and the result
+    /// goes to the driver.
+    fn backend_done(&mut self, r: &mut Reactor, slot: u32, tag: u16) {
+        let t = &mut self.tags[usize::from(tag)];
+        let (plan, status) = (t.io.plan, t.io.status);
+        if let Some(ns) = &self.ns {
+            ns.backend.finished(&mut t.io, r.id);
+            ns.stats.count(
+                r.id,
+                match plan {
+                    _ if !status.is_success() => Counted::Error,
+                    IoPlan::Read { len, .. } => Counted::Read(u64::from(len)),
+                    IoPlan::Write { len, .. } => Counted::Write(u64::from(len)),
+                    _ => Counted::Other,
+                },
+            );
+        }
+        self.commit(r, slot, tag, request::result(&plan, status.is_success()));
+    }
+
+    /// Commits `result` for tag `tag` and fetches it again.
+    fn commit(&mut self, r: &mut Reactor, slot: u32, tag: u16, result: i32) {
+        let t = &mut self.tags[usize::from(tag)];
+        if let Some(b) = t.io.take_buf() {
+            t.buf = Some(b);
+        }
+        self.serving -= 1;
+        self.send(r, slot, tag, uapi::io::COMMIT_AND_FETCH_REQ, result);
+    }
+
+    /// Gives the tags' buffers back to the reactor's pool once the driver has none.
+    pub(super) fn release(mut self, r: &mut Reactor) {
+        for t in self.tags.iter_mut() {
+            if let Some(b) = t.buf.take().or_else(|| t.io.take_buf()) {
+                r.pool.put(b);
+            }
+        }
+    }
+}
+
+impl Drop for LocalQueue {
+    fn drop(&mut self) {
+        if self.with_driver > 0 {
+            // The driver may still copy into these buffers: never give them back.
+            for t in self.tags.iter_mut() {
+                if let Some(b) = t.buf.take() {
+                    std::mem::forget(b);
+                }
+            }
+        }
+        // SAFETY: unmaps exactly the mapping `new` made; nothing reads it after this.
+        unsafe { libc::munmap(self.descriptors.cast_mut().cast(), self.descriptors_len) };
+    }
+}
