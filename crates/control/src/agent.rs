@@ -3,17 +3,19 @@
 //! volumes, their exports and allow-lists. It keeps the last state it was given and
 //! re-applies it on every heartbeat, so an engine that restarted gets its exports back
 //! without the controller's help; a restarted agent registers again and is sent the
-//! state anew.
+//! state anew. On a volume's owner it also makes the local devices the controller
+//! wants (ublk, for the node's own containers): an engine that restarted takes such a
+//! device back by its number, with the I/O it held.
 
 use crate::client::Controllers;
 use crate::model::VOLUME_NQN_PREFIX;
 use crate::proto::{self, agent_server::AgentServer};
 use nvpool_api::{
-    AddHost, AddNamespace, AddSubsystem, AnaState, CancelMigration, CreateVolume, DeleteVolume, ErrorKind,
-    GetEngineInfo, GetMigration, GetVolume, ListAnaGroups, ListListeners, ListPools, ListSubsystems, ListVolumes,
-    Method, NamespaceConfig, RemoveHost, RemoveSubsystem, ResizeVolume, SetAnaState, SetControllerIdRange,
-    StartMigration, SubsystemConfig, SubsystemInfo, SwapNamespace, SwitchMigration, UpgradeEngine, VolumeIdentity,
-    VolumeInfo,
+    AddHost, AddLocalDevice, AddNamespace, AddSubsystem, AnaState, CancelMigration, CreateVolume, DeleteVolume,
+    ErrorKind, GetEngineInfo, GetMigration, GetVolume, ListAnaGroups, ListListeners, ListLocalDevices, ListPools,
+    ListSubsystems, ListVolumes, LocalDeviceConfig, LocalDeviceInfo, Method, NamespaceConfig, RemoveHost,
+    RemoveLocalDevice, RemoveSubsystem, ResizeVolume, SetAnaState, SetControllerIdRange, StartMigration,
+    SubsystemConfig, SubsystemInfo, SwapNamespace, SwitchMigration, UpgradeEngine, VolumeIdentity, VolumeInfo,
 };
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -154,6 +156,7 @@ fn result(id: &str, outcome: Result<Option<VolumeInfo>, String>, connected: Vec<
             nguid: info.as_ref().map(|i| i.nguid.clone()).unwrap_or_default(),
             allocated_bytes: info.as_ref().map_or(0, |i| i.allocated_bytes),
             connected_hosts: connected,
+            ..Default::default()
         },
         Err(error) => proto::VolumeResult { id: id.to_string(), error, ..Default::default() },
     }
@@ -161,12 +164,29 @@ fn result(id: &str, outcome: Result<Option<VolumeInfo>, String>, connected: Vec<
 
 /// Makes the engine match `state`; one result per volume.
 fn reconcile(engine: &Path, state: &proto::NodeState) -> Vec<proto::VolumeResult> {
-    let listed =
-        call(engine, ListVolumes { pool: None }).and_then(|volumes| Ok((volumes, call(engine, ListSubsystems {})?)));
-    let (volumes, subsystems) = match listed {
+    let listed = call(engine, ListVolumes { pool: None })
+        .and_then(|volumes| Ok((volumes, call(engine, ListSubsystems {})?, call(engine, ListLocalDevices {})?)));
+    let (volumes, subsystems, devices) = match listed {
         Ok(found) => found,
         Err(e) => return state.volumes.iter().map(|d| result(&d.id, Err(e.clone()), vec![])).collect(),
     };
+    // Local devices first go where unwanted: an export cannot be removed from under one.
+    let mut gone_wrong = Vec::new();
+    for dev in &devices {
+        let wanted = state.volumes.iter().any(|d| {
+            d.present
+                && d.owner_address.is_empty()
+                && local_target(d) == dev.target
+                && d.local.as_ref().is_some_and(|l| l.read_only == dev.read_only)
+        });
+        let ours = dev.target.starts_with(VOLUME_NQN_PREFIX);
+        if ours
+            && !wanted
+            && let Err(e) = call(engine, RemoveLocalDevice { ublk_id: dev.ublk_id })
+        {
+            gone_wrong.push((dev.target.clone(), format!("cannot remove {}: {e}", dev.device)));
+        }
+    }
     let mut results: Vec<proto::VolumeResult> = state
         .volumes
         .iter()
@@ -182,7 +202,19 @@ fn reconcile(engine: &Path, state: &proto::NodeState) -> Vec<proto::VolumeResult
                 remove(engine, d, volume.is_some(), subsystem.is_some()).map(|()| None)
             };
             let connected = subsystem.map(|s| s.connected_hosts.clone()).unwrap_or_default();
-            result(&d.id, outcome, connected)
+            let exported = outcome.is_ok();
+            let mut r = result(&d.id, outcome, connected);
+            if exported && d.present && d.owner_address.is_empty() {
+                match local_device(engine, d, &devices) {
+                    Ok(Some(dev)) => (r.local_device, r.ublk_id) = (dev.device, dev.ublk_id),
+                    Ok(None) => {}
+                    Err(e) => r.local_error = e,
+                }
+            }
+            if let Some((_, e)) = gone_wrong.iter().find(|(t, _)| *t == local_target(d)) {
+                r.local_error = e.clone();
+            }
+            r
         })
         .collect();
     // A volume's export that the state no longer names is one this node stopped
@@ -195,6 +227,32 @@ fn reconcile(engine: &Path, state: &proto::NodeState) -> Vec<proto::VolumeResult
         }
     }
     results
+}
+
+/// What a volume's local device serves: its export's namespace.
+fn local_target(d: &proto::DesiredVolume) -> String {
+    format!("{}/1", d.subsystem_nqn)
+}
+
+/// Makes the local device the controller wants for a volume this node owns, or finds
+/// the one there is; `None` when none is wanted.
+fn local_device(
+    engine: &Path,
+    d: &proto::DesiredVolume,
+    devices: &[LocalDeviceInfo],
+) -> Result<Option<LocalDeviceInfo>, String> {
+    let Some(wanted) = &d.local else { return Ok(None) };
+    let target = local_target(d);
+    if let Some(dev) = devices.iter().find(|dev| dev.target == target && dev.read_only == wanted.read_only) {
+        return Ok(Some(dev.clone()));
+    }
+    let device = LocalDeviceConfig {
+        target,
+        ublk_id: u32::try_from(wanted.ublk_id).ok(),
+        read_only: wanted.read_only,
+        queue_depth: None,
+    };
+    call(engine, AddLocalDevice { device }).map(|added| Some(added.device))
 }
 
 /// Serves a volume whose data is on another node: a `remote:` namespace that

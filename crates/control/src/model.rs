@@ -112,6 +112,23 @@ pub struct VolumeRecord {
     /// How the last migration ended.
     #[serde(default)]
     pub last_migration: String,
+    /// Hosts on the owner node attached through a local device (not in `hosts`: they
+    /// have no NVMe/TCP paths).
+    #[serde(default)]
+    pub local_hosts: Vec<String>,
+    /// The local device the owner's engine made for them.
+    #[serde(default)]
+    pub local_device: Option<LocalDeviceRecord>,
+}
+
+/// A local device serving a volume on its owner node.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct LocalDeviceRecord {
+    pub node: String,
+    /// The device number, which an engine that restarted takes back.
+    pub ublk_id: u32,
+    /// e.g. /dev/ublkb0.
+    pub device: String,
 }
 
 /// Where a migration stands, as recorded before each step is taken.

@@ -68,8 +68,9 @@ async fn an_unreachable_etcd_is_an_error_not_a_hang() {
     assert!(e.0.contains("is etcd running"), "{e}");
     assert!(started.elapsed() < Duration::from_secs(15));
     etcd.resume();
-    // The client reconnects on its own; the first calls may still time out.
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    // The client reconnects on its own; the first calls may still time out. The limit
+    // only bounds a hang: on a machine busy with builds, reconnecting took over 20 s.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while s.commit(Txn::default().put("/t/y", b"1".to_vec())).await.is_err() {
         assert!(std::time::Instant::now() < deadline, "the store must work again once etcd is back");
         tokio::time::sleep(Duration::from_millis(200)).await;

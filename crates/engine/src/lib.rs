@@ -237,6 +237,11 @@ impl Engine {
 
     /// Removes a subsystem; its controllers end.
     pub fn remove_subsystem(&self, nqn: &str) -> Result<()> {
+        if let Some(id) = self.local_device_in(nqn) {
+            return Err(Error::precondition(format!(
+                "a namespace of {nqn} backs /dev/ublkb{id}: remove that first (`nvpool engine local remove {id}`)"
+            )));
+        }
         self.target.remove_subsystem(nqn)?;
         self.kick();
         Ok(())

@@ -154,6 +154,32 @@ done
 [ -n "$LOOP" ] && losetup -d $LOOP
 nvme disconnect -n $NQN
 
+step "through the controller: a host on the volume's own node gets a local device"
+truncate -s 256M /tmp/pool.img
+cli pool create g /tmp/pool.img || fail "pool create"
+$BIN/nvpool controller --store redb:/tmp/controller.redb > /host/controller.log 2>&1 &
+CONTROLLER=$!
+$BIN/nvpool agent --name g1 --engine-socket $SOCK --nvme-address 127.0.0.1:4420 > /host/agent.log 2>&1 &
+AGENT=$!
+wait_for 60 sh -c "$BIN/nvpool node list --json 2>/dev/null | grep -q '\"healthy\": true'" || fail "the node did not register"
+$BIN/nvpool volume create lv 64MiB || fail "volume create"
+HOSTNQN=nqn.2024-01.io.nvpool:local-pod
+$BIN/nvpool attach lv $HOSTNQN --local g1 --json > /tmp/attach.json || { cat /tmp/attach.json; fail "attach --local"; }
+cat /tmp/attach.json
+DEV=$(grep -o '"device": *"[^"]*"' /tmp/attach.json | grep -o '/dev/[a-z0-9]*')
+[ -n "$DEV" ] || fail "attach --local gave no device"
+wait_for 10 test -b $DEV || fail "no $DEV"
+$BIN/nvpool volume get lv | tee /tmp/volume.txt
+grep -q "local ublk" /tmp/volume.txt || fail "volume get does not show the local device"
+fio --filename=$DEV --ioengine=io_uring --direct=1 --rw=randwrite --bssplit=4k/50:64k/50 --iodepth=8 --size=32M \
+    --verify=crc32c --verify_fatal=1 --name=through-controller --output=/host/fio-controller.txt || fail "fio on $DEV"
+checked /host/fio-controller.txt 1
+$BIN/nvpool detach lv $HOSTNQN || fail "detach"
+wait_for 10 sh -c "! test -b $DEV" || fail "$DEV is still there after the detach"
+$BIN/nvpool volume delete lv || fail "volume delete"
+kill $AGENT $CONTROLLER
+echo "attach --local made $DEV, fio verified through it, detach removed it"
+
 step "removal and engine stop leave no ublk device"
 cli local remove 0 || fail "local remove 0"
 wait_for 10 sh -c '! test -b /dev/ublkb0' || fail "/dev/ublkb0 is still there after its removal"

@@ -30,10 +30,15 @@ fn desired_volume(st: &State, v: &VolumeRecord, node: &str) -> proto::DesiredVol
     } else {
         owner_peer(st, v)
     };
+    let local = (v.node == node && !v.local_hosts.is_empty()).then(|| proto::LocalWanted {
+        read_only: v.local_hosts.iter().all(|h| v.readonly_hosts.contains(h)),
+        ublk_id: v.local_device.as_ref().map_or(-1, |d| i64::from(d.ublk_id)),
+    });
     proto::DesiredVolume {
         hosts,
         owner_address,
         ana,
+        local,
         // Once a switch may have happened, the owner's engine may have deleted the
         // volume: it must not make a new, empty one.
         keep_only: v.node == node && v.migration.as_ref().is_some_and(|m| m.phase == MigrationPhase::Switching),
@@ -86,6 +91,18 @@ fn migration_target(st: &State, v: &VolumeRecord, m: &MigrationRecord) -> proto:
     hosts.sort();
     hosts.dedup();
     proto::DesiredVolume { hosts, ana, uuid: v.uuid.clone(), nguid: v.nguid.clone(), ..present(v, &m.to_pool) }
+}
+
+/// The local device the owner's engine reports for a volume with local hosts (kept
+/// while the engine cannot say, so a restarted engine takes the same device back).
+fn reported_local(v: &VolumeRecord, r: &proto::VolumeResult) -> Option<LocalDeviceRecord> {
+    if v.local_hosts.is_empty() {
+        return None;
+    }
+    if r.local_device.is_empty() {
+        return v.local_device.clone();
+    }
+    Some(LocalDeviceRecord { node: v.node.clone(), ublk_id: r.ublk_id, device: r.local_device.clone() })
 }
 
 impl Cluster {
@@ -146,9 +163,13 @@ impl Cluster {
                         now.state = VolumeState::Ready;
                         now.uuid = r.uuid.clone();
                         now.nguid = r.nguid.clone();
+                        now.local_device = reported_local(v, r);
                         confirmed.push(now);
                     }
                     Some(r) if !r.error.is_empty() && v.state == VolumeState::Creating => failed.push(v.clone()),
+                    Some(r) if r.error.is_empty() && v.local_device != reported_local(v, r) => {
+                        confirmed.push(VolumeRecord { local_device: reported_local(v, r), ..v.clone() });
+                    }
                     _ => {}
                 }
             }

@@ -46,7 +46,12 @@ impl Cluster {
             attachments: v
                 .hosts
                 .iter()
-                .map(|h| proto::Attachment { host_nqn: h.clone(), paths: self.paths_proto(st, v, h) })
+                .map(|h| proto::Attachment { host_nqn: h.clone(), paths: self.paths_proto(st, v, h), local: None })
+                .chain(v.local_hosts.iter().map(|h| proto::Attachment {
+                    host_nqn: h.clone(),
+                    paths: vec![],
+                    local: Some(local_proto(v)),
+                }))
                 .collect(),
             degraded: match st.nodes.get(&v.node) {
                 Some(n) if self.healthy(n) => String::new(),
@@ -225,5 +230,15 @@ pub(super) fn split_address(a: &str) -> (String, u32) {
     match a.parse::<std::net::SocketAddr>() {
         Ok(s) => (s.ip().to_string(), u32::from(s.port())),
         Err(_) => (a.to_string(), 4420),
+    }
+}
+
+/// The local device of a volume with local hosts, as reported: its device path is empty
+/// until the owner's engine made it.
+pub(super) fn local_proto(v: &VolumeRecord) -> proto::LocalDevice {
+    proto::LocalDevice {
+        node: v.node.clone(),
+        kind: "ublk".into(),
+        device: v.local_device.as_ref().map(|d| d.device.clone()).unwrap_or_default(),
     }
 }

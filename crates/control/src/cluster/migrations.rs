@@ -57,6 +57,13 @@ impl Cluster {
         }
         let guard = self.volume_locks.lock(name).await;
         let v = self.ready_volume(name)?;
+        if !v.local_hosts.is_empty() {
+            return Err(Status::failed_precondition(format!(
+                "volume {name} serves {} through a local device on {}: detach those hosts (they can attach over                  NVMe/TCP) before it moves",
+                v.local_hosts.join(", "),
+                v.node
+            )));
+        }
         if let Some(m) = &v.migration {
             return Err(Status::already_exists(format!(
                 "volume {name} is already moving to {}: `nvpool volume get {name}` shows how far it is, \

@@ -97,6 +97,8 @@ impl Cluster {
                 paths: BTreeMap::new(),
                 migration: None,
                 last_migration: String::new(),
+                local_hosts: vec![],
+                local_device: None,
             };
             // Reserve the space now, so that concurrent creations see it taken.
             st.volumes.insert(record.name.clone(), record.clone());
@@ -273,13 +275,22 @@ impl Cluster {
         let _guard = self.volume_locks.lock(volume).await;
         let v = self.ready_volume(volume)?;
         let attached_readonly = v.readonly_hosts.iter().any(|h| h == host);
-        if v.hosts.iter().any(|h| h == host) && attached_readonly != readonly {
+        let attached = v.hosts.iter().chain(&v.local_hosts).any(|h| h == host);
+        if attached && attached_readonly != readonly {
             return Err(Status::already_exists(format!(
                 "volume {volume} is attached to {host} {}; detach it first to attach it {}",
                 if attached_readonly { "read-only" } else { "read-write" },
                 if readonly { "read-only" } else { "read-write" }
             )));
         }
+        let mut local_fallback = String::new();
+        if !req.local_node.is_empty() {
+            match self.attach_local(&v, host, readonly, &req.local_node).await? {
+                Ok(response) => return Ok(response),
+                Err(why) => local_fallback = why,
+            }
+        }
+        let v = self.ready_volume(volume)?;
         let current = v.paths.get(host).cloned().unwrap_or_default();
         let optimized = (!req.optimized_node.is_empty()).then_some(req.optimized_node.as_str());
         let choice = {
@@ -354,7 +365,72 @@ impl Cluster {
             nguid: v.nguid.clone(),
             paths: self.paths_proto(&st, &v, host),
             explain: if req.explain { choice.explain } else { vec![] },
+            local: None,
+            local_fallback,
         })
+    }
+
+    /// Attaches a host on node `local_node` through a local device, where that node
+    /// owns the volume and its engine can make one. `Ok(Err(why))`: it cannot, and the
+    /// host is to get NVMe/TCP paths instead; nothing was changed.
+    async fn attach_local(
+        &self,
+        v: &VolumeRecord,
+        host: &str,
+        readonly: bool,
+        local_node: &str,
+    ) -> Result<Result<proto::AttachResponse, String>, Status> {
+        if !self.state.lock().unwrap().nodes.contains_key(local_node) {
+            return Err(Status::not_found(format!("unknown node {local_node:?}: `nvpool node list` shows the nodes")));
+        }
+        let volume = v.name.as_str();
+        if v.node != local_node {
+            return Ok(Err(format!(
+                "the data of volume {volume} is on node {}, not {local_node}: a local device serves only the                  owner's own containers",
+                v.node
+            )));
+        }
+        if v.hosts.iter().any(|h| h == host) {
+            return Ok(Err(format!("{host} is attached over NVMe/TCP; detach it first to attach it locally")));
+        }
+        if let Some(m) = &v.migration {
+            return Ok(Err(format!("volume {volume} is moving to {}", m.to_node)));
+        }
+        let mut with = v.clone();
+        if !with.local_hosts.iter().any(|h| h == host) {
+            with.local_hosts.push(host.to_string());
+            if readonly {
+                with.readonly_hosts.push(host.to_string());
+            }
+        }
+        self.put_volume(&with).await?;
+        let outcome = self.apply_node(&v.node).await;
+        let made = match &outcome {
+            Ok(r) => match r.get(&v.id) {
+                Some(r) if r.error.is_empty() && r.local_error.is_empty() && !r.local_device.is_empty() => Ok(()),
+                Some(r) if !r.error.is_empty() => Err(r.error.clone()),
+                Some(r) if !r.local_error.is_empty() => Err(r.local_error.clone()),
+                _ => Err("its engine did not report a device".to_string()),
+            },
+            Err(e) => Err(e.clone()),
+        };
+        if let Err(e) = made {
+            // Back as it was (its engine drops a device it may have made).
+            self.put_volume(v).await?;
+            let _ = self.apply_node(&v.node).await;
+            return Ok(Err(format!("node {} cannot serve a local device: {e}", v.node)));
+        }
+        let v = self.ready_volume(volume)?;
+        Ok(Ok(proto::AttachResponse {
+            subsystem_nqn: v.subsystem_nqn.clone(),
+            nsid: 1,
+            uuid: v.uuid.clone(),
+            nguid: v.nguid.clone(),
+            paths: vec![],
+            explain: vec![],
+            local: Some(local_proto(&v)),
+            local_fallback: String::new(),
+        }))
     }
 
     /// Picks a host's access points to a volume, keeping the usable ones of `current`.
@@ -448,6 +524,23 @@ impl Cluster {
         let Some(v) = self.state.lock().unwrap().volumes.get(volume).cloned() else {
             return Ok(());
         };
+        if v.local_hosts.iter().any(|h| h == host) {
+            let local_hosts: Vec<String> = v.local_hosts.iter().filter(|h| *h != host).cloned().collect();
+            let without = VolumeRecord {
+                readonly_hosts: v.readonly_hosts.iter().filter(|h| *h != host).cloned().collect(),
+                local_device: if local_hosts.is_empty() { None } else { v.local_device.clone() },
+                local_hosts,
+                ..v.clone()
+            };
+            self.put_volume(&without).await?;
+            return match self.apply_node(&v.node).await {
+                Ok(r) if r.get(&v.id).is_none_or(|r| r.error.is_empty() && r.local_error.is_empty()) => Ok(()),
+                _ => Err(Status::unavailable(format!(
+                    "node {} has not yet removed the local device of volume {volume}; it will when it is back,                      retry to confirm",
+                    v.node
+                ))),
+            };
+        }
         if v.hosts.iter().any(|h| h == host) {
             let mut without = VolumeRecord {
                 hosts: v.hosts.iter().filter(|h| *h != host).cloned().collect(),

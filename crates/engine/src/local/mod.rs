@@ -365,9 +365,14 @@ impl Engine {
         lock(&self.local.devices).values().map(|d| d.config.clone()).collect()
     }
 
-    /// Whether a local device serves namespace `nsid` of `nqn`.
+    /// The local device that serves namespace `nsid` of `nqn`, if any.
     pub(crate) fn local_device_of(&self, nqn: &str, nsid: u32) -> Option<u32> {
         lock(&self.local.devices).values().find(|d| d.subsystem.nqn == nqn && d.nsid == nsid).map(|d| d.dev_id)
+    }
+
+    /// A local device that serves a namespace of `nqn`, if any.
+    pub(crate) fn local_device_in(&self, nqn: &str) -> Option<u32> {
+        lock(&self.local.devices).values().find(|d| d.subsystem.nqn == nqn).map(|d| d.dev_id)
     }
 
     /// Removes every local device (the engine is stopping for good).

@@ -58,6 +58,10 @@ pub enum Command {
         /// optimized path of an attached host).
         #[arg(long, default_value = "")]
         optimized: String,
+        /// The node the host runs on: where it owns the volume, the host gets a local
+        /// block device (ublk) instead of NVMe/TCP paths; elsewhere NVMe/TCP, and why.
+        #[arg(long, value_name = "NODE", default_value = "")]
+        local: String,
         #[command(flatten)]
         api: ControllerApi,
     },
@@ -418,7 +422,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
             Ok(())
         }),
         Command::Volume { verb, api } => rt.block_on(volume(verb, api)),
-        Command::Attach { volume, host_nqn, readonly, explain, optimized, api } => rt.block_on(async {
+        Command::Attach { volume, host_nqn, readonly, explain, optimized, local, api } => rt.block_on(async {
             let c = Controllers::new(&api.controller)?;
             let req = proto::AttachRequest {
                 volume: volume.clone(),
@@ -426,14 +430,27 @@ pub fn run(cmd: Command) -> Result<(), String> {
                 readonly,
                 explain,
                 optimized_node: optimized,
+                local_node: local,
             };
             let r = c.call(async |mut c| c.attach(req.clone()).await).await.map_err(status)?;
             let mut j = serde_json::json!({ "subsystem_nqn": r.subsystem_nqn, "nsid": r.nsid, "uuid": r.uuid, "nguid": r.nguid, "paths": paths_json(&r.paths) });
             if explain {
                 j["explain"] = r.explain.clone().into();
             }
+            if let Some(l) = &r.local {
+                j["local"] = local_json(l);
+            }
+            if !r.local_fallback.is_empty() {
+                j["local_fallback"] = r.local_fallback.clone().into();
+            }
             print_or(api.json, &j, || {
+                if let Some(l) = &r.local {
+                    return format!("volume {volume} is attached to {host_nqn} on node {} as {} ({})", l.node, l.device, l.kind);
+                }
                 let mut out = format!("volume {volume} is attached to {host_nqn}: namespace {} of {}, uuid {}\n", r.nsid, r.subsystem_nqn, r.uuid);
+                if !r.local_fallback.is_empty() {
+                    out += &format!("no local device: {}\n", r.local_fallback);
+                }
                 out += "connect from the host with:\n";
                 for p in &r.paths {
                     out += &format!(
@@ -833,7 +850,13 @@ fn volume_json(v: &proto::Volume) -> serde_json::Value {
     let attachments: Vec<serde_json::Value> = v
         .attachments
         .iter()
-        .map(|a| serde_json::json!({ "host_nqn": a.host_nqn, "paths": paths_json(&a.paths) }))
+        .map(|a| {
+            let mut j = serde_json::json!({ "host_nqn": a.host_nqn, "paths": paths_json(&a.paths) });
+            if let Some(l) = &a.local {
+                j["local"] = local_json(l);
+            }
+            j
+        })
         .collect();
     serde_json::json!({
         "name": v.name, "id": v.id, "size_bytes": v.size_bytes, "thin": v.thin, "node": v.node, "pool": v.pool,
@@ -865,9 +888,24 @@ fn paths_json(paths: &[proto::Path]) -> serde_json::Value {
 }
 
 /// Each attached host's paths, a row each.
+fn local_json(l: &proto::LocalDevice) -> serde_json::Value {
+    serde_json::json!({ "node": l.node, "kind": l.kind, "device": l.device })
+}
+
 fn path_table(attachments: &[proto::Attachment]) -> Vec<Vec<String>> {
     let mut rows = vec![["HOST", "NODE", "ADDRESS", "ANA STATE", "ROLE", "NODE STATE"].map(String::from).to_vec()];
     for a in attachments {
+        if let Some(l) = &a.local {
+            let device = if l.device.is_empty() { "(being made)".to_string() } else { l.device.clone() };
+            rows.push(vec![
+                a.host_nqn.clone(),
+                l.node.clone(),
+                device,
+                "-".into(),
+                format!("local {}", l.kind),
+                "-".into(),
+            ]);
+        }
         for p in &a.paths {
             rows.push(vec![
                 a.host_nqn.clone(),
