@@ -31,6 +31,19 @@ pub enum Counted {
     Error,
 }
 
+impl Counted {
+    /// What a command with this plan that ended with `ok` counts as.
+    pub fn of(plan: &crate::nvme::nvm::IoPlan, ok: bool) -> Counted {
+        use crate::nvme::nvm::IoPlan;
+        match *plan {
+            _ if !ok => Counted::Error,
+            IoPlan::Read { len, .. } => Counted::Read(u64::from(len)),
+            IoPlan::Write { len, .. } => Counted::Write(u64::from(len)),
+            _ => Counted::Other,
+        }
+    }
+}
+
 /// One reactor's counters, alone on its cache line so reactors never share one.
 #[derive(Debug, Default)]
 #[repr(align(64))]

@@ -811,20 +811,11 @@ impl Conn {
         self.queued(r, idx, tag, queued);
     }
 
-    /// Accounts for what a backend call queued; with nothing in flight the command is
-    /// done now. I/O to a device is handed to the kernel at once; I/O that copies from
-    /// memory (page cache, tmpfs) completes within the submitting call and waits for
-    /// the end of the pass, when one call submits it all (see `Reactor::submit_disk_ops`).
+    /// Accounts for what a backend call queued (see `Reactor::disk_ops_queued`); with
+    /// nothing in flight the command is done now.
     fn queued(&mut self, r: &mut Reactor, idx: u32, tag: u16, queued: Queued) {
         self.ops_in_flight += queued.ops + u32::from(queued.deferred);
-        r.disk_in_flight += queued.ops;
-        if queued.ops > 0 {
-            if queued.on_device {
-                r.submit_disk_ops();
-            } else {
-                r.disk_queued = true;
-            }
-        }
+        r.disk_ops_queued(&queued);
         if self.slots[usize::from(tag)].io.is_idle() {
             self.backend_done(r, idx, tag);
         }
@@ -887,15 +878,7 @@ impl Conn {
         // send is done.
         let mut mapped = None;
         if let Some(ns) = &slot.ns {
-            ns.stats.count(
-                r.id,
-                match plan {
-                    _ if !status.is_success() => Counted::Error,
-                    IoPlan::Read { len, .. } => Counted::Read(u64::from(len)),
-                    IoPlan::Write { len, .. } => Counted::Write(u64::from(len)),
-                    _ => Counted::Other,
-                },
-            );
+            ns.stats.count(r.id, Counted::of(&plan, status.is_success()));
             if let (IoPlan::Read { offset, len }, true, None) = (plan, status.is_success(), &buf)
                 && let Some(at) = ns.backend.mapped(offset, len as usize)
             {

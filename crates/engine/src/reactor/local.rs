@@ -22,7 +22,6 @@ use crate::local::LocalDevice;
 use crate::local::request;
 use crate::local::uapi::{self, IO_DESC_SIZE, IoCmd, IoDesc, op};
 use crate::nvme::Namespace;
-use crate::nvme::nvm::IoPlan;
 use crate::nvme::subsystem::Counted;
 
 /// Where a tag stands.
@@ -219,14 +218,7 @@ impl LocalQueue {
         let mut queue = DiskQueue::new(r, slot | LOCAL_OWNER, tag, true);
         ns.backend.start(&mut t.io, &mut queue);
         let queued = queue.queued();
-        r.disk_in_flight += queued.ops;
-        if queued.ops > 0 {
-            if queued.on_device {
-                r.submit_disk_ops();
-            } else {
-                r.disk_queued = true;
-            }
-        }
+        r.disk_ops_queued(&queued);
         if t.io.is_idle() {
             self.backend_done(r, slot, tag);
         }
@@ -253,10 +245,7 @@ impl LocalQueue {
         let mut queue = DiskQueue::new(r, slot | LOCAL_OWNER, tag, true);
         ns.backend.resume(&mut t.io, status, &mut queue);
         let queued = queue.queued();
-        r.disk_in_flight += queued.ops;
-        if queued.ops > 0 {
-            r.submit_disk_ops();
-        }
+        r.disk_ops_queued(&queued);
         if t.io.is_idle() {
             self.backend_done(r, slot, tag);
         }
@@ -269,15 +258,7 @@ impl LocalQueue {
         let (plan, status) = (t.io.plan, t.io.status);
         if let Some(ns) = &self.ns {
             ns.backend.finished(&mut t.io, r.id);
-            ns.stats.count(
-                r.id,
-                match plan {
-                    _ if !status.is_success() => Counted::Error,
-                    IoPlan::Read { len, .. } => Counted::Read(u64::from(len)),
-                    IoPlan::Write { len, .. } => Counted::Write(u64::from(len)),
-                    _ => Counted::Other,
-                },
-            );
+            ns.stats.count(r.id, Counted::of(&plan, status.is_success()));
         }
         self.commit(r, slot, tag, request::result(&plan, status.is_success()));
     }

@@ -1008,6 +1008,21 @@ impl Reactor {
         }
     }
 
+    /// Accounts for the disk operations a backend call queued: I/O to a device is
+    /// handed to the kernel at once; I/O that copies from memory (page cache, tmpfs)
+    /// completes within the submitting call and waits for the end of the pass, when
+    /// one call submits it all (see `submit_disk_ops`).
+    pub(super) fn disk_ops_queued(&mut self, queued: &block_io::Queued) {
+        self.disk_in_flight += queued.ops;
+        if queued.ops > 0 {
+            if queued.on_device {
+                self.submit_disk_ops();
+            } else {
+                self.disk_queued = true;
+            }
+        }
+    }
+
     /// Hands queued disk operations to the kernel.
     ///
     /// I/O to a device is submitted as soon as its command is parsed (see `Conn::queued`):
