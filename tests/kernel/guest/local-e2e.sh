@@ -162,7 +162,7 @@ CONTROLLER=$!
 $BIN/nvpool agent --name g1 --engine-socket $SOCK --nvme-address 127.0.0.1:4420 > /host/agent.log 2>&1 &
 AGENT=$!
 wait_for 60 sh -c "$BIN/nvpool node list --json 2>/dev/null | grep -q '\"healthy\": true'" || fail "the node did not register"
-$BIN/nvpool volume create lv 64MiB || fail "volume create"
+$BIN/nvpool volume create lv 64MiB --thin || fail "volume create"   # thin: first writes wait for allocation (handed to another thread and back)
 HOSTNQN=nqn.2024-01.io.nvpool:local-pod
 $BIN/nvpool attach lv $HOSTNQN --local g1 --json > /tmp/attach.json || { cat /tmp/attach.json; fail "attach --local"; }
 cat /tmp/attach.json
