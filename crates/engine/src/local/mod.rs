@@ -23,7 +23,7 @@ use nvpool_api::{LocalDeviceConfig, LocalDeviceInfo};
 
 use crate::Engine;
 use crate::error::{Error, ErrorKind, Result};
-use crate::nvme::{MAX_TRANSFER, Subsystem, lock};
+use crate::nvme::{MAX_TRANSFER, Namespace, Subsystem, lock};
 use crate::reactor::Msg;
 use control::Control;
 use uapi::{DevInfo, Params, attr, feature, state};
@@ -114,7 +114,7 @@ pub struct LocalDevices {
     devices: Mutex<BTreeMap<u32, Arc<LocalDevice>>>,
 }
 
-/// How data moves for a device with `flags`, on a driver offering `features`.
+/// How data moves on a driver offering `features`.
 fn data_path(features: u64) -> String {
     let zero_copy = features & (feature::SUPPORT_ZERO_COPY | feature::AUTO_BUF_REG) != 0;
     if zero_copy {
@@ -140,12 +140,12 @@ impl Engine {
     }
 
     /// The subsystem and namespace a local device's target names.
-    fn local_target(&self, target: &str) -> Result<(Arc<Subsystem>, u32)> {
+    fn local_target(&self, target: &str) -> Result<(Arc<Subsystem>, Arc<Namespace>)> {
         if let Some(volume) = target.strip_prefix("volume:") {
             let spec = format!("volume:{volume}");
             for s in self.target.subsystems() {
                 if let Some(ns) = s.namespaces().values().find(|n| n.backend.description() == spec) {
-                    return Ok((s.clone(), ns.nsid));
+                    return Ok((s.clone(), ns.clone()));
                 }
             }
             return Err(Error::not_found(format!(
@@ -158,19 +158,16 @@ impl Engine {
                 || Error::invalid(format!("{target:?} names no namespace: use NQN/NSID or volume:POOL/NAME")),
             )?;
         let s = self.subsystem(nqn)?;
-        if !s.namespaces().contains_key(&nsid) {
-            return Err(Error::not_found(format!(
-                "no namespace {nsid} in {nqn}: `nvpool engine subsystem list` shows them"
-            )));
-        }
-        Ok((s, nsid))
+        let ns = s.namespaces().get(&nsid).cloned().ok_or_else(|| {
+            Error::not_found(format!("no namespace {nsid} in {nqn}: `nvpool engine subsystem list` shows them"))
+        })?;
+        Ok((s, ns))
     }
 
     /// Serves a namespace as `/dev/ublkbN`, or takes back the device of that number an
     /// engine that exited left (with the I/O it held).
     pub fn add_local(&self, cfg: &LocalDeviceConfig) -> Result<LocalDeviceInfo> {
-        let (subsystem, nsid) = self.local_target(&cfg.target)?;
-        let ns = subsystem.namespaces().get(&nsid).cloned().ok_or_else(|| Error::not_found("namespace went away"))?;
+        let (subsystem, ns) = self.local_target(&cfg.target)?;
         if ns.backend.kind() == "remote" {
             return Err(Error::invalid(format!(
                 "{} is served by another engine: a local device needs the volume on this node; attach it over NVMe/TCP",
@@ -227,7 +224,7 @@ impl Engine {
         let device = Arc::new(LocalDevice {
             dev_id: granted.dev_id,
             subsystem,
-            nsid,
+            nsid: ns.nsid,
             read_only: cfg.read_only,
             queues: granted.queues,
             depth: granted.depth,
@@ -257,7 +254,7 @@ impl Engine {
         &self,
         control: &Control,
         cfg: &LocalDeviceConfig,
-        ns: &crate::nvme::Namespace,
+        ns: &Namespace,
         features: u64,
         reactors: u16,
     ) -> Result<DevInfo> {
