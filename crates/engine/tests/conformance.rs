@@ -605,6 +605,12 @@ fn pdu_rules() -> Vec<Case> {
     ]
 }
 
+/// Connect refusals that the engine's configuration decides, which may change.
+fn configuration_can_cure(status: Status, dw0: u32) -> bool {
+    status == Status::CONNECT_INVALID_HOST
+        || (status == Status::CONNECT_INVALID_PARAMETERS && dw0 == connect_invalid_param(true, CONNECT_SUBNQN_OFFSET))
+}
+
 fn fabrics_rules() -> Vec<Case> {
     let a = "Fabrics";
     let invalid = |in_data, offset| Refused(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(in_data, offset));
@@ -1189,7 +1195,10 @@ fn every_rule_is_answered_as_the_specifications_say_while_a_witness_verifies_its
     for c in &rules {
         let got = (c.run)(addr);
         let dnr_ok = match got {
-            // Every error but a transport hiccup is final: a retry cannot cure it.
+            // A Connect to a subsystem, or from a host, the engine does not know yet may
+            // work once the agent has configured it: those refusals invite a retry.
+            Answer::Refused(s, dw0) if configuration_can_cure(s.base(), dw0) => !s.dnr(),
+            // Every other error but a transport hiccup is final: a retry cannot cure it.
             Answer::Status(s) | Answer::Refused(s, _)
                 if !s.is_success() && s.base() != Status::TRANSIENT_TRANSPORT_ERROR =>
             {
@@ -1209,7 +1218,7 @@ fn every_rule_is_answered_as_the_specifications_say_while_a_witness_verifies_its
                 c.rule,
                 c.expect,
                 got,
-                if dnr_ok { "" } else { " without DNR" }
+                if dnr_ok { "" } else { " with the wrong DNR" }
             ));
         }
         match per_area.iter_mut().find(|(a, _)| *a == c.area) {

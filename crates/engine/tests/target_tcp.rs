@@ -209,7 +209,8 @@ fn hosts_not_on_the_allow_list_are_refused() {
     match Queue::connect(t.addr, &o) {
         Err(Error::Command(s)) => {
             assert_eq!(s.base(), Status::CONNECT_INVALID_HOST);
-            assert!(s.dnr());
+            // The allow-list may still change: the host is invited to retry.
+            assert!(!s.dnr());
         }
         other => panic!("intruder was not refused: {:?}", other.map(|q| q.cntlid)),
     }

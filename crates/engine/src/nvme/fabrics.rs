@@ -37,6 +37,14 @@ fn refuse(status: Status, result: u32) -> Refused {
     Refused { status: status.with_dnr(), result }
 }
 
+/// A refusal that configuration can lift: Do Not Retry stays clear. An engine that
+/// restarts comes up empty and its agent puts the subsystems and allow-lists back a
+/// moment later; a host reconnecting in between must keep trying (the Linux host gives
+/// a controller up on the first DNR status), not lose the path for good.
+fn refuse_for_now(status: Status, result: u32) -> Refused {
+    Refused { status, result }
+}
+
 /// Handles a Connect command with its in-capsule data.
 pub fn connect(target: &Target, cmd: &Command, data: &[u8]) -> Result<Connected, Refused> {
     let c = ConnectCommand::from_command(cmd);
@@ -53,10 +61,13 @@ pub fn connect(target: &Target, cmd: &Command, data: &[u8]) -> Result<Connected,
     };
     let d = ConnectData::decode(&data[offset..]).ok_or_else(|| refuse(Status::SGL_LENGTH_INVALID, 0))?;
     let subsystem = target.subsystem(&d.subnqn).ok_or_else(|| {
-        refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(true, CONNECT_SUBNQN_OFFSET))
+        refuse_for_now(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(true, CONNECT_SUBNQN_OFFSET))
     })?;
     if !subsystem.host_allowed(&d.hostnqn) {
-        return Err(refuse(Status::CONNECT_INVALID_HOST, connect_invalid_param(true, CONNECT_HOSTNQN_OFFSET)));
+        return Err(refuse_for_now(
+            Status::CONNECT_INVALID_HOST,
+            connect_invalid_param(true, CONNECT_HOSTNQN_OFFSET),
+        ));
     }
     if c.sqsize == 0 {
         return Err(refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(false, CONNECT_SQSIZE_OFFSET)));
