@@ -92,10 +92,15 @@ methods! {
         /// The device, as in the configuration's `[[local]]`.
         device: LocalDeviceConfig,
     }
-    /// Removes a local device: `/dev/ublkbN` goes away once the I/O under way is done.
+    /// Removes a local device once the I/O under way is done: `/dev/ublkbN`, or a
+    /// vhost-user-blk socket (its frontend is disconnected). Name exactly one.
     "local_remove" => RemoveLocalDevice -> Empty {
         /// The ublk device number.
-        ublk_id: u32,
+        #[serde(default)]
+        ublk_id: Option<u32>,
+        /// The vhost-user-blk socket.
+        #[serde(default)]
+        socket: Option<String>,
     }
     /// Every local device this engine serves.
     "local_list" => ListLocalDevices -> Vec<LocalDeviceInfo> {}

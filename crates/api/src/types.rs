@@ -431,17 +431,22 @@ pub struct LocalDeviceConfig {
     /// Requests in flight per queue (one queue per reactor); 128 when absent.
     #[serde(default)]
     pub queue_depth: Option<u16>,
+    /// Serve it as a vhost-user-blk device at this Unix socket (for QEMU's
+    /// `vhost-user-blk-pci`) instead of a ublk block device.
+    #[serde(default)]
+    pub vhost_user_blk: Option<String>,
 }
 
 /// A local device, as `local_list` reports it.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
 pub struct LocalDeviceInfo {
-    /// `ublk`.
+    /// `ublk` or `vhost-user-blk`.
     pub kind: String,
-    /// The block device, e.g. `/dev/ublkb0`.
+    /// The block device, e.g. `/dev/ublkb0`, or the vhost-user socket.
     pub device: String,
-    /// The ublk device number.
-    pub ublk_id: u32,
+    /// The ublk device number (none for vhost-user-blk).
+    #[serde(default)]
+    pub ublk_id: Option<u32>,
     /// What it serves, `NQN/NSID`.
     pub target: String,
     /// Size in bytes.
@@ -450,9 +455,10 @@ pub struct LocalDeviceInfo {
     pub block_size: u32,
     /// Whether writes are refused.
     pub read_only: bool,
-    /// Queues (one per reactor) and requests in flight per queue.
+    /// Queues (one per reactor; the most offered for vhost-user-blk).
     pub queues: u16,
-    /// Requests in flight per queue.
+    /// Requests in flight per queue (0 for vhost-user-blk: the frontend sizes its
+    /// virtqueues).
     pub queue_depth: u16,
     /// How data moves between the device and the engine, and why.
     pub data_path: String,

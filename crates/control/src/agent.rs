@@ -179,10 +179,11 @@ fn reconcile(engine: &Path, state: &proto::NodeState) -> Vec<proto::VolumeResult
                 && local_target(d) == dev.target
                 && d.local.as_ref().is_some_and(|l| l.read_only == dev.read_only)
         });
-        let ours = dev.target.starts_with(VOLUME_NQN_PREFIX);
+        // The controller makes ublk devices; a vhost-user-blk socket was made by hand.
+        let ours = dev.target.starts_with(VOLUME_NQN_PREFIX) && dev.ublk_id.is_some();
         if ours
             && !wanted
-            && let Err(e) = call(engine, RemoveLocalDevice { ublk_id: dev.ublk_id })
+            && let Err(e) = call(engine, RemoveLocalDevice { ublk_id: dev.ublk_id, socket: None })
         {
             gone_wrong.push((dev.target.clone(), format!("cannot remove {}: {e}", dev.device)));
         }
@@ -206,7 +207,7 @@ fn reconcile(engine: &Path, state: &proto::NodeState) -> Vec<proto::VolumeResult
             let mut r = result(&d.id, outcome, connected);
             if exported && d.present && d.owner_address.is_empty() {
                 match local_device(engine, d, &devices) {
-                    Ok(Some(dev)) => (r.local_device, r.ublk_id) = (dev.device, dev.ublk_id),
+                    Ok(Some(dev)) => (r.local_device, r.ublk_id) = (dev.device, dev.ublk_id.unwrap_or_default()),
                     Ok(None) => {}
                     Err(e) => r.local_error = e,
                 }
@@ -243,7 +244,9 @@ fn local_device(
 ) -> Result<Option<LocalDeviceInfo>, String> {
     let Some(wanted) = &d.local else { return Ok(None) };
     let target = local_target(d);
-    if let Some(dev) = devices.iter().find(|dev| dev.target == target && dev.read_only == wanted.read_only) {
+    if let Some(dev) =
+        devices.iter().find(|dev| dev.target == target && dev.read_only == wanted.read_only && dev.ublk_id.is_some())
+    {
         return Ok(Some(dev.clone()));
     }
     let device = LocalDeviceConfig {
@@ -251,6 +254,7 @@ fn local_device(
         ublk_id: u32::try_from(wanted.ublk_id).ok(),
         read_only: wanted.read_only,
         queue_depth: None,
+        vhost_user_blk: None,
     };
     call(engine, AddLocalDevice { device }).map(|added| Some(added.device))
 }

@@ -67,6 +67,7 @@ pub struct Engine {
     handed_over: AtomicBool,
     /// Block devices of this node served from namespaces (ublk).
     local: local::LocalDevices,
+    vhost: local::vhost::VhostDevices,
 }
 
 impl Engine {
@@ -106,6 +107,7 @@ impl Engine {
             upgrade_lock: RwLock::new(()),
             handed_over: AtomicBool::new(false),
             local: local::LocalDevices::default(),
+            vhost: local::vhost::VhostDevices::default(),
         });
         let setup = || -> Result<()> {
             for p in &cfg.pools {
@@ -237,10 +239,8 @@ impl Engine {
 
     /// Removes a subsystem; its controllers end.
     pub fn remove_subsystem(&self, nqn: &str) -> Result<()> {
-        if let Some(id) = self.local_device_in(nqn) {
-            return Err(Error::precondition(format!(
-                "a namespace of {nqn} backs /dev/ublkb{id}: remove that first (`nvpool engine local remove {id}`)"
-            )));
+        if let Some(device) = self.local_device_of(nqn, None) {
+            return Err(Error::precondition(format!("a namespace of {nqn} backs {device}")));
         }
         self.target.remove_subsystem(nqn)?;
         self.kick();
@@ -295,10 +295,8 @@ impl Engine {
     /// Removes a namespace; connected hosts get an event. Refused while a local
     /// device serves it.
     pub fn remove_namespace(&self, nqn: &str, nsid: u32) -> Result<()> {
-        if let Some(id) = self.local_device_of(nqn, nsid) {
-            return Err(Error::precondition(format!(
-                "namespace {nsid} of {nqn} backs /dev/ublkb{id}: remove that first (`nvpool engine local remove {id}`)"
-            )));
+        if let Some(device) = self.local_device_of(nqn, Some(nsid)) {
+            return Err(Error::precondition(format!("namespace {nsid} of {nqn} backs {device}")));
         }
         self.subsystem(nqn)?.remove_namespace(nsid)?;
         self.kick();

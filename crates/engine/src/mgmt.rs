@@ -152,7 +152,11 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value> {
         AddLocalDevice::NAME => {
             answer(p, |r: AddLocalDevice| engine.add_local(&r.device).map(|device| LocalDeviceAdded { device }))
         }
-        RemoveLocalDevice::NAME => answer(p, |r: RemoveLocalDevice| ok(engine.remove_local(r.ublk_id))),
+        RemoveLocalDevice::NAME => answer(p, |r: RemoveLocalDevice| match (r.ublk_id, r.socket) {
+            (Some(id), None) => ok(engine.remove_local(id)),
+            (None, Some(socket)) => ok(engine.remove_vhost(&socket)),
+            _ => Err(Error::invalid("name one local device: its ublk_id or its vhost-user-blk socket")),
+        }),
         ListLocalDevices::NAME => answer(p, |ListLocalDevices {}| Ok(engine.local_devices())),
         AddHost::NAME => answer(p, |r: AddHost| ok(engine.add_host(&r.nqn, &r.host))),
         RemoveHost::NAME => answer(p, |r: RemoveHost| ok(engine.remove_host(&r.nqn, &r.host))),

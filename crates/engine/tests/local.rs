@@ -82,6 +82,7 @@ fn without_the_ublk_driver_a_device_is_refused_and_nothing_changes() {
         ublk_id: Some(0),
         read_only: false,
         queue_depth: None,
+        vhost_user_blk: None,
     });
     let e = Engine::start(&cfg).err().expect("refused");
     assert!(e.message.contains("modprobe ublk_drv"), "{e}");
@@ -96,7 +97,13 @@ fn local_devices_in_the_configuration_are_checked_when_it_is_read() {
     let cfg = EngineConfig::from_toml(&text).expect("parses");
     assert_eq!(
         cfg.local,
-        vec![LocalDeviceConfig { target: format!("{NQN}/1"), ublk_id: Some(2), read_only: true, queue_depth: None }]
+        vec![LocalDeviceConfig {
+            target: format!("{NQN}/1"),
+            ublk_id: Some(2),
+            read_only: true,
+            queue_depth: None,
+            vhost_user_blk: None
+        }]
     );
     let e = EngineConfig::from_toml(&format!("{text}bogus = 1\n")).expect_err("unknown field");
     assert!(e.contains("bogus"), "{e}");

@@ -1,17 +1,22 @@
-//! Local devices: a namespace served as a block device of this node, so containers on
-//! the volume's own node skip NVMe/TCP. Linux's ublk driver hands each block request
-//! to the engine through `URING_CMD`s on the reactors' own rings (one ublk queue per
-//! reactor, `reactor/local.rs`); the engine answers it from the namespace's backend,
-//! as it would an NVMe command.
+//! Local devices: a namespace served as a block device of this node, so containers
+//! and virtual machines on the volume's own node skip NVMe/TCP.
 //!
-//! The device outlives the engine process: it is created with the driver's user
-//! recovery (I/O waits while no engine serves it, and requests the engine held are
-//! issued again), so an engine that crashed, or the new process of a hot upgrade,
-//! takes it back by number and the block device's users see no error.
+//! For containers, Linux's ublk driver hands each block request to the engine through
+//! `URING_CMD`s on the reactors' own rings (one ublk queue per reactor,
+//! `reactor/ublk.rs`); the engine answers it from the namespace's backend, as it would
+//! an NVMe command. The device outlives the engine process: it is created with the
+//! driver's user recovery (I/O waits while no engine serves it, and requests the
+//! engine held are issued again), so an engine that crashed, or the new process of a
+//! hot upgrade, takes it back by number and the block device's users see no error.
+//!
+//! For virtual machines, a vhost-user-blk socket (`vhost.rs`): QEMU shares the guest's
+//! memory and the reactors serve the virtqueues in it (`reactor/vhost.rs`).
 
 pub mod control;
 pub mod request;
 pub mod uapi;
+pub mod vhost;
+pub mod virtio_blk;
 
 use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
@@ -88,7 +93,7 @@ impl LocalDevice {
         LocalDeviceInfo {
             kind: "ublk".into(),
             device: format!("/dev/ublkb{}", self.dev_id),
-            ublk_id: self.dev_id,
+            ublk_id: Some(self.dev_id),
             target: format!("{}/{}", self.subsystem.nqn, self.nsid),
             size: ns.as_ref().map_or(0, |n| n.blocks << n.block_shift),
             block_size: ns.as_ref().map_or(0, |n| n.block_size()),
@@ -173,6 +178,9 @@ impl Engine {
                 "{} is served by another engine: a local device needs the volume on this node; attach it over NVMe/TCP",
                 cfg.target
             )));
+        }
+        if let Some(socket) = &cfg.vhost_user_blk {
+            return self.add_vhost(cfg, socket, subsystem, ns.nsid);
         }
         if let Some(id) = cfg.ublk_id
             && lock(&self.local.devices).contains_key(&id)
@@ -353,27 +361,37 @@ impl Engine {
 
     /// Every local device.
     pub fn local_devices(&self) -> Vec<LocalDeviceInfo> {
-        lock(&self.local.devices).values().map(|d| d.info()).collect()
+        let mut all: Vec<_> = lock(&self.local.devices).values().map(|d| d.info()).collect();
+        all.extend(self.vhost_infos());
+        all
     }
 
     /// The local devices as configuration, for a hot upgrade's new process to take
     /// them back.
     pub(crate) fn local_configs(&self) -> Vec<LocalDeviceConfig> {
-        lock(&self.local.devices).values().map(|d| d.config.clone()).collect()
+        let mut all: Vec<_> = lock(&self.local.devices).values().map(|d| d.config.clone()).collect();
+        all.extend(self.vhost_configs());
+        all
     }
 
-    /// The local device that serves namespace `nsid` of `nqn`, if any.
-    pub(crate) fn local_device_of(&self, nqn: &str, nsid: u32) -> Option<u32> {
-        lock(&self.local.devices).values().find(|d| d.subsystem.nqn == nqn && d.nsid == nsid).map(|d| d.dev_id)
-    }
-
-    /// A local device that serves a namespace of `nqn`, if any.
-    pub(crate) fn local_device_in(&self, nqn: &str) -> Option<u32> {
-        lock(&self.local.devices).values().find(|d| d.subsystem.nqn == nqn).map(|d| d.dev_id)
+    /// The local device that serves a namespace of `nqn` (namespace `nsid` only, if
+    /// given), and how to remove it.
+    pub(crate) fn local_device_of(&self, nqn: &str, nsid: Option<u32>) -> Option<String> {
+        let ublk = lock(&self.local.devices)
+            .values()
+            .find(|d| d.subsystem.nqn == nqn && nsid.is_none_or(|n| n == d.nsid))
+            .map(|d| d.dev_id);
+        match ublk {
+            Some(id) => Some(format!("/dev/ublkb{id}: remove that first (`nvpool engine local remove {id}`)")),
+            None => self.vhost_device_of(nqn, nsid).map(|socket| {
+                format!("the vhost-user-blk device {socket}: remove that first (`nvpool engine local remove {socket}`)")
+            }),
+        }
     }
 
     /// Removes every local device (the engine is stopping for good).
     pub(crate) fn remove_all_local(&self) {
+        self.remove_all_vhost();
         let devices: Vec<_> = std::mem::take(&mut *lock(&self.local.devices)).into_values().collect();
         if devices.is_empty() {
             return;

@@ -64,10 +64,7 @@ pub fn connect(target: &Target, cmd: &Command, data: &[u8]) -> Result<Connected,
         refuse_for_now(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(true, CONNECT_SUBNQN_OFFSET))
     })?;
     if !subsystem.host_allowed(&d.hostnqn) {
-        return Err(refuse_for_now(
-            Status::CONNECT_INVALID_HOST,
-            connect_invalid_param(true, CONNECT_HOSTNQN_OFFSET),
-        ));
+        return Err(refuse_for_now(Status::CONNECT_INVALID_HOST, connect_invalid_param(true, CONNECT_HOSTNQN_OFFSET)));
     }
     if c.sqsize == 0 {
         return Err(refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(false, CONNECT_SQSIZE_OFFSET)));

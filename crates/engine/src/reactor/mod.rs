@@ -20,6 +20,8 @@ mod block_io;
 mod conn;
 mod local;
 mod remote;
+mod ublk;
+mod vhost;
 
 pub use block_io::{BlockIo, DiskFd, DiskQueue};
 
@@ -40,6 +42,8 @@ use crate::upgrade::image::ConnImage;
 use conn::Conn;
 use local::LocalQueue;
 use remote::{Answer, Forwarded, HostQueue};
+use ublk::UblkQueue;
+use vhost::VhostQueue;
 
 use crate::backend::remote::RemoteLink;
 
@@ -101,6 +105,21 @@ pub enum Msg {
         queue: u16,
         /// Where to report.
         done: Sender<Result<(), String>>,
+    },
+    /// Serve a vhost-user-blk virtqueue, then report.
+    VhostRing {
+        /// The virtqueue as the frontend set it up.
+        ring: Box<crate::local::vhost::Ring>,
+        /// Where to report.
+        done: Sender<Result<(), String>>,
+    },
+    /// Stop taking requests from virtqueue run `id`; once those under way are
+    /// complete, report where it stopped in the available ring.
+    VhostStop {
+        /// The run (`Ring::id`).
+        id: u64,
+        /// Where to report.
+        done: Sender<u16>,
     },
     /// Hot upgrade: stop accepting and taking new commands, finish the ones taken,
     /// then report the parked connections (and listeners) here.
@@ -308,6 +327,8 @@ enum Op {
     RemoteSend(u32),
     /// A local device queue's command for a tag: (queue slot, tag).
     Local(u32, u16),
+    /// A read of a virtqueue's kick eventfd: (queue slot).
+    Kick(u32),
 }
 
 impl Op {
@@ -321,6 +342,7 @@ impl Op {
             Op::RemoteRecv(q) => (6, q, 0),
             Op::RemoteSend(q) => (7, q, 0),
             Op::Local(q, tag) => (8, q, u32::from(tag)),
+            Op::Kick(q) => (9, q, 0),
         };
         kind << 56 | u64::from(conn & 0xFF_FFFF) << 32 | u64::from(extra)
     }
@@ -337,6 +359,7 @@ impl Op {
             6 => Op::RemoteRecv(conn),
             7 => Op::RemoteSend(conn),
             8 => Op::Local(conn, extra as u16),
+            9 => Op::Kick(conn),
             _ => return None,
         })
     }
@@ -630,7 +653,16 @@ impl Reactor {
                     self.with_local(q, |r, queue| queue.on_disk(r, q, tag, res))
                 }
                 Some(Op::Disk(c, tag)) => self.with_conn(c, |r, conn| conn.on_disk(r, c, tag, res)),
-                Some(Op::Local(q, tag)) => self.with_local(q, |r, queue| queue.on_command(r, q, tag, res)),
+                Some(Op::Local(q, tag)) => self.with_local(q, |r, queue| {
+                    if let LocalQueue::Ublk(u) = queue {
+                        u.on_command(r, q, tag, res)
+                    }
+                }),
+                Some(Op::Kick(q)) => self.with_local(q, |r, queue| {
+                    if let LocalQueue::Vhost(v) = queue {
+                        v.on_kick(r, q, res)
+                    }
+                }),
                 Some(Op::RemoteRecv(q)) => self.with_remote(q, |r, queue, answers| queue.on_recv(r, q, res, answers)),
                 Some(Op::RemoteSend(q)) => self.with_remote(q, |r, queue, answers| queue.on_send(r, q, res, answers)),
                 None => {}
@@ -688,25 +720,22 @@ impl Reactor {
         }
     }
 
-    /// Runs `f` on local device queue `q` taken out of the table. A queue the driver
-    /// ended is dropped, and its device told.
+    /// Runs `f` on local device queue `q` taken out of the table. A queue that ended
+    /// is dropped, and whoever waits for it told.
     fn with_local(&mut self, q: u32, f: impl FnOnce(&mut Reactor, &mut LocalQueue)) {
         let Some(mut queue) = self.locals.get_mut(q as usize).and_then(Option::take) else {
             return;
         };
         f(self, &mut queue);
         if queue.ended() {
-            let device = queue.device().clone();
-            queue.release(self);
-            device.queue_ended();
+            queue.finish(self);
         } else {
             self.locals[q as usize] = Some(queue);
         }
     }
 
-    /// Starts serving queue `queue` of a local device: every tag goes to the driver.
-    fn add_local_queue(&mut self, device: Arc<crate::local::LocalDevice>, queue: u16) -> Result<(), String> {
-        let mut local = Box::new(LocalQueue::new(self, device, queue)?);
+    /// Puts a local device queue in a free slot of the table; returns the slot.
+    fn insert_local(&mut self, queue: LocalQueue) -> u32 {
         let q = match self.locals.iter().position(Option::is_none) {
             Some(q) => q as u32,
             None => {
@@ -714,9 +743,45 @@ impl Reactor {
                 (self.locals.len() - 1) as u32
             }
         };
-        local.fetch_all(self, q);
-        self.locals[q as usize] = Some(local);
+        self.locals[q as usize] = Some(Box::new(queue));
+        q
+    }
+
+    /// Starts serving queue `queue` of a ublk device: every tag goes to the driver.
+    fn add_ublk_queue(&mut self, device: Arc<crate::local::LocalDevice>, queue: u16) -> Result<(), String> {
+        let local = UblkQueue::new(self, device, queue)?;
+        let q = self.insert_local(LocalQueue::Ublk(local));
+        self.with_local(q, |r, queue| {
+            if let LocalQueue::Ublk(u) = queue {
+                u.fetch_all(r, q)
+            }
+        });
         Ok(())
+    }
+
+    /// Starts serving a vhost-user-blk virtqueue.
+    fn add_vhost_ring(&mut self, ring: Box<crate::local::vhost::Ring>) -> Result<(), String> {
+        let (queue, pending) = VhostQueue::new(ring)?;
+        let q = self.insert_local(LocalQueue::Vhost(queue));
+        self.with_local(q, |r, queue| {
+            if let LocalQueue::Vhost(v) = queue {
+                v.begin(r, q, pending)
+            }
+        });
+        Ok(())
+    }
+
+    /// Stops virtqueue run `id`, if it runs here.
+    fn stop_vhost_ring(&mut self, id: u64, done: Sender<u16>) {
+        let found = self.locals.iter().position(|l| matches!(l.as_deref(), Some(LocalQueue::Vhost(v)) if v.is(id)));
+        match found {
+            Some(q) => self.with_local(q as u32, |r, queue| {
+                if let LocalQueue::Vhost(v) = queue {
+                    v.stop(r, q as u32, done)
+                }
+            }),
+            None => drop(done),
+        }
     }
 
     /// Forwards a command to the owner of a remote namespace on this reactor's queue
@@ -752,8 +817,12 @@ impl Reactor {
                     }
                 }
                 Msg::LocalQueue { device, queue, done } => {
-                    let _ = done.send(self.add_local_queue(device, queue));
+                    let _ = done.send(self.add_ublk_queue(device, queue));
                 }
+                Msg::VhostRing { ring, done } => {
+                    let _ = done.send(self.add_vhost_ring(ring));
+                }
+                Msg::VhostStop { id, done } => self.stop_vhost_ring(id, done),
                 Msg::Park(report) => self.park(report),
                 Msg::Resume => self.resume(),
                 Msg::Restore { conns, listeners, done } => self.restore(conns, listeners, done),
@@ -1127,6 +1196,7 @@ mod tests {
             Op::RemoteRecv(3),
             Op::RemoteSend(0xFF_FFFF),
             Op::Local(2, 4095),
+            Op::Kick(0xFF_FFFF),
         ] {
             assert_eq!(Op::decode(op.encode()), Some(op));
         }

@@ -1,4 +1,4 @@
-//! A local device's queue on a reactor: the reactor fetches every tag of its ublk
+//! A ublk device's queue on a reactor: the reactor fetches every tag of its ublk
 //! queue with `URING_CMD`s on its own ring, serves each request the driver delivers
 //! from the namespace's backend (the same `BlockIo` and `DiskQueue` an NVMe command
 //! uses), and commits the result with the command that fetches the tag again.
@@ -46,7 +46,7 @@ struct Tag {
 }
 
 /// One device's queue on this reactor.
-pub(super) struct LocalQueue {
+pub(super) struct UblkQueue {
     device: Arc<LocalDevice>,
     queue: u16,
     /// The driver's descriptors of this queue's requests, mapped read-only.
@@ -62,9 +62,9 @@ pub(super) struct LocalQueue {
     serving: u32,
 }
 
-impl LocalQueue {
+impl UblkQueue {
     /// Maps queue `queue`'s descriptors of `device` and gives each tag a buffer.
-    pub(super) fn new(r: &mut Reactor, device: Arc<LocalDevice>, queue: u16) -> Result<LocalQueue, String> {
+    pub(super) fn new(r: &mut Reactor, device: Arc<LocalDevice>, queue: u16) -> Result<UblkQueue, String> {
         let len = uapi::descriptors_len(device.depth, PAGE_SIZE);
         let offset = uapi::descriptors_offset(queue, PAGE_SIZE);
         // SAFETY: maps `len` bytes of the char device read-only and shared at the offset
@@ -90,7 +90,7 @@ impl LocalQueue {
                 state: TagState::Ended,
             })
             .collect();
-        Ok(LocalQueue {
+        Ok(UblkQueue {
             device,
             queue,
             descriptors: ptr.cast(),
@@ -283,7 +283,7 @@ impl LocalQueue {
     }
 }
 
-impl Drop for LocalQueue {
+impl Drop for UblkQueue {
     fn drop(&mut self) {
         if self.with_driver > 0 {
             // The driver may still copy into these buffers: never give them back.

@@ -239,14 +239,19 @@ enum NamespaceVerb {
 
 #[derive(Subcommand)]
 enum LocalVerb {
-    /// Serve a namespace as /dev/ublkbN, or take back the device of that number an
-    /// engine that exited left (with the I/O it held).
+    /// Serve a namespace as /dev/ublkbN (or take back the device of that number an
+    /// engine that exited left, with the I/O it held), or to virtual machines at a
+    /// vhost-user-blk socket.
     Add {
         /// NQN/NSID, or volume:POOL/NAME for the namespace that serves that volume.
         target: String,
         /// As a ublk block device (Linux 6.0 or later, module ublk_drv).
-        #[arg(long, required = true)]
+        #[arg(long, required_unless_present = "vhost_user_blk", conflicts_with = "vhost_user_blk")]
         ublk: bool,
+        /// As a vhost-user-blk device at this Unix socket, for QEMU's
+        /// `-device vhost-user-blk-pci` (give QEMU shared guest memory).
+        #[arg(long, value_name = "SOCKET")]
+        vhost_user_blk: Option<String>,
         /// The device number N of /dev/ublkbN (the first free one by default).
         #[arg(long)]
         id: Option<u32>,
@@ -259,8 +264,8 @@ enum LocalVerb {
     },
     /// Remove a local device once the I/O under way is done.
     Remove {
-        /// The device number N of /dev/ublkbN.
-        id: u32,
+        /// The device number N of /dev/ublkbN, or the vhost-user-blk socket.
+        device: String,
     },
     /// List the local devices.
     List,
@@ -501,8 +506,8 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
             }
         },
         EngineVerb::Local { verb, api } => match verb {
-            LocalVerb::Add { target, ublk: _, id, read_only, queue_depth } => {
-                let device = LocalDeviceConfig { target, ublk_id: id, read_only, queue_depth };
+            LocalVerb::Add { target, ublk: _, vhost_user_blk, id, read_only, queue_depth } => {
+                let device = LocalDeviceConfig { target, ublk_id: id, read_only, queue_depth, vhost_user_blk };
                 let r = api.call(AddLocalDevice { device })?;
                 let d = &r.device;
                 let how = if d.recovered { "taken back" } else { "serving" };
@@ -511,8 +516,13 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
                 });
                 Ok(())
             }
-            LocalVerb::Remove { id } => {
-                done(&api, RemoveLocalDevice { ublk_id: id }, &format!("/dev/ublkb{id} removed"))
+            LocalVerb::Remove { device } => {
+                let message = format!("{device} removed");
+                let request = match device.strip_prefix("/dev/ublkb").unwrap_or(&device).parse::<u32>() {
+                    Ok(id) => RemoveLocalDevice { ublk_id: Some(id), socket: None },
+                    Err(_) => RemoveLocalDevice { ublk_id: None, socket: Some(device) },
+                };
+                done(&api, request, &message)
             }
             LocalVerb::List => show(&api, ListLocalDevices {}, |r| local_table(r)),
         },
@@ -827,7 +837,8 @@ fn local_table(devices: &[LocalDeviceInfo]) -> Vec<Vec<String>> {
     let mut rows = vec![["DEVICE", "TARGET", "SIZE", "MODE", "QUEUES", "DATA PATH"].map(String::from).to_vec()];
     for d in devices {
         let mode = if d.read_only { "ro" } else { "rw" };
-        let queues = format!("{}x{}", d.queues, d.queue_depth);
+        let queues =
+            if d.queue_depth == 0 { format!("up to {}", d.queues) } else { format!("{}x{}", d.queues, d.queue_depth) };
         let path = d.data_path.split(':').next().unwrap_or_default().to_string();
         rows.push(vec![d.device.clone(), d.target.clone(), human(d.size), mode.into(), queues, path]);
     }
