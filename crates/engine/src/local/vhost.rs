@@ -591,7 +591,9 @@ impl VhostUserBackendReqHandlerMut for Session {
     }
 
     fn set_inflight_fd(&mut self, given: &VhostUserInflight, file: File) -> VhostResult<()> {
-        self.map_inflight(file, given.mmap_offset, given.mmap_size, given.queue_size)
+        self.map_inflight(file, given.mmap_offset, given.mmap_size, given.queue_size)?;
+        tracing::info!(device = ?self.device, queues = given.num_queues, "inflight region set by the frontend");
+        Ok(())
     }
 
     fn get_max_mem_slots(&mut self) -> VhostResult<u64> {

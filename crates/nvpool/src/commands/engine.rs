@@ -48,7 +48,8 @@ enum EngineVerb {
         #[command(flatten)]
         api: EngineSocket,
     },
-    /// Serve namespaces as block devices of this node (ublk), for its own containers.
+    /// Serve namespaces as block devices of this node: ublk for its own containers,
+    /// vhost-user-blk for its virtual machines.
     Local {
         #[command(subcommand)]
         verb: LocalVerb,
