@@ -35,6 +35,8 @@ pub struct AgentArgs {
     pub nvme_address: Option<String>,
     /// Where other engines reach the engine; defaults to `nvme_address`.
     pub peer_address: Option<String>,
+    /// The host NQN of this node's own NVMe host; empty: unknown.
+    pub local_host_nqn: String,
     pub labels: BTreeMap<String, String>,
 }
 
@@ -483,6 +485,7 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
                         engine_version: usage.version,
                         host_nqn,
                         peer_address: args.peer_address.clone().unwrap_or_default(),
+                        local_host_nqn: args.local_host_nqn.clone(),
                         ..Default::default()
                     };
                     let req = proto::RegisterNodeRequest { node: Some(node) };

@@ -56,6 +56,9 @@ pub struct NodeRecord {
     /// Where other engines reach this node's engine; empty: `nvme_address`.
     #[serde(default)]
     pub peer_address: String,
+    /// The host NQN the node's own NVMe host (and its CSI node plugin) presents.
+    #[serde(default)]
+    pub local_host_nqn: String,
     /// The block of controller IDs the node's engine hands out (see
     /// `access::cntlid_range`); given at the first registration.
     #[serde(default)]

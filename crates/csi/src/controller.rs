@@ -4,7 +4,7 @@
 //! that publishing a volume to a node is attaching it to that host.
 
 use crate::csi::{self, controller_server::Controller, identity_server::Identity};
-use crate::{PLUGIN_NAME, TOPOLOGY_NODE_KEY, capability_error, not_found_or, required};
+use crate::{LOCAL_DEVICE, LOCAL_PATH, PLUGIN_NAME, TOPOLOGY_NODE_KEY, capability_error, not_found_or, required};
 use nvpool_control::client::Controllers;
 use nvpool_control::proto;
 use std::collections::HashMap;
@@ -132,6 +132,13 @@ impl ControllerService {
         self.controllers.call(async |mut c| c.get_volume(req.clone()).await).await
     }
 
+    /// The nvpool node a host runs on, as its agent reports the node's own host NQN;
+    /// empty when no node does (the host then gets NVMe/TCP paths).
+    async fn node_of_host(&self, host: &str) -> Result<String, Status> {
+        let nodes = self.controllers.call(async |mut c| c.list_nodes(proto::ListNodesRequest {}).await).await?.nodes;
+        Ok(nodes.into_iter().find(|n| n.local_host_nqn == host).map(|n| n.name).unwrap_or_default())
+    }
+
     /// Maps CSI topology to the scheduler's request: the preferred node becomes a
     /// local preference, requisite nodes the include list. Topology naming nodes nvpool
     /// does not know (say, a node without disks or agent) is a preference it cannot use.
@@ -195,13 +202,23 @@ impl Controller for ControllerService {
                 )));
             }
         };
-        let known = ["thin", "accessPolicy", "volumeGroup"];
+        let local_path = match req.parameters.get("localPath").map(String::as_str) {
+            None | Some("ublk") => "ublk",
+            Some("nvme-tcp") => "nvme-tcp",
+            Some(other) => {
+                return Err(Status::invalid_argument(format!(
+                    "parameter localPath={other:?} does not exist: use ublk (a pod on the volume's own node gets a \
+                     local device where the kernel has ublk) or nvme-tcp (always NVMe/TCP)"
+                )));
+            }
+        };
+        let known = ["thin", "accessPolicy", "volumeGroup", "localPath"];
         if let Some(unknown) =
             req.parameters.keys().find(|k| !k.starts_with("csi.storage.k8s.io/") && !known.contains(&k.as_str()))
         {
             return Err(Status::invalid_argument(format!(
-                "unknown parameter {unknown:?}: nvpool takes thin=true|false, accessPolicy=inherit|balance and \
-                 volumeGroup=NAME"
+                "unknown parameter {unknown:?}: nvpool takes thin=true|false, accessPolicy=inherit|balance, \
+                 volumeGroup=NAME and localPath=ublk|nvme-tcp"
             )));
         }
         let mut create = proto::CreateVolumeRequest {
@@ -223,7 +240,9 @@ impl Controller for ControllerService {
             }
             Err(e) => return Err(e),
         };
-        Ok(Response::new(csi::CreateVolumeResponse { volume: Some(csi_volume(&v)) }))
+        let mut volume = csi_volume(&v);
+        volume.volume_context.insert(LOCAL_PATH.to_string(), local_path.to_string());
+        Ok(Response::new(csi::CreateVolumeResponse { volume: Some(volume) }))
     }
 
     async fn delete_volume(
@@ -253,23 +272,35 @@ impl Controller for ControllerService {
                 v.hosts.join(", ")
             )));
         }
+        // A host on the volume's own node may get a local device: the controller
+        // decides, and falls back to NVMe/TCP where it cannot.
+        let local_node = match req.volume_context.get(LOCAL_PATH).map(String::as_str) {
+            Some("nvme-tcp") => String::new(),
+            _ => self.node_of_host(host).await?,
+        };
         let attach = proto::AttachRequest {
             volume: volume.to_string(),
             host_nqn: host.to_string(),
             readonly: req.readonly,
+            local_node,
             ..Default::default()
         };
         let a = self.controllers.call(async |mut c| c.attach(attach.clone()).await).await?;
+        if !a.local_fallback.is_empty() {
+            tracing::info!("{volume}: {host} gets NVMe/TCP paths: {}", a.local_fallback);
+        }
         let paths: Vec<String> =
             a.paths.iter().map(|p| format!("{},{},{},{}", p.transport, p.address, p.port, p.ana_state)).collect();
-        Ok(Response::new(csi::ControllerPublishVolumeResponse {
-            publish_context: HashMap::from([
-                ("nqn".to_string(), a.subsystem_nqn),
-                ("nsid".to_string(), a.nsid.to_string()),
-                ("uuid".to_string(), a.uuid),
-                ("paths".to_string(), paths.join(";")),
-            ]),
-        }))
+        let mut publish_context = HashMap::from([
+            ("nqn".to_string(), a.subsystem_nqn),
+            ("nsid".to_string(), a.nsid.to_string()),
+            ("uuid".to_string(), a.uuid),
+            ("paths".to_string(), paths.join(";")),
+        ]);
+        if let Some(local) = a.local {
+            publish_context.insert(LOCAL_DEVICE.to_string(), local.device);
+        }
+        Ok(Response::new(csi::ControllerPublishVolumeResponse { publish_context }))
     }
 
     async fn controller_unpublish_volume(

@@ -20,6 +20,12 @@ pub mod csi {
 pub const PLUGIN_NAME: &str = "csi.nvpool.io";
 /// The topology key: the nvpool node a CSI node is.
 pub const TOPOLOGY_NODE_KEY: &str = "topology.nvpool.io/node";
+/// The StorageClass parameter (and volume context key) choosing how a pod on the
+/// volume's own node reaches it: `ublk` (a local device where the kernel has ublk, the
+/// default) or `nvme-tcp`.
+pub const LOCAL_PATH: &str = "localPath";
+/// The publish context key naming the local device a host on the owner node got.
+pub const LOCAL_DEVICE: &str = "localDevice";
 
 /// Why a capability is not supported, if it is not.
 fn capability_error(c: &csi::VolumeCapability) -> Option<String> {

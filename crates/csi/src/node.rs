@@ -7,7 +7,7 @@
 //! target, which waits for its hosts to connect) is connected within seconds.
 
 use crate::csi::{self, node_server::Node, volume_capability::AccessType};
-use crate::{TOPOLOGY_NODE_KEY, capability_error, fsinfo, required};
+use crate::{LOCAL_DEVICE, TOPOLOGY_NODE_KEY, capability_error, fsinfo, required};
 use nvpool_control::client::Controllers;
 use nvpool_control::proto;
 use std::collections::HashMap;
@@ -168,6 +168,24 @@ fn device_size(device: &str) -> Option<u64> {
     Some(sectors * 512)
 }
 
+/// Stages the local device the controller made for this host on the volume's own
+/// node (its engine serves it there): no NVMe/TCP connection, the device is used as it is.
+async fn local_device(nqn: String, device: &str) -> Result<Staged, Status> {
+    let name = device.strip_prefix("/dev/").unwrap_or(device);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !Path::new(&format!("/sys/class/block/{name}")).exists() {
+        if Instant::now() > deadline {
+            return Err(Status::unavailable(format!(
+                "the local device {device} of {nqn} did not appear: is this node's engine serving it? \
+                 (`nvpool engine local list`)"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tracing::info!("{nqn}: staged the local device {device}");
+    Ok(Staged { nqn, device: device.to_string() })
+}
+
 impl NodeService {
     /// Runs for ever: connects every path the controller lists for this host to a
     /// staged volume that the kernel has no controller for. Paths that go away need
@@ -246,6 +264,9 @@ impl NodeService {
                 ))
             })
         };
+        if let Some(device) = context.get(LOCAL_DEVICE).filter(|d| !d.is_empty()) {
+            return local_device(field("nqn")?, device).await;
+        }
         let (nqn, uuid, paths) = (field("nqn")?, field("uuid")?, field("paths")?);
         let mut errors = Vec::new();
         if controller_of(&nqn).is_none() {
@@ -352,9 +373,10 @@ impl Node for NodeService {
             // Each volume is its own subsystem; disconnect it unless something still uses
             // one of its devices (a bind mount left behind, say).
             let controller = controller_of(&staged.nqn);
-            let in_use = controller
-                .as_ref()
-                .is_some_and(|c| mount_points().iter().any(|(_, source)| source.starts_with(&format!("/dev/{c}n"))));
+            let in_use = mount_points().iter().any(|(_, source)| {
+                *source == staged.device
+                    || controller.as_ref().is_some_and(|c| source.starts_with(&format!("/dev/{c}n")))
+            });
             if in_use {
                 return Err(Status::failed_precondition(format!(
                     "a device of volume {volume} is still mounted; unpublish it first"

@@ -159,7 +159,9 @@ truncate -s 256M /tmp/pool.img
 cli pool create g /tmp/pool.img || fail "pool create"
 $BIN/nvpool controller --store redb:/tmp/controller.redb > /host/controller.log 2>&1 &
 CONTROLLER=$!
-$BIN/nvpool agent --name g1 --engine-socket $SOCK --nvme-address 127.0.0.1:4420 > /host/agent.log 2>&1 &
+NODE_HOSTNQN=nqn.2024-01.io.nvpool:local-e2e-node
+$BIN/nvpool agent --name g1 --engine-socket $SOCK --nvme-address 127.0.0.1:4420 --local-host-nqn $NODE_HOSTNQN \
+    > /host/agent.log 2>&1 &
 AGENT=$!
 wait_for 60 sh -c "$BIN/nvpool node list --json 2>/dev/null | grep -q '\"healthy\": true'" || fail "the node did not register"
 $BIN/nvpool volume create lv 64MiB --thin || fail "volume create"   # thin: first writes wait for allocation (handed to another thread and back)
@@ -177,8 +179,24 @@ checked /host/fio-controller.txt 1
 $BIN/nvpool detach lv $HOSTNQN || fail "detach"
 wait_for 10 sh -c "! test -b $DEV" || fail "$DEV is still there after the detach"
 $BIN/nvpool volume delete lv || fail "volume delete"
-kill $AGENT $CONTROLLER
 echo "attach --local made $DEV, fio verified through it, detach removed it"
+
+step "CSI on the volumes' own node: csi-sanity (node tests included) stages every volume on a local device"
+$BIN/nvpool csi --endpoint unix:///tmp/csi.sock --controller 127.0.0.1:9400 --node-name g1 \
+    --host-nqn $NODE_HOSTNQN --state-dir /tmp/csi-state > /host/csi-driver.log 2>&1 &
+CSI=$!
+wait_for 10 test -S /tmp/csi.sock || { cat /host/csi-driver.log; fail "the CSI driver did not start"; }
+printf 'thin: "true"\n' > /tmp/csi-params.yaml
+$BIN/csi-sanity --csi.endpoint=unix:///tmp/csi.sock --csi.mountdir=/tmp/csi-mount \
+    --csi.stagingdir=/tmp/csi-staging --csi.testvolumesize=16777216 --csi.testvolumeexpandsize=33554432 \
+    --csi.testvolumeparameters=/tmp/csi-params.yaml --ginkgo.no-color > /host/csi-sanity.txt 2>&1 \
+    || { tail -60 /host/csi-sanity.txt; fail "csi-sanity"; }
+grep -E '^(SUCCESS|FAIL)!' /host/csi-sanity.txt
+local_stagings=$(grep -c 'staged the local device' /host/csi-driver.log)
+tcp_stagings=$(grep -c 'connected paths' /host/csi-driver.log)
+echo "NodeStage: $local_stagings stagings on a local device, $tcp_stagings over NVMe/TCP"
+[ "$local_stagings" -gt 0 ] && [ "$tcp_stagings" = 0 ] || fail "a volume on this node was staged over NVMe/TCP"
+kill $CSI $AGENT $CONTROLLER
 
 step "removal and engine stop leave no ublk device"
 cli local remove 0 || fail "local remove 0"

@@ -42,6 +42,7 @@ impl Cluster {
             pools: node.pools.iter().map(pool_record).collect(),
             host_nqn: node.host_nqn.clone(),
             peer_address: node.peer_address.clone(),
+            local_host_nqn: node.local_host_nqn.clone(),
             cntlid_block: Some(cntlid_block),
         };
         let changed = self.state.lock().unwrap().nodes.get(&record.name).is_none_or(|n| n.record != record);
@@ -105,6 +106,7 @@ impl Cluster {
                 cntlid_min: n.record.cntlid_block.map_or(0, |b| u32::from(access::cntlid_range(b).0)),
                 cntlid_max: n.record.cntlid_block.map_or(0, |b| u32::from(access::cntlid_range(b).1)),
                 engine_version: n.engine_version.clone(),
+                local_host_nqn: n.record.local_host_nqn.clone(),
             })
             .collect()
     }

@@ -150,6 +150,11 @@ pub struct AgentArgs {
     /// NVMe/TCP address), e.g. on a storage network apart from the hosts'.
     #[arg(long)]
     peer_address: Option<String>,
+    /// The host NQN of this node's own NVMe host, which its CSI node plugin presents:
+    /// such a host on the volume's owner gets a local device (default:
+    /// /etc/nvme/hostnqn, if there is one).
+    #[arg(long)]
+    local_host_nqn: Option<String>,
     /// Topology label KEY=VALUE (repeatable), e.g. zone=a.
     #[arg(long, value_parser = parse_label)]
     label: Vec<(String, String)>,
@@ -400,6 +405,9 @@ pub fn run(cmd: Command) -> Result<(), String> {
                 engine_socket: a.engine_socket,
                 nvme_address: a.nvme_address,
                 peer_address: a.peer_address,
+                local_host_nqn: a.local_host_nqn.unwrap_or_else(|| {
+                    std::fs::read_to_string("/etc/nvme/hostnqn").map(|s| s.trim().to_string()).unwrap_or_default()
+                }),
                 labels: a.label.into_iter().collect::<BTreeMap<_, _>>(),
             };
             rt.block_on(agent::run(args))
