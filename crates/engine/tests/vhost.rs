@@ -35,7 +35,10 @@ const SLOT_BYTES: u64 = 0x2_0000;
 
 const IN: u32 = 0;
 const OUT: u32 = 1;
+const FLUSH: u32 = 4;
 const GET_ID: u32 = 8;
+const DISCARD: u32 = 11;
+const WRITE_ZEROES: u32 = 13;
 const NEXT: u16 = 1;
 const WRITE: u16 = 2;
 
@@ -244,6 +247,32 @@ fn a_frontend_reads_and_writes_and_bad_requests_do_no_harm() {
     assert_eq!((guest.status(1), guest.used(1)), (0, (u32::from(head), 8193)));
     assert_eq!(guest.data(1, 8192), data);
 
+    // Write zeroes and discard name their range in a segment the device reads; both
+    // leave zeroes (a memory namespace deallocates by zeroing).
+    for (kind, sector, done) in [(WRITE_ZEROES, 64u64, 3), (DISCARD, 72, 4)] {
+        let mut segment = [0u8; 16];
+        segment[0..8].copy_from_slice(&sector.to_le_bytes());
+        segment[8..12].copy_from_slice(&8u32.to_le_bytes());
+        guest.fill(2, &segment);
+        let head = guest.request(2, kind, 0, 16, false);
+        guest.offer(head);
+        s.kick.write(1).unwrap();
+        guest.wait_used(done);
+        assert_eq!(guest.status(2), 0, "request type {kind}");
+    }
+    let head = guest.request(1, IN, 64, 8192, true);
+    guest.offer(head);
+    s.kick.write(1).unwrap();
+    guest.wait_used(5);
+    assert_eq!(guest.data(1, 8192), vec![0u8; 8192], "zeroed and discarded blocks read back as zeroes");
+    let head = guest.request(1, FLUSH, 0, 0, false);
+    guest.descriptor(head + 1, SLOTS + SLOT_BYTES + 16, 1, WRITE, 0); // header, status
+    guest.descriptor(head, SLOTS + SLOT_BYTES, 16, NEXT, head + 1);
+    guest.offer(head);
+    s.kick.write(1).unwrap();
+    guest.wait_used(6);
+    assert_eq!(guest.status(1), 0, "flush");
+
     // The serial, a read past the end, an unknown type, and a chain with no status.
     let head = guest.request(2, GET_ID, 0, 20, true);
     guest.offer(head);
@@ -252,27 +281,27 @@ fn a_frontend_reads_and_writes_and_bad_requests_do_no_harm() {
     let unknown = guest.request(4, 77, 0, 512, true);
     guest.offer(unknown);
     s.kick.write(1).unwrap();
-    guest.wait_used(5);
+    guest.wait_used(9);
     assert_eq!(guest.status(2), 0);
     assert!(String::from_utf8_lossy(&guest.data(2, 20)).ends_with("vhost/1"));
     assert_eq!((guest.status(3), guest.status(4)), (2, 2), "UNSUPP");
     guest.descriptor(15, SLOTS, 16, 0, 0); // a header alone
     guest.offer(15);
     s.kick.write(1).unwrap();
-    guest.wait_used(6);
-    assert_eq!(guest.used(5), (15, 0));
+    guest.wait_used(10);
+    assert_eq!(guest.used(9), (15, 0));
 
     // Stopping the ring reports where it stopped.
-    assert_eq!(s.frontend.get_vring_base(0).unwrap(), 6);
+    assert_eq!(s.frontend.get_vring_base(0).unwrap(), 10);
     // A later request still works after the ring is set up again.
-    s.frontend.set_vring_base(0, 6).unwrap();
+    s.frontend.set_vring_base(0, 10).unwrap();
     s.frontend.set_vring_kick(0, &s.kick).unwrap();
     s.frontend.set_vring_enable(0, true).unwrap();
     let head = guest.request(0, IN, 64, 512, true);
     guest.offer(head);
     s.kick.write(1).unwrap();
-    guest.wait_used(7);
-    assert_eq!(guest.data(0, 512), data[..512]);
+    guest.wait_used(11);
+    assert_eq!((guest.status(0), guest.data(0, 512)), (0, vec![0u8; 512]));
 
     // Removal ends the session and removes the socket.
     call(&engine, "local_remove", json!({ "socket": socket.to_str().unwrap() })).expect("removed");
