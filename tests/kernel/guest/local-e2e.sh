@@ -40,7 +40,16 @@ TOML
 start_engine /tmp/engine.toml
 cli local add $NQN/1 --ublk --id 0 || fail "local add"
 wait_for 10 test -b /dev/ublkb0 || fail "no /dev/ublkb0"
-cli local list
+cli local list | tee /tmp/local-list.txt
+# Linux 6.16 and later register each request's pages in the engine's ring: the file
+# namespace must then be served with zero copy.
+KV=$(uname -r); KMAJOR=${KV%%.*}; KMINOR=${KV#*.}; KMINOR=${KMINOR%%.*}
+if [ "$KMAJOR" -gt 6 ] || { [ "$KMAJOR" = 6 ] && [ "$KMINOR" -ge 16 ]; }; then
+    grep -q 'zero copy' /tmp/local-list.txt || fail "Linux $KV offers zero copy and the engine does not use it"
+    echo "data path: zero copy"
+else
+    echo "data path: copy (Linux $KV has no automatic buffer registration)"
+fi
 echo "block size $(cat /sys/block/ublkb0/queue/logical_block_size)," \
      "size $(( $(cat /sys/block/ublkb0/size) * 512 )), discard max $(cat /sys/block/ublkb0/queue/discard_max_bytes)," \
      "write zeroes max $(cat /sys/block/ublkb0/queue/write_zeroes_max_bytes), cache $(cat /sys/block/ublkb0/queue/write_cache)," \

@@ -60,6 +60,9 @@ pub struct LocalDevice {
     pub max_io_bytes: u32,
     /// `/dev/ublkcN`, where the queues' commands go.
     pub char_dev: OwnedFd,
+    /// Whether requests' pages go straight to the backend (driver zero copy with
+    /// automatic buffer registration) rather than through each tag's buffer.
+    pub zero_copy: bool,
     config: LocalDeviceConfig,
     recovered: bool,
     data_path: String,
@@ -119,18 +122,29 @@ pub struct LocalDevices {
     devices: Mutex<BTreeMap<u32, Arc<LocalDevice>>>,
 }
 
-/// How data moves on a driver offering `features`.
-fn data_path(features: u64) -> String {
-    let zero_copy = features & (feature::SUPPORT_ZERO_COPY | feature::AUTO_BUF_REG) != 0;
-    if zero_copy {
-        "copy: the driver copies between each request and the engine's buffer (this kernel offers zero copy, \
-         which the engine does not use yet)"
+/// How data moves for a device made with `flags` on a driver offering `features`.
+fn data_path(flags: u64, features: u64, backend: &str) -> String {
+    if flags & feature::ZERO_COPY == feature::ZERO_COPY {
+        "zero copy: the driver registers each request's pages in the reactor's ring and the backend reads and \
+         writes them directly"
             .into()
+    } else if features & feature::AUTO_BUF_REG != 0 {
+        format!(
+            "copy: the driver copies between each request and the engine's buffer (zero copy is for file \
+             namespaces; this one is {backend})"
+        )
     } else {
-        "copy: the driver copies between each request and the engine's buffer (zero copy needs Linux 6.15 or \
+        "copy: the driver copies between each request and the engine's buffer (zero copy needs Linux 6.16 or \
          later)"
             .into()
     }
+}
+
+/// Whether a device of a namespace with this backend is made with zero copy: only a
+/// file's data path is nothing but fixed-buffer reads and writes the driver's pages can
+/// take (other backends copy, zero or forward the data with the CPU).
+fn zero_copy_for(features: u64, backend: &str) -> bool {
+    features & feature::AUTO_BUF_REG != 0 && backend == "file"
 }
 
 impl Engine {
@@ -201,6 +215,15 @@ impl Engine {
                         info.dev_id
                     )));
                 }
+                if info.flags & feature::ZERO_COPY != 0 && ns.backend.kind() != "file" {
+                    return Err(Error::precondition(format!(
+                        "/dev/ublkb{} was made with zero copy, which needs a file namespace, and {} is {}: remove \
+                         the device and add it again",
+                        info.dev_id,
+                        cfg.target,
+                        ns.backend.kind()
+                    )));
+                }
                 if info.queues > reactors {
                     return Err(Error::precondition(format!(
                         "/dev/ublkb{} has {} queues and this engine has {reactors} reactors: start the engine with \
@@ -238,9 +261,10 @@ impl Engine {
             depth: granted.depth,
             max_io_bytes: granted.max_io_bytes,
             char_dev,
+            zero_copy: granted.flags & feature::ZERO_COPY == feature::ZERO_COPY,
             config,
             recovered: recovering,
-            data_path: data_path(features),
+            data_path: data_path(granted.flags, features, ns.backend.kind()),
             ended: Mutex::new(0),
             ended_cv: Condvar::new(),
         });
@@ -270,7 +294,10 @@ impl Engine {
         if depth == 0 || depth > uapi::MAX_QUEUE_DEPTH {
             return Err(Error::invalid(format!("queue_depth {depth} is out of range: use 1 to 4096")));
         }
-        let wanted = feature::USER_RECOVERY | feature::USER_RECOVERY_REISSUE | feature::CMD_IOCTL_ENCODE;
+        let mut wanted = feature::USER_RECOVERY | feature::USER_RECOVERY_REISSUE | feature::CMD_IOCTL_ENCODE;
+        if zero_copy_for(features, ns.backend.kind()) {
+            wanted |= feature::ZERO_COPY;
+        }
         let asked = DevInfo {
             queues: reactors,
             depth,

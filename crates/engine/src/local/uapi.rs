@@ -61,6 +61,16 @@ pub mod feature {
     pub const USER_COPY: u64 = 1 << 7;
     /// Request buffers are registered automatically (Linux 6.16).
     pub const AUTO_BUF_REG: u64 = 1 << 11;
+    /// Zero copy as the engine uses it: each request's pages are put in the fetching
+    /// ring's buffer table by the driver before delivery and taken out at commit.
+    pub const ZERO_COPY: u64 = SUPPORT_ZERO_COPY | AUTO_BUF_REG;
+}
+
+/// What a fetch or commit carries in the SQE's `addr` field under
+/// [`feature::AUTO_BUF_REG`]: the buffer-table slot where the driver registers the
+/// request's pages (bits 0-15; no flags, reserved bits zero).
+pub fn auto_buf_reg(slot: u16) -> u64 {
+    u64::from(slot)
 }
 
 /// Device states (`UBLK_S_DEV_*`).
@@ -303,6 +313,12 @@ impl IoDesc {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_auto_registration_slot_is_the_low_bits_of_addr() {
+        assert_eq!(auto_buf_reg(0x1234), 0x1234);
+        assert_eq!(feature::ZERO_COPY, 0x801);
+    }
 
     #[test]
     fn command_numbers_are_the_drivers_ioctl_encodings() {

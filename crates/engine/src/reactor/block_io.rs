@@ -48,6 +48,10 @@ pub struct BlockIo {
     /// one; 0 for a new command.
     pub route: u8,
     buf: Option<Buf>,
+    /// Instead of `buf`: the slot of the ring's buffer table where the kernel put the
+    /// request's own pages, and their length (ublk zero copy). Only fixed-buffer
+    /// operations reach them, at offsets from 0; Rust never sees their bytes.
+    kernel_buf: Option<(u16, u32)>,
     /// Disk operations queued and not yet completed.
     pending: u32,
     /// Whether another thread has the command and will answer through the mailbox.
@@ -66,6 +70,7 @@ impl BlockIo {
             hold: None,
             route: 0,
             buf: None,
+            kernel_buf: None,
             pending: 0,
             deferred: false,
             transfer_left: 0,
@@ -80,11 +85,19 @@ impl BlockIo {
         self.hold = None;
         self.route = 0;
         self.transfer_left = 0;
+        self.kernel_buf = None;
     }
 
     /// Whether nothing is in flight for this command.
     pub fn is_idle(&self) -> bool {
         self.pending == 0 && !self.deferred
+    }
+
+    /// Gives the command the request pages the kernel registered in buffer-table slot
+    /// `slot`, `len` bytes: reads and writes go there directly.
+    pub fn set_kernel_buf(&mut self, slot: u16, len: u32) {
+        debug_assert!(self.buf.is_none());
+        self.kernel_buf = Some((slot, len));
     }
 
     /// Gives the command a data buffer.
@@ -203,15 +216,18 @@ impl<'a> DiskQueue<'a> {
 
     /// Gives `io` a data buffer of `len` bytes if it has none.
     pub fn give_buf(&mut self, io: &mut BlockIo, len: usize) {
-        if io.buf.is_none() {
+        if io.buf.is_none() && io.kernel_buf.is_none() {
             io.buf = Some(self.reactor.io_buf(len));
         }
     }
 
     fn push(&mut self, io: &mut BlockIo, disk: DiskFd, sqe: io_uring::squeue::Entry) {
         let sqe = sqe.user_data(Op::Disk(self.conn, self.tag).encode());
-        // SAFETY: the entry points either at nothing or into `io`'s buffer, at a range
-        // checked against its capacity by the caller. Counting the operation in
+        // SAFETY: the entry points either at nothing, into `io`'s buffer at a range
+        // checked against its capacity by the caller, or at a range of a buffer-table
+        // slot the kernel filled with a ublk request's pages (checked against their
+        // length; the driver keeps them registered until the request is committed,
+        // which waits for this operation). Counting the operation in
         // `io.pending` keeps that buffer allocated and out of Rust's hands until the
         // completion is reaped (see `BlockIo`), and the ring is dropped before any
         // buffer (see `Reactor`).
@@ -223,8 +239,12 @@ impl<'a> DiskQueue<'a> {
 
     /// The address of `len` bytes at `at` in `io`'s buffer, checked against its size.
     fn buf_range(io: &mut BlockIo, at: usize, len: u32) -> Option<(*mut u8, Option<u16>)> {
-        let b = io.buf.as_mut()?;
         let end = at.checked_add(len as usize)?;
+        if let Some((slot, size)) = io.kernel_buf {
+            // A kernel-registered buffer is addressed by its offset.
+            return (end <= size as usize).then_some((std::ptr::null_mut::<u8>().wrapping_add(at), Some(slot)));
+        }
+        let b = io.buf.as_mut()?;
         if end > b.capacity() {
             return None;
         }

@@ -56,6 +56,9 @@ const RING_ENTRIES: u32 = 1024;
 /// registered buffer stays in the pool for good, so this also bounds what the pool
 /// keeps after a burst: 512 buffers cover 4 queues of 128 commands in flight.
 const REGISTERED_BUFFERS: u32 = 512;
+/// Slots after those, for the ublk driver to put requests' pages in (zero copy): one
+/// per tag of each zero-copy ublk queue on this reactor.
+const ZERO_COPY_SLOTS: u32 = 4096;
 /// Slots in the ring's registered-file table: connection `i` uses slot `i`. Further
 /// connections, or all of them if registration fails, use plain descriptors.
 const REGISTERED_FILES: u32 = 1024;
@@ -380,6 +383,10 @@ struct Reactor {
     /// The eventfd read lands here. Leaked on purpose: the kernel may still write it
     /// while the ring is torn down after the thread exits.
     wake_buf: &'static mut u64,
+    /// Whether the ring has its (sparse) buffer table.
+    buffer_table: bool,
+    /// The zero-copy slots ublk queues hold: (first slot, count).
+    zero_copy_slots: Vec<(u32, u32)>,
     /// Next free slot of the registered-buffer table; `REGISTERED_BUFFERS` once the
     /// table is full or registration is unavailable.
     next_registered: u32,
@@ -449,6 +456,8 @@ impl Reactor {
             rx,
             wake_fd,
             wake_buf: Box::leak(Box::new(0u64)),
+            buffer_table: false,
+            zero_copy_slots: Vec::new(),
             next_registered: 0,
             free_registered: Vec::new(),
             released_while_idle: true,
@@ -491,14 +500,42 @@ impl Reactor {
         let (ring, taskrun_flag) = new_ring()?;
         let mut r = Reactor::new(id, ring, target, links, rx, wake);
         r.taskrun_flag = taskrun_flag;
-        if r.ring.submitter().register_buffers_sparse(REGISTERED_BUFFERS).is_err() {
+        if r.ring.submitter().register_buffers_sparse(REGISTERED_BUFFERS + ZERO_COPY_SLOTS).is_err() {
             r.next_registered = REGISTERED_BUFFERS;
+        } else {
+            r.buffer_table = true;
         }
         r.files_registered = r.ring.submitter().register_files_sparse(REGISTERED_FILES).is_ok();
         Ok(r)
     }
 
     /// An I/O buffer from the pool, registered with the ring when it is new.
+    /// Reserves `count` consecutive zero-copy slots of the buffer table for a ublk
+    /// queue; returns the first.
+    fn reserve_zero_copy_slots(&mut self, count: u32) -> Option<u16> {
+        if !self.buffer_table {
+            return None;
+        }
+        self.zero_copy_slots.sort_unstable();
+        let mut first = REGISTERED_BUFFERS;
+        for &(start, len) in &self.zero_copy_slots {
+            if start >= first + count {
+                break;
+            }
+            first = first.max(start + len);
+        }
+        if first + count > REGISTERED_BUFFERS + ZERO_COPY_SLOTS {
+            return None;
+        }
+        self.zero_copy_slots.push((first, count));
+        u16::try_from(first).ok()
+    }
+
+    /// Gives back the zero-copy slots starting at `first`.
+    fn release_zero_copy_slots(&mut self, first: u16) {
+        self.zero_copy_slots.retain(|&(start, _)| start != u32::from(first));
+    }
+
     fn io_buf(&mut self, len: usize) -> crate::bufpool::Buf {
         let mut buf = self.pool.get(len);
         let slot = || {

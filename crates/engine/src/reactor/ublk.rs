@@ -7,6 +7,11 @@
 //! it delivers the request, and a read's data out of it when the result is committed.
 //! While a tag's command is with the driver, its buffer belongs to the kernel; Rust
 //! touches it only between delivery and commit.
+//!
+//! With zero copy (a file namespace on a driver with `AUTO_BUF_REG`), each tag also
+//! owns a slot of the ring's buffer table: the driver puts the request's own pages
+//! there before delivery and takes them out at commit, and the backend's reads and
+//! writes use the slot directly. The tag's buffer then only carries discard ranges.
 #![allow(unsafe_code)]
 
 use std::os::fd::AsRawFd;
@@ -22,6 +27,7 @@ use crate::local::LocalDevice;
 use crate::local::request;
 use crate::local::uapi::{self, IO_DESC_SIZE, IoCmd, IoDesc, op};
 use crate::nvme::Namespace;
+use crate::nvme::nvm::IoPlan;
 use crate::nvme::subsystem::Counted;
 
 /// Where a tag stands.
@@ -60,6 +66,8 @@ pub(super) struct UblkQueue {
     with_driver: u32,
     /// Tags whose request is with the backend.
     serving: u32,
+    /// With zero copy: the buffer-table slot of tag 0 (tag `t` has `first + t`).
+    zero_copy_slots: Option<u16>,
 }
 
 impl UblkQueue {
@@ -83,12 +91,21 @@ impl UblkQueue {
             let e = std::io::Error::last_os_error();
             return Err(format!("cannot map the descriptors of queue {queue} of /dev/ublkc{}: {e}", device.dev_id));
         }
+        let zero_copy_slots = if device.zero_copy {
+            let Some(first) = r.reserve_zero_copy_slots(u32::from(device.depth)) else {
+                // SAFETY: unmaps the mapping made above, which nothing else uses.
+                unsafe { libc::munmap(ptr, len) };
+                return Err(format!("no room in the reactor's buffer table for {} zero-copy tags", device.depth));
+            };
+            Some(first)
+        } else {
+            None
+        };
+        // Under zero copy the data stays in the request's pages: a tag's buffer only
+        // carries a discard's range.
+        let buf_len = if device.zero_copy { PAGE_SIZE } else { device.max_io_bytes as usize };
         let tags = (0..device.depth)
-            .map(|_| Tag {
-                io: BlockIo::idle(),
-                buf: Some(r.io_buf(device.max_io_bytes as usize)),
-                state: TagState::Ended,
-            })
+            .map(|_| Tag { io: BlockIo::idle(), buf: Some(r.io_buf(buf_len)), state: TagState::Ended })
             .collect();
         Ok(UblkQueue {
             device,
@@ -100,6 +117,7 @@ impl UblkQueue {
             generation: u64::MAX,
             with_driver: 0,
             serving: 0,
+            zero_copy_slots,
         })
     }
 
@@ -127,17 +145,23 @@ impl UblkQueue {
 
     /// Sends tag `tag`'s command with its buffer: a fetch, or a commit of `result`.
     fn send(&mut self, r: &mut Reactor, slot: u32, tag: u16, cmd_op: u32, result: i32) {
+        let zero_copy_slot = self.zero_copy_slots.map(|first| first + tag);
         let t = &mut self.tags[usize::from(tag)];
         let Some(buf) = t.buf.as_mut() else { return };
-        let cmd = IoCmd { queue: self.queue, tag, result, buf_addr: buf.as_mut_ptr() as u64 };
-        let sqe = opcode::UringCmd16::new(types::Fd(self.device.char_dev.as_raw_fd()), cmd_op)
-            .cmd(cmd.encode())
-            .build()
-            .user_data(Op::Local(slot, tag).encode());
-        // SAFETY: the command points at the tag's buffer, which stays in `t.buf` (Rust
-        // leaves it alone) until the command's completion is reaped, and which is
-        // never freed while a command may be with the driver (see `Drop`). The ring is
-        // dropped before the queues.
+        // Under zero copy the driver copies nothing: the command names the slot where
+        // it puts the request's pages instead of a buffer.
+        let buf_addr = if zero_copy_slot.is_some() { 0 } else { buf.as_mut_ptr() as u64 };
+        let cmd = IoCmd { queue: self.queue, tag, result, buf_addr };
+        let mut command =
+            opcode::UringCmd16::new(types::Fd(self.device.char_dev.as_raw_fd()), cmd_op).cmd(cmd.encode());
+        if let Some(s) = zero_copy_slot {
+            command = command.addr(Some(uapi::auto_buf_reg(s)));
+        }
+        let sqe = command.build().user_data(Op::Local(slot, tag).encode());
+        // SAFETY: the command points at the tag's buffer (or, under zero copy, at no
+        // memory of ours), which stays in `t.buf` (Rust leaves it alone) until the
+        // command's completion is reaped, and which is never freed while a command
+        // may be with the driver (see `Drop`). The ring is dropped before the queues.
         unsafe { r.push(sqe) };
         t.state = TagState::Fetching;
         self.with_driver += 1;
@@ -208,11 +232,18 @@ impl UblkQueue {
             }
         };
         t.io.reset(plan);
-        if let Some(mut buf) = t.buf.take() {
-            if desc.op == op::DISCARD {
-                request::discard_range(&desc, ns.block_shift, buf.as_mut_slice());
+        match (self.zero_copy_slots, plan) {
+            (Some(first), IoPlan::Read { len, .. } | IoPlan::Write { len, .. }) => {
+                t.io.set_kernel_buf(first + tag, len)
             }
-            t.io.set_buf(buf);
+            _ => {
+                if let Some(mut buf) = t.buf.take() {
+                    if desc.op == op::DISCARD {
+                        request::discard_range(&desc, ns.block_shift, buf.as_mut_slice());
+                    }
+                    t.io.set_buf(buf);
+                }
+            }
         }
         // Reads land in the tag's buffer, where the driver takes them from.
         let mut queue = DiskQueue::new(r, slot | LOCAL_OWNER, tag, true);
@@ -275,6 +306,9 @@ impl UblkQueue {
 
     /// Gives the tags' buffers back to the reactor's pool once the driver has none.
     pub(super) fn release(mut self, r: &mut Reactor) {
+        if let Some(first) = self.zero_copy_slots.take() {
+            r.release_zero_copy_slots(first);
+        }
         for t in self.tags.iter_mut() {
             if let Some(b) = t.buf.take().or_else(|| t.io.take_buf()) {
                 r.pool.put(b);
