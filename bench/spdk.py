@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""nvpool's engine and SPDK's nvmf_tgt side by side, on the same CPUs, in one run.
+
+Each target runs alone on CPU 0 with a 512 MiB RAM namespace (nvpool: `memory:`, 4 KiB blocks;
+SPDK: a malloc bdev, 4 KiB blocks), one reactor each; the client runs on CPU 1. Both
+targets are driven by both clients: SPDK's `spdk_nvme_perf` and `nvpool bench`. Rounds
+alternate the targets (SPDK busy-polls its core, so they never run together), and each
+figure is the median over rounds with its spread (lowest to highest). The CPU time each
+target used per million I/Os is recorded too (SPDK polls, so its figure is about one
+core-second per second whatever the load).
+
+SPDK comes from `scripts/build-spdk` (target/spdk); without it this says so and exits.
+Writes bench/results/spdk.{md,json}. Run as root (hugepages). Standard library only.
+"""
+import argparse, json, os, signal, statistics, subprocess, sys, tempfile, time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from suite import BIN, REPO, cpu_seconds, free_port, machine, own_network, wait_port  # noqa: E402
+
+SPDK = os.path.join(REPO, "target", "spdk")
+NQN = "nqn.2024-01.io.nvpool:peer"
+RESULTS = os.path.join(REPO, "bench", "results")
+HUGEPAGES = "/proc/sys/vm/nr_hugepages"
+
+
+def spdk_env():
+    return dict(os.environ, LD_LIBRARY_PATH=os.path.join(SPDK, "lib"))
+
+
+class Target:
+    """One target process on CPU 0: `spdk` or `nvpool`."""
+
+    def __init__(self, kind, workdir):
+        self.kind, self.port = kind, free_port()
+        if kind == "spdk":
+            config = {"subsystems": [
+                {"subsystem": "bdev", "config": [
+                    {"method": "bdev_malloc_create",
+                     "params": {"name": "Malloc0", "num_blocks": 131072, "block_size": 4096}}]},
+                {"subsystem": "nvmf", "config": [
+                    {"method": "nvmf_create_transport", "params": {"trtype": "TCP"}},
+                    {"method": "nvmf_create_subsystem", "params": {"nqn": NQN, "allow_any_host": True}},
+                    {"method": "nvmf_subsystem_add_ns", "params": {"nqn": NQN, "namespace": {"bdev_name": "Malloc0"}}},
+                    {"method": "nvmf_subsystem_add_listener", "params": {
+                        "nqn": NQN, "listen_address": {"trtype": "TCP", "adrfam": "IPv4", "traddr": "127.0.0.1",
+                                                       "trsvcid": str(self.port)}}}]}]}
+            path = os.path.join(workdir, "spdk.json")
+            with open(path, "w") as f:
+                json.dump(config, f)
+            cmd = [os.path.join(SPDK, "bin", "nvmf_tgt"), "-m", "0x1", "-s", "1024", "-u",
+                   "-r", os.path.join(workdir, f"spdk-{self.port}.rpc"), "-c", path]
+            self.proc = subprocess.Popen(cmd, env=spdk_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        else:
+            cmd = [BIN, "engine", "--listen", f"127.0.0.1:{self.port}", "--subsystem", NQN,
+                   "--namespace", "memory:512MiB", "--block-size", "4096", "--cores", "0", "--discovery-port", "0",
+                   "--mgmt-socket", os.path.join(workdir, f"engine-{self.port}.sock")]
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_port(self.port, timeout=30)
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def spdk_perf(port, workload, bs, qd, args):
+    """spdk_nvme_perf's `Total` line: IOPS and mean latency (us)."""
+    trid = f"trtype:TCP adrfam:IPv4 traddr:127.0.0.1 trsvcid:{port} subnqn:{NQN} ns:1"
+    cmd = [os.path.join(SPDK, "bin", "spdk_nvme_perf"), "-c", "0x2", "-q", str(qd), "-o", str(bs), "-w", workload,
+           "-t", str(args.duration), "-r", trid]
+    out = subprocess.run(cmd, env=spdk_env(), capture_output=True, text=True, timeout=120)
+    total = [line for line in out.stdout.splitlines() if line.strip().startswith("Total")]
+    if out.returncode != 0 or not total:
+        raise SystemExit(f"spdk_nvme_perf failed: {' '.join(cmd)}\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    fields = total[-1].split(":", 1)[1].split()
+    return {"iops": float(fields[0]), "mean_us": float(fields[2])}
+
+
+def nvpool_bench(port, workload, bs, qd, args):
+    cmd = [BIN, "bench", "--target", f"127.0.0.1:{port}", "--nqn", NQN, "--workload", workload, "--bs", str(bs),
+           "--qd", str(qd), "--duration", str(args.duration), "--warmup", "1", "--core", "1", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise SystemExit(f"nvpool bench failed: {' '.join(cmd)}\n{out.stderr}")
+    r = json.loads(out.stdout)
+    return {"iops": r["iops"], "mean_us": r["latency"]["mean_us"]}
+
+
+def hugepages(n):
+    if not os.path.ismount("/dev/hugepages"):
+        os.makedirs("/dev/hugepages", exist_ok=True)
+        subprocess.run(["mount", "-t", "hugetlbfs", "nodev", "/dev/hugepages"], check=True)
+    with open(HUGEPAGES, "w") as f:
+        f.write(str(n))
+
+
+def spread(values):
+    return {"median": statistics.median(values), "low": min(values), "high": max(values)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--duration", type=int, default=4)
+    p.add_argument("--all", action="store_true", help="also 4 KiB random writes and 128 KiB reads")
+    args = p.parse_args()
+    if not os.path.exists(os.path.join(SPDK, "bin", "nvmf_tgt")):
+        print("SPDK was not built: run scripts/build-spdk for the SPDK columns")
+        return
+    if os.geteuid() != 0:
+        raise SystemExit("run as root: SPDK needs hugepages")
+    own_network()
+    configs = [("randread", 4096, qd) for qd in (1, 32, 128)]
+    if args.all:
+        configs += [("randwrite", 4096, qd) for qd in (1, 32, 128)] + [("read", 131072, qd) for qd in (1, 32)]
+    clients = {"spdk_nvme_perf": spdk_perf, "nvpool bench": nvpool_bench}
+    before = open(HUGEPAGES).read().strip()
+    hugepages(1024)
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory() as work:
+            for workload, bs, qd in configs:
+                samples = {(t, c): [] for t in ("spdk", "nvpool") for c in clients}
+                cpu = {t: [] for t in ("spdk", "nvpool")}
+                for rnd in range(args.rounds):
+                    order = ("spdk", "nvpool") if rnd % 2 == 0 else ("nvpool", "spdk")
+                    for kind in order:
+                        target = Target(kind, work)
+                        try:
+                            for client, run in clients.items():
+                                c0 = cpu_seconds(target.proc.pid)
+                                r = run(target.port, workload, bs, qd, args)
+                                used = cpu_seconds(target.proc.pid) - c0
+                                samples[(kind, client)].append(r)
+                                # Per million I/Os (the warm-up is in the CPU time too:
+                                # both targets pay it alike).
+                                cpu[kind].append(used / (r["iops"] * args.duration) * 1e6)
+                        finally:
+                            target.stop()
+                row = {"workload": workload, "bs": bs, "qd": qd, "figures": {}, "cpu_s_per_million": {}}
+                for (kind, client), rs in samples.items():
+                    row["figures"][f"{kind} / {client}"] = {"iops": spread([r["iops"] for r in rs]),
+                                                            "mean_us": spread([r["mean_us"] for r in rs])}
+                for kind, v in cpu.items():
+                    row["cpu_s_per_million"][kind] = statistics.median(v)
+                rows.append(row)
+                print(json.dumps(row))
+    finally:
+        with open(HUGEPAGES, "w") as f:
+            f.write(before)
+    report(rows, args)
+
+
+def report(rows, args):
+    m = machine()
+    lines = [
+        "# nvpool's engine and SPDK side by side", "",
+        f"`bench/spdk.py`: revision {m['revision']}, {m['date']}, {m['cpu']} ({m['cpus']} CPUs), kernel "
+        f"{m['kernel']}. Each target alone on CPU 0 with a 512 MiB RAM namespace (4 KiB blocks), the client on "
+        f"CPU 1; {args.rounds} rounds of {args.duration} s, targets alternated. Medians, with the lowest and "
+        "highest round in brackets. Ratios are nvpool over SPDK (IOPS: above 1 is better; latency: below 1 is "
+        "better).", "",
+        "| workload | client | SPDK IOPS | nvpool IOPS | IOPS ratio | SPDK mean us | nvpool mean us | latency ratio |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    fmt = lambda s, d=0: f"{s['median']:,.{d}f} [{s['low']:,.{d}f}-{s['high']:,.{d}f}]"
+    for r in rows:
+        for client in ("spdk_nvme_perf", "nvpool bench"):
+            s, n = r["figures"][f"spdk / {client}"], r["figures"][f"nvpool / {client}"]
+            lines.append(
+                f"| {r['workload']} {r['bs'] // 1024}K QD{r['qd']} | {client} | {fmt(s['iops'])} | {fmt(n['iops'])} | "
+                f"**{n['iops']['median'] / s['iops']['median']:.2f}x** | {fmt(s['mean_us'], 1)} | "
+                f"{fmt(n['mean_us'], 1)} | **{n['mean_us']['median'] / s['mean_us']['median']:.2f}x** |")
+    lines += ["", "CPU time per million I/Os (target process, median over its runs):", "",
+              "| workload | SPDK s | nvpool s |", "|---|---:|---:|"]
+    for r in rows:
+        c = r["cpu_s_per_million"]
+        lines.append(f"| {r['workload']} {r['bs'] // 1024}K QD{r['qd']} | {c['spdk']:.2f} | {c['nvpool']:.2f} |")
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "spdk.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(RESULTS, "spdk.json"), "w") as f:
+        json.dump({"machine": m, "rows": rows}, f, indent=1)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
