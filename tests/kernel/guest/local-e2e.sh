@@ -142,14 +142,6 @@ TCP=
 for b in /sys/block/${C}n*; do [ "$(cat $b/nsid)" = 1 ] && TCP=/dev/${b##*/}; done
 wait_for 20 test -b "$TCP" || fail "no NVMe/TCP block device"
 : > /host/figures.txt
-measure() {   # measure NAME FILE DEPTH
-    fio --name=$1 --filename=$2 --ioengine=io_uring --direct=1 --rw=randread --bs=4k --iodepth=$3 \
-        --size=64M --runtime=4 --time_based --output-format=terse --terse-version=3 > /tmp/terse.txt 2>/dev/null \
-        || fail "fio on $2"
-    # terse v3: field 8 read IOPS, 40 read mean completion latency (us)
-    iops=$(cut -d';' -f8 /tmp/terse.txt); lat=$(cut -d';' -f40 /tmp/terse.txt)
-    printf '%-10s QD%-3s %8s IOPS  %10s us mean\n' $1 $3 $iops $lat | tee -a /host/figures.txt
-}
 # The kernel's own loop device on the same file: what a block device in front of this
 # file costs without the engine.
 modprobe loop 2>/dev/null

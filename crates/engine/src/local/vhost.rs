@@ -406,7 +406,11 @@ impl Session {
         self.links[running.reactor].send(Msg::VhostStop { id: running.id, done: tx });
         match rx.recv_timeout(RING_PATIENCE) {
             Ok(next) => v.base = next,
-            Err(_) => tracing::warn!(device = ?self.device, queue = index, "a virtqueue did not drain within 10 s"),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                tracing::warn!(device = ?self.device, queue = index, "a virtqueue did not drain within 10 s")
+            }
+            // The reactor no longer had it (it ended with its reactor): nothing to drain.
+            Err(mpsc::RecvTimeoutError::Disconnected) => {}
         }
         v.base
     }
