@@ -99,6 +99,7 @@ fn io(node: &Node, nqn: &str, seed: u64, write: bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn access_points_follow_the_policies_and_move_off_a_dead_node() {
     let root = tempfile::tempdir().unwrap();
+    let _logs = LogsOnFailure(root.path());
     let store = format!("redb:{}", root.path().join("controller.redb").display());
     let controller = start_controller(root.path(), &store, free_port(), "1");
     let mut nodes_: Vec<Node> = ["n1", "n2", "n3", "n4"].iter().map(|n| Node::new(root.path(), n, 1 << 30)).collect();

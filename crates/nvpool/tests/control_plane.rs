@@ -90,6 +90,7 @@ fn engine_volume_count(node: &Node) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_nodes_place_survive_restarts_and_reconcile() {
     let root = tempfile::tempdir().unwrap();
+    let _logs = LogsOnFailure(root.path());
     let store = format!("redb:{}", root.path().join("controller.redb").display());
     let port = free_port();
     let mut controller = start_controller(root.path(), &store, port, "1");
@@ -297,6 +298,7 @@ fn sorted(mut v: Vec<String>) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_clear_errors_and_leaves_nothing_behind() {
     let root = tempfile::tempdir().unwrap();
+    let _logs = LogsOnFailure(root.path());
     let etcd = nvpool_control::testkit::Etcd::start(root.path().to_path_buf());
     let mut etcd = etcd;
     let controller = start_controller(root.path(), &format!("etcd:{}", etcd.client_url), free_port(), "1");

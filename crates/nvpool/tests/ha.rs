@@ -33,6 +33,7 @@ async fn leader(addresses: &[String]) -> Option<usize> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leader_dies_under_a_stream_of_creates() {
     let root = tempfile::tempdir().unwrap();
+    let _logs = LogsOnFailure(root.path());
     let etcd = Etcd::start(root.path().to_path_buf());
     let store = format!("etcd:{}", etcd.client_url);
     let mut controllers: Vec<ControllerProc> =

@@ -27,6 +27,7 @@ async fn attach(c: &Controllers, host: &str, local_node: &str) -> Result<proto::
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_that_cannot_have_a_local_device_gets_nvme_tcp_paths_and_the_reason() {
     let root = tempfile::tempdir().unwrap();
+    let _logs = LogsOnFailure(root.path());
     let store = format!("redb:{}", root.path().join("controller.redb").display());
     let controller = start_controller(root.path(), &store, free_port(), "1");
     let mut nodes_: Vec<Node> = ["n1", "n2"].iter().map(|n| Node::new(root.path(), n, 1 << 30)).collect();

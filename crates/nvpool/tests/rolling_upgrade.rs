@@ -44,6 +44,7 @@ impl Drop for StopEngines {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_engine_is_upgraded_in_turn_under_a_writing_host() {
     let root = tempfile::tempdir().unwrap();
+    let _logs = LogsOnFailure(root.path());
     let store = format!("redb:{}", root.path().join("controller.redb").display());
     let controller = start_controller(root.path(), &store, free_port(), "1");
     let mut nodes_: Vec<Node> = ["n1", "n2", "n3"].iter().map(|n| Node::new(root.path(), n, 1 << 30)).collect();

@@ -36,6 +36,37 @@ pub async fn wait_for<T>(what: &str, limit: Duration, mut f: impl AsyncFnMut() -
     }
 }
 
+/// Prints the end of every process log under a test's directory if the test fails,
+/// so that a failure on a CI machine says what the processes were doing. Declare it
+/// after the directory, so that it is dropped first.
+pub struct LogsOnFailure<'a>(pub &'a Path);
+
+impl Drop for LogsOnFailure<'_> {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let mut logs: Vec<PathBuf> =
+            walk(self.0).into_iter().filter(|p| p.extension().is_some_and(|e| e == "log")).collect();
+        logs.sort();
+        for path in logs {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(40)..];
+            eprintln!("----- the last {} lines of {} -----\n{}", tail.len(), path.display(), tail.join("\n"));
+        }
+    }
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() { out.extend(walk(&path)) } else { out.push(path) }
+    }
+    out
+}
+
 /// A child process killed (SIGKILL) when dropped.
 pub struct Proc(Option<Child>);
 
