@@ -15,12 +15,11 @@ Writes bench/results/spdk.{md,json}. Run as root (hugepages). Standard library o
 import argparse, json, os, signal, statistics, subprocess, sys, tempfile, time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from suite import BIN, REPO, cpu_seconds, free_port, machine, own_network, wait_port  # noqa: E402
+from suite import BIN, REPO, cpu_seconds, free_port, hugepages, machine, own_network, wait_port  # noqa: E402
 
 SPDK = os.path.join(REPO, "target", "spdk")
 NQN = "nqn.2024-01.io.nvpool:peer"
 RESULTS = os.path.join(REPO, "bench", "results")
-HUGEPAGES = "/proc/sys/vm/nr_hugepages"
 
 
 def spdk_env():
@@ -89,14 +88,6 @@ def nvpool_bench(port, workload, bs, qd, args):
     return {"iops": r["iops"], "mean_us": r["latency"]["mean_us"]}
 
 
-def hugepages(n):
-    if not os.path.ismount("/dev/hugepages"):
-        os.makedirs("/dev/hugepages", exist_ok=True)
-        subprocess.run(["mount", "-t", "hugetlbfs", "nodev", "/dev/hugepages"], check=True)
-    with open(HUGEPAGES, "w") as f:
-        f.write(str(n))
-
-
 def spread(values):
     return {"median": statistics.median(values), "low": min(values), "high": max(values)}
 
@@ -117,10 +108,9 @@ def main():
     if args.all:
         configs += [("randwrite", 4096, qd) for qd in (1, 32, 128)] + [("read", 131072, qd) for qd in (1, 32)]
     clients = {"spdk_nvme_perf": spdk_perf, "nvpool bench": nvpool_bench}
-    before = open(HUGEPAGES).read().strip()
-    hugepages(1024)
     rows = []
-    try:
+    # SPDK's memory (-s 1024) and either target's 512 MiB namespace.
+    with hugepages(1024):
         with tempfile.TemporaryDirectory() as work:
             for workload, bs, qd in configs:
                 samples = {(t, c): [] for t in ("spdk", "nvpool") for c in clients}
@@ -148,9 +138,6 @@ def main():
                     row["cpu_s_per_million"][kind] = statistics.median(v)
                 rows.append(row)
                 print(json.dumps(row))
-    finally:
-        with open(HUGEPAGES, "w") as f:
-            f.write(before)
     report(rows, args)
 
 
