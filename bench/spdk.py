@@ -19,6 +19,7 @@ from suite import BIN, REPO, cpu_seconds, free_port, hugepages, machine, own_net
 
 SPDK = os.path.join(REPO, "target", "spdk")
 NQN = "nqn.2024-01.io.nvpool:peer"
+FLOW_CONTROL_ON = "nvpool bench, SQ flow control on"
 RESULTS = os.path.join(REPO, "bench", "results")
 
 
@@ -75,17 +76,21 @@ def spdk_perf(port, workload, bs, qd, args):
     if out.returncode != 0 or not total:
         raise SystemExit(f"spdk_nvme_perf failed: {' '.join(cmd)}\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
     fields = total[-1].split(":", 1)[1].split()
-    return {"iops": float(fields[0]), "mean_us": float(fields[2])}
+    return {"iops": float(fields[0]), "mean_us": float(fields[2]), "loaded_s": args.duration}
 
 
-def nvpool_bench(port, workload, bs, qd, args):
+def nvpool_bench(port, workload, bs, qd, args, sq_flow_control=False):
+    """`nvpool bench`; by default it disables SQ flow control, so both targets answer a
+    read with one PDU. With it on (as the Linux host and spdk_nvme_perf keep it), nvpool
+    sends the data and a response capsule, two PDUs, where SPDK still sends one."""
     cmd = [BIN, "bench", "--target", f"127.0.0.1:{port}", "--nqn", NQN, "--workload", workload, "--bs", str(bs),
            "--qd", str(qd), "--duration", str(args.duration), "--warmup", "1", "--core", "1", "--json"]
+    cmd += ["--sq-flow-control"] if sq_flow_control else []
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if out.returncode != 0:
         raise SystemExit(f"nvpool bench failed: {' '.join(cmd)}\n{out.stderr}")
     r = json.loads(out.stdout)
-    return {"iops": r["iops"], "mean_us": r["latency"]["mean_us"]}
+    return {"iops": r["iops"], "mean_us": r["latency"]["mean_us"], "loaded_s": args.duration + 1}
 
 
 def spread(values):
@@ -107,14 +112,15 @@ def main():
     configs = [("randread", 4096, qd) for qd in (1, 32, 128)]
     if args.all:
         configs += [("randwrite", 4096, qd) for qd in (1, 32, 128)] + [("read", 131072, qd) for qd in (1, 32)]
-    clients = {"spdk_nvme_perf": spdk_perf, "nvpool bench": nvpool_bench}
+    clients = {"spdk_nvme_perf": spdk_perf, "nvpool bench": nvpool_bench,
+               FLOW_CONTROL_ON: lambda *a: nvpool_bench(*a, sq_flow_control=True)}
     rows = []
     # SPDK's memory (-s 1024) and either target's 512 MiB namespace.
     with hugepages(1024):
         with tempfile.TemporaryDirectory() as work:
             for workload, bs, qd in configs:
                 samples = {(t, c): [] for t in ("spdk", "nvpool") for c in clients}
-                cpu = {t: [] for t in ("spdk", "nvpool")}
+                cpu = {(t, c): [] for t in ("spdk", "nvpool") for c in clients}
                 for rnd in range(args.rounds):
                     order = ("spdk", "nvpool") if rnd % 2 == 0 else ("nvpool", "spdk")
                     for kind in order:
@@ -125,17 +131,25 @@ def main():
                                 r = run(target.port, workload, bs, qd, args)
                                 used = cpu_seconds(target.proc.pid) - c0
                                 samples[(kind, client)].append(r)
-                                # Per million I/Os (the warm-up is in the CPU time too:
-                                # both targets pay it alike).
-                                cpu[kind].append(used / (r["iops"] * args.duration) * 1e6)
+                                # Per million I/Os, counting the client's warm-up.
+                                cpu[(kind, client)].append(used / (r["iops"] * r["loaded_s"]) * 1e6)
                         finally:
                             target.stop()
-                row = {"workload": workload, "bs": bs, "qd": qd, "figures": {}, "cpu_s_per_million": {}}
+                row = {"workload": workload, "bs": bs, "qd": qd, "figures": {}, "cpu_s_per_million": {},
+                       "second_pdu": {}}
                 for (kind, client), rs in samples.items():
                     row["figures"][f"{kind} / {client}"] = {"iops": spread([r["iops"] for r in rs]),
                                                             "mean_us": spread([r["mean_us"] for r in rs])}
-                for kind, v in cpu.items():
-                    row["cpu_s_per_million"][kind] = statistics.median(v)
+                    row["cpu_s_per_million"][f"{kind} / {client}"] = statistics.median(cpu[(kind, client)])
+                # What the response capsule after a read's data costs nvpool: the same
+                # target instance, runs moments apart, taken round by round.
+                one, two = samples[("nvpool", "nvpool bench")], samples[("nvpool", FLOW_CONTROL_ON)]
+                c1, c2 = cpu[("nvpool", "nvpool bench")], cpu[("nvpool", FLOW_CONTROL_ON)]
+                row["second_pdu"] = {
+                    "iops_ratio": spread([b["iops"] / a["iops"] for a, b in zip(one, two)]),
+                    "mean_us_added": spread([b["mean_us"] - a["mean_us"] for a, b in zip(one, two)]),
+                    "target_cpu_ratio": spread([b / a for a, b in zip(c1, c2)]),
+                }
                 rows.append(row)
                 print(json.dumps(row))
     report(rows, args)
@@ -155,17 +169,27 @@ def report(rows, args):
     ]
     fmt = lambda s, d=0: f"{s['median']:,.{d}f} [{s['low']:,.{d}f}-{s['high']:,.{d}f}]"
     for r in rows:
-        for client in ("spdk_nvme_perf", "nvpool bench"):
+        for client in ("spdk_nvme_perf", "nvpool bench", FLOW_CONTROL_ON):
             s, n = r["figures"][f"spdk / {client}"], r["figures"][f"nvpool / {client}"]
             lines.append(
                 f"| {r['workload']} {r['bs'] // 1024}K QD{r['qd']} | {client} | {fmt(s['iops'])} | {fmt(n['iops'])} | "
                 f"**{n['iops']['median'] / s['iops']['median']:.2f}x** | {fmt(s['mean_us'], 1)} | "
                 f"{fmt(n['mean_us'], 1)} | **{n['mean_us']['median'] / s['mean_us']['median']:.2f}x** |")
-    lines += ["", "CPU time per million I/Os (target process, median over its runs):", "",
-              "| workload | SPDK s | nvpool s |", "|---|---:|---:|"]
+    lines += ["", "CPU time per million I/Os (target process, median over its runs), under each client:", "",
+              "| workload | client | SPDK s | nvpool s |", "|---|---|---:|---:|"]
     for r in rows:
         c = r["cpu_s_per_million"]
-        lines.append(f"| {r['workload']} {r['bs'] // 1024}K QD{r['qd']} | {c['spdk']:.2f} | {c['nvpool']:.2f} |")
+        for client in ("spdk_nvme_perf", "nvpool bench", FLOW_CONTROL_ON):
+            lines.append(f"| {r['workload']} {r['bs'] // 1024}K QD{r['qd']} | {client} | "
+                         f"{c[f'spdk / {client}']:.2f} | {c[f'nvpool / {client}']:.2f} |")
+    lines += ["", "The second PDU: nvpool's engine under `nvpool bench` with SQ flow control on (a read is "
+              "answered with C2HData and a response capsule) over off (C2HData with SUCCESS alone); per-round "
+              "ratios, medians [lowest-highest]. Writes have a response capsule either way.", "",
+              "| workload | IOPS ratio | mean latency added us | target CPU per I/O ratio |", "|---|---:|---:|---:|"]
+    for r in rows:
+        d = r["second_pdu"]
+        lines.append(f"| {r['workload']} {r['bs'] // 1024}K QD{r['qd']} | {fmt(d['iops_ratio'], 2)} | "
+                     f"{fmt(d['mean_us_added'], 1)} | {fmt(d['target_cpu_ratio'], 2)} |")
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "spdk.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -82,6 +82,10 @@ pub struct Options {
     pub span: Option<u64>,
     /// Report IOPS and the slowest I/O of every window this long, too.
     pub timeline: Option<Duration>,
+    /// Keep SQ flow control on, as the Linux host does by default: a target then
+    /// answers each read with its data and a response capsule, two PDUs. Off, a read's
+    /// last C2HData PDU may carry SUCCESS and stand for the response.
+    pub sq_flow_control: bool,
 }
 
 /// One window of a run's timeline.
@@ -290,7 +294,10 @@ pub fn run(o: &Options) -> Result<Report, String> {
     for i in 0..o.connections {
         let q = Queue::connect(
             o.target,
-            &ConnectOptions { disable_sq_flow_control: true, ..admin_opts.io(i as u16 + 1, admin.cntlid, sqsize) },
+            &ConnectOptions {
+                disable_sq_flow_control: !o.sq_flow_control,
+                ..admin_opts.io(i as u16 + 1, admin.cntlid, sqsize)
+            },
         )
         .map_err(|e| format!("connecting I/O queue {}: {e}", i + 1))?;
         let maxh2cdata = q.icresp.maxdata.max(tcp::MIN_MAXH2CDATA) as usize;

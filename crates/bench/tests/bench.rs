@@ -27,6 +27,7 @@ fn options(target: std::net::SocketAddr, nqn: &str, workload: Workload, io_size:
         digests: Digests::default(),
         span: Some(8 << 20),
         timeline: Some(Duration::from_millis(100)),
+        sq_flow_control: false,
     }
 }
 
@@ -84,19 +85,25 @@ fn verifies_data_through_the_engine() {
     let l = &engine.listeners()[0];
     let addr = std::net::SocketAddr::new(l.addr, l.port);
     // Sequential writes stamp every block, then random reads and a mixed load check
-    // every block they read, with and without digests, in-capsule and through R2T.
+    // every block they read, with and without digests, in-capsule and through R2T, and
+    // with SQ flow control on (reads then end with a response capsule) or off.
     let mut o = options(addr, nqn, Workload::Write, 65536, true);
     o.duration = Duration::from_millis(800);
     let w = run(&o).unwrap();
     assert!(w.ios > 0 && w.errors == 0);
-    for (workload, bs, digests) in
-        [(Workload::RandRead, 4096, false), (Workload::RandRw, 8192, true), (Workload::RandRw, 32768, false)]
-    {
+    for (workload, bs, digests, sq_flow_control) in [
+        (Workload::RandRead, 4096, false, false),
+        (Workload::RandRead, 4096, false, true),
+        (Workload::RandRw, 8192, true, false),
+        (Workload::RandRw, 8192, true, true),
+        (Workload::RandRw, 32768, false, false),
+    ] {
         let mut o = options(addr, nqn, workload, bs, true);
         o.digests = Digests { header: digests, data: digests };
+        o.sq_flow_control = sq_flow_control;
         let rep = run(&o).unwrap();
         assert!(rep.ios > 0, "{rep:?}");
-        assert_eq!((rep.errors, rep.verify_failures), (0, 0), "{workload:?} {bs}");
+        assert_eq!((rep.errors, rep.verify_failures), (0, 0), "{workload:?} {bs} flow control {sq_flow_control}");
     }
     // A wrong block size is refused with a reason.
     let e = run(&options(addr, nqn, Workload::RandRead, 1000, false)).unwrap_err();

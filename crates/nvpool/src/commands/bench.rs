@@ -62,6 +62,11 @@ pub struct BenchArgs {
     /// Also report IOPS and the slowest I/O of every window of this many milliseconds.
     #[arg(long)]
     timeline_ms: Option<u64>,
+    /// Keep SQ flow control on, as the Linux host does unless told `disable_sqflow`:
+    /// each read is then answered with C2HData and a response capsule, two PDUs
+    /// (the default asks for one, as SPDK's host does).
+    #[arg(long)]
+    sq_flow_control: bool,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -143,6 +148,7 @@ fn bench_nvme(
         digests: nvpool_wire::tcp::Digests { header: a.digests, data: a.digests },
         span: a.span,
         timeline: a.timeline_ms.map(Duration::from_millis),
+        sq_flow_control: a.sq_flow_control,
     };
     nvpool_bench::load::run(&o)
 }
