@@ -141,6 +141,11 @@ def main():
                     row["figures"][f"{kind} / {client}"] = {"iops": spread([r["iops"] for r in rs]),
                                                             "mean_us": spread([r["mean_us"] for r in rs])}
                     row["cpu_s_per_million"][f"{kind} / {client}"] = statistics.median(cpu[(kind, client)])
+                # nvpool over SPDK round by round: both ran in the same round, moments apart.
+                row["ratios"] = {client: {
+                    "iops": spread([n["iops"] / p["iops"] for p, n in zip(samples[("spdk", client)], samples[("nvpool", client)])]),
+                    "mean_us": spread([n["mean_us"] / p["mean_us"] for p, n in zip(samples[("spdk", client)], samples[("nvpool", client)])]),
+                } for client in clients}
                 # What the response capsule after a read's data costs nvpool: the same
                 # target instance, runs moments apart, taken round by round.
                 one, two = samples[("nvpool", "nvpool bench")], samples[("nvpool", FLOW_CONTROL_ON)]
@@ -153,6 +158,34 @@ def main():
                 rows.append(row)
                 print(json.dumps(row))
     report(rows, args)
+
+
+# Issue 22's goals, nvpool over SPDK: (client, IOPS at least this at QD32 and QD128,
+# mean latency at most this at QD1).
+GOALS = [("nvpool bench", 1.5, 0.8), ("spdk_nvme_perf", 1.1, 0.9)]
+
+
+def goal_lines(rows):
+    """The goals, each as its median per-round ratio with the rounds' range; a goal is
+    met when the median meets it, and the lead is clear when no round crosses parity."""
+    lines = ["| workload | client | measure | goal | nvpool / SPDK, per round | met | lead clear of the spread |",
+             "|---|---|---|---:|---:|---|---|"]
+    for r in rows:
+        for client, iops_goal, latency_goal in GOALS:
+            if "ratios" not in r:
+                continue
+            if r["qd"] == 1:
+                measure, goal, x = "mean latency", latency_goal, r["ratios"][client]["mean_us"]
+                met, clear = x["median"] <= goal, x["high"] < 1
+                sign = "≤"
+            else:
+                measure, goal, x = "IOPS", iops_goal, r["ratios"][client]["iops"]
+                met, clear = x["median"] >= goal, x["low"] > 1
+                sign = "≥"
+            lines.append(f"| {r['workload']} {r['bs'] // 1024}K QD{r['qd']} | {client} | {measure} | {sign} {goal}x | "
+                         f"**{x['median']:.2f}x** [{x['low']:.2f}-{x['high']:.2f}] | {'yes' if met else 'no'} | "
+                         f"{'yes' if clear else 'no'} |")
+    return lines
 
 
 def report(rows, args):
@@ -175,6 +208,7 @@ def report(rows, args):
                 f"| {r['workload']} {r['bs'] // 1024}K QD{r['qd']} | {client} | {fmt(s['iops'])} | {fmt(n['iops'])} | "
                 f"**{n['iops']['median'] / s['iops']['median']:.2f}x** | {fmt(s['mean_us'], 1)} | "
                 f"{fmt(n['mean_us'], 1)} | **{n['mean_us']['median'] / s['mean_us']['median']:.2f}x** |")
+    lines += ["", "The goals (issue 22), as per-round ratios:", ""] + goal_lines(rows)
     lines += ["", "CPU time per million I/Os (target process, median over its runs), under each client:", "",
               "| workload | client | SPDK s | nvpool s |", "|---|---|---:|---:|"]
     for r in rows:
