@@ -209,6 +209,7 @@ def machine():
     dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
     return {"cpu": model, "cpus": os.cpu_count(), "memory_gib": round(int(mem) / 2**20, 1),
             "kernel": platform.release(), "tcp_congestion_control": tcp_congestion_control(), "revision": rev + ("-dirty" if dirty else ""),
+            "hugepages_reserved": int(open(HUGEPAGES).read()),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
@@ -461,7 +462,9 @@ def write_outputs(results, args):
           f"taken within a round, then the median over rounds; IOPS columns are medians of their own.",
           f"The disk's interrupts go to CPU {', '.join(map(str, m.get('disk_interrupt_cpus') or ['?']))}. fio runs on CPU {args.bench_core} "
           f"(\"fio\", the native figure) and again on the reactor's CPU {args.target_core} (\"fio @reactor CPU\").",
-          f"TCP congestion control: {m.get('tcp_congestion_control', '?')}.", "",
+          f"TCP congestion control: {m.get('tcp_congestion_control', '?')}. Huge pages reserved: "
+          f"{m.get('hugepages_reserved', '?')} (the memory backend's 1 GiB namespace is on them when 512 are free). "
+          "Goal ratios (issue 22: memory ≥ 90% of the responder) in bold.", "",
           "| workload | bare loop IOPS | responder | null | memory | file | fio (native file) | fio @reactor CPU | resp. / bare | null / resp. | memory / resp. | file / fio | file / fio @reactor CPU | mean latency us: resp. / null / file / fio | added us: null − resp. / file − fio |",
           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for c in CONFIGS:
@@ -472,7 +475,7 @@ def write_outputs(results, args):
         rb = f"{q['responder/bare']:.0%}" if "responder/bare" in q else "–"
         added = f"{a['null']:+.1f} / {a['file']:+.1f}" if a else "–"
         md.append(f"| {label(*c)} | {bare} | {i['responder']:,.0f} | {i['null']:,.0f} | {i['memory']:,.0f} | {i['file']:,.0f} | {i['fio']:,.0f} | "
-                  f"{i['fio-reactor-core']:,.0f} | {rb} | {q['null']:.0%} | {q['memory']:.0%} | {q['file/fio']:.0%} | {q['file/fio-reactor-core']:.0%} | "
+                  f"{i['fio-reactor-core']:,.0f} | {rb} | {q['null']:.0%} | **{q['memory']:.0%}** | {q['file/fio']:.0%} | {q['file/fio-reactor-core']:.0%} | "
                   f"{l['responder']:.1f} / {l['null']:.1f} / {l['file']:.1f} / {l['fio']:.1f} | {added} |")
     if results.get("scaling"):
         md += ["", "Scaling (null backend, 4 KiB random read, QD32 per connection; the generator shares CPU 1 with the second reactor):", "",
@@ -496,6 +499,16 @@ def write_outputs(results, args):
     md += ["", "Engine CPU per million I/Os (all configurations; a polling reactor counts its polling): " + ", ".join(
         f"{b} {v:.2f} s" for b, v in results["engine_cpu_s_per_million_ios"].items() if v), "",
         "![IOPS as a fraction of the machine's limit](results.svg)", ""]
+    # SPDK side by side (bench/spdk.py, run after this suite by scripts/bench), and the
+    # hand-kept list of what changed, each change with its A/B figure.
+    for name, title, missing in (("spdk.md", "SPDK side by side", "SPDK was not built: run scripts/build-spdk, then scripts/bench, for the SPDK columns."),
+                                 ("changes.md", "What changed", None)):
+        path = os.path.join(args.out, name)
+        if os.path.exists(path):
+            body = open(path).read().splitlines()
+            md += [f"## {title}", ""] + [l for l in body if not l.startswith("# ")] + [""]
+        elif missing:
+            md += [f"## {title}", "", missing, ""]
     open(os.path.join(args.out, "results.md"), "w").write("\n".join(md))
     print("\n".join(md))
 
