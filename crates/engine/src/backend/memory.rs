@@ -6,8 +6,7 @@
 //! (`vm.nr_hugepages`) and the size is a multiple of one, as SPDK's malloc bdev is on
 //! DPDK's huge pages; otherwise on ordinary pages. Random I/O over a large namespace
 //! on 4 KiB pages misses the TLB on nearly every command, and under a hypervisor each
-//! miss is a two-level page walk: huge pages took 4 KiB random reads at depth from
-//! 256k to 725k IOPS on one reactor here (see `bench/results/results.md`).
+//! miss is a two-level page walk (see "What changed" in `bench/results/results.md`).
 #![allow(unsafe_code)]
 
 use std::fs::File;
