@@ -162,10 +162,11 @@ def hugepages(n):
         print(f"note: cannot reserve {n} huge pages ({e})", file=sys.stderr)
         yield
         return
-    if not os.path.ismount("/dev/hugepages"):
-        os.makedirs("/dev/hugepages", exist_ok=True)
-        subprocess.run(["mount", "-t", "hugetlbfs", "nodev", "/dev/hugepages"], check=True)
     try:
+        # SPDK's DPDK maps its pages from hugetlbfs; the engine's memfds need no mount.
+        if not os.path.ismount("/dev/hugepages"):
+            os.makedirs("/dev/hugepages", exist_ok=True)
+            subprocess.run(["mount", "-t", "hugetlbfs", "nodev", "/dev/hugepages"], check=True)
         yield
     finally:
         with open(HUGEPAGES, "w") as f:
@@ -505,8 +506,8 @@ def write_outputs(results, args):
                                  ("changes.md", "What changed", None)):
         path = os.path.join(args.out, name)
         if os.path.exists(path):
-            body = open(path).read().splitlines()
-            md += [f"## {title}", ""] + [l for l in body if not l.startswith("# ")] + [""]
+            body = "\n".join(l for l in open(path).read().splitlines() if not l.startswith("# ")).strip()
+            md += [f"## {title}", "", body, ""]
         elif missing:
             md += [f"## {title}", "", missing, ""]
     open(os.path.join(args.out, "results.md"), "w").write("\n".join(md))
