@@ -6,6 +6,11 @@ wait_for() {   # wait_for SECONDS TEST...
     while [ $n -gt 0 ]; do "$@" && return 0; sleep 0.1; n=$((n - 1)); done
     return 1
 }
+# Fails if the kernel oopsed: a driver bug our timing can trigger must not pass unseen.
+no_oops() {   # no_oops WHEN
+    dmesg | grep -qE 'BUG:|Oops' && { dmesg | grep -A12 -E 'BUG:|Oops' | head -40; fail "the kernel oopsed $1"; }
+    return 0
+}
 # The live controller device (nvmeN) connected to subsystem $1.
 ctrl_of() {
     for c in /sys/class/nvme/nvme*; do

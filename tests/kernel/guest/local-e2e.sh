@@ -2,7 +2,8 @@
 # Env: NQN.
 BIN=/host/bin
 SOCK=/tmp/engine.sock
-cli() { $BIN/nvpool engine "$@" --socket $SOCK; }
+# A management call that hangs fails the step instead of the whole guest's time.
+cli() { timeout 120 $BIN/nvpool engine "$@" --socket $SOCK; }
 RUN=0
 start_engine() {   # start_engine CONFIG: starts the engine, waits for its socket
     RUN=$((RUN + 1))
@@ -115,6 +116,7 @@ wait $FIO || { cat /host/fio-crash.txt; fail "fio failed across the crash"; }
 checked /host/fio-crash.txt 1
 (cd /mnt/vol && md5sum -c /tmp/sums.txt) || fail "files changed across the crash"
 grep -q ublkb0 /tmp/after-crash.txt || fail "the restarted engine does not serve /dev/ublkb0"
+no_oops "while the restarted engine took the device back"
 echo "fio across the crash: no errors; files intact"
 
 step "a hot upgrade under fio verify"
@@ -130,6 +132,7 @@ wait_for 30 sh -c "$BIN/nvpool engine local list --socket $SOCK | grep -q ublkb0
 wait $FIO || { cat /host/fio-upgrade.txt; fail "fio failed across the upgrade"; }
 checked /host/fio-upgrade.txt 1
 cli local list
+no_oops "while the new engine took the device back"
 echo "fio across the upgrade: no errors"
 e2fsck -fn /dev/ublkb0 > /tmp/fsck.txt 2>&1 || { cat /tmp/fsck.txt; fail "the filesystem is damaged"; }
 
@@ -209,5 +212,6 @@ kill -TERM $PID
 wait_for 20 sh -c "! kill -0 $PID 2>/dev/null" || fail "the engine did not stop"
 ls /dev/ublk* 2>/dev/null | grep -v ublk-control && fail "a ublk device outlived the engine"
 echo "no ublk device left"
+no_oops "at the end"
 echo
 echo "ALL STEPS PASSED"

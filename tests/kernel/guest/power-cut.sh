@@ -6,7 +6,8 @@
 # NAMEa and NAMEb).
 BIN=/host/bin
 SOCK=/tmp/engine.sock
-cli() { $BIN/nvpool engine "$@" --socket $SOCK; }
+# A management call that hangs fails the step instead of the whole guest's time.
+cli() { timeout 120 $BIN/nvpool engine "$@" --socket $SOCK; }
 disk() {   # disk SERIAL: the virtio disk with that serial
     for b in /sys/block/vd*; do
         [ "$(cat $b/serial 2>/dev/null)" = "$1" ] && { echo /dev/${b##*/}; return 0; }

@@ -273,7 +273,7 @@ impl Engine {
                 .map_err(|e| Error::io(format!("cannot start /dev/ublkb{}", device.dev_id), e))
         });
         if let Err(e) = started {
-            self.end_device(&control, device, !recovering);
+            let _ = self.end_device(&control, device, !recovering);
             return Err(e);
         }
         tracing::info!(device = ?device, recovered = recovering, "local device serving");
@@ -348,10 +348,17 @@ impl Engine {
 
     /// Stops a device (deleting it if `delete`): its queues end, and the char device
     /// closes once the reactors let go of it.
-    fn end_device(&self, control: &Control, device: Arc<LocalDevice>, delete: bool) {
+    /// A driver that does not answer (a kernel bug) is an error; the device is left as
+    /// it is, for the kernel log to explain.
+    fn end_device(&self, control: &Control, device: Arc<LocalDevice>, delete: bool) -> Result<()> {
         let id = device.dev_id;
-        if let Err(e) = control.stop(id) {
-            tracing::warn!("cannot stop /dev/ublkb{id}: {e}");
+        match control.stop(id) {
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                tracing::error!("cannot stop /dev/ublkb{id}: {e}");
+                return Err(Error::unavailable(format!("cannot stop /dev/ublkb{id}: {e}")));
+            }
+            Err(e) => tracing::warn!("cannot stop /dev/ublkb{id}: {e}"),
+            Ok(()) => {}
         }
         if !device.wait_queues_ended(Duration::from_secs(10)) {
             tracing::warn!("the queues of /dev/ublkb{id} did not end within 10 s");
@@ -364,7 +371,11 @@ impl Engine {
         drop(device);
         if delete && let Err(e) = control.delete(id) {
             tracing::warn!("cannot delete /dev/ublkb{id}: {e}");
+            if e.kind() == std::io::ErrorKind::TimedOut {
+                return Err(Error::unavailable(format!("cannot delete /dev/ublkb{id}: {e}")));
+            }
         }
+        Ok(())
     }
 
     /// Removes a local device. A device an engine that exited left, and nobody took
@@ -382,8 +393,7 @@ impl Engine {
                 ))),
             };
         };
-        self.end_device(&control, device, true);
-        Ok(())
+        self.end_device(&control, device, true)
     }
 
     /// Every local device.
@@ -425,7 +435,7 @@ impl Engine {
         }
         if let Ok(control) = self.ublk_control() {
             for d in devices {
-                self.end_device(&control, d, true);
+                let _ = self.end_device(&control, d, true);
             }
         }
     }
