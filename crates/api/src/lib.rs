@@ -110,6 +110,10 @@ methods! {
         nqn: String,
         /// Host NQN.
         host: String,
+        /// DH-HMAC-CHAP secrets the host must authenticate with; adding a host again
+        /// with other secrets changes them for its next authentication.
+        #[serde(default)]
+        dhchap: Option<DhchapKeys>,
     }
     /// Disallows a host; its controllers are ended.
     "host_remove" => RemoveHost -> Empty {

@@ -88,8 +88,69 @@ pub struct SubsystemInfo {
     /// The hosts those controllers belong to, each once.
     #[serde(default)]
     pub connected_hosts: Vec<String>,
+    /// Hosts that must authenticate with DH-HMAC-CHAP (their secrets are never shown).
+    #[serde(default)]
+    pub authenticated_hosts: Vec<HostAuthInfo>,
     /// Namespaces.
     pub namespaces: Vec<NamespaceInfo>,
+}
+
+/// How a host authenticates, without its secrets.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostAuthInfo {
+    /// Host NQN.
+    pub host: String,
+    /// Whether the controller has a secret too, for hosts that authenticate it.
+    pub bidirectional: bool,
+    /// The hash the controller chooses (`any`: the host's first).
+    pub hash: String,
+    /// The Diffie-Hellman group the controller chooses.
+    pub dh_group: String,
+}
+
+/// DH-HMAC-CHAP secrets and choices for one host of a subsystem. `Debug` hides the
+/// secrets.
+#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DhchapKeys {
+    /// The secret the host proves it knows, `DHHC-1:hh:<base64>:` (as `nvme
+    /// gen-dhchap-key` prints it).
+    pub secret: String,
+    /// The controller's own secret, which a host that asks (`nvme connect
+    /// --dhchap-ctrl-secret`) checks: bidirectional authentication.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ctrl_secret: Option<String>,
+    /// The hash the controller chooses among the host's offers: `sha256`, `sha384` or
+    /// `sha512`; the host's first choice when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hash: Option<String>,
+    /// The Diffie-Hellman group the controller chooses: `null` (none), `ffdhe2048`
+    /// (when absent), `ffdhe3072`, `ffdhe4096`, `ffdhe6144` or `ffdhe8192`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dh_group: Option<String>,
+}
+
+impl std::fmt::Debug for DhchapKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DhchapKeys")
+            .field("secret", &"(redacted)")
+            .field("ctrl_secret", &self.ctrl_secret.as_ref().map(|_| "(redacted)"))
+            .field("hash", &self.hash)
+            .field("dh_group", &self.dh_group)
+            .finish()
+    }
+}
+
+/// A host's DH-HMAC-CHAP secrets in the configuration file
+/// (`[[subsystem.dhchap]]`): the host is allowed too. (Unknown fields are refused by
+/// `DhchapKeys`, which takes every field but `host`.)
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostDhchap {
+    /// Host NQN.
+    pub host: String,
+    /// Secrets and choices.
+    #[serde(flatten)]
+    pub keys: DhchapKeys,
 }
 
 /// A namespace.
@@ -403,6 +464,9 @@ pub struct SubsystemConfig {
     /// Hosts allowed to connect.
     #[serde(default)]
     pub hosts: Vec<String>,
+    /// Hosts that must authenticate with DH-HMAC-CHAP (allowed as well).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dhchap: Vec<HostDhchap>,
     /// Namespaces.
     #[serde(default, rename = "namespace")]
     pub namespaces: Vec<NamespaceConfig>,

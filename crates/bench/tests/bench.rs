@@ -70,6 +70,7 @@ fn verifies_data_through_the_engine() {
             model: "nvpool".into(),
             allow_any_host: true,
             hosts: vec![],
+            dhchap: vec![],
             namespaces: vec![NamespaceConfig {
                 nsid: None,
                 backend: "memory:16MiB".into(),

@@ -295,6 +295,7 @@ fn export(
                 model: "nvpool".into(),
                 allow_any_host: false,
                 hosts: vec![],
+                dhchap: vec![],
                 namespaces: vec![namespace.clone()],
             };
             call(engine, AddSubsystem(config))?;
@@ -323,7 +324,7 @@ fn export(
         call(engine, SwapNamespace { nqn: nqn.clone(), nsid: 1, backend: namespace.backend.clone() })?;
     }
     for h in d.hosts.iter().filter(|h| !allowed.contains(h)) {
-        call(engine, AddHost { nqn: nqn.clone(), host: h.clone() })?;
+        call(engine, AddHost { nqn: nqn.clone(), host: h.clone(), dhchap: None })?;
     }
     for h in allowed.iter().filter(|h| !d.hosts.contains(h)) {
         call(engine, RemoveHost { nqn: nqn.clone(), host: h.clone() })?;

@@ -26,6 +26,13 @@
 //! allow_any_host = false
 //! hosts = ["nqn.2014-08.org.nvmexpress:uuid:..."]
 //!
+//! [[subsystem.dhchap]]             # a host that must authenticate (DH-HMAC-CHAP);
+//! host = "nqn.2014-08.org.nvmexpress:uuid:..."      # allowed too
+//! secret = "DHHC-1:01:...:"        # from `nvme gen-dhchap-key`; keep the file 0600
+//! ctrl_secret = "DHHC-1:02:...:"   # optional: for hosts that authenticate the controller
+//! hash = "sha256"                  # optional: sha384, sha512 (default: the host's first)
+//! dh_group = "ffdhe2048"           # optional: null, ffdhe3072 ... ffdhe8192
+//!
 //! [[subsystem.namespace]]
 //! nsid = 1                         # optional: the next free ID
 //! backend = "file:/var/lib/nvpool/vol1.img:10GiB"   # or memory:256MiB, null:1GiB

@@ -28,9 +28,10 @@ use std::thread::JoinHandle;
 
 use config::{EngineConfig, NamespaceConfig, SubsystemConfig};
 use error::{Error, ErrorKind, Result};
+use nvme::auth::HostKeys;
 use nvme::subsystem::HostPolicy;
 use nvme::{ListenerInfo, Namespace, Subsystem, Target, lock};
-pub use nvpool_api::{DirtyAction, DirtyReport, NamespaceInfo, SubsystemInfo};
+pub use nvpool_api::{DhchapKeys, DirtyAction, DirtyReport, NamespaceInfo, SubsystemInfo};
 use reactor::{Msg, ReactorLink};
 
 /// This build's version, as management, hot upgrades and Identify's firmware revision
@@ -224,10 +225,15 @@ impl Engine {
     /// Creates a subsystem with its hosts and namespaces.
     pub fn add_subsystem(&self, c: &SubsystemConfig) -> Result<()> {
         let serial = c.serial.clone().unwrap_or_else(|| config::derived_serial(&c.nqn));
-        let policy = HostPolicy { allow_any: c.allow_any_host, hosts: Default::default() };
+        let policy = HostPolicy { allow_any: c.allow_any_host, ..HostPolicy::default() };
         let s = Subsystem::new(&c.nqn, &serial, &c.model, policy)?;
         for h in &c.hosts {
-            s.add_host(h)?;
+            s.add_host(h, None)?;
+        }
+        for d in &c.dhchap {
+            let keys = HostKeys::from_config(&d.keys)
+                .map_err(|e| Error::invalid(format!("subsystem {} host {}: {}", c.nqn, d.host, e.message)))?;
+            s.add_host(&d.host, Some(keys))?;
         }
         for n in &c.namespaces {
             add_namespace_to(self, &s, n)?;
@@ -317,9 +323,11 @@ impl Engine {
         Ok(self.subsystem(nqn)?.ana_groups())
     }
 
-    /// Allows a host on a subsystem.
-    pub fn add_host(&self, nqn: &str, host: &str) -> Result<()> {
-        self.subsystem(nqn)?.add_host(host)?;
+    /// Allows a host on a subsystem, with the DH-HMAC-CHAP secrets it must
+    /// authenticate with if `dhchap`.
+    pub fn add_host(&self, nqn: &str, host: &str, dhchap: Option<&DhchapKeys>) -> Result<()> {
+        let keys = dhchap.map(HostKeys::from_config).transpose()?;
+        self.subsystem(nqn)?.add_host(host, keys)?;
         self.target.discovery_changed();
         self.kick();
         Ok(())
@@ -355,6 +363,7 @@ impl Engine {
                     model: s.model.clone(),
                     allow_any_host: policy.allow_any,
                     hosts: policy.hosts.into_iter().collect(),
+                    authenticated_hosts: policy.keys.iter().map(|(host, k)| k.info(host)).collect(),
                     controllers: s.controllers().len(),
                     connected_hosts: {
                         let mut hosts: Vec<String> = s.controllers().iter().map(|c| c.hostnqn.clone()).collect();

@@ -158,7 +158,7 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value> {
             _ => Err(Error::invalid("name one local device: its ublk_id or its vhost-user-blk socket")),
         }),
         ListLocalDevices::NAME => answer(p, |ListLocalDevices {}| Ok(engine.local_devices())),
-        AddHost::NAME => answer(p, |r: AddHost| ok(engine.add_host(&r.nqn, &r.host))),
+        AddHost::NAME => answer(p, |r: AddHost| ok(engine.add_host(&r.nqn, &r.host, r.dhchap.as_ref()))),
         RemoveHost::NAME => answer(p, |r: RemoveHost| ok(engine.remove_host(&r.nqn, &r.host))),
         AllowAnyHost::NAME => answer(p, |r: AllowAnyHost| ok(engine.set_allow_any_host(&r.nqn, r.allow))),
         SetAnaState::NAME => {

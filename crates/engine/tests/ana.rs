@@ -45,6 +45,7 @@ fn start(limits: Limits) -> TestEngine {
             model: "nvpool".into(),
             allow_any_host: true,
             hosts: vec![],
+            dhchap: vec![],
             namespaces,
         }],
         ..EngineConfig::default()

@@ -1167,6 +1167,7 @@ fn every_rule_is_answered_as_the_specifications_say_while_a_witness_verifies_its
             model: "nvpool".into(),
             allow_any_host: false,
             hosts: vec![HOST.into()],
+            dhchap: vec![],
             namespaces: vec![NamespaceConfig {
                 nsid: Some(1),
                 backend: format!("memory:{}", BLOCKS * u64::from(BLOCK)),

@@ -27,6 +27,7 @@ fn config() -> EngineConfig {
         model: "nvpool".into(),
         allow_any_host: true,
         hosts: vec![],
+        dhchap: vec![],
         namespaces: vec![namespace],
     };
     EngineConfig { reactors: Some(1), subsystems: vec![subsystem], ..EngineConfig::default() }

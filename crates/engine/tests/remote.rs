@@ -36,6 +36,7 @@ fn engine_with(address: &str, namespaces: Vec<NamespaceConfig>, reactors: usize,
             model: "nvpool".into(),
             allow_any_host: true,
             hosts: vec![],
+            dhchap: vec![],
             namespaces,
         }],
         ..EngineConfig::default()

@@ -31,6 +31,7 @@ fn start_with(namespaces: Vec<NamespaceConfig>, allow_any_host: bool, reactors: 
             model: "nvpool".into(),
             allow_any_host,
             hosts: vec![HOST.into()],
+            dhchap: vec![],
             namespaces,
         }],
         ..EngineConfig::default()

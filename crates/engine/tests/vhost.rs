@@ -57,6 +57,7 @@ fn engine() -> Arc<Engine> {
         model: "nvpool".into(),
         allow_any_host: true,
         hosts: vec![],
+        dhchap: vec![],
         namespaces: vec![namespace],
     };
     Engine::start(&EngineConfig { reactors: Some(2), subsystems: vec![subsystem], ..EngineConfig::default() })

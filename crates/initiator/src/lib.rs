@@ -22,6 +22,9 @@ use nvpool_wire::identify::{IdentifyController, IdentifyNamespace};
 use nvpool_wire::tcp::{self, DataHeader, Digests, IcReq, IcResp, Pdu};
 use thiserror::Error;
 
+mod auth;
+pub use auth::HostAuth;
+
 /// Errors of the initiator.
 #[derive(Debug, Error)]
 pub enum Error {
@@ -42,6 +45,12 @@ pub enum Error {
     /// A command failed.
     #[error("command failed: {0}")]
     Command(Status),
+    /// Authentication could not go on (a wrong value from the target).
+    #[error("authentication: {0}")]
+    Auth(String),
+    /// The target refused the host's authentication (FAILURE1, with its explanation).
+    #[error("the target refused authentication (explanation {0:#04x})")]
+    AuthRefused(u8),
 }
 
 /// Options of one queue connection.
@@ -65,6 +74,8 @@ pub struct ConnectOptions {
     pub digests: Digests,
     /// Ask the target to skip SQ flow control (allows C2HData SUCCESS).
     pub disable_sq_flow_control: bool,
+    /// Secrets to authenticate with when the target asks (DH-HMAC-CHAP).
+    pub auth: Option<HostAuth>,
 }
 
 impl ConnectOptions {
@@ -80,6 +91,7 @@ impl ConnectOptions {
             kato: 30_000,
             digests: Digests::default(),
             disable_sq_flow_control: false,
+            auth: None,
         }
     }
 
@@ -140,6 +152,9 @@ pub struct Queue {
     pending_writes: HashMap<u16, Vec<u8>>,
     reads: HashMap<u16, Vec<u8>>,
     qid: u16,
+    /// Whether the target asked this queue to authenticate (Connect DW0 bit 17).
+    pub auth_required: bool,
+    transaction: u16,
 }
 
 impl Queue {
@@ -160,6 +175,8 @@ impl Queue {
             pending_writes: HashMap::new(),
             reads: HashMap::new(),
             qid: 0,
+            auth_required: false,
+            transaction: 0,
         };
         let mut b = [0u8; tcp::IC_SIZE];
         tcp::encode_ic_req(&IcReq { pfv: 0, hpda: 0, digests, maxr2t: 0 }, &mut b);
@@ -192,6 +209,12 @@ impl Queue {
             return Err(Error::Command(r.cqe.status));
         }
         q.cntlid = r.cqe.result as u16;
+        q.auth_required = r.cqe.result & nvpool_wire::auth::CONNECT_AUTH_REQUIRED != 0;
+        if q.auth_required
+            && let Some(a) = &o.auth
+        {
+            q.authenticate(a, &o.hostnqn, &o.subnqn)?;
+        }
         Ok(q)
     }
 

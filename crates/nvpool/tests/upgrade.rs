@@ -423,3 +423,56 @@ fn the_service_manager_follows_the_engine_across_upgrades() {
     println!("the service manager was told: ready as pid {}, then main pid {:?}, then stopping", pids[0], &pids[1..]);
     drop(serving);
 }
+
+#[test]
+fn authenticated_queues_and_secrets_survive_an_upgrade() {
+    use nvpool_auth::{Hash, Secret};
+    use nvpool_initiator::{Error, HostAuth};
+
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("sock");
+    let port = free_port();
+    let mut first = start_engine(dir.path(), port, &[]);
+    let _serving = StopOnDrop(socket.clone());
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let hostnqn = "nqn.2024-01.io.nvpool:upgrade-auth";
+    let secret = Secret::generate(Some(Hash::Sha384));
+    let ctrl = Secret::generate(Some(Hash::Sha384));
+    let added = Process::new(BIN)
+        .args(["engine", "host", "add", NQN, hostnqn, "--socket"])
+        .arg(&socket)
+        .env("NVPOOL_DHCHAP_SECRET", secret.to_dhhc())
+        .env("NVPOOL_DHCHAP_CTRL_SECRET", ctrl.to_dhhc())
+        .output()
+        .unwrap();
+    assert!(added.status.success(), "{}", String::from_utf8_lossy(&added.stderr));
+
+    let o = ConnectOptions {
+        auth: Some(HostAuth::new(secret.clone(), Some(ctrl.clone()))),
+        kato: 30_000,
+        ..ConnectOptions::admin(NQN, hostnqn)
+    };
+    let mut admin = connect_admin(addr, &o).expect("authenticated admin queue");
+    admin.set_queue_count(1).unwrap();
+    let mut io = Queue::connect(addr, &o.io(1, admin.cntlid, 31)).expect("authenticated I/O queue");
+    let data = pattern(3, 8192);
+    io.write(1, 0, &data, BLOCK, 0).unwrap();
+
+    let old = engine_pid(&socket);
+    cli(&socket, &["upgrade"]).expect("upgrade");
+    assert_ne!(engine_pid(&socket), old);
+    let _ = first.wait();
+
+    // The queues stay authenticated: no command is refused after the handover.
+    assert_eq!(io.read(1, 0, 2, BLOCK).unwrap(), data);
+    admin.identify_controller().unwrap();
+    // The new process has the secrets: a new host connection authenticates, a wrong
+    // secret is refused, and the host may re-authenticate its old queue.
+    let mut again = connect_admin(addr, &o).expect("a new connection authenticates");
+    again.identify_controller().unwrap();
+    let wrong = ConnectOptions { auth: Some(HostAuth::new(Secret::generate(Some(Hash::Sha384)), None)), ..o.clone() };
+    assert!(matches!(Queue::connect(addr, &wrong), Err(Error::AuthRefused(_))));
+    admin.authenticate(o.auth.as_ref().unwrap(), hostnqn, NQN).expect("re-authentication after the upgrade");
+    let log = std::fs::read_to_string(dir.path().join("engine.log")).unwrap();
+    assert!(!log.contains("DHHC"), "a secret reached the log");
+}

@@ -7,11 +7,13 @@
 //! - NVM Command Set Specification 1.0 (Read, Write, Flush, Write Zeroes, Dataset
 //!   Management, the I/O Command Set specific Identify structures),
 //! - NVMe over Fabrics 1.1 (Connect, Property Get/Set, Disconnect, discovery log),
-//! - NVMe/TCP Transport Specification 1.0 (PDUs and digests).
+//! - NVMe/TCP Transport Specification 1.0 (PDUs and digests),
+//! - NVMe Base 2.x in-band authentication (the DH-HMAC-CHAP messages).
 //!
 //! Decoders never panic on wire input: they return an error that names what was wrong.
 #![forbid(unsafe_code)]
 
+pub mod auth;
 pub mod bytes;
 pub mod command;
 pub mod fabrics;

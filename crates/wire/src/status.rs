@@ -75,6 +75,8 @@ impl Status {
     pub const CONNECT_INVALID_PARAMETERS: Status = status(SCT_COMMAND_SPECIFIC, 0x82);
     /// Connect: the host is not allowed on this subsystem.
     pub const CONNECT_INVALID_HOST: Status = status(SCT_COMMAND_SPECIFIC, 0x84);
+    /// Authentication Required: the queue must authenticate before this command.
+    pub const AUTH_REQUIRED: Status = status(SCT_COMMAND_SPECIFIC, 0x91);
 
     /// The namespace's ANA group is lost for good on this path.
     pub const ANA_PERSISTENT_LOSS: Status = status(SCT_PATH, 0x01);

@@ -5,6 +5,7 @@
 
 pub mod admin;
 pub mod ana;
+pub mod auth;
 pub mod controller;
 pub mod data_pointer;
 pub mod discovery;

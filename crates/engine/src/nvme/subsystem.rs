@@ -9,6 +9,7 @@ use nvpool_wire::fabrics::DISCOVERY_NQN;
 use nvpool_api::{AnaGroupInfo, AnaState};
 
 use super::ana::{self, AnaTable};
+use super::auth::HostKeys;
 use super::{Controller, MAX_NSID, lock, read, write};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
@@ -185,6 +186,8 @@ pub struct HostPolicy {
     pub allow_any: bool,
     /// Host NQNs allowed when `allow_any` is false.
     pub hosts: BTreeSet<String>,
+    /// Hosts that must authenticate (DH-HMAC-CHAP), whether or not any host may connect.
+    pub keys: BTreeMap<String, Arc<HostKeys>>,
 }
 
 /// An NVM subsystem (or the discovery subsystem).
@@ -245,7 +248,7 @@ impl Subsystem {
             DISCOVERY_NQN,
             "nvpool-discovery",
             "nvpool discovery",
-            HostPolicy { allow_any: true, hosts: BTreeSet::new() },
+            HostPolicy { allow_any: true, ..HostPolicy::default() },
         ))
     }
 
@@ -265,16 +268,32 @@ impl Subsystem {
         read(&self.hosts).clone()
     }
 
-    /// Allows a host. Existing connections are unaffected.
-    pub fn add_host(&self, hostnqn: &str) -> Result<()> {
+    /// The DH-HMAC-CHAP secrets `hostnqn` must authenticate with, if any.
+    pub fn host_keys(&self, hostnqn: &str) -> Option<Arc<HostKeys>> {
+        read(&self.hosts).keys.get(hostnqn).cloned()
+    }
+
+    /// Allows a host, with the secrets it must authenticate with if `keys` (replacing
+    /// any it had: its queues use them from their next authentication). Existing
+    /// connections are unaffected.
+    pub fn add_host(&self, hostnqn: &str, keys: Option<HostKeys>) -> Result<()> {
         validate_nqn(hostnqn)?;
-        write(&self.hosts).hosts.insert(hostnqn.into());
+        let mut p = write(&self.hosts);
+        p.hosts.insert(hostnqn.into());
+        if let Some(k) = keys {
+            p.keys.insert(hostnqn.into(), Arc::new(k));
+        }
         Ok(())
     }
 
-    /// Disallows a host; its controllers end.
+    /// Disallows a host and forgets its secrets; its controllers end.
     pub fn remove_host(&self, hostnqn: &str) -> Result<()> {
-        if !write(&self.hosts).hosts.remove(hostnqn) {
+        let removed = {
+            let mut p = write(&self.hosts);
+            let had_keys = p.keys.remove(hostnqn).is_some();
+            p.hosts.remove(hostnqn) || had_keys
+        };
+        if !removed {
             return Err(Error::not_found(format!("host {hostnqn} is not on the allow-list of {}", self.nqn)));
         }
         if !self.host_allowed(hostnqn) {
@@ -529,7 +548,7 @@ mod tests {
     fn host_policy_is_enforced() {
         let s = Subsystem::new("nqn.2024-01.io.nvpool:t", "SN1", "m", HostPolicy::default()).unwrap();
         assert!(!s.host_allowed("nqn.h1"));
-        s.add_host("nqn.h1").unwrap();
+        s.add_host("nqn.h1", None).unwrap();
         assert!(s.host_allowed("nqn.h1"));
         assert!(!s.host_allowed("nqn.h2"));
         s.set_allow_any(true);

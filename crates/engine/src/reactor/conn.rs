@@ -24,6 +24,7 @@ use super::{Op, Reactor};
 use crate::bufpool::{Buf, BufPool, PAGE_SIZE};
 use crate::nvme::admin::{self, AdminOutcome};
 use crate::nvme::ana;
+use crate::nvme::auth::{self, Outcome, Transaction};
 use crate::nvme::data_pointer::Source;
 use crate::nvme::nvm::{self, IoPlan};
 use crate::nvme::subsystem::NamespaceMap;
@@ -126,6 +127,11 @@ struct Queue {
     flow_control_disabled: bool,
     namespaces: Arc<NamespaceMap>,
     generation: u64,
+    /// Whether the queue takes commands other than authentication: set at Connect
+    /// when the host has no secrets, or once it authenticated (DH-HMAC-CHAP).
+    authenticated: bool,
+    /// The authentication transaction, from the host's first message.
+    auth: Option<Box<Transaction>>,
 }
 
 impl Queue {
@@ -177,6 +183,8 @@ struct SendArea {
 
 pub(super) struct Conn {
     socket: TcpStream,
+    /// The host's address, for the log.
+    peer: String,
     /// The listener that accepted it; `None` for a socket pair.
     pub(super) port_id: Option<u16>,
     /// The socket's slot in the ring's registered-file table, if it has one: operations
@@ -219,8 +227,10 @@ pub(super) struct Conn {
 
 impl Conn {
     pub(super) fn new(socket: TcpStream, now_ms: u64, port_id: Option<u16>) -> Conn {
+        let peer = socket.peer_addr().map_or_else(|_| "a socket pair".to_string(), |a| a.to_string());
         Conn {
             socket,
+            peer,
             port_id,
             registered_file: None,
             phase: Phase::Handshake,
@@ -285,6 +295,8 @@ impl Conn {
                 flow_control_disabled: q.flow_control_disabled,
                 namespaces,
                 generation,
+                authenticated: q.authenticated,
+                auth: None,
             });
         }
         c.aers = i.aers.clone();
@@ -356,6 +368,7 @@ impl Conn {
                 sqsize: q.sqsize,
                 sqhd: q.sqhd,
                 flow_control_disabled: q.flow_control_disabled,
+                authenticated: q.authenticated,
             }),
             aers: self.aers.clone(),
         }
@@ -438,6 +451,15 @@ impl Conn {
             }
         }
         if let Some(q) = self.queue.take() {
+            if !q.authenticated {
+                tracing::warn!(
+                    subsystem = q.controller.subsystem.nqn,
+                    host = q.controller.hostnqn,
+                    address = self.peer,
+                    qid = q.qid,
+                    "a queue closed without authenticating (DH-HMAC-CHAP): the host has no secret, or the wrong one"
+                );
+            }
             q.controller.release_queue(q.qid);
             if q.qid == 0 {
                 // The admin queue is the association: without it the controller ends.
@@ -607,11 +629,19 @@ impl Conn {
             }
             return self.respond(r, idx, cmd.cid, Status::COMMAND_SEQUENCE_ERROR.with_dnr(), 0);
         }
-        let (qid, dead) = self.queue.as_ref().map_or((0, false), |q| (q.qid, q.controller.is_dead()));
+        let (qid, dead, authenticated) =
+            self.queue.as_ref().map_or((0, false, false), |q| (q.qid, q.controller.is_dead(), q.authenticated));
         if dead {
             // The association ended (keep-alive, admin queue gone, removal): this queue
             // must not serve another command.
             return self.begin_close();
+        }
+        if fabrics && matches!(cmd.fctype(), fctype::AUTH_SEND | fctype::AUTH_RECEIVE) {
+            return self.on_auth(r, idx, cmd, data);
+        }
+        if !authenticated {
+            // Logged when the queue closes, with the host's address.
+            return self.respond(r, idx, cmd.cid, Status::AUTH_REQUIRED.with_dnr(), 0);
         }
         if qid == 0 {
             self.on_admin(r, idx, cmd);
@@ -634,7 +664,9 @@ impl Conn {
     fn on_connect(&mut self, r: &mut Reactor, idx: u32, cmd: &Command, data: &[u8]) {
         match fabrics::connect(&r.target, cmd, data) {
             Ok(c) => {
-                let cntlid = c.controller.cntlid;
+                // Bit 17 of DW0 tells the host to authenticate before anything else.
+                let result = u64::from(c.controller.cntlid)
+                    | if c.keys.is_some() { u64::from(nvpool_wire::auth::CONNECT_AUTH_REQUIRED) } else { 0 };
                 let cattr = nvpool_wire::fabrics::ConnectCommand::from_command(cmd).cattr;
                 let namespaces = c.controller.subsystem.namespaces();
                 let generation = c.controller.subsystem.generation();
@@ -650,11 +682,54 @@ impl Conn {
                     flow_control_disabled: cattr & CATTR_DISABLE_SQ_FLOW_CONTROL != 0,
                     namespaces,
                     generation,
+                    authenticated: c.keys.is_none(),
+                    auth: c.keys.map(|k| Box::new(Transaction::new(k))),
                 });
-                self.respond(r, idx, cmd.cid, Status::SUCCESS, u64::from(cntlid));
+                self.respond(r, idx, cmd.cid, Status::SUCCESS, result);
             }
             Err(refused) => self.respond(r, idx, cmd.cid, refused.status, u64::from(refused.result)),
         }
+    }
+
+    /// Authentication Send or Receive, on any queue at any time: a host authenticates
+    /// each queue after Connect, and again whenever it wants.
+    fn on_auth(&mut self, r: &mut Reactor, idx: u32, cmd: &Command, data: &[u8]) {
+        let Some(q) = &mut self.queue else { return };
+        let controller = q.controller.clone();
+        if q.qid == 0 {
+            // The host sends no Keep Alive before its admin queue authenticated: the
+            // transaction's own messages keep the association alive meanwhile.
+            controller.keep_alive(r.target.now_ms());
+        }
+        let answer = auth::handle(&mut q.auth, &controller, cmd, data);
+        match answer.outcome {
+            Outcome::Continues => {}
+            Outcome::Authenticated => {
+                q.authenticated = true;
+                if q.qid == 0 {
+                    tracing::info!(
+                        subsystem = controller.subsystem.nqn,
+                        host = controller.hostnqn,
+                        cntlid = controller.cntlid,
+                        "host authenticated (DH-HMAC-CHAP)"
+                    );
+                }
+            }
+            Outcome::Failed(why) => {
+                q.authenticated = false;
+                tracing::warn!(
+                    subsystem = controller.subsystem.nqn,
+                    host = controller.hostnqn,
+                    address = self.peer,
+                    qid = q.qid,
+                    "DH-HMAC-CHAP authentication failed: {why}"
+                );
+            }
+        }
+        if let Some(d) = answer.data {
+            self.queue_c2h(&[], cmd.cid, Payload::Owned(d), false);
+        }
+        self.respond(r, idx, cmd.cid, answer.status, 0);
     }
 
     fn on_admin(&mut self, r: &mut Reactor, idx: u32, cmd: &Command) {

@@ -139,6 +139,10 @@ pub struct SubsystemImage {
     pub allow_any_host: bool,
     /// Allowed hosts.
     pub hosts: Vec<String>,
+    /// Hosts that must authenticate, with their secrets (the image travels over a
+    /// socket pair between the two processes only).
+    #[serde(default)]
+    pub dhchap: Vec<nvpool_api::HostDhchap>,
     /// Namespaces.
     pub namespaces: Vec<NamespaceImage>,
     /// ANA states.
@@ -252,4 +256,12 @@ pub struct QueueImage {
     pub sqhd: u16,
     /// Whether the host disabled SQ flow control.
     pub flow_control_disabled: bool,
+    /// Whether the queue may take commands other than authentication (an image from
+    /// a build without authentication has every queue so).
+    #[serde(default = "yes")]
+    pub authenticated: bool,
+}
+
+fn yes() -> bool {
+    true
 }

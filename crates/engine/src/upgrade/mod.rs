@@ -51,6 +51,7 @@ use crate::backend::Handover;
 use crate::backend::memory::Memory;
 use crate::config::EngineConfig;
 use crate::error::{Error, Result};
+use crate::nvme::auth::HostKeys;
 use crate::nvme::subsystem::HostPolicy;
 use crate::nvme::{Controller, Namespace, Subsystem, lock};
 use crate::reactor::{Msg, Parked};
@@ -302,6 +303,11 @@ impl Engine {
                 model: s.model.clone(),
                 allow_any_host: policy.allow_any,
                 hosts: policy.hosts.into_iter().collect(),
+                dhchap: policy
+                    .keys
+                    .iter()
+                    .map(|(host, k)| nvpool_api::HostDhchap { host: host.clone(), keys: k.to_config() })
+                    .collect(),
                 namespaces,
                 ana: s.ana_image(),
             });
@@ -508,7 +514,11 @@ fn rebuild(
 
 impl Engine {
     fn restore_subsystem(&self, i: &SubsystemImage, mapped: &mut Mapped) -> Result<()> {
-        let policy = HostPolicy { allow_any: i.allow_any_host, hosts: i.hosts.iter().cloned().collect() };
+        let mut keys = BTreeMap::new();
+        for d in &i.dhchap {
+            keys.insert(d.host.clone(), Arc::new(HostKeys::from_config(&d.keys)?));
+        }
+        let policy = HostPolicy { allow_any: i.allow_any_host, hosts: i.hosts.iter().cloned().collect(), keys };
         let s = Subsystem::new(&i.nqn, &i.serial, &i.model, policy)?;
         for n in &i.namespaces {
             let backend = match &n.backend {

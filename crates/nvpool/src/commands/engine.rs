@@ -7,11 +7,11 @@ use std::path::{Path, PathBuf};
 use clap::{Args, Subcommand};
 use nvpool_api::{
     AddHost, AddListener, AddLocalDevice, AddNamespace, AddSubsystem, AllowAnyHost, AnaGroupInfo, AnaState,
-    CancelMigration, CheckPool, CreatePool, CreateVolume, DeleteVolume, DirtyAction, ExportPool, GetEngineInfo,
-    GetMigration, GetVolume, ImportPool, ListAnaGroups, ListListeners, ListLocalDevices, ListPools, ListSubsystems,
-    ListVolumes, ListenerInfo, LocalDeviceConfig, LocalDeviceInfo, Method, MigrationInfo, PoolInfo, RemoveHost,
-    RemoveListener, RemoveLocalDevice, RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState, StartMigration,
-    SubsystemInfo, SwitchMigration, UpgradeEngine, VolumeDirty, VolumeIdentity, VolumeInfo,
+    CancelMigration, CheckPool, CreatePool, CreateVolume, DeleteVolume, DhchapKeys, DirtyAction, ExportPool,
+    GetEngineInfo, GetMigration, GetVolume, ImportPool, ListAnaGroups, ListListeners, ListLocalDevices, ListPools,
+    ListSubsystems, ListVolumes, ListenerInfo, LocalDeviceConfig, LocalDeviceInfo, Method, MigrationInfo, PoolInfo,
+    RemoveHost, RemoveListener, RemoveLocalDevice, RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState,
+    StartMigration, SubsystemInfo, SwitchMigration, UpgradeEngine, VolumeDirty, VolumeIdentity, VolumeInfo,
 };
 use nvpool_engine::Engine;
 use nvpool_engine::config::{
@@ -432,12 +432,25 @@ enum EngineVolumeVerb {
 
 #[derive(Subcommand)]
 enum HostVerb {
-    /// Allow a host.
+    /// Allow a host; with a DH-HMAC-CHAP secret, it must authenticate every queue.
     Add {
         /// Subsystem NQN.
         nqn: String,
         /// Host NQN.
         host: String,
+        /// The secret the host must prove it knows (`DHHC-1:...`, from `nvme
+        /// gen-dhchap-key`); taken from the environment to keep it out of `ps`.
+        #[arg(long, env = "NVPOOL_DHCHAP_SECRET", hide_env_values = true)]
+        dhchap_secret: Option<String>,
+        /// The controller's secret, for a host that authenticates the controller too.
+        #[arg(long, env = "NVPOOL_DHCHAP_CTRL_SECRET", hide_env_values = true, requires = "dhchap_secret")]
+        dhchap_ctrl_secret: Option<String>,
+        /// The hash to choose: sha256, sha384 or sha512 (default: the host's first).
+        #[arg(long, requires = "dhchap_secret")]
+        dhchap_hash: Option<String>,
+        /// The Diffie-Hellman group to choose: null, ffdhe2048 (default) to ffdhe8192.
+        #[arg(long, requires = "dhchap_secret")]
+        dhchap_dhgroup: Option<String>,
     },
     /// Disallow a host (its controllers are disconnected).
     Remove {
@@ -486,7 +499,15 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
             SubsystemVerb::List => show(&api, ListSubsystems {}, |r| subsystem_table(r)),
             SubsystemVerb::Add { nqn, serial, model, allow_any_host } => {
                 let message = format!("subsystem {nqn} added");
-                let config = SubsystemConfig { nqn, serial, model, allow_any_host, hosts: vec![], namespaces: vec![] };
+                let config = SubsystemConfig {
+                    nqn,
+                    serial,
+                    model,
+                    allow_any_host,
+                    hosts: vec![],
+                    dhchap: vec![],
+                    namespaces: vec![],
+                };
                 done(&api, AddSubsystem(config), &message)
             }
             SubsystemVerb::Remove { nqn } => {
@@ -536,9 +557,20 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
             }
         },
         EngineVerb::Host { verb, api } => match verb {
-            HostVerb::Add { nqn, host } => {
-                let message = format!("host {host} allowed on {nqn}");
-                done(&api, AddHost { nqn, host }, &message)
+            HostVerb::Add { nqn, host, dhchap_secret, dhchap_ctrl_secret, dhchap_hash, dhchap_dhgroup } => {
+                let dhchap = dhchap_secret.map(|secret| DhchapKeys {
+                    secret,
+                    ctrl_secret: dhchap_ctrl_secret,
+                    hash: dhchap_hash,
+                    dh_group: dhchap_dhgroup,
+                });
+                let how = match &dhchap {
+                    Some(k) if k.ctrl_secret.is_some() => " (DH-HMAC-CHAP, bidirectional)",
+                    Some(_) => " (DH-HMAC-CHAP)",
+                    None => "",
+                };
+                let message = format!("host {host} allowed on {nqn}{how}");
+                done(&api, AddHost { nqn, host, dhchap }, &message)
             }
             HostVerb::Remove { nqn, host } => {
                 let message = format!("host {host} removed from {nqn}");
@@ -688,6 +720,7 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
                     model: "nvpool".into(),
                     allow_any_host: a.host.is_empty(),
                     hosts: a.host.clone(),
+                    dhchap: vec![],
                     namespaces: a
                         .namespace
                         .iter()
@@ -815,7 +848,18 @@ fn show<M: Method>(
 fn subsystem_table(subsystems: &[SubsystemInfo]) -> Vec<Vec<String>> {
     let mut rows = vec![["NQN", "NSID", "BACKEND", "SIZE", "BLOCK", "UUID", "HOSTS"].map(String::from).to_vec()];
     for sub in subsystems {
-        let hosts = if sub.allow_any_host { "any".to_string() } else { sub.hosts.join(",") };
+        // A host that must authenticate is marked: (chap), or (chap2) when bidirectional.
+        let marked = |h: &String| match sub.authenticated_hosts.iter().find(|a| &a.host == h) {
+            Some(a) if a.bidirectional => format!("{h} (chap2)"),
+            Some(_) => format!("{h} (chap)"),
+            None => h.clone(),
+        };
+        let listed: Vec<String> = sub.hosts.iter().map(marked).collect();
+        let hosts = if sub.allow_any_host {
+            ["any".to_string()].into_iter().chain(listed).collect::<Vec<_>>().join(",")
+        } else {
+            listed.join(",")
+        };
         if sub.namespaces.is_empty() {
             rows.push(vec![sub.nqn.clone(), "-".into(), "-".into(), "-".into(), "-".into(), "-".into(), hosts.clone()]);
         }
