@@ -111,6 +111,8 @@ pub struct Transaction {
 enum Step {
     /// Waiting for NEGOTIATE.
     Negotiate,
+    /// A Diffie-Hellman computation for the last message runs off the reactor.
+    Busy,
     /// The challenge goes out on the next Receive.
     Challenge(Box<Challenged>),
     /// Waiting for the host's REPLY to the challenge.
@@ -134,6 +136,35 @@ struct Challenged {
     dh: Option<KeyPair>,
 }
 
+/// What an Authentication Send did: its outcome now, or a Diffie-Hellman computation
+/// to run off the reactor first (milliseconds for ffdhe2048, tens for ffdhe8192).
+pub enum Sent {
+    /// Done.
+    Now(Outcome),
+    /// Run the job on another thread, then hand its result to `Transaction::checked`.
+    Later(Job),
+}
+
+/// A computation of a transaction, for another thread.
+pub struct Job(Box<dyn FnOnce() -> Checked + Send>);
+
+impl Job {
+    /// Runs it.
+    pub fn run(self) -> Checked {
+        (self.0)()
+    }
+}
+
+/// The result of a `Job`.
+pub struct Checked {
+    step: Step,
+    outcome: Outcome,
+}
+
+fn failed(transaction: u16, explanation: u8, why: impl Into<String>) -> (Step, Outcome) {
+    (Step::Failure1 { transaction, explanation }, Outcome::Failed(why.into()))
+}
+
 /// Names of the hosts' offers that can be used, for messages.
 fn usable<T: Copy>(offered: &[u8], from_id: fn(u8) -> Option<T>) -> Vec<T> {
     offered.iter().filter_map(|&id| from_id(id)).collect()
@@ -153,28 +184,42 @@ impl Transaction {
         hostnqn: &str,
         subnqn: &str,
         current_keys: impl FnOnce() -> Option<Arc<HostKeys>>,
-    ) -> Outcome {
-        let message = match Message::decode(data) {
-            Ok(m) => m,
-            Err(e) => return self.fail(0, failure::INCORRECT_PAYLOAD, format!("malformed message: {e}")),
+    ) -> Sent {
+        let (step, outcome) = match Message::decode(data) {
+            Ok(message) => match self.take(message, hostnqn, subnqn, current_keys) {
+                Ok(now) => now,
+                Err(job) => {
+                    self.step = Step::Busy;
+                    return Sent::Later(job);
+                }
+            },
+            Err(e) => failed(0, failure::INCORRECT_PAYLOAD, format!("malformed message: {e}")),
         };
-        match (std::mem::replace(&mut self.step, Step::Over), message) {
+        self.step = step;
+        Sent::Now(outcome)
+    }
+
+    /// The next step for `message`, or the job that computes it.
+    fn take(
+        &mut self,
+        message: Message,
+        hostnqn: &str,
+        subnqn: &str,
+        current_keys: impl FnOnce() -> Option<Arc<HostKeys>>,
+    ) -> std::result::Result<(Step, Outcome), Job> {
+        Ok(match (std::mem::replace(&mut self.step, Step::Over), message) {
             (_, Message::Negotiate(n)) => {
+                let t = n.transaction;
                 match current_keys() {
                     Some(k) => self.keys = k,
-                    None => {
-                        return self.fail(n.transaction, failure::FAILED, "the host's secrets were removed".into());
-                    }
+                    None => return Ok(failed(t, failure::FAILED, "the host's secrets were removed")),
                 }
                 if !n.dhchap {
-                    return self.fail(n.transaction, failure::NOT_USABLE, "the host offered no DH-HMAC-CHAP".into());
+                    return Ok(failed(t, failure::NOT_USABLE, "the host offered no DH-HMAC-CHAP"));
                 }
                 if n.secure_channel != 0 {
-                    return self.fail(
-                        n.transaction,
-                        failure::CONCAT_MISMATCH,
-                        "the host asked for secure channel concatenation, which is not offered".into(),
-                    );
+                    let why = "the host asked for secure channel concatenation, which is not offered";
+                    return Ok(failed(t, failure::CONCAT_MISMATCH, why));
                 }
                 let hashes = usable(&n.hashes, Hash::from_id);
                 let hash = match self.keys.hash {
@@ -183,38 +228,64 @@ impl Transaction {
                 };
                 let Some(hash) = hash else {
                     let why = format!("no hash the host offered ({:?}) is the configured one", n.hashes);
-                    return self.fail(n.transaction, failure::HASH_UNUSABLE, why);
+                    return Ok(failed(t, failure::HASH_UNUSABLE, why));
                 };
-                let groups = usable(&n.dh_groups, DhGroup::from_id);
-                if !groups.contains(&self.keys.dh_group) {
-                    let why = format!("the host did not offer {} (it offered {:?})", self.keys.dh_group, n.dh_groups);
-                    return self.fail(n.transaction, failure::DHGROUP_UNUSABLE, why);
-                }
                 let group = self.keys.dh_group;
+                if !usable(&n.dh_groups, DhGroup::from_id).contains(&group) {
+                    let why = format!("the host did not offer {group} (it offered {:?})", n.dh_groups);
+                    return Ok(failed(t, failure::DHGROUP_UNUSABLE, why));
+                }
                 let mut challenge = vec![0u8; hash.output_len()];
                 nvpool_auth::random_bytes(&mut challenge);
-                self.step = Step::Challenge(Box::new(Challenged {
-                    transaction: n.transaction,
+                let c = Challenged {
+                    transaction: t,
                     hash,
                     group,
                     seqnum: nvpool_auth::random_seqnum(),
                     challenge,
-                    dh: (group != DhGroup::Null).then(|| KeyPair::generate(group)),
-                }));
-                Outcome::Continues
+                    dh: None,
+                };
+                if group == DhGroup::Null {
+                    return Ok((Step::Challenge(Box::new(c)), Outcome::Continues));
+                }
+                return Err(Job(Box::new(move || {
+                    let c = Challenged { dh: Some(KeyPair::generate(group)), ..c };
+                    Checked { step: Step::Challenge(Box::new(c)), outcome: Outcome::Continues }
+                })));
             }
-            (Step::Reply(c), Message::Reply(r)) => self.check_reply(&c, &r, hostnqn, subnqn),
+            (Step::Reply(c), Message::Reply(r)) => {
+                if c.dh.is_none() {
+                    return Ok(check_reply(&self.keys, &c, &r, hostnqn, subnqn));
+                }
+                let (keys, hostnqn, subnqn) = (self.keys.clone(), hostnqn.to_string(), subnqn.to_string());
+                return Err(Job(Box::new(move || {
+                    let (step, outcome) = check_reply(&keys, &c, &r, &hostnqn, &subnqn);
+                    Checked { step, outcome }
+                })));
+            }
             (Step::Success2 { transaction }, Message::Success2 { transaction: t }) if t == transaction => {
-                Outcome::Authenticated
+                (Step::Over, Outcome::Authenticated)
             }
-            (_, Message::Failure { from_controller: false, explanation, .. }) => Outcome::Failed(format!(
-                "the host refused the controller (explanation {explanation:#04x}): wrong controller secret?"
-            )),
+            (_, Message::Failure { from_controller: false, explanation, .. }) => (
+                Step::Over,
+                Outcome::Failed(format!(
+                    "the host refused the controller (explanation {explanation:#04x}): wrong controller secret?"
+                )),
+            ),
             (_, other) => {
-                let t = transaction_of(&other);
-                self.fail(t, failure::INCORRECT_PROTOCOL, format!("message out of turn: {other:?}"))
+                failed(transaction_of(&other), failure::INCORRECT_PROTOCOL, format!("message out of turn: {other:?}"))
             }
+        })
+    }
+
+    /// Takes the result of a job `send` handed out.
+    pub fn checked(&mut self, checked: Checked) -> Outcome {
+        if !matches!(self.step, Step::Busy) {
+            // The host went on without waiting for the Send; that already failed it.
+            return Outcome::Failed("a message arrived before the last one was answered".into());
         }
+        self.step = checked.step;
+        checked.outcome
     }
 
     /// The message for an Authentication Receive, and what handing it out did.
@@ -249,62 +320,59 @@ impl Transaction {
             ),
         }
     }
+}
 
-    fn check_reply(&mut self, c: &Challenged, r: &nvpool_wire::auth::Reply, hostnqn: &str, subnqn: &str) -> Outcome {
-        let t = c.transaction;
-        if r.transaction != t {
-            return self.fail(t, failure::INCORRECT_PROTOCOL, format!("reply to transaction {}", r.transaction));
-        }
-        if r.response.len() != c.hash.output_len() {
-            return self.fail(t, failure::INCORRECT_PAYLOAD, "the response has the wrong length".into());
-        }
-        let shared = match &c.dh {
-            Some(k) => match k.shared_secret(&r.dh_public) {
-                Ok(s) => Some(s),
-                Err(e) => return self.fail(t, failure::INCORRECT_PAYLOAD, e.to_string()),
-            },
-            None if !r.dh_public.is_empty() => {
-                return self.fail(t, failure::INCORRECT_PAYLOAD, "a DH value without an exchange".into());
-            }
-            None => None,
-        };
-        let key = self.keys.host.transformed(hostnqn);
-        let challenge = chap::effective_challenge(c.hash, &c.challenge, shared.as_deref());
-        let proof = Proof { hash: c.hash, key: &key, challenge: &challenge, seqnum: c.seqnum, transaction: t };
-        if !chap::responses_match(&chap::host_response(&proof, 0, hostnqn, subnqn), &r.response) {
-            return self.fail(t, failure::FAILED, "the host's response does not match its secret".into());
-        }
-        let response = match &r.challenge {
-            None => None,
-            Some(c2) => {
-                let Some(ctrl) = &self.keys.controller else {
-                    return self.fail(
-                        t,
-                        failure::FAILED,
-                        "the host asked the controller to authenticate and it has no controller secret".into(),
-                    );
-                };
-                if r.seqnum == 0 || c2.len() != c.hash.output_len() {
-                    return self.fail(t, failure::INCORRECT_PAYLOAD, "a controller challenge without S2".into());
-                }
-                let key = ctrl.transformed(subnqn);
-                let challenge = chap::effective_challenge(c.hash, c2, shared.as_deref());
-                let proof = Proof { hash: c.hash, key: &key, challenge: &challenge, seqnum: r.seqnum, transaction: t };
-                Some(chap::controller_response(&proof, hostnqn, subnqn))
-            }
-        };
-        let bidirectional = response.is_some();
-        self.step = Step::Success1 {
-            message: Success1 { transaction: t, hash_len: c.hash.output_len() as u8, response },
-            bidirectional,
-        };
-        Outcome::Continues
+/// Checks the host's response to challenge `c` and computes the controller's, if
+/// the host asked for it.
+fn check_reply(
+    keys: &HostKeys,
+    c: &Challenged,
+    r: &nvpool_wire::auth::Reply,
+    hostnqn: &str,
+    subnqn: &str,
+) -> (Step, Outcome) {
+    let t = c.transaction;
+    if r.transaction != t {
+        return failed(t, failure::INCORRECT_PROTOCOL, format!("reply to transaction {}", r.transaction));
     }
-
-    fn fail(&mut self, transaction: u16, explanation: u8, why: String) -> Outcome {
-        self.step = Step::Failure1 { transaction, explanation };
-        Outcome::Failed(why)
+    if r.response.len() != c.hash.output_len() {
+        return failed(t, failure::INCORRECT_PAYLOAD, "the response has the wrong length");
     }
+    let shared = match &c.dh {
+        Some(k) => match k.shared_secret(&r.dh_public) {
+            Ok(s) => Some(s),
+            Err(e) => return failed(t, failure::INCORRECT_PAYLOAD, e.to_string()),
+        },
+        None if !r.dh_public.is_empty() => {
+            return failed(t, failure::INCORRECT_PAYLOAD, "a DH value without an exchange");
+        }
+        None => None,
+    };
+    let key = keys.host.transformed(hostnqn);
+    let challenge = chap::effective_challenge(c.hash, &c.challenge, shared.as_deref());
+    let proof = Proof { hash: c.hash, key: &key, challenge: &challenge, seqnum: c.seqnum, transaction: t };
+    if !chap::responses_match(&chap::host_response(&proof, 0, hostnqn, subnqn), &r.response) {
+        return failed(t, failure::FAILED, "the host's response does not match its secret");
+    }
+    let response = match &r.challenge {
+        None => None,
+        Some(c2) => {
+            let Some(ctrl) = &keys.controller else {
+                let why = "the host asked the controller to authenticate and it has no controller secret";
+                return failed(t, failure::FAILED, why);
+            };
+            if r.seqnum == 0 || c2.len() != c.hash.output_len() {
+                return failed(t, failure::INCORRECT_PAYLOAD, "a controller challenge without S2");
+            }
+            let key = ctrl.transformed(subnqn);
+            let challenge = chap::effective_challenge(c.hash, c2, shared.as_deref());
+            let proof = Proof { hash: c.hash, key: &key, challenge: &challenge, seqnum: r.seqnum, transaction: t };
+            Some(chap::controller_response(&proof, hostnqn, subnqn))
+        }
+    };
+    let bidirectional = response.is_some();
+    let message = Success1 { transaction: t, hash_len: c.hash.output_len() as u8, response };
+    (Step::Success1 { message, bidirectional }, Outcome::Continues)
 }
 
 fn failure1(transaction: u16, explanation: u8) -> Vec<u8> {
@@ -319,6 +387,22 @@ fn transaction_of(m: &Message) -> u16 {
         Message::Success1(s) => s.transaction,
         Message::Success2 { transaction } | Message::Failure { transaction, .. } => *transaction,
     }
+}
+
+/// Runs jobs on one thread of their own, in order: authentication is rare, and one
+/// thread keeps a flood of it from taking more than one core.
+pub fn run_off_reactor(work: impl FnOnce() + Send + 'static) {
+    type Work = Box<dyn FnOnce() + Send>;
+    static WORKER: std::sync::OnceLock<std::sync::Mutex<std::sync::mpsc::Sender<Work>>> = std::sync::OnceLock::new();
+    let worker = WORKER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<Work>();
+        std::thread::Builder::new()
+            .name("nvpool-auth".into())
+            .spawn(move || rx.into_iter().for_each(|w| w()))
+            .expect("a thread for authentication");
+        std::sync::Mutex::new(tx)
+    });
+    let _ = super::lock(worker).send(Box::new(work));
 }
 
 /// The answer to an Authentication Send or Receive.
@@ -341,19 +425,43 @@ impl Answer {
 /// ffdhe8192 value, is 1104 bytes (the Linux host asks for 4096).
 const MAX_RECEIVE: u32 = 16 * 1024;
 
+/// What an Authentication Send or Receive needs: an answer now, or a job to run off
+/// the reactor, whose result `checked` turns into the answer.
+pub enum Handled {
+    /// Answer now.
+    Now(Answer),
+    /// Run the job elsewhere first.
+    Later(Job),
+}
+
+impl From<Answer> for Handled {
+    fn from(a: Answer) -> Handled {
+        Handled::Now(a)
+    }
+}
+
+/// The answer to an Authentication Send whose job ran.
+pub fn checked(tx: &mut Option<Box<Transaction>>, result: Checked) -> Answer {
+    let outcome = match tx {
+        Some(t) => t.checked(result),
+        None => Outcome::Failed("the transaction ended while its computation ran".into()),
+    };
+    Answer { status: Status::SUCCESS, data: None, outcome }
+}
+
 /// Runs an Authentication Send or Receive on a queue of `controller`, whose
 /// transaction is `tx` (started here on the first message).
-pub fn handle(tx: &mut Option<Box<Transaction>>, controller: &Controller, cmd: &Command, data: &[u8]) -> Answer {
+pub fn handle(tx: &mut Option<Box<Transaction>>, controller: &Controller, cmd: &Command, data: &[u8]) -> Handled {
     let t = AuthTransfer::from_command(cmd);
     if !t.is_dhchap() || t.length == 0 {
-        return Answer::status(Status::INVALID_FIELD.with_dnr());
+        return Answer::status(Status::INVALID_FIELD.with_dnr()).into();
     }
     let (hostnqn, subsystem) = (controller.hostnqn.as_str(), &controller.subsystem);
     if tx.is_none() {
         match subsystem.host_keys(hostnqn) {
             Some(k) => *tx = Some(Box::new(Transaction::new(k))),
             // Nothing to authenticate with: this queue needs no authentication.
-            None => return Answer::status(Status::COMMAND_SEQUENCE_ERROR.with_dnr()),
+            None => return Answer::status(Status::COMMAND_SEQUENCE_ERROR.with_dnr()).into(),
         }
     }
     let tx = tx.as_mut().expect("set above");
@@ -362,28 +470,27 @@ pub fn handle(tx: &mut Option<Box<Transaction>>, controller: &Controller, cmd: &
         let offset = match data_pointer::check(&cmd.dptr, Direction::FromHost, Length::Exactly(length), data.len()) {
             Ok(Source::InCapsule { offset }) => offset,
             // The messages are small: hosts send them in the capsule.
-            Ok(Source::Transport) => return Answer::status(Status::SGL_TYPE_INVALID.with_dnr()),
-            Err(status) => return Answer::status(status),
+            Ok(Source::Transport) => return Answer::status(Status::SGL_TYPE_INVALID.with_dnr()).into(),
+            Err(status) => return Answer::status(status).into(),
         };
         let message = &data[offset..offset + t.length as usize];
-        let outcome = tx.send(message, hostnqn, &subsystem.nqn, || subsystem.host_keys(hostnqn));
-        return Answer { status: Status::SUCCESS, data: None, outcome };
+        return match tx.send(message, hostnqn, &subsystem.nqn, || subsystem.host_keys(hostnqn)) {
+            Sent::Now(outcome) => Answer { status: Status::SUCCESS, data: None, outcome }.into(),
+            Sent::Later(job) => Handled::Later(job),
+        };
     }
     if t.length > MAX_RECEIVE {
-        return Answer::status(Status::INVALID_FIELD.with_dnr());
+        return Answer::status(Status::INVALID_FIELD.with_dnr()).into();
     }
     if let Err(status) = data_pointer::check(&cmd.dptr, Direction::ToHost, Length::Exactly(length), 0) {
-        return Answer::status(status);
+        return Answer::status(status).into();
     }
     let (mut message, outcome) = tx.receive();
     if message.len() > t.length as usize {
         tx.step = Step::Over;
-        return Answer {
-            status: Status::INVALID_FIELD.with_dnr(),
-            data: None,
-            outcome: Outcome::Failed(format!("a Receive of {} bytes for a {}-byte message", t.length, message.len())),
-        };
+        let why = format!("a Receive of {} bytes for a {}-byte message", t.length, message.len());
+        return Answer { status: Status::INVALID_FIELD.with_dnr(), data: None, outcome: Outcome::Failed(why) }.into();
     }
     message.resize(t.length as usize, 0);
-    Answer { status: Status::SUCCESS, data: Some(message), outcome }
+    Answer { status: Status::SUCCESS, data: Some(message), outcome }.into()
 }

@@ -20,11 +20,11 @@ use nvpool_wire::fabrics::fctype;
 use nvpool_wire::tcp::{self, DataHeader, Digests, FatalError, IcResp, Pdu, data_field, fes};
 
 use super::block_io::{BlockIo, DiskQueue, Queued};
-use super::{Op, Reactor};
+use super::{Msg, Op, Reactor};
 use crate::bufpool::{Buf, BufPool, PAGE_SIZE};
 use crate::nvme::admin::{self, AdminOutcome};
 use crate::nvme::ana;
-use crate::nvme::auth::{self, Outcome, Transaction};
+use crate::nvme::auth::{self, Handled, Outcome, Transaction};
 use crate::nvme::data_pointer::Source;
 use crate::nvme::nvm::{self, IoPlan};
 use crate::nvme::subsystem::NamespaceMap;
@@ -692,7 +692,8 @@ impl Conn {
     }
 
     /// Authentication Send or Receive, on any queue at any time: a host authenticates
-    /// each queue after Connect, and again whenever it wants.
+    /// each queue after Connect, and again whenever it wants. Diffie-Hellman work runs
+    /// on another thread, and the command completes when it is back (`on_auth_checked`).
     fn on_auth(&mut self, r: &mut Reactor, idx: u32, cmd: &Command, data: &[u8]) {
         let Some(q) = &mut self.queue else { return };
         let controller = q.controller.clone();
@@ -701,7 +702,34 @@ impl Conn {
             // transaction's own messages keep the association alive meanwhile.
             controller.keep_alive(r.target.now_ms());
         }
-        let answer = auth::handle(&mut q.auth, &controller, cmd, data);
+        match auth::handle(&mut q.auth, &controller, cmd, data) {
+            Handled::Now(answer) => self.auth_answer(r, idx, cmd.cid, answer),
+            Handled::Later(job) => {
+                // Held like a deferred disk command: the connection outlives the job.
+                self.ops_in_flight += 1;
+                let (links, reactor, cid) = (r.links.clone(), r.id, cmd.cid);
+                auth::run_off_reactor(move || {
+                    let checked = job.run();
+                    links[reactor].send(Msg::AuthChecked { conn: idx, cid, checked });
+                });
+            }
+        }
+    }
+
+    /// The result of an authentication job: the Send that started it completes.
+    pub(super) fn on_auth_checked(&mut self, r: &mut Reactor, idx: u32, cid: u16, checked: auth::Checked) {
+        self.ops_in_flight -= 1;
+        if self.phase == Phase::Closed {
+            return;
+        }
+        let Some(q) = &mut self.queue else { return };
+        let answer = auth::checked(&mut q.auth, checked);
+        self.auth_answer(r, idx, cid, answer);
+    }
+
+    fn auth_answer(&mut self, r: &mut Reactor, idx: u32, cid: u16, answer: auth::Answer) {
+        let Some(q) = &mut self.queue else { return };
+        let controller = &q.controller;
         match answer.outcome {
             Outcome::Continues => {}
             Outcome::Authenticated => {
@@ -727,9 +755,9 @@ impl Conn {
             }
         }
         if let Some(d) = answer.data {
-            self.queue_c2h(&[], cmd.cid, Payload::Owned(d), false);
+            self.queue_c2h(&[], cid, Payload::Owned(d), false);
         }
-        self.respond(r, idx, cmd.cid, answer.status, 0);
+        self.respond(r, idx, cid, answer.status, 0);
     }
 
     fn on_admin(&mut self, r: &mut Reactor, idx: u32, cmd: &Command) {

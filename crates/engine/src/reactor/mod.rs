@@ -98,6 +98,15 @@ pub enum Msg {
         /// How it ended.
         status: nvpool_wire::Status,
     },
+    /// An authentication job of a connection's queue ran on another thread.
+    AuthChecked {
+        /// Connection slot.
+        conn: u32,
+        /// The Authentication Send it answers.
+        cid: u16,
+        /// The job's result.
+        checked: crate::nvme::auth::Checked,
+    },
     /// A queue to the owner of a remote namespace, connected for this reactor.
     RemoteSocket(crate::backend::remote::RemoteSocket),
     /// Serve queue `queue` of a local device: fetch its tags, then report.
@@ -848,6 +857,9 @@ impl Reactor {
                 Msg::Unlisten(port_id) => self.unlisten(port_id),
                 Msg::Kick => self.kick(),
                 Msg::Deferred { conn, tag, status } => self.resumed(conn, tag, status, None),
+                Msg::AuthChecked { conn, cid, checked } => {
+                    self.with_conn(conn, |r, c| c.on_auth_checked(r, conn, cid, checked));
+                }
                 Msg::RemoteSocket(socket) => {
                     if let Some(&q) = self.remote_slots.get(&socket.link) {
                         self.with_remote(q, |r, queue, _| queue.on_socket(r, q, socket));
