@@ -1,6 +1,7 @@
 //! Fuzzes the engine's connection state machine: each input is a script of host PDUs
 //! (handshake, Connect, Property, admin and NVM commands with any data pointer, H2CData,
-//! raw bytes, corruptions) sent over one connection to an engine reactor that this
+//! DH-HMAC-CHAP messages of a host that must authenticate, raw bytes, corruptions) sent
+//! over one connection to an engine reactor that this
 //! thread runs itself, pass by pass (`reactor::Stepped`), over a socket pair: no other
 //! thread and no timing, so a script runs in tens of microseconds.
 //!
@@ -23,6 +24,7 @@ use nvpool_engine::config::{EngineConfig, NamespaceConfig, SubsystemConfig};
 use nvpool_engine::reactor::Stepped;
 use nvpool_initiator::pattern;
 use nvpool_wire::Status;
+use nvpool_wire::auth::{AuthTransfer, Message, Negotiate, Reply};
 use nvpool_wire::command::{Command, Completion, PSDT_SGL, SglDescriptor, admin_opcode, io_opcode, sgl};
 use nvpool_wire::fabrics::{
     CNTLID_DYNAMIC, CONNECT_DATA_SIZE, ConnectCommand, ConnectData, PropertyAccess, cc, property,
@@ -31,6 +33,10 @@ use nvpool_wire::tcp::{self, DataHeader, Digests, IcReq, Pdu};
 
 const NQN: &str = "nqn.2024-01.io.nvpool:fuzz";
 const HOST: &str = "nqn.2024-01.io.nvpool:fuzz-host";
+/// A host that must authenticate; its group is `null`, so no Diffie-Hellman work
+/// leaves this thread and the runs stay deterministic.
+const AUTH_HOST: &str = "nqn.2024-01.io.nvpool:fuzz-auth";
+const AUTH_SECRET: &str = "DHHC-1:00:BwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwfLJNij:";
 const BLOCK: u32 = 512;
 /// Passes after which an engine that neither answered nor closed is hung.
 const MAX_PASSES: u32 = 1_000_000;
@@ -166,6 +172,14 @@ fn world() -> World {
             model: "nvpool".into(),
             allow_any_host: false,
             hosts: vec![HOST.into()],
+            dhchap: vec![nvpool_engine::HostDhchap {
+                host: AUTH_HOST.into(),
+                keys: nvpool_engine::DhchapKeys {
+                    secret: AUTH_SECRET.into(),
+                    dh_group: Some("null".into()),
+                    ..Default::default()
+                },
+            }],
             namespaces: vec![NamespaceConfig {
                 nsid: Some(1),
                 backend: "memory:4MiB".into(),
@@ -271,12 +285,62 @@ enum Step {
     TermReq {
         fes: u8,
     },
+    /// An admin queue Connect of the host that must authenticate.
+    AuthConnect {
+        sqsize: u8,
+    },
+    /// Authentication Send (with a message) or Receive.
+    Auth {
+        send: bool,
+        protocol_ok: bool,
+        message: AuthMessage,
+        sgl: Sgl,
+        length_delta: i8,
+    },
     Raw(Vec<u8>),
     /// Flips bits in what the script has written so far.
     Corrupt {
         at: u16,
         xor: u8,
     },
+}
+
+#[derive(Arbitrary, Debug)]
+enum AuthMessage {
+    Negotiate { transaction: u8, secure_channel: u8, hashes: Vec<u8>, dh_groups: Vec<u8> },
+    Reply { transaction: u8, hash_len: u8, challenge: bool, seqnum: u32, dh_len: u8 },
+    Success2 { transaction: u8 },
+    Failure2 { transaction: u8, explanation: u8 },
+    Bytes(Vec<u8>),
+}
+
+impl AuthMessage {
+    fn encode(self) -> Vec<u8> {
+        match self {
+            AuthMessage::Negotiate { transaction, secure_channel, hashes, dh_groups } => {
+                let secure_channel = if secure_channel < 240 { 0 } else { secure_channel };
+                let transaction = u16::from(transaction);
+                Message::Negotiate(Negotiate { transaction, secure_channel, dhchap: true, hashes, dh_groups }).encode()
+            }
+            AuthMessage::Reply { transaction, hash_len, challenge, seqnum, dh_len } => {
+                let hl = [32, 48, 64, usize::from(hash_len)][usize::from(hash_len % 4)];
+                let reply = Reply {
+                    transaction: u16::from(transaction),
+                    response: filler(1)[..hl].to_vec(),
+                    challenge: challenge.then(|| filler(2)[..hl].to_vec()),
+                    seqnum,
+                    dh_public: filler(3)[..usize::from(dh_len)].to_vec(),
+                };
+                Message::Reply(reply).encode()
+            }
+            AuthMessage::Success2 { transaction } => Message::Success2 { transaction: u16::from(transaction) }.encode(),
+            AuthMessage::Failure2 { transaction, explanation } => {
+                let transaction = u16::from(transaction);
+                Message::Failure { transaction, from_controller: false, reason: 1, explanation }.encode()
+            }
+            AuthMessage::Bytes(b) => b,
+        }
+    }
 }
 
 /// Data for scripts to send (20,000 bytes, more than any step takes), made once: a
@@ -404,6 +468,29 @@ impl Script {
                 let mut b = [0u8; tcp::TERM_REQ_MAX];
                 let n = tcp::encode_term_req(false, u16::from(fes % 8), 0, &[], &mut b);
                 self.out.extend_from_slice(&b[..n]);
+            }
+            Step::AuthConnect { sqsize } => {
+                let c = ConnectCommand { recfmt: 0, qid: 0, sqsize: u16::from(sqsize), cattr: 0, kato: 0 };
+                let mut data = [0u8; CONNECT_DATA_SIZE];
+                ConnectData { hostid: [5; 16], cntlid: CNTLID_DYNAMIC, subnqn: NQN.into(), hostnqn: AUTH_HOST.into() }
+                    .encode(&mut data);
+                let mut cmd = c.to_command(1);
+                cmd.flags = PSDT_SGL;
+                self.capsule(&cmd, &data);
+            }
+            Step::Auth { send, protocol_ok, message, sgl, length_delta } => {
+                let bytes = if send { message.encode() } else { Vec::new() };
+                let length = if send { bytes.len() as u32 } else { 4096 };
+                let mut t = AuthTransfer::dhchap(send, length.wrapping_add_signed(i32::from(length_delta)));
+                if !protocol_ok {
+                    t.secp ^= 0x10;
+                }
+                let mut cmd = t.to_command(3);
+                cmd.flags = PSDT_SGL;
+                if !matches!(sgl, Sgl::InCapsule { offset: 0 }) {
+                    cmd.dptr = dptr(sgl, t.length);
+                }
+                self.capsule(&cmd, &bytes);
             }
             Step::Raw(bytes) => self.out.extend_from_slice(&bytes),
             Step::Corrupt { at, xor } => {

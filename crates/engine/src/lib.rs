@@ -31,7 +31,7 @@ use error::{Error, ErrorKind, Result};
 use nvme::auth::HostKeys;
 use nvme::subsystem::HostPolicy;
 use nvme::{ListenerInfo, Namespace, Subsystem, Target, lock};
-pub use nvpool_api::{DhchapKeys, DirtyAction, DirtyReport, NamespaceInfo, SubsystemInfo};
+pub use nvpool_api::{DhchapKeys, DirtyAction, DirtyReport, HostDhchap, NamespaceInfo, SubsystemInfo};
 use reactor::{Msg, ReactorLink};
 
 /// This build's version, as management, hot upgrades and Identify's firmware revision

@@ -278,12 +278,9 @@ impl Transaction {
         })
     }
 
-    /// Takes the result of a job `send` handed out.
+    /// Takes the result of a job `send` handed out (nothing else moves the
+    /// transaction meanwhile: `handle` refuses messages while it is busy).
     pub fn checked(&mut self, checked: Checked) -> Outcome {
-        if !matches!(self.step, Step::Busy) {
-            // The host went on without waiting for the Send; that already failed it.
-            return Outcome::Failed("a message arrived before the last one was answered".into());
-        }
         self.step = checked.step;
         checked.outcome
     }
@@ -465,6 +462,10 @@ pub fn handle(tx: &mut Option<Box<Transaction>>, controller: &Controller, cmd: &
         }
     }
     let tx = tx.as_mut().expect("set above");
+    if matches!(tx.step, Step::Busy) {
+        // One message at a time: the host waits for each Send before the next.
+        return Answer::status(Status::COMMAND_SEQUENCE_ERROR.with_dnr()).into();
+    }
     let length = u64::from(t.length);
     if t.send {
         let offset = match data_pointer::check(&cmd.dptr, Direction::FromHost, Length::Exactly(length), data.len()) {
