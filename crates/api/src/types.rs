@@ -106,6 +106,10 @@ pub struct HostAuthInfo {
     pub hash: String,
     /// The Diffie-Hellman group the controller chooses.
     pub dh_group: String,
+    /// A one-way fingerprint of the secrets (`nvpool_auth::secret::fingerprint`), to
+    /// tell whether they are the ones an agent installed.
+    #[serde(default)]
+    pub fingerprint: String,
 }
 
 /// DH-HMAC-CHAP secrets and choices for one host of a subsystem. `Debug` hides the

@@ -111,6 +111,16 @@ impl Secret {
     }
 }
 
+/// A short, one-way name for a host secret and its controller secret: equal secrets
+/// give equal fingerprints, and the fingerprint tells nothing of them. Listings show it
+/// so that whoever installed secrets can tell whether they are still the ones in place.
+pub fn fingerprint(host: &Secret, controller: Option<&Secret>) -> String {
+    let ctrl = controller.map(Secret::to_dhhc).unwrap_or_default();
+    let digest =
+        Hash::Sha256.digest(&[b"nvpool DH-HMAC-CHAP fingerprint\0", host.to_dhhc().as_bytes(), b"\0", ctrl.as_bytes()]);
+    digest[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
+
 impl Drop for Secret {
     fn drop(&mut self) {
         self.key.fill(0);
@@ -168,6 +178,15 @@ mod tests {
         assert_eq!(Secret::parse("DHHC-1:00:!!!!:"), Err(SecretError::Base64));
         let short = format!("DHHC-1:00:{}:", STANDARD.encode([1u8; 20]));
         assert_eq!(Secret::parse(&short), Err(SecretError::Length(16)));
+    }
+
+    #[test]
+    fn fingerprints_tell_secrets_apart() {
+        let (a, b) = (Secret::generate(None), Secret::generate(None));
+        assert_eq!(fingerprint(&a, None), fingerprint(&a.clone(), None));
+        assert_ne!(fingerprint(&a, None), fingerprint(&b, None));
+        assert_ne!(fingerprint(&a, None), fingerprint(&a, Some(&b)));
+        assert_eq!(fingerprint(&a, None).len(), 16);
     }
 
     #[test]

@@ -12,8 +12,8 @@ use crate::model::VOLUME_NQN_PREFIX;
 use crate::proto::{self, agent_server::AgentServer};
 use nvpool_api::{
     AddHost, AddLocalDevice, AddNamespace, AddSubsystem, AnaState, CancelMigration, CreateVolume, DeleteVolume,
-    ErrorKind, GetEngineInfo, GetMigration, GetVolume, ListAnaGroups, ListListeners, ListLocalDevices, ListPools,
-    ListSubsystems, ListVolumes, LocalDeviceConfig, LocalDeviceInfo, Method, NamespaceConfig, RemoveHost,
+    DhchapKeys, ErrorKind, GetEngineInfo, GetMigration, GetVolume, ListAnaGroups, ListListeners, ListLocalDevices,
+    ListPools, ListSubsystems, ListVolumes, LocalDeviceConfig, LocalDeviceInfo, Method, NamespaceConfig, RemoveHost,
     RemoveLocalDevice, RemoveSubsystem, ResizeVolume, SetAnaState, SetControllerIdRange, StartMigration,
     SubsystemConfig, SubsystemInfo, SwapNamespace, SwitchMigration, UpgradeEngine, VolumeIdentity, VolumeInfo,
 };
@@ -323,13 +323,51 @@ fn export(
     if backend.as_deref() != Some(namespace.backend.as_str()) {
         call(engine, SwapNamespace { nqn: nqn.clone(), nsid: 1, backend: namespace.backend.clone() })?;
     }
-    for h in d.hosts.iter().filter(|h| !allowed.contains(h)) {
-        call(engine, AddHost { nqn: nqn.clone(), host: h.clone(), dhchap: None })?;
+    // Each host with the secrets the controller gave it, or none: a host is added again
+    // when its secrets differ from those in place (by fingerprint).
+    let installed = |h: &str| {
+        subsystem.and_then(|s| s.authenticated_hosts.iter().find(|a| a.host == h)).map(|a| a.fingerprint.clone())
+    };
+    for h in &d.hosts {
+        let wanted = d.dhchap.iter().find(|k| &k.host_nqn == h).and_then(|k| k.secrets.as_ref());
+        let (keys, fingerprint) = match wanted {
+            Some(s) => {
+                let (keys, fingerprint) = dhchap_keys(s).map_err(|e| format!("the secrets of {h}: {e}"))?;
+                (Some(keys), Some(fingerprint))
+            }
+            None => (None, None),
+        };
+        let have = installed(h);
+        if allowed.contains(h) && have == fingerprint {
+            continue;
+        }
+        if have.is_some() && fingerprint.is_none() {
+            // Secrets are only ever replaced: dropping them takes the host off first.
+            call(engine, RemoveHost { nqn: nqn.clone(), host: h.clone() })?;
+        }
+        call(engine, AddHost { nqn: nqn.clone(), host: h.clone(), dhchap: keys })?;
     }
     for h in allowed.iter().filter(|h| !d.hosts.contains(h)) {
         call(engine, RemoveHost { nqn: nqn.clone(), host: h.clone() })?;
     }
     Ok(())
+}
+
+/// The engine's form of a host's secrets, with their fingerprint.
+fn dhchap_keys(s: &proto::DhchapSecrets) -> Result<(DhchapKeys, String), String> {
+    let host = nvpool_auth::Secret::parse(&s.secret).map_err(|e| e.to_string())?;
+    let ctrl = match s.ctrl_secret.as_str() {
+        "" => None,
+        c => Some(nvpool_auth::Secret::parse(c).map_err(|e| e.to_string())?),
+    };
+    let fingerprint = nvpool_auth::secret::fingerprint(&host, ctrl.as_ref());
+    let keys = DhchapKeys {
+        secret: s.secret.clone(),
+        ctrl_secret: (!s.ctrl_secret.is_empty()).then(|| s.ctrl_secret.clone()),
+        hash: None,
+        dh_group: None,
+    };
+    Ok((keys, fingerprint))
 }
 
 /// Creates, grows and exports one volume as needed; returns its engine info.

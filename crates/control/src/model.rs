@@ -122,6 +122,32 @@ pub struct VolumeRecord {
     /// The local device the owner's engine made for them.
     #[serde(default)]
     pub local_device: Option<LocalDeviceRecord>,
+    /// DH-HMAC-CHAP secrets of the hosts attached with them, by host NQN.
+    #[serde(default)]
+    pub dhchap: BTreeMap<String, DhchapRecord>,
+}
+
+/// A host's DH-HMAC-CHAP secrets (`DHHC-1` form). `Debug` hides them.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DhchapRecord {
+    /// What the host proves it knows.
+    pub secret: String,
+    /// What the controller proves it knows.
+    pub ctrl_secret: String,
+}
+
+impl DhchapRecord {
+    /// New random secrets, transformed with SHA-256 as `nvme gen-dhchap-key --hmac=1`.
+    pub fn generate() -> DhchapRecord {
+        let make = || nvpool_auth::Secret::generate(Some(nvpool_auth::Hash::Sha256)).to_dhhc();
+        DhchapRecord { secret: make(), ctrl_secret: make() }
+    }
+}
+
+impl std::fmt::Debug for DhchapRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DhchapRecord(redacted)")
+    }
 }
 
 /// A local device serving a volume on its owner node.

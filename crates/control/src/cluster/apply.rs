@@ -56,6 +56,11 @@ fn present(v: &VolumeRecord, pool: &str) -> proto::DesiredVolume {
         thin: v.thin,
         present: true,
         subsystem_nqn: v.subsystem_nqn.clone(),
+        dhchap: v
+            .dhchap
+            .iter()
+            .map(|(host, d)| proto::HostDhchap { host_nqn: host.clone(), secrets: Some(dhchap_proto(d)) })
+            .collect(),
         ..Default::default()
     }
 }

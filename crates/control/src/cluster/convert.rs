@@ -242,3 +242,7 @@ pub(super) fn local_proto(v: &VolumeRecord) -> proto::LocalDevice {
         device: v.local_device.as_ref().map(|d| d.device.clone()).unwrap_or_default(),
     }
 }
+
+pub(super) fn dhchap_proto(d: &DhchapRecord) -> proto::DhchapSecrets {
+    proto::DhchapSecrets { secret: d.secret.clone(), ctrl_secret: d.ctrl_secret.clone() }
+}

@@ -99,6 +99,7 @@ impl Cluster {
                 last_migration: String::new(),
                 local_hosts: vec![],
                 local_device: None,
+                dhchap: BTreeMap::new(),
             };
             // Reserve the space now, so that concurrent creations see it taken.
             st.volumes.insert(record.name.clone(), record.clone());
@@ -322,6 +323,9 @@ impl Cluster {
                 with.readonly_hosts.push(host.to_string());
             }
         }
+        if req.dhchap && !with.dhchap.contains_key(host) {
+            with.dhchap.insert(host.to_string(), DhchapRecord::generate());
+        }
         with.paths.insert(host.to_string(), choice.paths.clone());
         let all_applied = {
             let st = self.state.lock().unwrap();
@@ -367,6 +371,7 @@ impl Cluster {
             explain: if req.explain { choice.explain } else { vec![] },
             local: None,
             local_fallback,
+            dhchap: v.dhchap.get(host).map(dhchap_proto),
         })
     }
 
@@ -430,6 +435,7 @@ impl Cluster {
             explain: vec![],
             local: Some(local_proto(&v)),
             local_fallback: String::new(),
+            dhchap: None,
         }))
     }
 
@@ -548,6 +554,8 @@ impl Cluster {
                 ..v.clone()
             };
             without.paths.remove(host);
+            // Its secrets go: every access point forgets them with the host.
+            without.dhchap.remove(host);
             self.put_volume(&without).await?;
         }
         let nodes = v.paths_of(host);

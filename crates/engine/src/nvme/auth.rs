@@ -87,6 +87,7 @@ impl HostKeys {
             bidirectional: self.controller.is_some(),
             hash: self.hash.map_or("any", Hash::name).to_string(),
             dh_group: self.dh_group.name().to_string(),
+            fingerprint: nvpool_auth::secret::fingerprint(&self.host, self.controller.as_ref()),
         }
     }
 }

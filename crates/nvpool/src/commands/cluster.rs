@@ -62,6 +62,10 @@ pub enum Command {
         /// block device (ublk) instead of NVMe/TCP paths; elsewhere NVMe/TCP, and why.
         #[arg(long, value_name = "NODE", default_value = "")]
         local: String,
+        /// The host must authenticate (DH-HMAC-CHAP): the controller makes its secrets
+        /// and prints them (keep them secret; detach revokes them).
+        #[arg(long)]
+        dhchap: bool,
         #[command(flatten)]
         api: ControllerApi,
     },
@@ -430,7 +434,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
             Ok(())
         }),
         Command::Volume { verb, api } => rt.block_on(volume(verb, api)),
-        Command::Attach { volume, host_nqn, readonly, explain, optimized, local, api } => rt.block_on(async {
+        Command::Attach { volume, host_nqn, readonly, explain, optimized, local, dhchap, api } => rt.block_on(async {
             let c = Controllers::new(&api.controller)?;
             let req = proto::AttachRequest {
                 volume: volume.clone(),
@@ -439,6 +443,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
                 explain,
                 optimized_node: optimized,
                 local_node: local,
+                dhchap,
             };
             let r = c.call(async |mut c| c.attach(req.clone()).await).await.map_err(status)?;
             let mut j = serde_json::json!({ "subsystem_nqn": r.subsystem_nqn, "nsid": r.nsid, "uuid": r.uuid, "nguid": r.nguid, "paths": paths_json(&r.paths) });
@@ -451,6 +456,12 @@ pub fn run(cmd: Command) -> Result<(), String> {
             if !r.local_fallback.is_empty() {
                 j["local_fallback"] = r.local_fallback.clone().into();
             }
+            if let Some(d) = &r.dhchap {
+                j["dhchap"] = serde_json::json!({ "secret": d.secret, "ctrl_secret": d.ctrl_secret });
+            }
+            let secrets = r.dhchap.as_ref().map_or(String::new(), |d| {
+                format!(" --dhchap-secret {} --dhchap-ctrl-secret {}", d.secret, d.ctrl_secret)
+            });
             print_or(api.json, &j, || {
                 if let Some(l) = &r.local {
                     return format!("volume {volume} is attached to {host_nqn} on node {} as {} ({})", l.node, l.device, l.kind);
@@ -462,7 +473,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
                 out += "connect from the host with:\n";
                 for p in &r.paths {
                     out += &format!(
-                        "  nvme connect -t {} -a {} -s {} -n {} --hostnqn {host_nqn}    # {} path via {}\n",
+                        "  nvme connect -t {} -a {} -s {} -n {} --hostnqn {host_nqn}{secrets}    # {} path via {}\n",
                         p.transport, p.address, p.port, r.subsystem_nqn, p.ana_state, p.node
                     );
                 }
