@@ -4,9 +4,9 @@ ask() {   # ask ACTION: the host performs it and answers with done-ACTION
     touch /host/req-$1
     wait_for 60 test -f /host/done-$1 || fail "the host did not $1"
 }
-connect() {
+connect() {   # connect [NVME-CONNECT-ARGS...]
     . /host/attach.env
-    nvme connect -t tcp -a $ADDR -s $SVC -n $NQN -i 2 || fail "nvme connect with what attach returned"
+    nvme connect -t tcp -a $ADDR -s $SVC -n $NQN -i 2 "$@" || fail "nvme connect with what attach returned"
     wait_for 20 ctrl_of $NQN >/dev/null || fail "no live controller for $NQN"
     D=/dev/$(ctrl_of $NQN)n1
     wait_for 20 test -b $D || fail "no block device $D"
@@ -41,6 +41,23 @@ connect
 eval fio $FIO --verify_only=1 --output=fio-verify.txt || fail "fio verify"
 grep -E "err=|read:" fio-verify.txt | head -3
 grep -q "err= 0" fio-verify.txt || fail "fio reported errors on verify"
+nvme disconnect -n $NQN
+
+step "nvpool attach --dhchap: refused without the secrets, the data intact with them"
+ask attach-dhchap
+. /host/attach.env
+[ -n "$SECRET" ] && [ -n "$CTRL_SECRET" ] || fail "attach --dhchap printed no secrets"
+echo "secrets from attach: $(echo $SECRET | cut -c1-10)... and $(echo $CTRL_SECRET | cut -c1-10)..."
+if nvme connect -t tcp -a $ADDR -s $SVC -n $NQN -i 1 2>connect-nokey.txt; then
+    fail "a host without its secret could connect"
+fi
+cat connect-nokey.txt
+echo "--- dhchap" > /dev/kmsg
+connect --dhchap-secret=$SECRET --dhchap-ctrl-secret=$CTRL_SECRET
+dmesg | sed -n '/--- dhchap$/,$p' | grep -E 'authenticated' || fail "the kernel did not authenticate"
+eval fio $FIO --verify_only=1 --output=fio-verify-dhchap.txt || fail "fio verify"
+grep -q "err= 0" fio-verify-dhchap.txt || fail "fio reported errors on verify"
+echo "fio verify over the authenticated connection: no errors"
 nvme disconnect -n $NQN
 echo
 echo "ALL STEPS PASSED"
