@@ -17,6 +17,20 @@ async fn redb_conforms() {
 }
 
 #[tokio::test]
+async fn redb_file_is_for_its_owner_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.redb");
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    drop(RedbStore::open(&path).unwrap());
+    assert_eq!(mode(&path), 0o600, "the store holds secrets");
+    // A file an older build made readable to others is narrowed.
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    drop(RedbStore::open(&path).unwrap());
+    assert_eq!(mode(&path), 0o600);
+}
+
+#[tokio::test]
 async fn redb_refuses_a_second_opener() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("c.redb");

@@ -18,11 +18,21 @@ fn err(path: &Path, e: impl std::fmt::Display) -> StoreError {
 }
 
 impl RedbStore {
-    /// Opens the file, creating it (and its directory) when missing.
+    /// Opens the file, creating it (and its directory) when missing. The file holds
+    /// hosts' DH-HMAC-CHAP secrets: only its owner may read it (0600).
     pub fn open(path: &Path) -> Result<RedbStore, StoreError> {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| err(path, format!("cannot create its directory: {e}")))?;
         }
+        // Made here with mode 0600 before redb opens it; an older, wider file is narrowed.
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(path)
+            .and_then(|f| f.set_permissions(std::fs::Permissions::from_mode(0o600)))
+            .map_err(|e| err(path, format!("cannot create it with mode 0600: {e}")))?;
         let db = Database::create(path).map_err(|e| {
             err(path, format!("{e} (is another controller using this file? each needs its own, or use etcd)"))
         })?;
