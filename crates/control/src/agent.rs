@@ -38,6 +38,8 @@ pub struct AgentArgs {
     /// The host NQN of this node's own NVMe host; empty: unknown.
     pub local_host_nqn: String,
     pub labels: BTreeMap<String, String>,
+    /// Mutual TLS with this node's certificate (`node:NAME`), when on.
+    pub tls: Option<crate::tls::Tls>,
 }
 
 #[derive(Default)]
@@ -50,6 +52,14 @@ struct Applied {
 struct Service {
     engine: PathBuf,
     applied: tokio::sync::Mutex<Applied>,
+    /// Under mutual TLS, only the controller may give orders.
+    tls: bool,
+}
+
+impl Service {
+    fn check_controller<T>(&self, r: &Request<T>) -> Result<(), Status> {
+        if self.tls { crate::tls::require_identity(r, crate::tls::CONTROLLER) } else { Ok(()) }
+    }
 }
 
 impl Service {
@@ -72,10 +82,12 @@ impl Service {
 #[tonic::async_trait]
 impl proto::agent_server::Agent for Service {
     async fn apply(&self, r: Request<proto::NodeState>) -> Result<Response<proto::ApplyResponse>, Status> {
+        self.check_controller(&r)?;
         Ok(Response::new(proto::ApplyResponse { results: Service::apply(self, r.into_inner()).await }))
     }
 
     async fn migration(&self, r: Request<proto::MigrationRequest>) -> Result<Response<proto::MigrationReply>, Status> {
+        self.check_controller(&r)?;
         let engine = self.engine.clone();
         let reply = tokio::task::spawn_blocking(move || migration(&engine, r.into_inner()))
             .await
@@ -88,6 +100,7 @@ impl proto::agent_server::Agent for Service {
         &self,
         r: Request<proto::UpgradeEngineRequest>,
     ) -> Result<Response<proto::UpgradeReply>, Status> {
+        self.check_controller(&r)?;
         let engine = self.engine.clone();
         let binary = Some(r.into_inner().binary).filter(|b| !b.is_empty()).map(PathBuf::from);
         let report = tokio::task::spawn_blocking(move || nvpool_api::call(&engine, &UpgradeEngine { binary }))
@@ -483,15 +496,20 @@ fn keep_cntlid_range(engine: &Path, (min, max): (u16, u16)) -> Result<(), String
 
 /// Runs the agent until the process ends.
 pub async fn run(args: AgentArgs) -> Result<(), String> {
-    let controllers = Controllers::new(&args.controllers)?;
-    let service = Arc::new(Service { engine: args.engine_socket.clone(), applied: Default::default() });
+    let controllers = Controllers::with_tls(&args.controllers, args.tls.as_ref())?;
+    let service =
+        Arc::new(Service { engine: args.engine_socket.clone(), applied: Default::default(), tls: args.tls.is_some() });
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e} (pick another --listen)", args.listen))?;
     let advertise =
         args.advertise.clone().unwrap_or_else(|| listener.local_addr().map(|a| a.to_string()).unwrap_or_default());
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(t) = &args.tls {
+        builder = builder.tls_config(t.server()).map_err(|e| format!("TLS: {e}"))?;
+    }
     tokio::spawn(
-        tonic::transport::Server::builder()
+        builder
             .add_service(AgentServer::from_arc(service.clone()))
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
     );

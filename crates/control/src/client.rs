@@ -5,6 +5,7 @@
 
 use crate::proto::controller_client::ControllerClient;
 use crate::server::{FROM_CONTROLLER, TRY_ANOTHER};
+use crate::tls::Tls;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use tonic::Status;
@@ -22,10 +23,19 @@ pub struct Controllers {
 impl Controllers {
     /// `addresses`: one or more `HOST:PORT` or `http://HOST:PORT`, comma separated.
     pub fn new(addresses: &str) -> Result<Controllers, String> {
+        Controllers::with_tls(addresses, None)
+    }
+
+    /// As `new`, over mutual TLS with `tls` (`https://`) when given.
+    pub fn with_tls(addresses: &str, tls: Option<&Tls>) -> Result<Controllers, String> {
+        let scheme = if tls.is_some() { "https" } else { "http" };
         let endpoints: Vec<String> = addresses
             .split(',')
             .filter(|a| !a.is_empty())
-            .map(|a| if a.contains("://") { a.to_string() } else { format!("http://{a}") })
+            .map(|a| match a.split_once("://") {
+                Some((_, rest)) => format!("{scheme}://{rest}"),
+                None => format!("{scheme}://{a}"),
+            })
             .collect();
         if endpoints.is_empty() {
             return Err("no controller address given: pass --controller HOST:PORT".into());
@@ -33,9 +43,14 @@ impl Controllers {
         let channels = endpoints
             .iter()
             .map(|e| {
-                Endpoint::from_shared(e.clone())
-                    .map(|ep| ep.connect_timeout(Duration::from_secs(1)).connect_lazy())
-                    .map_err(|err| format!("controller address {e:?} is not valid: {err}"))
+                let ep = Endpoint::from_shared(e.clone())
+                    .map_err(|err| format!("controller address {e:?} is not valid: {err}"))?
+                    .connect_timeout(Duration::from_secs(1));
+                let ep = match tls {
+                    Some(t) => ep.tls_config(t.client()).map_err(|err| format!("TLS for {e}: {err}"))?,
+                    None => ep,
+                };
+                Ok::<_, String>(ep.connect_lazy())
             })
             .collect::<Result<_, _>>()?;
         Ok(Controllers { endpoints, channels, preferred: Mutex::new(0), patience: Duration::from_secs(15) })
@@ -43,6 +58,27 @@ impl Controllers {
 
     pub fn addresses(&self) -> String {
         self.endpoints.join(",")
+    }
+
+    /// Whether a failure looks like a TLS mismatch: a certificate refused, or a plain
+    /// HTTP/2 connection to a TLS server (which fails inside HTTP/2).
+    fn tls_failure(&self, s: &Status) -> bool {
+        let m = s.message();
+        m.contains("certificate") || m.contains("tls") || m.contains("TLS") || m.contains("h2 protocol error")
+    }
+
+    /// A transport failure with what to do about it.
+    fn explained(&self, s: Status) -> Status {
+        if !s.metadata().contains_key(FROM_CONTROLLER) && self.tls_failure(&s) {
+            let tls = self.endpoints.first().is_some_and(|e| e.starts_with("https://"));
+            let hint = if tls {
+                "the controller refused this client's certificate, or presented one not from --tls-dir's CA"
+            } else {
+                "the controller may require mutual TLS: pass --tls-dir with the cluster's certificates"
+            };
+            return Status::new(s.code(), format!("{} ({hint})", s.message()));
+        }
+        s
     }
 
     /// Calls `f` on the leader. (`f` returns a plain future rather than being an async
@@ -64,7 +100,7 @@ impl Controllers {
                         return Ok(r.into_inner());
                     }
                     Err(s) if retryable(&s) => last = Some(s),
-                    Err(s) => return Err(s),
+                    Err(s) => return Err(self.explained(s)),
                 }
             }
             let last = last.expect("at least one endpoint");
@@ -74,7 +110,12 @@ impl Controllers {
                 } else {
                     format!("cannot reach a controller at {}: {}", self.addresses(), last.message())
                 };
-                return Err(Status::new(last.code(), format!("{detail} (is `nvpool controller` running?)")));
+                let hint = if self.tls_failure(&last) {
+                    "is --tls-dir the cluster's, from the same `nvpool certs init`?"
+                } else {
+                    "is `nvpool controller` running?"
+                };
+                return Err(Status::new(last.code(), format!("{detail} ({hint})")));
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }

@@ -16,6 +16,7 @@ pub mod store;
 /// tests of this crate and of the binary turn on.
 #[cfg(feature = "testkit")]
 pub mod testkit;
+pub mod tls;
 
 /// The generated gRPC types and services (`proto/nvpool/v1/control.proto`).
 #[allow(clippy::all, missing_docs)]

@@ -32,6 +32,18 @@ struct Service {
     id: String,
     leader: RwLock<Option<Arc<Cluster>>>,
     store: Arc<dyn Store>,
+    /// Under mutual TLS, a node's calls must carry that node's certificate.
+    tls: bool,
+}
+
+impl Service {
+    /// Under TLS, refuses a node call whose certificate is not that node's.
+    fn check_node<T>(&self, r: &Request<T>, node: &str) -> Result<(), Status> {
+        if !self.tls {
+            return Ok(());
+        }
+        crate::tls::require_identity(r, &format!("{}{node}", crate::tls::NODE_PREFIX))
+    }
 }
 
 fn tag(mut s: Status, id: &str) -> Status {
@@ -158,6 +170,8 @@ impl proto::controller_server::Controller for Service {
         &self,
         r: Request<proto::RegisterNodeRequest>,
     ) -> Result<Response<proto::RegisterNodeResponse>, Status> {
+        let name = r.get_ref().node.as_ref().map(|n| n.name.clone()).unwrap_or_default();
+        self.check_node(&r, &name)?;
         self.with(async |c| {
             let node = r.into_inner().node.ok_or_else(|| Status::invalid_argument("RegisterNode needs a node"))?;
             let (cntlid_min, cntlid_max) = c.register_node(node).await?;
@@ -181,6 +195,7 @@ impl proto::controller_server::Controller for Service {
         &self,
         r: Request<proto::HeartbeatRequest>,
     ) -> Result<Response<proto::HeartbeatResponse>, Status> {
+        self.check_node(&r, &r.get_ref().node)?;
         self.with(async |c| Ok(proto::HeartbeatResponse { known: c.heartbeat(r.into_inner()) })).await
     }
 }
@@ -196,11 +211,17 @@ pub async fn run(args: ControllerArgs) -> Result<(), String> {
         }
         None => (store::open(&args.store).await.map_err(|e| e.to_string())?, None),
     };
-    let service = Arc::new(Service { id: id.clone(), leader: RwLock::new(None), store: store.clone() });
+    let tls = args.cluster.tls.clone();
+    let service =
+        Arc::new(Service { id: id.clone(), leader: RwLock::new(None), store: store.clone(), tls: tls.is_some() });
     let listener = tokio::net::TcpListener::bind(args.listen).await.map_err(|e| {
         format!("cannot listen on {}: {e} (is another controller there? pick another --listen)", args.listen)
     })?;
-    let server = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(t) = &tls {
+        builder = builder.tls_config(t.server()).map_err(|e| format!("TLS: {e}"))?;
+    }
+    let server = builder
         .add_service(ControllerServer::from_arc(service.clone()))
         .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
     let serving = tokio::spawn(server);

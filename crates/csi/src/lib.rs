@@ -79,6 +79,8 @@ pub struct CsiArgs {
     pub node_name: String,
     pub host_nqn: String,
     pub state_dir: PathBuf,
+    /// Mutual TLS to the controllers, when on.
+    pub tls: Option<nvpool_control::tls::Tls>,
 }
 
 /// Serves until the process ends.
@@ -93,7 +95,7 @@ pub async fn run(args: CsiArgs) -> Result<(), String> {
     }
     let listener = tokio::net::UnixListener::bind(&path).map_err(|e| format!("cannot listen on {path}: {e}"))?;
     let serves_controller = args.mode != Mode::Node;
-    let client = Arc::new(Controllers::new(&args.controllers)?);
+    let client = Arc::new(Controllers::with_tls(&args.controllers, args.tls.as_ref())?);
     let controllers = serves_controller.then(|| client.clone());
     let mut router = tonic::transport::Server::builder().add_service(csi::identity_server::IdentityServer::new(
         controller::IdentityService { controllers: controllers.clone() },

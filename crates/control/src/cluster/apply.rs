@@ -211,9 +211,13 @@ impl Cluster {
         if let Some(c) = channels.get(address) {
             return Ok(c.clone());
         }
-        let endpoint = Endpoint::from_shared(format!("http://{address}"))
+        let scheme = if self.cfg.tls.is_some() { "https" } else { "http" };
+        let mut endpoint = Endpoint::from_shared(format!("{scheme}://{address}"))
             .map_err(|e| format!("agent address {address:?}: {e}"))?
             .connect_timeout(Duration::from_secs(2));
+        if let Some(t) = &self.cfg.tls {
+            endpoint = endpoint.tls_config(t.client()).map_err(|e| format!("TLS to agent {address}: {e}"))?;
+        }
         let c = endpoint.connect_lazy();
         channels.insert(address.to_string(), c.clone());
         Ok(c)

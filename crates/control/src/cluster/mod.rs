@@ -34,6 +34,8 @@ pub struct ClusterConfig {
     pub heartbeat_interval: Duration,
     /// How long an agent may take to apply a node's state.
     pub apply_timeout: Duration,
+    /// Mutual TLS to the agents (the controller's own certificate), when on.
+    pub tls: Option<crate::tls::Tls>,
 }
 
 impl Default for ClusterConfig {
@@ -43,6 +45,7 @@ impl Default for ClusterConfig {
             node_timeout: Duration::from_secs(5),
             heartbeat_interval: Duration::from_secs(1),
             apply_timeout: Duration::from_secs(20),
+            tls: None,
         }
     }
 }

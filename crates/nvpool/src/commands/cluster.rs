@@ -9,6 +9,7 @@ use nvpool_control::cluster::ClusterConfig;
 use nvpool_control::proto;
 use nvpool_control::scheduler::{Policy, Weights};
 use nvpool_control::sim::{self, SimConfig};
+use nvpool_control::tls::{CONTROLLER, NODE_PREFIX, Tls};
 use nvpool_control::{agent, server};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -87,6 +88,33 @@ pub enum Command {
         #[command(flatten)]
         api: ControllerApi,
     },
+    /// Make certificates for mutual TLS in the control plane.
+    Certs {
+        #[command(subcommand)]
+        verb: CertsVerb,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum CertsVerb {
+    /// Make a CA and certificates for a test cluster: the controller, an agent per
+    /// node (node:NAME), and clients (client:admin for the CLI, client:csi, more with
+    /// --client). Keys are written 0600.
+    Init {
+        /// Where to write them (ca.pem, NAME.pem, NAME.key).
+        #[arg(long)]
+        dir: PathBuf,
+        /// A node name (repeatable).
+        #[arg(long)]
+        node: Vec<String>,
+        /// Another client name (repeatable).
+        #[arg(long)]
+        client: Vec<String>,
+        /// A host name or IP address servers are reached by, besides localhost
+        /// (repeatable).
+        #[arg(long)]
+        name: Vec<String>,
+    },
 }
 
 #[derive(Args)]
@@ -97,6 +125,21 @@ pub struct ControllerApi {
     /// Print JSON instead of a table.
     #[arg(long, global = true)]
     json: bool,
+    /// Mutual TLS: the directory of `nvpool certs init` (ca.pem and this client's
+    /// certificate and key).
+    #[arg(long, global = true, env = "NVPOOL_TLS_DIR")]
+    tls_dir: Option<PathBuf>,
+    /// Which certificate of --tls-dir to present.
+    #[arg(long, global = true, env = "NVPOOL_TLS_IDENTITY", default_value = "client:admin")]
+    tls_identity: String,
+}
+
+impl ControllerApi {
+    /// The controllers, over mutual TLS when --tls-dir is given.
+    fn controllers(&self) -> Result<Controllers, String> {
+        let tls = self.tls_dir.as_deref().map(|d| Tls::load(d, &self.tls_identity)).transpose()?;
+        Controllers::with_tls(&self.controller, tls.as_ref())
+    }
 }
 
 #[derive(Args)]
@@ -128,6 +171,10 @@ pub struct ControllerArgs {
     /// Thin volumes may promise up to this multiple of a pool's capacity.
     #[arg(long, default_value_t = Policy::default().thin_overcommit)]
     thin_overcommit: f64,
+    /// Mutual TLS: the directory of `nvpool certs init`; callers then need a
+    /// certificate from its CA, and agents their node's.
+    #[arg(long, env = "NVPOOL_TLS_DIR")]
+    tls_dir: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -162,6 +209,10 @@ pub struct AgentArgs {
     /// Topology label KEY=VALUE (repeatable), e.g. zone=a.
     #[arg(long, value_parser = parse_label)]
     label: Vec<(String, String)>,
+    /// Mutual TLS: the directory of `nvpool certs init`; the agent presents its node's
+    /// certificate (node:NAME) and takes orders only from the controller's.
+    #[arg(long, env = "NVPOOL_TLS_DIR")]
+    tls_dir: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -184,6 +235,12 @@ pub struct CsiArgs {
     /// Where the node plugin records staged volumes.
     #[arg(long, default_value = "/var/lib/nvpool/csi")]
     state_dir: PathBuf,
+    /// Mutual TLS to the controller: the directory of `nvpool certs init`.
+    #[arg(long, env = "NVPOOL_TLS_DIR")]
+    tls_dir: Option<PathBuf>,
+    /// Which certificate of --tls-dir to present.
+    #[arg(long, default_value = "client:csi")]
+    tls_identity: String,
 }
 
 #[derive(Args)]
@@ -388,6 +445,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
                     },
                     node_timeout: a.node_timeout,
                     heartbeat_interval: a.heartbeat_interval,
+                    tls: a.tls_dir.as_deref().map(|d| Tls::load(d, CONTROLLER)).transpose()?,
                     ..ClusterConfig::default()
                 },
                 lease_ttl: a.lease_ttl,
@@ -402,7 +460,6 @@ pub fn run(cmd: Command) -> Result<(), String> {
                     .map_err(|e| format!("cannot read the host name ({e}); pass --name"))?,
             };
             let args = agent::AgentArgs {
-                name,
                 controllers: a.controller,
                 listen: a.listen,
                 advertise: a.advertise,
@@ -413,11 +470,13 @@ pub fn run(cmd: Command) -> Result<(), String> {
                     std::fs::read_to_string("/etc/nvme/hostnqn").map(|s| s.trim().to_string()).unwrap_or_default()
                 }),
                 labels: a.label.into_iter().collect::<BTreeMap<_, _>>(),
+                tls: a.tls_dir.as_deref().map(|d| Tls::load(d, &format!("{NODE_PREFIX}{name}"))).transpose()?,
+                name,
             };
             rt.block_on(agent::run(args))
         }
         Command::Node { verb: NodeVerb::List, api } => rt.block_on(async {
-            let c = Controllers::new(&api.controller)?;
+            let c = api.controllers()?;
             let r = c.call(async |mut c| c.list_nodes(proto::ListNodesRequest {}).await).await.map_err(status)?;
             print_or(api.json, &nodes_json(&r.nodes), || render(&node_table(&r.nodes)));
             Ok(())
@@ -428,14 +487,14 @@ pub fn run(cmd: Command) -> Result<(), String> {
             rt.block_on(upgrade_nodes(name, binary.unwrap_or_default(), health_timeout, &api))
         }
         Command::Pool { verb: ClusterPoolVerb::List, api } => rt.block_on(async {
-            let c = Controllers::new(&api.controller)?;
+            let c = api.controllers()?;
             let r = c.call(async |mut c| c.list_pools(proto::ListPoolsRequest {}).await).await.map_err(status)?;
             print_or(api.json, &pools_json(&r.pools), || render(&pool_table(&r.pools)));
             Ok(())
         }),
         Command::Volume { verb, api } => rt.block_on(volume(verb, api)),
         Command::Attach { volume, host_nqn, readonly, explain, optimized, local, dhchap, api } => rt.block_on(async {
-            let c = Controllers::new(&api.controller)?;
+            let c = api.controllers()?;
             let req = proto::AttachRequest {
                 volume: volume.clone(),
                 host_nqn: host_nqn.clone(),
@@ -488,12 +547,21 @@ pub fn run(cmd: Command) -> Result<(), String> {
             Ok(())
         }),
         Command::Detach { volume, host_nqn, api } => rt.block_on(async {
-            let c = Controllers::new(&api.controller)?;
+            let c = api.controllers()?;
             let req = proto::DetachRequest { volume: volume.clone(), host_nqn: host_nqn.clone() };
             c.call(async |mut c| c.detach(req.clone()).await).await.map_err(status)?;
             print_or(api.json, &serde_json::json!({}), || format!("{host_nqn} detached from volume {volume}"));
             Ok(())
         }),
+        Command::Certs { verb: CertsVerb::Init { dir, node, client, name } } => {
+            let mut identities = vec![CONTROLLER.to_string()];
+            identities.extend(node.iter().map(|n| format!("{NODE_PREFIX}{n}")));
+            identities.extend(["client:admin".to_string(), "client:csi".to_string()]);
+            identities.extend(client.iter().map(|c| format!("client:{c}")));
+            nvpool_control::tls::init(&dir, &identities, &name)?;
+            println!("certificates for {} in {} (keys 0600)", identities.join(", "), dir.display());
+            Ok(())
+        }
         Command::Csi(a) => {
             let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
             let args = nvpool_csi::CsiArgs {
@@ -507,6 +575,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
                 node_name: a.node_name.unwrap_or_else(|| read("/etc/hostname")),
                 host_nqn: a.host_nqn.unwrap_or_else(|| read("/etc/nvme/hostnqn")),
                 state_dir: a.state_dir,
+                tls: a.tls_dir.as_deref().map(|d| Tls::load(d, &a.tls_identity)).transpose()?,
             };
             rt.block_on(nvpool_csi::run(args))
         }
@@ -515,7 +584,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
             Ok(())
         }
         Command::ClusterInfo { api } => rt.block_on(async {
-            let c = Controllers::new(&api.controller)?;
+            let c = api.controllers()?;
             let r = c.call(async |mut c| c.cluster_info(proto::ClusterInfoRequest {}).await).await.map_err(status)?;
             let j = serde_json::json!({ "cluster_id": r.cluster_id, "controller_id": r.controller_id, "leader": r.leader, "leader_address": r.leader_address, "store": r.store });
             print_or(api.json, &j, || {
@@ -534,7 +603,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
 }
 
 async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), String> {
-    let c = Controllers::new(&api.controller)?;
+    let c = api.controllers()?;
     match verb {
         ClusterVolumeVerb::Create {
             name,
@@ -745,7 +814,7 @@ fn progress_line(m: &proto::Migration) -> String {
 
 /// Moves every volume off a node, one after the other.
 async fn drain(node: &str, how: MoveArgs, api: &ControllerApi) -> Result<(), String> {
-    let c = Controllers::new(&api.controller)?;
+    let c = api.controllers()?;
     let req = proto::ListVolumesRequest { node: node.to_string() };
     let volumes = c.call(async |mut c| c.list_volumes(req.clone()).await).await.map_err(status)?.volumes;
     if volumes.is_empty() {
@@ -781,7 +850,7 @@ async fn upgrade_nodes(
     health_timeout: Duration,
     api: &ControllerApi,
 ) -> Result<(), String> {
-    let c = Controllers::new(&api.controller)?;
+    let c = api.controllers()?;
     let nodes = match node {
         Some(n) => vec![n],
         None => {

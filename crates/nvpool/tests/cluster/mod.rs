@@ -159,10 +159,16 @@ impl Node {
     }
 
     pub fn start_agent(&mut self, controllers: &str) {
+        self.start_agent_with(controllers, &[]);
+    }
+
+    /// Starts the agent with more arguments (e.g. `--tls-dir DIR`).
+    pub fn start_agent_with(&mut self, controllers: &str, extra: &[&str]) {
         let child = Command::new(BIN)
             .args(["agent", "--name", &self.name, "--controller", controllers])
             .args(["--listen", &format!("127.0.0.1:{}", self.agent_port), "--engine-socket"])
             .arg(self.socket())
+            .args(extra)
             .stdout(log(&self.dir, "agent"))
             .stderr(log(&self.dir, "agent"))
             .spawn()
@@ -183,10 +189,16 @@ pub struct ControllerProc {
 
 /// Starts `nvpool controller` with the given store and fast health settings.
 pub fn start_controller(dir: &Path, store: &str, port: u16, tag: &str) -> ControllerProc {
+    start_controller_with(dir, store, port, tag, &[])
+}
+
+/// Starts `nvpool controller` with more arguments (e.g. `--tls-dir DIR`).
+pub fn start_controller_with(dir: &Path, store: &str, port: u16, tag: &str, extra: &[&str]) -> ControllerProc {
     let address = format!("127.0.0.1:{port}");
     let child = Command::new(BIN)
         .args(["controller", "--listen", &address, "--store", store])
         .args(["--node-timeout", "3s", "--heartbeat-interval", "500ms", "--lease-ttl", "2s"])
+        .args(extra)
         .stdout(log(dir, &format!("controller-{tag}")))
         .stderr(log(dir, &format!("controller-{tag}")))
         .spawn()
