@@ -85,8 +85,15 @@ async fn an_unreachable_etcd_is_an_error_not_a_hang() {
     // The client reconnects on its own; the first calls may still time out. The limit
     // only bounds a hang: on a machine busy with builds, reconnecting took over 20 s.
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while s.commit(Txn::default().put("/t/y", b"1".to_vec())).await.is_err() {
-        assert!(std::time::Instant::now() < deadline, "the store must work again once etcd is back");
+    while let Err(e) = s.commit(Txn::default().put("/t/y", b"1".to_vec())).await {
+        if std::time::Instant::now() >= deadline {
+            let log = std::fs::read_to_string(dir.path().join("etcd.log")).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(15).collect();
+            panic!(
+                "the store must work again once etcd is back; last error: {e}; etcd log, last lines first:\n{}",
+                tail.join("\n")
+            );
+        }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }

@@ -9,28 +9,52 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 pub struct EtcdStore {
-    client: Client,
+    /// Replaced after a call that could not reach etcd (see `failed`).
+    client: std::sync::Mutex<Client>,
     endpoints: Vec<String>,
+}
+
+fn options() -> ConnectOptions {
+    ConnectOptions::new().with_connect_timeout(Duration::from_secs(2)).with_timeout(Duration::from_secs(5))
 }
 
 impl EtcdStore {
     pub async fn connect(endpoints: &[String]) -> Result<EtcdStore, StoreError> {
-        let options =
-            ConnectOptions::new().with_connect_timeout(Duration::from_secs(2)).with_timeout(Duration::from_secs(5));
-        let client = Client::connect(endpoints, Some(options)).await.map_err(|e| {
+        let client = Client::connect(endpoints, Some(options())).await.map_err(|e| {
             StoreError(format!("cannot reach etcd at {}: {e} (is etcd running there?)", endpoints.join(",")))
         })?;
-        Ok(EtcdStore { client, endpoints: endpoints.to_vec() })
+        Ok(EtcdStore { client: std::sync::Mutex::new(client), endpoints: endpoints.to_vec() })
+    }
+
+    fn client(&self) -> Client {
+        self.client.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     fn err(&self, e: etcd_client::Error) -> StoreError {
         StoreError(format!("store etcd:{}: {e} (is etcd running and reachable?)", self.endpoints.join(",")))
     }
 
+    /// A call failed. When etcd could not be reached, the client is made anew for the
+    /// next call: a channel whose endpoints all failed while etcd was down does not
+    /// always come back by itself once etcd does.
+    async fn failed(&self, e: etcd_client::Error) -> StoreError {
+        let unreachable = match &e {
+            etcd_client::Error::GRpcStatus(s) => {
+                matches!(s.code(), tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Unknown)
+            }
+            etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
+            _ => false,
+        };
+        if unreachable && let Ok(fresh) = Client::connect(&self.endpoints, Some(options())).await {
+            *self.client.lock().unwrap_or_else(|p| p.into_inner()) = fresh;
+        }
+        self.err(e)
+    }
+
     /// Waits until this controller holds `key`, then keeps it. `value` identifies the
     /// controller; other controllers read it to find the leader.
     pub async fn campaign(&self, key: &str, value: &[u8], ttl: Duration) -> Result<Leadership, StoreError> {
-        let mut client = self.client.clone();
+        let mut client = self.client();
         let ttl_s = ttl.as_secs().max(1) as i64;
         loop {
             let lease = client.lease_grant(ttl_s, None).await.map_err(|e| self.err(e))?.id();
@@ -84,13 +108,18 @@ impl Store for EtcdStore {
     }
 
     async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        let r = self.client.clone().get(key, None).await.map_err(|e| self.err(e))?;
+        let r = match self.client().get(key, None).await {
+            Ok(r) => r,
+            Err(e) => return Err(self.failed(e).await),
+        };
         Ok(r.kvs().first().map(|kv| kv.value().to_vec()))
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
-        let r =
-            self.client.clone().get(prefix, Some(GetOptions::new().with_prefix())).await.map_err(|e| self.err(e))?;
+        let r = match self.client().get(prefix, Some(GetOptions::new().with_prefix())).await {
+            Ok(r) => r,
+            Err(e) => return Err(self.failed(e).await),
+        };
         r.kvs()
             .iter()
             .map(|kv| {
@@ -118,7 +147,9 @@ impl Store for EtcdStore {
                 Write::Delete(k) => TxnOp::delete(k.as_str(), None),
             })
             .collect();
-        let r = self.client.clone().txn(etcd_client::Txn::new().when(compares).and_then(ops)).await;
-        Ok(r.map_err(|e| self.err(e))?.succeeded())
+        match self.client().txn(etcd_client::Txn::new().when(compares).and_then(ops)).await {
+            Ok(r) => Ok(r.succeeded()),
+            Err(e) => Err(self.failed(e).await),
+        }
     }
 }
