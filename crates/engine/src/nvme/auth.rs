@@ -103,14 +103,16 @@ pub enum Outcome {
     Failed(String),
 }
 
-/// One queue's authentication transaction.
+/// One queue's authentication transaction, waiting at first for the host's NEGOTIATE.
+#[derive(Default)]
 pub struct Transaction {
-    keys: Arc<HostKeys>,
     step: Step,
 }
 
+#[derive(Default)]
 enum Step {
     /// Waiting for NEGOTIATE.
+    #[default]
     Negotiate,
     /// A Diffie-Hellman computation for the last message runs off the reactor.
     Busy,
@@ -129,6 +131,8 @@ enum Step {
 }
 
 struct Challenged {
+    /// The host's secrets as they were at NEGOTIATE.
+    keys: Arc<HostKeys>,
     transaction: u16,
     hash: Hash,
     group: DhGroup,
@@ -166,19 +170,14 @@ fn failed(transaction: u16, explanation: u8, why: impl Into<String>) -> (Step, O
     (Step::Failure1 { transaction, explanation }, Outcome::Failed(why.into()))
 }
 
-/// Names of the hosts' offers that can be used, for messages.
+/// Those of the host's offers this build knows.
 fn usable<T: Copy>(offered: &[u8], from_id: fn(u8) -> Option<T>) -> Vec<T> {
     offered.iter().filter_map(|&id| from_id(id)).collect()
 }
 
 impl Transaction {
-    /// A transaction with `keys`, waiting for the host's NEGOTIATE.
-    pub fn new(keys: Arc<HostKeys>) -> Transaction {
-        Transaction { keys, step: Step::Negotiate }
-    }
-
     /// Takes the data of an Authentication Send. `current_keys` gives the host's
-    /// secrets as they are now, for a NEGOTIATE that starts over.
+    /// secrets as they are now: a NEGOTIATE (re)starts with them.
     pub fn send(
         &mut self,
         data: &[u8],
@@ -211,10 +210,9 @@ impl Transaction {
         Ok(match (std::mem::replace(&mut self.step, Step::Over), message) {
             (_, Message::Negotiate(n)) => {
                 let t = n.transaction;
-                match current_keys() {
-                    Some(k) => self.keys = k,
-                    None => return Ok(failed(t, failure::FAILED, "the host's secrets were removed")),
-                }
+                let Some(keys) = current_keys() else {
+                    return Ok(failed(t, failure::FAILED, "the host's secrets were removed"));
+                };
                 if !n.dhchap {
                     return Ok(failed(t, failure::NOT_USABLE, "the host offered no DH-HMAC-CHAP"));
                 }
@@ -223,7 +221,7 @@ impl Transaction {
                     return Ok(failed(t, failure::CONCAT_MISMATCH, why));
                 }
                 let hashes = usable(&n.hashes, Hash::from_id);
-                let hash = match self.keys.hash {
+                let hash = match keys.hash {
                     Some(h) => hashes.contains(&h).then_some(h),
                     None => hashes.first().copied(),
                 };
@@ -231,7 +229,7 @@ impl Transaction {
                     let why = format!("no hash the host offered ({:?}) is the configured one", n.hashes);
                     return Ok(failed(t, failure::HASH_UNUSABLE, why));
                 };
-                let group = self.keys.dh_group;
+                let group = keys.dh_group;
                 if !usable(&n.dh_groups, DhGroup::from_id).contains(&group) {
                     let why = format!("the host did not offer {group} (it offered {:?})", n.dh_groups);
                     return Ok(failed(t, failure::DHGROUP_UNUSABLE, why));
@@ -239,6 +237,7 @@ impl Transaction {
                 let mut challenge = vec![0u8; hash.output_len()];
                 nvpool_auth::random_bytes(&mut challenge);
                 let c = Challenged {
+                    keys,
                     transaction: t,
                     hash,
                     group,
@@ -256,11 +255,11 @@ impl Transaction {
             }
             (Step::Reply(c), Message::Reply(r)) => {
                 if c.dh.is_none() {
-                    return Ok(check_reply(&self.keys, &c, &r, hostnqn, subnqn));
+                    return Ok(check_reply(&c, &r, hostnqn, subnqn));
                 }
-                let (keys, hostnqn, subnqn) = (self.keys.clone(), hostnqn.to_string(), subnqn.to_string());
+                let (hostnqn, subnqn) = (hostnqn.to_string(), subnqn.to_string());
                 return Err(Job(Box::new(move || {
-                    let (step, outcome) = check_reply(&keys, &c, &r, &hostnqn, &subnqn);
+                    let (step, outcome) = check_reply(&c, &r, &hostnqn, &subnqn);
                     Checked { step, outcome }
                 })));
             }
@@ -322,13 +321,7 @@ impl Transaction {
 
 /// Checks the host's response to challenge `c` and computes the controller's, if
 /// the host asked for it.
-fn check_reply(
-    keys: &HostKeys,
-    c: &Challenged,
-    r: &nvpool_wire::auth::Reply,
-    hostnqn: &str,
-    subnqn: &str,
-) -> (Step, Outcome) {
+fn check_reply(c: &Challenged, r: &nvpool_wire::auth::Reply, hostnqn: &str, subnqn: &str) -> (Step, Outcome) {
     let t = c.transaction;
     if r.transaction != t {
         return failed(t, failure::INCORRECT_PROTOCOL, format!("reply to transaction {}", r.transaction));
@@ -346,7 +339,7 @@ fn check_reply(
         }
         None => None,
     };
-    let key = keys.host.transformed(hostnqn);
+    let key = c.keys.host.transformed(hostnqn);
     let challenge = chap::effective_challenge(c.hash, &c.challenge, shared.as_deref());
     let proof = Proof { hash: c.hash, key: &key, challenge: &challenge, seqnum: c.seqnum, transaction: t };
     if !chap::responses_match(&chap::host_response(&proof, 0, hostnqn, subnqn), &r.response) {
@@ -355,7 +348,7 @@ fn check_reply(
     let response = match &r.challenge {
         None => None,
         Some(c2) => {
-            let Some(ctrl) = &keys.controller else {
+            let Some(ctrl) = &c.keys.controller else {
                 let why = "the host asked the controller to authenticate and it has no controller secret";
                 return failed(t, failure::FAILED, why);
             };
@@ -391,16 +384,16 @@ fn transaction_of(m: &Message) -> u16 {
 /// thread keeps a flood of it from taking more than one core.
 pub fn run_off_reactor(work: impl FnOnce() + Send + 'static) {
     type Work = Box<dyn FnOnce() + Send>;
-    static WORKER: std::sync::OnceLock<std::sync::Mutex<std::sync::mpsc::Sender<Work>>> = std::sync::OnceLock::new();
+    static WORKER: std::sync::OnceLock<std::sync::mpsc::Sender<Work>> = std::sync::OnceLock::new();
     let worker = WORKER.get_or_init(|| {
         let (tx, rx) = std::sync::mpsc::channel::<Work>();
         std::thread::Builder::new()
             .name("nvpool-auth".into())
             .spawn(move || rx.into_iter().for_each(|w| w()))
             .expect("a thread for authentication");
-        std::sync::Mutex::new(tx)
+        tx
     });
-    let _ = super::lock(worker).send(Box::new(work));
+    let _ = worker.send(Box::new(work));
 }
 
 /// The answer to an Authentication Send or Receive.
@@ -455,14 +448,11 @@ pub fn handle(tx: &mut Option<Box<Transaction>>, controller: &Controller, cmd: &
         return Answer::status(Status::INVALID_FIELD.with_dnr()).into();
     }
     let (hostnqn, subsystem) = (controller.hostnqn.as_str(), &controller.subsystem);
-    if tx.is_none() {
-        match subsystem.host_keys(hostnqn) {
-            Some(k) => *tx = Some(Box::new(Transaction::new(k))),
-            // Nothing to authenticate with: this queue needs no authentication.
-            None => return Answer::status(Status::COMMAND_SEQUENCE_ERROR.with_dnr()).into(),
-        }
+    if tx.is_none() && subsystem.host_keys(hostnqn).is_none() {
+        // Nothing to authenticate with: this queue needs no authentication.
+        return Answer::status(Status::COMMAND_SEQUENCE_ERROR.with_dnr()).into();
     }
-    let tx = tx.as_mut().expect("set above");
+    let tx = tx.get_or_insert_with(Box::default);
     if matches!(tx.step, Step::Busy) {
         // One message at a time: the host waits for each Send before the next.
         return Answer::status(Status::COMMAND_SEQUENCE_ERROR.with_dnr()).into();

@@ -10,7 +10,6 @@ use nvpool_wire::fabrics::{
     PropertyAccess, VERSION_2_0, connect_invalid_param, property,
 };
 
-use super::auth::HostKeys;
 use super::controller::Association;
 use super::data_pointer::{self, Direction, Length, Source};
 use super::{ADMIN_QUEUE_DEPTH, Controller, Target};
@@ -23,9 +22,9 @@ pub struct Connected {
     pub qid: u16,
     /// Queue size, 0's based.
     pub sqsize: u16,
-    /// The secrets the queue must authenticate with before anything else, if the
-    /// host has any on the subsystem.
-    pub keys: Option<Arc<HostKeys>>,
+    /// Whether the queue must authenticate before anything else: the host has
+    /// DH-HMAC-CHAP secrets on the subsystem.
+    pub auth_required: bool,
 }
 
 /// A refused Connect: the status and CQE DW0 to report.
@@ -70,7 +69,7 @@ pub fn connect(target: &Target, cmd: &Command, data: &[u8]) -> Result<Connected,
     if !subsystem.host_allowed(&d.hostnqn) {
         return Err(refuse_for_now(Status::CONNECT_INVALID_HOST, connect_invalid_param(true, CONNECT_HOSTNQN_OFFSET)));
     }
-    let keys = subsystem.host_keys(&d.hostnqn);
+    let auth_required = subsystem.host_keys(&d.hostnqn).is_some();
     if c.sqsize == 0 {
         return Err(refuse(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(false, CONNECT_SQSIZE_OFFSET)));
     }
@@ -100,7 +99,7 @@ pub fn connect(target: &Target, cmd: &Command, data: &[u8]) -> Result<Connected,
             .ok_or_else(|| refuse(Status::CONNECT_CONTROLLER_BUSY, 0))?;
         controller.claim_queue(0);
         subsystem.attach_controller(&controller);
-        return Ok(Connected { controller, qid: 0, sqsize: c.sqsize, keys });
+        return Ok(Connected { controller, qid: 0, sqsize: c.sqsize, auth_required });
     }
     let controller = target
         .controller(d.cntlid)
@@ -125,7 +124,7 @@ pub fn connect(target: &Target, cmd: &Command, data: &[u8]) -> Result<Connected,
     if !controller.claim_queue(c.qid) {
         return Err(refuse(Status::COMMAND_SEQUENCE_ERROR, 0));
     }
-    Ok(Connected { controller, qid: c.qid, sqsize: c.sqsize, keys })
+    Ok(Connected { controller, qid: c.qid, sqsize: c.sqsize, auth_required })
 }
 
 /// Handles Property Get: returns the 8-byte value split into CQE DW0 and DW1.

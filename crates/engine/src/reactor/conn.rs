@@ -666,7 +666,7 @@ impl Conn {
             Ok(c) => {
                 // Bit 17 of DW0 tells the host to authenticate before anything else.
                 let result = u64::from(c.controller.cntlid)
-                    | if c.keys.is_some() { u64::from(nvpool_wire::auth::CONNECT_AUTH_REQUIRED) } else { 0 };
+                    | if c.auth_required { u64::from(nvpool_wire::auth::CONNECT_AUTH_REQUIRED) } else { 0 };
                 let cattr = nvpool_wire::fabrics::ConnectCommand::from_command(cmd).cattr;
                 let namespaces = c.controller.subsystem.namespaces();
                 let generation = c.controller.subsystem.generation();
@@ -682,8 +682,8 @@ impl Conn {
                     flow_control_disabled: cattr & CATTR_DISABLE_SQ_FLOW_CONTROL != 0,
                     namespaces,
                     generation,
-                    authenticated: c.keys.is_none(),
-                    auth: c.keys.map(|k| Box::new(Transaction::new(k))),
+                    authenticated: !c.auth_required,
+                    auth: None,
                 });
                 self.respond(r, idx, cmd.cid, Status::SUCCESS, result);
             }
