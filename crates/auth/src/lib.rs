@@ -1,16 +1,19 @@
 //! DH-HMAC-CHAP, the in-band authentication of NVMe over Fabrics (NVMe Base 2.x,
 //! "Authentication"), as the Linux host and target implement it: the `DHHC-1` secrets,
 //! the hash functions, the RFC 7919 finite-field Diffie-Hellman groups, and the
-//! responses each side computes. Pure code: no I/O, no `unsafe`. The messages that
-//! carry these values are in `nvpool-wire`.
+//! responses each side computes; and the pre-shared keys of NVMe/TCP's TLS channel.
+//! Pure code: no I/O, no `unsafe`. The messages that carry these values are in
+//! `nvpool-wire`.
 
 pub mod chap;
 pub mod ffdhe;
 pub mod hash;
+pub mod psk;
 pub mod secret;
 
 pub use ffdhe::{DhGroup, KeyPair};
 pub use hash::Hash;
+pub use psk::{ConfiguredPsk, Identity, Kdf, PskError};
 pub use secret::{Secret, SecretError};
 
 /// Random bytes from the operating system.
