@@ -180,6 +180,7 @@ fn world() -> World {
                     ..Default::default()
                 },
             }],
+            tls_psk: vec![],
             namespaces: vec![NamespaceConfig {
                 nsid: Some(1),
                 backend: "memory:4MiB".into(),

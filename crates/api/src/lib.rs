@@ -114,6 +114,10 @@ methods! {
         /// with other secrets changes them for its next authentication.
         #[serde(default)]
         dhchap: Option<DhchapKeys>,
+        /// The host's pre-shared key for NVMe/TCP over TLS; adding a host again with
+        /// another key changes it for its next handshake.
+        #[serde(default)]
+        tls_psk: Option<TlsPsk>,
     }
     /// Disallows a host; its controllers are ended.
     "host_remove" => RemoveHost -> Empty {
@@ -153,6 +157,9 @@ methods! {
     "listener_add" => AddListener -> ListenerInfo {
         /// IP and port.
         address: std::net::SocketAddr,
+        /// Whether hosts connect with TLS.
+        #[serde(default)]
+        tls: TlsMode,
     }
     /// Stops listening on an address and ends the connections it accepted.
     "listener_remove" => RemoveListener -> Empty {

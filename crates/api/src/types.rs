@@ -68,6 +68,74 @@ pub struct ListenerInfo {
     pub addr: IpAddr,
     /// TCP port.
     pub port: u16,
+    /// Whether hosts connect with TLS.
+    #[serde(default)]
+    pub tls: TlsMode,
+}
+
+/// Whether a listener takes NVMe/TCP over TLS 1.3 (with a pre-shared key).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TlsMode {
+    /// Plain NVMe/TCP only.
+    #[default]
+    Off,
+    /// TLS, or plain NVMe/TCP from hosts that do not start a handshake.
+    Allowed,
+    /// TLS only: a plain connection is closed.
+    Required,
+}
+
+impl TlsMode {
+    /// The name users write.
+    pub fn name(self) -> &'static str {
+        match self {
+            TlsMode::Off => "off",
+            TlsMode::Allowed => "allowed",
+            TlsMode::Required => "required",
+        }
+    }
+}
+
+impl std::str::FromStr for TlsMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<TlsMode, String> {
+        [TlsMode::Off, TlsMode::Allowed, TlsMode::Required]
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| format!("TLS mode `{s}` is not one of off, allowed, required"))
+    }
+}
+
+/// A host's pre-shared key for NVMe/TCP over TLS. `Debug` hides the key.
+#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsPsk {
+    /// The configured PSK in the interchange format `nvme gen-tls-key` prints
+    /// (`NVMeTLSkey-1:01:<base64>:`).
+    pub key: String,
+    /// How the host's tools derive the TLS key from it: `compat` (libnvme before
+    /// mid-2025, e.g. Debian 13's nvme-cli 2.13; the default) or `rfc8446` (SPDK, newer
+    /// libnvme). A host that offers a version 1 identity is recognised either way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kdf: Option<String>,
+}
+
+impl std::fmt::Debug for TlsPsk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsPsk").field("key", &"(redacted)").field("kdf", &self.kdf).finish()
+    }
+}
+
+/// A host's TLS pre-shared key in the configuration file (`[[subsystem.tls_psk]]`):
+/// the host is allowed too.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostTlsPsk {
+    /// Host NQN.
+    pub host: String,
+    /// The key.
+    #[serde(flatten)]
+    pub psk: TlsPsk,
 }
 
 /// A subsystem.
@@ -91,6 +159,9 @@ pub struct SubsystemInfo {
     /// Hosts that must authenticate with DH-HMAC-CHAP (their secrets are never shown).
     #[serde(default)]
     pub authenticated_hosts: Vec<HostAuthInfo>,
+    /// Hosts with a TLS pre-shared key (the keys are never shown).
+    #[serde(default)]
+    pub tls_psk_hosts: Vec<String>,
     /// Namespaces.
     pub namespaces: Vec<NamespaceInfo>,
 }
@@ -471,6 +542,9 @@ pub struct SubsystemConfig {
     /// Hosts that must authenticate with DH-HMAC-CHAP (allowed as well).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dhchap: Vec<HostDhchap>,
+    /// Hosts' pre-shared keys for NVMe/TCP over TLS (allowed as well).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tls_psk: Vec<HostTlsPsk>,
     /// Namespaces.
     #[serde(default, rename = "namespace")]
     pub namespaces: Vec<NamespaceConfig>,

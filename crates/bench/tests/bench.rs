@@ -63,7 +63,7 @@ fn verifies_data_through_the_engine() {
     let nqn = "nqn.2024-01.io.nvpool:bench";
     let cfg = EngineConfig {
         reactors: Some(2),
-        listeners: vec![ListenerConfig { address: "127.0.0.1:0".parse().unwrap() }],
+        listeners: vec![ListenerConfig { address: "127.0.0.1:0".parse().unwrap(), tls: Default::default() }],
         subsystems: vec![SubsystemConfig {
             nqn: nqn.into(),
             serial: None,
@@ -71,6 +71,7 @@ fn verifies_data_through_the_engine() {
             allow_any_host: true,
             hosts: vec![],
             dhchap: vec![],
+            tls_psk: vec![],
             namespaces: vec![NamespaceConfig {
                 nsid: None,
                 backend: "memory:16MiB".into(),

@@ -309,6 +309,7 @@ fn export(
                 allow_any_host: false,
                 hosts: vec![],
                 dhchap: vec![],
+                tls_psk: vec![],
                 namespaces: vec![namespace.clone()],
             };
             call(engine, AddSubsystem(config))?;
@@ -358,7 +359,7 @@ fn export(
             // Secrets are only ever replaced: dropping them takes the host off first.
             call(engine, RemoveHost { nqn: nqn.clone(), host: h.clone() })?;
         }
-        call(engine, AddHost { nqn: nqn.clone(), host: h.clone(), dhchap: keys })?;
+        call(engine, AddHost { nqn: nqn.clone(), host: h.clone(), dhchap: keys, tls_psk: None })?;
     }
     for h in allowed.iter().filter(|h| !d.hosts.contains(h)) {
         call(engine, RemoveHost { nqn: nqn.clone(), host: h.clone() })?;

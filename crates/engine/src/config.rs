@@ -18,6 +18,9 @@
 //! address = "127.0.0.1:4420"
 //! [[listener]]
 //! address = "127.0.0.1:8009"       # discovery; every listener serves every NQN
+//! [[listener]]
+//! address = "127.0.0.1:4430"
+//! tls = "required"                 # NVMe/TCP over TLS 1.3 with a PSK; or "allowed"
 //!
 //! [[subsystem]]
 //! nqn = "nqn.2024-01.io.nvpool:vol1"
@@ -32,6 +35,11 @@
 //! ctrl_secret = "DHHC-1:02:...:"   # optional: for hosts that authenticate the controller
 //! hash = "sha256"                  # optional: sha384, sha512 (default: the host's first)
 //! dh_group = "ffdhe2048"           # optional: null, ffdhe3072 ... ffdhe8192
+//!
+//! [[subsystem.tls_psk]]            # a host's TLS pre-shared key; the host is allowed too
+//! host = "nqn.2014-08.org.nvmexpress:uuid:..."
+//! key = "NVMeTLSkey-1:01:...:"     # from `nvme gen-tls-key`; keep the file 0600
+//! kdf = "compat"                   # optional: "rfc8446" for hosts with newer libnvme
 //!
 //! [[subsystem.namespace]]
 //! nsid = 1                         # optional: the next free ID
@@ -109,6 +117,9 @@ pub fn check_cntlid_range(min: u16, max: u16) -> Result<(), String> {
 pub struct ListenerConfig {
     /// IP address and port.
     pub address: SocketAddr,
+    /// Whether hosts connect with TLS: `off` (the default), `allowed` or `required`.
+    #[serde(default)]
+    pub tls: nvpool_api::TlsMode,
 }
 
 /// The whole engine configuration.

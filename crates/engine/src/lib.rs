@@ -16,6 +16,7 @@ pub mod nvme;
 pub mod pool;
 pub mod reactor;
 mod storage;
+pub mod tls;
 pub mod upgrade;
 
 use std::collections::BTreeMap;
@@ -124,7 +125,7 @@ impl Engine {
                 let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
                 let mut told = false;
                 loop {
-                    match engine.add_listener(l.address) {
+                    match engine.add_listener(l.address, l.tls) {
                         Err(e) if e.kind == ErrorKind::AlreadyExists && std::time::Instant::now() < deadline => {
                             if !std::mem::replace(&mut told, true) {
                                 tracing::warn!(
@@ -179,7 +180,7 @@ impl Engine {
     }
 
     /// Binds and serves a listener; returns it with the port the system chose for 0.
-    pub fn add_listener(&self, addr: SocketAddr) -> Result<ListenerInfo> {
+    pub fn add_listener(&self, addr: SocketAddr, tls: tls::TlsMode) -> Result<ListenerInfo> {
         let listener = TcpListener::bind(addr).map_err(|e| {
             let message = format!(
                 "cannot listen on {addr}: {e} (is another engine or nvmet using the port? pick another with --listen)"
@@ -189,7 +190,7 @@ impl Engine {
         let local = listener.local_addr().map_err(|e| Error::io(format!("listener {addr}"), e))?;
         let port_id = self.next_port_id.fetch_add(1, Ordering::Relaxed);
         lock(&self.listeners).insert(port_id, local);
-        let info = ListenerInfo { port_id, addr: local.ip(), port: local.port() };
+        let info = ListenerInfo { port_id, addr: local.ip(), port: local.port(), tls };
         self.target.add_listener_info(info.clone());
         // Reactor 0 accepts and spreads connections over all reactors.
         self.links[0].send(Msg::Listen { port_id, listener });
@@ -234,6 +235,11 @@ impl Engine {
             let keys = HostKeys::from_config(&d.keys)
                 .map_err(|e| Error::invalid(format!("subsystem {} host {}: {}", c.nqn, d.host, e.message)))?;
             s.add_host(&d.host, Some(keys))?;
+        }
+        for p in &c.tls_psk {
+            let psk = tls::HostPsk::from_config(&p.psk)
+                .map_err(|e| Error::invalid(format!("subsystem {} host {}: {e}", c.nqn, p.host)))?;
+            s.set_host_psk(&p.host, psk)?;
         }
         for n in &c.namespaces {
             add_namespace_to(self, &s, n)?;
@@ -324,10 +330,24 @@ impl Engine {
     }
 
     /// Allows a host on a subsystem, with the DH-HMAC-CHAP secrets it must
-    /// authenticate with if `dhchap`.
-    pub fn add_host(&self, nqn: &str, host: &str, dhchap: Option<&DhchapKeys>) -> Result<()> {
+    /// authenticate with if `dhchap`, and its TLS pre-shared key if `tls_psk`.
+    pub fn add_host(
+        &self,
+        nqn: &str,
+        host: &str,
+        dhchap: Option<&DhchapKeys>,
+        tls_psk: Option<&nvpool_api::TlsPsk>,
+    ) -> Result<()> {
         let keys = dhchap.map(HostKeys::from_config).transpose()?;
-        self.subsystem(nqn)?.add_host(host, keys)?;
+        let psk = tls_psk
+            .map(tls::HostPsk::from_config)
+            .transpose()
+            .map_err(|e| Error::invalid(format!("host {host}: {e}")))?;
+        let subsystem = self.subsystem(nqn)?;
+        subsystem.add_host(host, keys)?;
+        if let Some(psk) = psk {
+            subsystem.set_host_psk(host, psk)?;
+        }
         self.target.discovery_changed();
         self.kick();
         Ok(())
@@ -364,6 +384,7 @@ impl Engine {
                     allow_any_host: policy.allow_any,
                     hosts: policy.hosts.into_iter().collect(),
                     authenticated_hosts: policy.keys.iter().map(|(host, k)| k.info(host)).collect(),
+                    tls_psk_hosts: policy.psks.keys().cloned().collect(),
                     controllers: s.controllers().len(),
                     connected_hosts: {
                         let mut hosts: Vec<String> = s.controllers().iter().map(|c| c.hostnqn.clone()).collect();

@@ -158,7 +158,9 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value> {
             _ => Err(Error::invalid("name one local device: its ublk_id or its vhost-user-blk socket")),
         }),
         ListLocalDevices::NAME => answer(p, |ListLocalDevices {}| Ok(engine.local_devices())),
-        AddHost::NAME => answer(p, |r: AddHost| ok(engine.add_host(&r.nqn, &r.host, r.dhchap.as_ref()))),
+        AddHost::NAME => {
+            answer(p, |r: AddHost| ok(engine.add_host(&r.nqn, &r.host, r.dhchap.as_ref(), r.tls_psk.as_ref())))
+        }
         RemoveHost::NAME => answer(p, |r: RemoveHost| ok(engine.remove_host(&r.nqn, &r.host))),
         AllowAnyHost::NAME => answer(p, |r: AllowAnyHost| ok(engine.set_allow_any_host(&r.nqn, r.allow))),
         SetAnaState::NAME => {
@@ -166,7 +168,7 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value> {
         }
         ListAnaGroups::NAME => answer(p, |r: ListAnaGroups| engine.ana_groups(&r.nqn)),
         ListListeners::NAME => answer(p, |ListListeners {}| Ok(engine.listeners())),
-        AddListener::NAME => answer(p, |r: AddListener| engine.add_listener(r.address)),
+        AddListener::NAME => answer(p, |r: AddListener| engine.add_listener(r.address, r.tls)),
         RemoveListener::NAME => answer(p, |r: RemoveListener| ok(engine.remove_listener(r.address))),
         CreatePool::NAME => answer(p, |r: CreatePool| engine.create_pool(&r.name, &r.disks, r.cluster_size, r.force)),
         ImportPool::NAME => answer(p, |r: ImportPool| engine.import_pool(&r.disks)),

@@ -38,7 +38,7 @@ fn start(limits: Limits) -> TestEngine {
     let cfg = EngineConfig {
         reactors: Some(1),
         limits,
-        listeners: vec![ListenerConfig { address: "127.0.0.1:0".parse().unwrap() }],
+        listeners: vec![ListenerConfig { address: "127.0.0.1:0".parse().unwrap(), tls: Default::default() }],
         subsystems: vec![SubsystemConfig {
             nqn: NQN.into(),
             serial: None,
@@ -46,6 +46,7 @@ fn start(limits: Limits) -> TestEngine {
             allow_any_host: true,
             hosts: vec![],
             dhchap: vec![],
+            tls_psk: vec![],
             namespaces,
         }],
         ..EngineConfig::default()

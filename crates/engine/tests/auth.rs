@@ -33,7 +33,7 @@ fn keys(secret: &Secret, ctrl: Option<&Secret>, hash: Option<Hash>, group: DhGro
 fn start(k: DhchapKeys) -> TestEngine {
     let cfg = EngineConfig {
         reactors: Some(2),
-        listeners: vec![ListenerConfig { address: "127.0.0.1:0".parse().unwrap() }],
+        listeners: vec![ListenerConfig { address: "127.0.0.1:0".parse().unwrap(), tls: Default::default() }],
         subsystems: vec![SubsystemConfig {
             nqn: NQN.into(),
             serial: None,
@@ -41,6 +41,7 @@ fn start(k: DhchapKeys) -> TestEngine {
             allow_any_host: true,
             hosts: vec![],
             dhchap: vec![nvpool_api::HostDhchap { host: HOST.into(), keys: k }],
+            tls_psk: vec![],
             namespaces: vec![namespace("memory:16MiB", 512)],
         }],
         ..EngineConfig::default()
@@ -229,7 +230,7 @@ fn reauthentication_uses_the_current_secret_and_listings_show_no_secret() {
     let mut q = connect_admin(t.addr, &opts(Some(HostAuth::new(old.clone(), None)))).unwrap();
     q.authenticate(&HostAuth::new(old.clone(), None), HOST, NQN).expect("re-authentication");
     let new = Secret::generate(Some(Hash::Sha256));
-    t.engine.add_host(NQN, HOST, Some(&keys(&new, None, None, DhGroup::Ffdhe2048))).unwrap();
+    t.engine.add_host(NQN, HOST, Some(&keys(&new, None, None, DhGroup::Ffdhe2048)), None).unwrap();
     assert!(matches!(q.authenticate(&HostAuth::new(old, None), HOST, NQN), Err(Error::AuthRefused(_))));
     assert_eq!(status_of(q.identify_controller().unwrap_err()), Status::AUTH_REQUIRED);
     q.authenticate(&HostAuth::new(new.clone(), None), HOST, NQN).unwrap();
@@ -246,11 +247,11 @@ fn reauthentication_uses_the_current_secret_and_listings_show_no_secret() {
 fn bad_secrets_are_refused_with_the_reason() {
     let t = start(keys(&Secret::generate(None), None, None, DhGroup::Null));
     let bad = DhchapKeys { secret: "DHHC-1:01:nope:".into(), ..DhchapKeys::default() };
-    let e = t.engine.add_host(NQN, HOST, Some(&bad)).unwrap_err();
+    let e = t.engine.add_host(NQN, HOST, Some(&bad), None).unwrap_err();
     assert!(e.message.contains("base64") || e.message.contains("secret"), "{}", e.message);
     let s = Secret::generate(None);
     let same = DhchapKeys { secret: s.to_dhhc(), ctrl_secret: Some(s.to_dhhc()), ..DhchapKeys::default() };
-    assert!(t.engine.add_host(NQN, HOST, Some(&same)).unwrap_err().message.contains("ctrl_secret"));
+    assert!(t.engine.add_host(NQN, HOST, Some(&same), None).unwrap_err().message.contains("ctrl_secret"));
     let group = DhchapKeys { secret: s.to_dhhc(), dh_group: Some("ffdhe1024".into()), ..DhchapKeys::default() };
-    assert!(t.engine.add_host(NQN, HOST, Some(&group)).unwrap_err().message.contains("ffdhe1024"));
+    assert!(t.engine.add_host(NQN, HOST, Some(&group), None).unwrap_err().message.contains("ffdhe1024"));
 }

@@ -28,6 +28,7 @@ fn config() -> EngineConfig {
         allow_any_host: true,
         hosts: vec![],
         dhchap: vec![],
+        tls_psk: vec![],
         namespaces: vec![namespace],
     };
     EngineConfig { reactors: Some(1), subsystems: vec![subsystem], ..EngineConfig::default() }

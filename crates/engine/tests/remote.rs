@@ -29,7 +29,7 @@ fn engine_with(address: &str, namespaces: Vec<NamespaceConfig>, reactors: usize,
     let cfg = EngineConfig {
         remote_queues: queues,
         reactors: Some(reactors),
-        listeners: vec![ListenerConfig { address: address.parse().unwrap() }],
+        listeners: vec![ListenerConfig { address: address.parse().unwrap(), tls: Default::default() }],
         subsystems: vec![SubsystemConfig {
             nqn: NQN.into(),
             serial: None,
@@ -37,6 +37,7 @@ fn engine_with(address: &str, namespaces: Vec<NamespaceConfig>, reactors: usize,
             allow_any_host: true,
             hosts: vec![],
             dhchap: vec![],
+            tls_psk: vec![],
             namespaces,
         }],
         ..EngineConfig::default()

@@ -24,7 +24,7 @@ const IN_CAPSULE: usize = 8192;
 fn start_with(namespaces: Vec<NamespaceConfig>, allow_any_host: bool, reactors: usize) -> TestEngine {
     let cfg = EngineConfig {
         reactors: Some(reactors),
-        listeners: vec![ListenerConfig { address: "127.0.0.1:0".parse().unwrap() }],
+        listeners: vec![ListenerConfig { address: "127.0.0.1:0".parse().unwrap(), tls: Default::default() }],
         subsystems: vec![SubsystemConfig {
             nqn: NQN.into(),
             serial: None,
@@ -32,6 +32,7 @@ fn start_with(namespaces: Vec<NamespaceConfig>, allow_any_host: bool, reactors: 
             allow_any_host,
             hosts: vec![HOST.into()],
             dhchap: vec![],
+            tls_psk: vec![],
             namespaces,
         }],
         ..EngineConfig::default()
@@ -609,7 +610,7 @@ fn answers_sent_in_pieces_carry_their_own_command_ids_and_data() {
 #[test]
 fn a_removed_listener_takes_its_connections_down_and_others_stay() {
     let t = start("memory:16MiB");
-    let second = t.engine.add_listener("127.0.0.1:0".parse().unwrap()).unwrap();
+    let second = t.engine.add_listener("127.0.0.1:0".parse().unwrap(), Default::default()).unwrap();
     let second = SocketAddr::new(second.addr, second.port);
     // Two reactors: the connections land on both.
     let (_a1, mut io1) = controller(t.addr, &admin_opts(), 2);

@@ -58,6 +58,7 @@ fn engine() -> Arc<Engine> {
         allow_any_host: true,
         hosts: vec![],
         dhchap: vec![],
+        tls_psk: vec![],
         namespaces: vec![namespace],
     };
     Engine::start(&EngineConfig { reactors: Some(2), subsystems: vec![subsystem], ..EngineConfig::default() })

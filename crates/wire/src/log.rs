@@ -364,6 +364,10 @@ pub const SUBTYPE_CURRENT_DISCOVERY: u8 = 3;
 /// TREQ bits 1:0 = 10b: secure channel not required. Bit 2: SQ flow control disable
 /// allowed.
 pub const TREQ_NOT_REQUIRED: u8 = 0b10;
+/// TREQ bits 1:0 = 01b: a secure channel is required.
+pub const TREQ_REQUIRED: u8 = 0b01;
+/// NVMe/TCP's TSAS byte 0 (SECTYPE): TLS 1.3.
+pub const TSAS_SECTYPE_TLS13: u8 = 2;
 
 #[cfg(test)]
 mod tests {

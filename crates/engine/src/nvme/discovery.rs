@@ -6,17 +6,25 @@ use nvpool_wire::bytes::nul;
 use nvpool_wire::fabrics::DISCOVERY_NQN;
 use nvpool_wire::log::{
     ADRFAM_IPV4, ADRFAM_IPV6, DiscoveryLogEntry, DiscoveryLogHeader, SUBTYPE_CURRENT_DISCOVERY, SUBTYPE_NVME,
-    TREQ_NOT_REQUIRED, TRTYPE_TCP,
+    TREQ_NOT_REQUIRED, TREQ_REQUIRED, TRTYPE_TCP, TSAS_SECTYPE_TLS13,
 };
 
 use super::{ADMIN_QUEUE_DEPTH, ListenerInfo, Target};
+use crate::tls::TlsMode;
 
 fn entry(l: &ListenerInfo, subtype: u8, subnqn: &str) -> DiscoveryLogEntry {
+    // A TLS listener says so, as nvmet's tls1.3 ports do: SECTYPE TLS 1.3, and whether
+    // the secure channel is required.
+    let mut tsas = [0u8; 256];
+    if l.tls != TlsMode::Off {
+        tsas[0] = TSAS_SECTYPE_TLS13;
+    }
     DiscoveryLogEntry {
         trtype: TRTYPE_TCP,
         adrfam: if l.addr.is_ipv4() { ADRFAM_IPV4 } else { ADRFAM_IPV6 },
         subtype,
-        treq: TREQ_NOT_REQUIRED,
+        treq: if l.tls == TlsMode::Required { TREQ_REQUIRED } else { TREQ_NOT_REQUIRED },
+        tsas,
         portid: l.port_id,
         cntlid: nvpool_wire::fabrics::CNTLID_DYNAMIC,
         asqsz: ADMIN_QUEUE_DEPTH,
@@ -60,7 +68,12 @@ mod tests {
     #[test]
     fn lists_only_allowed_subsystems() {
         let t = Target::new(Limits::default());
-        t.add_listener_info(ListenerInfo { port_id: 1, addr: "127.0.0.1".parse().unwrap(), port: 4420 });
+        t.add_listener_info(ListenerInfo {
+            port_id: 1,
+            addr: "127.0.0.1".parse().unwrap(),
+            port: 4420,
+            tls: TlsMode::Off,
+        });
         let open = Subsystem::new(
             "nqn.2024-01.io.nvpool:open",
             "S1",
@@ -79,5 +92,24 @@ mod tests {
         assert_eq!(get_nul_padded(&e.subnqn, 0, 256), "nqn.2024-01.io.nvpool:open");
         assert_eq!(get_nul_padded(&e.trsvcid, 0, 32), "4420");
         assert_eq!(e.subtype, SUBTYPE_NVME);
+    }
+
+    #[test]
+    fn tls_listeners_report_tls_1_3_and_whether_it_is_required() {
+        let t = Target::new(Limits::default());
+        for (port_id, tls) in [(1, TlsMode::Off), (2, TlsMode::Allowed), (3, TlsMode::Required)] {
+            t.add_listener_info(ListenerInfo {
+                port_id,
+                addr: "127.0.0.1".parse().unwrap(),
+                port: 4419 + port_id,
+                tls,
+            });
+        }
+        let page = log_page(&t, "nqn.someone");
+        let entries: Vec<DiscoveryLogEntry> =
+            (0..3).map(|i| DiscoveryLogEntry::decode(&page[1024 * (i + 1)..]).unwrap()).collect();
+        assert_eq!((entries[0].treq, entries[0].tsas[0]), (TREQ_NOT_REQUIRED, 0));
+        assert_eq!((entries[1].treq, entries[1].tsas[0]), (TREQ_NOT_REQUIRED, TSAS_SECTYPE_TLS13));
+        assert_eq!((entries[2].treq, entries[2].tsas[0]), (TREQ_REQUIRED, TSAS_SECTYPE_TLS13));
     }
 }

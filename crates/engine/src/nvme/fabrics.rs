@@ -13,6 +13,7 @@ use nvpool_wire::fabrics::{
 use super::controller::Association;
 use super::data_pointer::{self, Direction, Length, Source};
 use super::{ADMIN_QUEUE_DEPTH, Controller, Target};
+use crate::tls::TlsPeer;
 
 /// A successful Connect: the queue now belongs to `controller`.
 pub struct Connected {
@@ -49,7 +50,7 @@ fn refuse_for_now(status: Status, result: u32) -> Refused {
 }
 
 /// Handles a Connect command with its in-capsule data.
-pub fn connect(target: &Target, cmd: &Command, data: &[u8]) -> Result<Connected, Refused> {
+pub fn connect(target: &Target, cmd: &Command, data: &[u8], tls: Option<&TlsPeer>) -> Result<Connected, Refused> {
     let c = ConnectCommand::from_command(cmd);
     if c.recfmt != 0 {
         return Err(refuse(Status::CONNECT_INCOMPATIBLE_FORMAT, 0));
@@ -67,6 +68,13 @@ pub fn connect(target: &Target, cmd: &Command, data: &[u8]) -> Result<Connected,
         refuse_for_now(Status::CONNECT_INVALID_PARAMETERS, connect_invalid_param(true, CONNECT_SUBNQN_OFFSET))
     })?;
     if !subsystem.host_allowed(&d.hostnqn) {
+        return Err(refuse_for_now(Status::CONNECT_INVALID_HOST, connect_invalid_param(true, CONNECT_HOSTNQN_OFFSET)));
+    }
+    // A TLS session's PSK was the key of one host for one subsystem: the queue serves
+    // only that pair.
+    if let Some(peer) = tls
+        && (peer.host_nqn != d.hostnqn || peer.subsystem_nqn != d.subnqn)
+    {
         return Err(refuse_for_now(Status::CONNECT_INVALID_HOST, connect_invalid_param(true, CONNECT_HOSTNQN_OFFSET)));
     }
     let auth_required = subsystem.host_keys(&d.hostnqn).is_some();
@@ -153,4 +161,47 @@ pub fn property_set(ctrl: &Controller, cmd: &Command) -> Result<(), Status> {
         return Err(Status::INVALID_FIELD.with_dnr());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use nvpool_wire::command::{SglDescriptor, sgl};
+
+    use super::*;
+    use crate::config::Limits;
+    use crate::nvme::subsystem::{HostPolicy, Subsystem};
+
+    const NQN: &str = "nqn.2024-01.io.nvpool:tls-bound";
+    const HOST: &str = "nqn.2024-01.io.nvpool:host-a";
+
+    fn admin_connect(subnqn: &str, hostnqn: &str) -> (Command, Vec<u8>) {
+        let mut cmd = ConnectCommand { recfmt: 0, qid: 0, sqsize: 31, cattr: 0, kato: 5000 }.to_command(1);
+        cmd.dptr = SglDescriptor { address: 0, length: CONNECT_DATA_SIZE as u32, id: sgl::IN_CAPSULE };
+        let mut data = [0u8; CONNECT_DATA_SIZE];
+        ConnectData { hostid: [1; 16], cntlid: CNTLID_DYNAMIC, subnqn: subnqn.into(), hostnqn: hostnqn.into() }
+            .encode(&mut data);
+        (cmd, data.to_vec())
+    }
+
+    #[test]
+    fn a_tls_connection_serves_only_the_host_and_subsystem_of_its_psk() {
+        let target = Target::new(Limits::default());
+        let policy = HostPolicy { allow_any: true, ..HostPolicy::default() };
+        target.add_subsystem(Subsystem::new(NQN, "S1", "m", policy.clone()).unwrap()).unwrap();
+        let other = "nqn.2024-01.io.nvpool:tls-other";
+        target.add_subsystem(Subsystem::new(other, "S2", "m", policy).unwrap()).unwrap();
+        let peer = TlsPeer { host_nqn: HOST.into(), subsystem_nqn: NQN.into() };
+
+        let (cmd, data) = admin_connect(NQN, HOST);
+        assert!(connect(&target, &cmd, &data, Some(&peer)).is_ok());
+        // Another host's NQN, or another subsystem, over that session: Connect Invalid Host.
+        for (subnqn, hostnqn) in [(NQN, "nqn.2024-01.io.nvpool:host-b"), (other, HOST)] {
+            let (cmd, data) = admin_connect(subnqn, hostnqn);
+            let refused = connect(&target, &cmd, &data, Some(&peer)).err().expect("refused");
+            assert_eq!(refused.status.base(), Status::CONNECT_INVALID_HOST);
+        }
+        // Without TLS, nothing binds the NQNs.
+        let (cmd, data) = admin_connect(other, HOST);
+        assert!(connect(&target, &cmd, &data, None).is_ok());
+    }
 }

@@ -236,6 +236,18 @@ impl Target {
         read(&self.listeners).clone()
     }
 
+    /// Whether listener `port_id` takes TLS (off for one that is gone).
+    pub fn listener_tls(&self, port_id: u16) -> crate::tls::TlsMode {
+        read(&self.listeners).iter().find(|l| l.port_id == port_id).map(|l| l.tls).unwrap_or_default()
+    }
+
+    /// The TLS PSK for a PSK identity a host offers: the one configured for that host
+    /// on that subsystem, derived for the identity.
+    pub fn tls_psk(&self, identity: &nvpool_auth::Identity) -> Option<Vec<u8>> {
+        let subsystem = self.subsystem(&identity.subsystem_nqn)?;
+        subsystem.host_psk(&identity.host_nqn)?.tls_psk(identity)
+    }
+
     /// The discovery log generation counter.
     pub fn discovery_generation(&self) -> u64 {
         self.discovery_generation.load(Ordering::Acquire)

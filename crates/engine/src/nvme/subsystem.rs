@@ -13,6 +13,7 @@ use super::auth::HostKeys;
 use super::{Controller, MAX_NSID, lock, read, write};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
+use crate::tls::HostPsk;
 use crate::upgrade::image::AnaImage;
 pub use nvpool_api::StatsSnapshot;
 
@@ -188,6 +189,8 @@ pub struct HostPolicy {
     pub hosts: BTreeSet<String>,
     /// Hosts that must authenticate (DH-HMAC-CHAP), whether or not any host may connect.
     pub keys: BTreeMap<String, Arc<HostKeys>>,
+    /// Hosts' pre-shared keys for NVMe/TCP over TLS.
+    pub psks: BTreeMap<String, Arc<HostPsk>>,
 }
 
 /// An NVM subsystem (or the discovery subsystem).
@@ -273,6 +276,21 @@ impl Subsystem {
         read(&self.hosts).keys.get(hostnqn).cloned()
     }
 
+    /// The TLS pre-shared key of `hostnqn`, if it has one.
+    pub fn host_psk(&self, hostnqn: &str) -> Option<Arc<HostPsk>> {
+        read(&self.hosts).psks.get(hostnqn).cloned()
+    }
+
+    /// Gives an allowed host a TLS pre-shared key (replacing any it had: its next
+    /// handshake uses it).
+    pub fn set_host_psk(&self, hostnqn: &str, psk: HostPsk) -> Result<()> {
+        validate_nqn(hostnqn)?;
+        let mut p = write(&self.hosts);
+        p.hosts.insert(hostnqn.into());
+        p.psks.insert(hostnqn.into(), Arc::new(psk));
+        Ok(())
+    }
+
     /// Allows a host, with the secrets it must authenticate with if `keys` (replacing
     /// any it had: its queues use them from their next authentication). Existing
     /// connections are unaffected.
@@ -291,7 +309,8 @@ impl Subsystem {
         let removed = {
             let mut p = write(&self.hosts);
             let had_keys = p.keys.remove(hostnqn).is_some();
-            p.hosts.remove(hostnqn) || had_keys
+            let had_psk = p.psks.remove(hostnqn).is_some();
+            p.hosts.remove(hostnqn) || had_keys || had_psk
         };
         if !removed {
             return Err(Error::not_found(format!("host {hostnqn} is not on the allow-list of {}", self.nqn)));

@@ -31,6 +31,7 @@ use crate::nvme::subsystem::NamespaceMap;
 use crate::nvme::{
     ADMIN_IN_CAPSULE_DATA, Controller, Counted, IO_IN_CAPSULE_DATA, MAX_H2C_DATA, Namespace, Target, fabrics,
 };
+use crate::tls::TlsPeer;
 use crate::upgrade::image::{ConnImage, QueueImage};
 
 /// Controller PDU data alignment asked of hosts: 0, dword-aligned data, which every
@@ -185,6 +186,9 @@ pub(super) struct Conn {
     socket: TcpStream,
     /// The host's address, for the log.
     peer: String,
+    /// Who the connection's TLS session proved the host to be: its Connect must name
+    /// that host and subsystem.
+    tls: Option<Box<TlsPeer>>,
     /// The listener that accepted it; `None` for a socket pair.
     pub(super) port_id: Option<u16>,
     /// The socket's slot in the ring's registered-file table, if it has one: operations
@@ -226,11 +230,12 @@ pub(super) struct Conn {
 }
 
 impl Conn {
-    pub(super) fn new(socket: TcpStream, now_ms: u64, port_id: Option<u16>) -> Conn {
+    pub(super) fn new(socket: TcpStream, now_ms: u64, port_id: Option<u16>, tls: Option<Box<TlsPeer>>) -> Conn {
         let peer = socket.peer_addr().map_or_else(|_| "a socket pair".to_string(), |a| a.to_string());
         Conn {
             socket,
             peer,
+            tls,
             port_id,
             registered_file: None,
             phase: Phase::Handshake,
@@ -272,7 +277,7 @@ impl Conn {
         controller: Option<Arc<Controller>>,
         now_ms: u64,
     ) -> Result<Conn, String> {
-        let mut c = Conn::new(socket, now_ms, i.port_id);
+        let mut c = Conn::new(socket, now_ms, i.port_id, i.tls.clone().map(Box::new));
         c.digests = Digests { header: i.header_digest, data: i.data_digest };
         if i.ready {
             c.phase = Phase::Ready;
@@ -358,6 +363,7 @@ impl Conn {
             reactor,
             fd,
             port_id: self.port_id,
+            tls: self.tls.as_deref().cloned(),
             ready: self.phase == Phase::Ready,
             header_digest: self.digests.header,
             data_digest: self.digests.data,
@@ -662,7 +668,7 @@ impl Conn {
     }
 
     fn on_connect(&mut self, r: &mut Reactor, idx: u32, cmd: &Command, data: &[u8]) {
-        match fabrics::connect(&r.target, cmd, data) {
+        match fabrics::connect(&r.target, cmd, data, self.tls.as_deref()) {
             Ok(c) => {
                 // Bit 17 of DW0 tells the host to authenticate before anything else.
                 let result = u64::from(c.controller.cntlid)

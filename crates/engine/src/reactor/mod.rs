@@ -38,6 +38,7 @@ use io_uring::{IoUring, cqueue, opcode, squeue, types};
 
 use crate::bufpool::BufPool;
 use crate::nvme::{Controller, MAX_TRANSFER, Target};
+use crate::tls::TlsPeer;
 use crate::upgrade::image::ConnImage;
 use conn::Conn;
 use local::LocalQueue;
@@ -76,6 +77,8 @@ pub enum Msg {
         stream: TcpStream,
         /// The listener that accepted it.
         port_id: u16,
+        /// Who its TLS session proved the host to be, if it has one.
+        tls: Option<Box<TlsPeer>>,
     },
     /// Start accepting on a listener.
     Listen {
@@ -849,7 +852,7 @@ impl Reactor {
     fn on_wake(&mut self) {
         while let Ok(m) = self.rx.try_recv() {
             match m {
-                Msg::Adopt { stream, port_id } => self.add_conn(stream, Some(port_id)),
+                Msg::Adopt { stream, port_id, tls } => self.add_conn(stream, Some(port_id), tls),
                 Msg::Listen { port_id, listener } => {
                     self.listeners.insert(port_id, listener);
                     self.post_accept(port_id);
@@ -917,12 +920,18 @@ impl Reactor {
         if res >= 0 {
             // SAFETY: a successful accept returns a new descriptor we now own.
             let stream = unsafe { TcpStream::from_raw_fd(res as RawFd) };
-            let owner = self.next_owner % self.links.len();
-            self.next_owner += 1;
-            if owner == self.id {
-                self.add_conn(stream, Some(port_id));
+            let tls = self.target.listener_tls(port_id);
+            if tls != crate::tls::TlsMode::Off {
+                // The handshake runs on a thread of its own, which hands the socket on.
+                crate::tls::admit(stream, port_id, tls, self.target.clone(), self.links.clone());
             } else {
-                self.links[owner].send(Msg::Adopt { stream, port_id });
+                let owner = self.next_owner % self.links.len();
+                self.next_owner += 1;
+                if owner == self.id {
+                    self.add_conn(stream, Some(port_id), None);
+                } else {
+                    self.links[owner].send(Msg::Adopt { stream, port_id, tls: None });
+                }
             }
         } else if res != -libc::ECANCELED
             && let Some(suppressed) = self.warnings.allow(Warning::Accept)
@@ -938,8 +947,9 @@ impl Reactor {
         }
     }
 
-    /// Serves a connection that listener `port_id` accepted (`None`: a socket pair).
-    fn add_conn(&mut self, stream: TcpStream, port_id: Option<u16>) {
+    /// Serves a connection that listener `port_id` accepted (`None`: a socket pair),
+    /// with the peer its TLS session proved if it has one.
+    fn add_conn(&mut self, stream: TcpStream, port_id: Option<u16>, tls: Option<Box<TlsPeer>>) {
         // A connection handed over after its listener was removed is dropped, as the
         // listener's other connections were.
         if self.stopping || port_id.is_some_and(|p| self.closed_ports.contains(&p)) {
@@ -947,7 +957,7 @@ impl Reactor {
         }
         // Small PDUs must leave at once; the reactor batches writes itself.
         let _ = stream.set_nodelay(true);
-        let mut conn = Box::new(Conn::new(stream, self.target.now_ms(), port_id));
+        let mut conn = Box::new(Conn::new(stream, self.target.now_ms(), port_id, tls));
         if self.held() {
             conn.park();
         }
@@ -1206,7 +1216,7 @@ impl Stepped {
     /// Serves one end of a stream socket pair as an NVMe/TCP connection. A connection
     /// only receives, sends and shuts down, which every stream socket does alike.
     pub fn serve(&mut self, socket: UnixStream) {
-        self.reactor.add_conn(TcpStream::from(OwnedFd::from(socket)), None);
+        self.reactor.add_conn(TcpStream::from(OwnedFd::from(socket)), None, None);
     }
 
     /// One pass: submits what is queued, handles whatever completed, flushes output.

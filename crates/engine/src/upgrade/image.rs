@@ -122,6 +122,9 @@ pub struct ListenerImage {
     pub port_id: u16,
     /// Bound address.
     pub address: SocketAddr,
+    /// Whether hosts connect with TLS.
+    #[serde(default)]
+    pub tls: nvpool_api::TlsMode,
     /// Index of its descriptor.
     pub fd: usize,
 }
@@ -143,6 +146,9 @@ pub struct SubsystemImage {
     /// socket pair between the two processes only).
     #[serde(default)]
     pub dhchap: Vec<nvpool_api::HostDhchap>,
+    /// Hosts' TLS pre-shared keys.
+    #[serde(default)]
+    pub tls_psk: Vec<nvpool_api::HostTlsPsk>,
     /// Namespaces.
     pub namespaces: Vec<NamespaceImage>,
     /// ANA states.
@@ -228,6 +234,10 @@ pub struct ConnImage {
     pub fd: usize,
     /// The listener that accepted it.
     pub port_id: Option<u16>,
+    /// Who its TLS session proved the host to be (the kernel keeps the session itself
+    /// with the socket).
+    #[serde(default)]
+    pub tls: Option<crate::tls::TlsPeer>,
     /// Whether ICReq was answered.
     pub ready: bool,
     /// Header digests.

@@ -271,7 +271,8 @@ impl Engine {
         for p in parked {
             for (port_id, l) in p.listeners {
                 if let Some(&address) = addresses.get(&port_id) {
-                    listeners.push(ListenerImage { port_id, address, fd: fds.push(l) });
+                    let tls = self.target.listener_tls(port_id);
+                    listeners.push(ListenerImage { port_id, address, tls, fd: fds.push(l) });
                 }
             }
             for (mut c, socket) in p.conns {
@@ -307,6 +308,11 @@ impl Engine {
                     .keys
                     .iter()
                     .map(|(host, k)| nvpool_api::HostDhchap { host: host.clone(), keys: k.to_config() })
+                    .collect(),
+                tls_psk: policy
+                    .psks
+                    .iter()
+                    .map(|(host, p)| nvpool_api::HostTlsPsk { host: host.clone(), psk: p.to_config() })
                     .collect(),
                 namespaces,
                 ana: s.ana_image(),
@@ -489,7 +495,8 @@ fn rebuild(
     .map_err(|e| e.to_string())?;
     for l in &image.listeners {
         lock(&engine.listeners).insert(l.port_id, l.address);
-        let info = nvpool_api::ListenerInfo { port_id: l.port_id, addr: l.address.ip(), port: l.address.port() };
+        let info =
+            nvpool_api::ListenerInfo { port_id: l.port_id, addr: l.address.ip(), port: l.address.port(), tls: l.tls };
         engine.target.add_listener_info(info);
     }
     for (stream, c) in sockets.into_iter().zip(image.connections) {
@@ -518,7 +525,13 @@ impl Engine {
         for d in &i.dhchap {
             keys.insert(d.host.clone(), Arc::new(HostKeys::from_config(&d.keys)?));
         }
-        let policy = HostPolicy { allow_any: i.allow_any_host, hosts: i.hosts.iter().cloned().collect(), keys };
+        let mut psks = BTreeMap::new();
+        for p in &i.tls_psk {
+            let psk = crate::tls::HostPsk::from_config(&p.psk)
+                .map_err(|e| Error::internal(format!("host {} of {}: {e}", p.host, i.nqn)))?;
+            psks.insert(p.host.clone(), Arc::new(psk));
+        }
+        let policy = HostPolicy { allow_any: i.allow_any_host, hosts: i.hosts.iter().cloned().collect(), keys, psks };
         let s = Subsystem::new(&i.nqn, &i.serial, &i.model, policy)?;
         for n in &i.namespaces {
             let backend = match &n.backend {

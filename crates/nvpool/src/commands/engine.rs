@@ -11,7 +11,8 @@ use nvpool_api::{
     GetEngineInfo, GetMigration, GetVolume, ImportPool, ListAnaGroups, ListListeners, ListLocalDevices, ListPools,
     ListSubsystems, ListVolumes, ListenerInfo, LocalDeviceConfig, LocalDeviceInfo, Method, MigrationInfo, PoolInfo,
     RemoveHost, RemoveListener, RemoveLocalDevice, RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState,
-    StartMigration, SubsystemInfo, SwitchMigration, UpgradeEngine, VolumeDirty, VolumeIdentity, VolumeInfo,
+    StartMigration, SubsystemInfo, SwitchMigration, TlsMode, TlsPsk, UpgradeEngine, VolumeDirty, VolumeIdentity,
+    VolumeInfo,
 };
 use nvpool_engine::Engine;
 use nvpool_engine::config::{
@@ -451,6 +452,14 @@ enum HostVerb {
         /// The Diffie-Hellman group to choose: null, ffdhe2048 (default) to ffdhe8192.
         #[arg(long, requires = "dhchap_secret")]
         dhchap_dhgroup: Option<String>,
+        /// The host's pre-shared key for NVMe/TCP over TLS (`NVMeTLSkey-1:...`, from
+        /// `nvme gen-tls-key`); taken from the environment to keep it out of `ps`.
+        #[arg(long, env = "NVPOOL_TLS_PSK", hide_env_values = true)]
+        tls_psk: Option<String>,
+        /// How the host's tools derive TLS keys from the PSK: compat (libnvme before
+        /// mid-2025, e.g. Debian 13; the default) or rfc8446 (SPDK, newer libnvme).
+        #[arg(long, requires = "tls_psk", value_parser = ["compat", "rfc8446"])]
+        tls_psk_kdf: Option<String>,
     },
     /// Disallow a host (its controllers are disconnected).
     Remove {
@@ -477,6 +486,9 @@ enum ListenerVerb {
     Add {
         /// IP:PORT.
         address: SocketAddr,
+        /// NVMe/TCP over TLS 1.3: off, allowed (TLS or plain) or required.
+        #[arg(long, default_value = "off")]
+        tls: TlsMode,
     },
     /// Stop listening on an address.
     Remove {
@@ -506,6 +518,7 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
                     allow_any_host,
                     hosts: vec![],
                     dhchap: vec![],
+                    tls_psk: vec![],
                     namespaces: vec![],
                 };
                 done(&api, AddSubsystem(config), &message)
@@ -557,7 +570,16 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
             }
         },
         EngineVerb::Host { verb, api } => match verb {
-            HostVerb::Add { nqn, host, dhchap_secret, dhchap_ctrl_secret, dhchap_hash, dhchap_dhgroup } => {
+            HostVerb::Add {
+                nqn,
+                host,
+                dhchap_secret,
+                dhchap_ctrl_secret,
+                dhchap_hash,
+                dhchap_dhgroup,
+                tls_psk,
+                tls_psk_kdf,
+            } => {
                 let dhchap = dhchap_secret.map(|secret| DhchapKeys {
                     secret,
                     ctrl_secret: dhchap_ctrl_secret,
@@ -569,8 +591,10 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
                     Some(_) => " (DH-HMAC-CHAP)",
                     None => "",
                 };
-                let message = format!("host {host} allowed on {nqn}{how}");
-                done(&api, AddHost { nqn, host, dhchap }, &message)
+                let tls_psk = tls_psk.map(|key| TlsPsk { key, kdf: tls_psk_kdf });
+                let psk = if tls_psk.is_some() { " with a TLS PSK" } else { "" };
+                let message = format!("host {host} allowed on {nqn}{how}{psk}");
+                done(&api, AddHost { nqn, host, dhchap, tls_psk }, &message)
             }
             HostVerb::Remove { nqn, host } => {
                 let message = format!("host {host} removed from {nqn}");
@@ -583,7 +607,10 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
         },
         EngineVerb::Listener { verb, api } => match verb {
             ListenerVerb::List => show(&api, ListListeners {}, |r| listener_table(r)),
-            ListenerVerb::Add { address } => done(&api, AddListener { address }, &format!("listening on {address}")),
+            ListenerVerb::Add { address, tls } => {
+                let how = if tls == TlsMode::Off { String::new() } else { format!(" (TLS {})", tls.name()) };
+                done(&api, AddListener { address, tls }, &format!("listening on {address}{how}"))
+            }
             ListenerVerb::Remove { address } => {
                 done(&api, RemoveListener { address }, &format!("stopped listening on {address}"))
             }
@@ -701,7 +728,11 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
                 return Err("give --listen ADDR (e.g. --listen 127.0.0.1:4420) or --config FILE".into());
             }
             let mut cfg = EngineConfig {
-                listeners: a.listen.iter().map(|&address| ListenerConfig { address }).collect(),
+                listeners: a
+                    .listen
+                    .iter()
+                    .map(|&address| ListenerConfig { address, tls: Default::default() })
+                    .collect(),
                 pools: a
                     .pool
                     .iter()
@@ -711,7 +742,7 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
             };
             if a.discovery_port != 0 && !a.listen.iter().any(|l| l.port() == a.discovery_port) {
                 let address = SocketAddr::new(a.listen[0].ip(), a.discovery_port);
-                cfg.listeners.push(ListenerConfig { address });
+                cfg.listeners.push(ListenerConfig { address, tls: Default::default() });
             }
             if let Some(nqn) = &a.subsystem {
                 cfg.subsystems.push(SubsystemConfig {
@@ -721,6 +752,7 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
                     allow_any_host: a.host.is_empty(),
                     hosts: a.host.clone(),
                     dhchap: vec![],
+                    tls_psk: vec![],
                     namespaces: a
                         .namespace
                         .iter()
@@ -848,11 +880,16 @@ fn show<M: Method>(
 fn subsystem_table(subsystems: &[SubsystemInfo]) -> Vec<Vec<String>> {
     let mut rows = vec![["NQN", "NSID", "BACKEND", "SIZE", "BLOCK", "UUID", "HOSTS"].map(String::from).to_vec()];
     for sub in subsystems {
-        // A host that must authenticate is marked: (chap), or (chap2) when bidirectional.
-        let marked = |h: &String| match sub.authenticated_hosts.iter().find(|a| &a.host == h) {
-            Some(a) if a.bidirectional => format!("{h} (chap2)"),
-            Some(_) => format!("{h} (chap)"),
-            None => h.clone(),
+        // A host that must authenticate is marked: (chap), or (chap2) when bidirectional;
+        // one with a TLS PSK: (psk).
+        let marked = |h: &String| {
+            let psk = if sub.tls_psk_hosts.contains(h) { " (psk)" } else { "" };
+            let chap = match sub.authenticated_hosts.iter().find(|a| &a.host == h) {
+                Some(a) if a.bidirectional => " (chap2)",
+                Some(_) => " (chap)",
+                None => "",
+            };
+            format!("{h}{chap}{psk}")
         };
         let listed: Vec<String> = sub.hosts.iter().map(marked).collect();
         let hosts = if sub.allow_any_host {
@@ -991,9 +1028,9 @@ fn volume_table(volumes: &[VolumeInfo]) -> Vec<Vec<String>> {
 }
 
 fn listener_table(listeners: &[ListenerInfo]) -> Vec<Vec<String>> {
-    let mut rows = vec![["PORT ID", "ADDRESS", "PORT"].map(String::from).to_vec()];
+    let mut rows = vec![["PORT ID", "ADDRESS", "PORT", "TLS"].map(String::from).to_vec()];
     for l in listeners {
-        rows.push(vec![l.port_id.to_string(), l.addr.to_string(), l.port.to_string()]);
+        rows.push(vec![l.port_id.to_string(), l.addr.to_string(), l.port.to_string(), l.tls.name().to_string()]);
     }
     rows
 }
