@@ -4,7 +4,6 @@
 //! identity it offers. (The records after the handshake are the kernel's work, kTLS,
 //! which this machine's kernel may lack: the kernel host in the test guest covers
 //! I/O over TLS, `tests/kernel/tls-e2e`.)
-#![allow(unsafe_code)]
 
 use std::io::Read;
 use std::net::{SocketAddr, TcpStream};
@@ -14,7 +13,6 @@ use nvpool_api::{HostTlsPsk, TlsMode, TlsPsk};
 use nvpool_auth::{ConfiguredPsk, Hash, Kdf};
 use nvpool_engine::config::{EngineConfig, ListenerConfig, SubsystemConfig};
 use nvpool_initiator::{ConnectOptions, Queue, connect_admin, pattern};
-use openssl::ssl::{Ssl, SslContext, SslMethod, SslVerifyMode, SslVersion};
 
 mod common;
 use common::{TestEngine, namespace};
@@ -51,87 +49,14 @@ fn start(psk: &ConfiguredPsk) -> Listeners {
     Listeners { required: t.addr, allowed, t }
 }
 
-/// A TLS 1.3 client handshake offering `identity` with `key` (SHA-256 suite).
+/// A TLS 1.3 client handshake offering `identity` with the TLS PSK `key`.
 fn handshake(addr: SocketAddr, identity: String, key: Vec<u8>) -> Result<String, String> {
-    let mut b = SslContext::builder(SslMethod::tls_client()).unwrap();
-    b.set_min_proto_version(Some(SslVersion::TLS1_3)).unwrap();
-    b.set_max_proto_version(Some(SslVersion::TLS1_3)).unwrap();
-    b.set_ciphersuites("TLS_AES_128_GCM_SHA256").unwrap();
-    b.set_verify(SslVerifyMode::NONE);
-    b.set_psk_client_callback(move |_, _, id_out, key_out| {
-        id_out[..identity.len()].copy_from_slice(identity.as_bytes());
-        id_out[identity.len()] = 0;
-        key_out[..key.len()].copy_from_slice(&key);
-        Ok(key.len())
-    });
     let stream = TcpStream::connect(addr).unwrap();
     stream.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    let ssl = Ssl::new(&b.build()).unwrap();
-    let s = ssl.connect(stream).map_err(|e| e.to_string())?;
-    Ok(s.ssl().current_cipher().map(|c| c.name().to_string()).unwrap_or_default())
+    nvpool_initiator::tls::psk_handshake(stream, &identity, &key)
 }
 
 /// Whether the engine closes the connection (after an alert, perhaps) within 20 s.
-/// A TLS 1.3 client handshake offering `identity` with a SHA-384 `key`, through
-/// OpenSSL's session callback (its simpler PSK callback knows only SHA-256).
-fn handshake_sha384(addr: SocketAddr, identity: String, key: Vec<u8>) -> Result<String, String> {
-    use openssl_sys as ffi;
-    type UseSession = unsafe extern "C" fn(
-        *mut ffi::SSL,
-        *const ffi::EVP_MD,
-        *mut *const u8,
-        *mut usize,
-        *mut *mut ffi::SSL_SESSION,
-    ) -> libc::c_int;
-    unsafe extern "C" {
-        fn SSL_CTX_set_psk_use_session_callback(ctx: *mut ffi::SSL_CTX, cb: Option<UseSession>);
-        fn SSL_SESSION_new() -> *mut ffi::SSL_SESSION;
-        fn SSL_SESSION_set1_master_key(s: *mut ffi::SSL_SESSION, key: *const u8, len: usize) -> libc::c_int;
-        fn SSL_SESSION_set_cipher(s: *mut ffi::SSL_SESSION, cipher: *const ffi::SSL_CIPHER) -> libc::c_int;
-        fn SSL_SESSION_set_protocol_version(s: *mut ffi::SSL_SESSION, version: libc::c_int) -> libc::c_int;
-        fn SSL_CIPHER_find(ssl: *mut ffi::SSL, code: *const u8) -> *const ffi::SSL_CIPHER;
-    }
-    // The callback has no context argument: the offer waits in a thread-local.
-    thread_local!(static OFFER: std::cell::RefCell<(String, Vec<u8>)> = Default::default());
-    unsafe extern "C" fn use_session(
-        ssl: *mut ffi::SSL,
-        _md: *const ffi::EVP_MD,
-        id: *mut *const u8,
-        id_len: *mut usize,
-        sess: *mut *mut ffi::SSL_SESSION,
-    ) -> libc::c_int {
-        OFFER.with(|o| {
-            let o = o.borrow();
-            // SAFETY: OpenSSL passes a live SSL and places for the answers; the identity
-            // stays in the thread-local for the whole handshake.
-            unsafe {
-                let s = SSL_SESSION_new();
-                let cipher = SSL_CIPHER_find(ssl, [0x13, 0x02].as_ptr());
-                SSL_SESSION_set1_master_key(s, o.1.as_ptr(), o.1.len());
-                SSL_SESSION_set_cipher(s, cipher);
-                SSL_SESSION_set_protocol_version(s, ffi::TLS1_3_VERSION);
-                *id = o.0.as_ptr();
-                *id_len = o.0.len();
-                *sess = s;
-            }
-        });
-        1
-    }
-    OFFER.with(|o| *o.borrow_mut() = (identity, key));
-    let mut b = SslContext::builder(SslMethod::tls_client()).unwrap();
-    b.set_min_proto_version(Some(SslVersion::TLS1_3)).unwrap();
-    b.set_max_proto_version(Some(SslVersion::TLS1_3)).unwrap();
-    b.set_ciphersuites("TLS_AES_256_GCM_SHA384").unwrap();
-    b.set_verify(SslVerifyMode::NONE);
-    // SAFETY: the context is ours and being built; the callback has OpenSSL's signature.
-    unsafe { SSL_CTX_set_psk_use_session_callback(b.as_ptr(), Some(use_session)) };
-    let stream = TcpStream::connect(addr).unwrap();
-    stream.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    let ssl = Ssl::new(&b.build()).unwrap();
-    let s = ssl.connect(stream).map_err(|e| e.to_string())?;
-    Ok(s.ssl().current_cipher().map(|c| c.name().to_string()).unwrap_or_default())
-}
-
 fn the_engine_closes(mut s: TcpStream) -> bool {
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     let mut buf = [0u8; 256];
@@ -205,11 +130,11 @@ fn a_sha384_psk_runs_tls_aes_256_gcm_sha384() {
     assert!(identity.to_string().starts_with("NVMe0R02 "));
     let key = psk.tls_psk(Kdf::Compat, &identity).unwrap();
     assert_eq!(key.len(), 48);
-    let suite = handshake_sha384(l.required, identity.to_string(), key.clone()).expect("SHA-384 handshake");
+    let suite = handshake(l.required, identity.to_string(), key.clone()).expect("SHA-384 handshake");
     assert_eq!(suite, "TLS_AES_256_GCM_SHA384");
     let mut wrong = key;
     wrong[0] ^= 1;
-    assert!(handshake_sha384(l.required, identity.to_string(), wrong).is_err());
+    assert!(handshake(l.required, identity.to_string(), wrong).is_err());
 }
 
 #[test]

@@ -23,6 +23,7 @@ use nvpool_wire::tcp::{self, DataHeader, Digests, IcReq, IcResp, Pdu};
 use thiserror::Error;
 
 mod auth;
+pub mod tls;
 pub use auth::HostAuth;
 
 /// Errors of the initiator.

@@ -476,3 +476,53 @@ fn authenticated_queues_and_secrets_survive_an_upgrade() {
     let log = std::fs::read_to_string(dir.path().join("engine.log")).unwrap();
     assert!(!log.contains("DHHC"), "a secret reached the log");
 }
+
+#[test]
+fn tls_listeners_and_psks_survive_an_upgrade() {
+    use nvpool_auth::{ConfiguredPsk, Hash, Kdf};
+
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("sock");
+    let mut first = start_engine(dir.path(), free_port(), &[]);
+    let _serving = StopOnDrop(socket.clone());
+    let tls_port = free_port();
+    let tls_addr: SocketAddr = format!("127.0.0.1:{tls_port}").parse().unwrap();
+    cli(&socket, &["listener", "add", &tls_addr.to_string(), "--tls", "required"]).expect("a TLS listener");
+    let hostnqn = "nqn.2024-01.io.nvpool:upgrade-tls";
+    let psk = ConfiguredPsk::generate(Hash::Sha256);
+    let added = Process::new(BIN)
+        .args(["engine", "host", "add", NQN, hostnqn, "--socket"])
+        .arg(&socket)
+        .env("NVPOOL_TLS_PSK", psk.to_interchange())
+        .output()
+        .unwrap();
+    assert!(added.status.success(), "{}", String::from_utf8_lossy(&added.stderr));
+    let identity = psk.identity(Kdf::Compat, 0, hostnqn, NQN);
+    let key = psk.tls_psk(Kdf::Compat, &identity).unwrap();
+    let handshake = |key: &[u8]| {
+        let stream = std::net::TcpStream::connect(tls_addr).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        nvpool_initiator::tls::psk_handshake(stream, &identity.to_string(), key)
+    };
+    handshake(&key).expect("a handshake before the upgrade");
+
+    let old = engine_pid(&socket);
+    cli(&socket, &["upgrade"]).expect("upgrade");
+    assert_ne!(engine_pid(&socket), old);
+    let _ = first.wait();
+
+    // The new process has the listener's mode and the host's key.
+    let listeners: serde_json::Value =
+        serde_json::from_str(&cli(&socket, &["listener", "list", "--json"]).unwrap()).unwrap();
+    let tls_listener = listeners.as_array().unwrap().iter().find(|l| l["port"] == tls_port).expect("the TLS listener");
+    assert_eq!(tls_listener["tls"], "required");
+    let subsystems = cli(&socket, &["subsystem", "list", "--json"]).unwrap();
+    assert!(subsystems.contains(hostnqn) && !subsystems.contains("NVMeTLSkey"), "{subsystems}");
+    assert_eq!(handshake(&key).expect("a handshake after the upgrade"), "TLS_AES_128_GCM_SHA256");
+    let mut wrong = key.clone();
+    wrong[0] ^= 1;
+    assert!(handshake(&wrong).is_err(), "a wrong key after the upgrade");
+    assert!(connect_admin(tls_addr, &ConnectOptions::admin(NQN, hostnqn)).is_err(), "plain NVMe/TCP after the upgrade");
+    let log = std::fs::read_to_string(dir.path().join("engine.log")).unwrap();
+    assert!(!log.contains("NVMeTLSkey"), "a key reached the log");
+}

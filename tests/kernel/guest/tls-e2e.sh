@@ -102,6 +102,23 @@ umount /mnt/tls && mount $D /mnt/tls || fail "remount"
 umount /mnt/tls
 echo "ext4 over TLS: 8 MiB file written, remounted, read back equal"
 grep 'TLS 1.3 session' /host/engine.log | tail -1 | sed 's/.*INFO//'
+
+step "hot upgrades under fio: the kernel keeps each TLS session with its socket"
+mark upgrades
+fio --name=upgrades --filename=$D --ioengine=io_uring --direct=1 --rw=randwrite --bssplit=4k/50:64k/50 \
+    --iodepth=8 --size=24M --verify=crc32c --verify_fatal=1 --output=/host/fio-upgrades.txt &
+FIO=$!
+for i in 1 2 3; do
+    sleep 1
+    cli upgrade > /host/upgrade-$i.txt 2>&1 || { cat /host/upgrade-$i.txt; fail "upgrade $i"; }
+    echo "upgrade $i: $(grep -i 'pause' /host/upgrade-$i.txt | head -1)"
+done
+wait $FIO || { cat /host/fio-upgrades.txt; fail "fio across upgrades"; }
+! grep -o 'err= *[0-9]*' /host/fio-upgrades.txt | grep -qv 'err= *0$' || { cat /host/fio-upgrades.txt; fail "fio errors across upgrades"; }
+since upgrades | grep -vE '^--- ' > /host/kmsg-upgrades.txt
+[ -s /host/kmsg-upgrades.txt ] && { cat /host/kmsg-upgrades.txt; fail "the kernel saw the upgrades"; }
+[ "$(ctrl_of $NQN)" = "$C" ] || fail "the controller changed"
+echo "3 hot upgrades under fio write+verify over TLS: no error, no kernel message, same controller"
 disconnect
 
 step "plain NVMe/TCP to the TLS-only listener is refused"
