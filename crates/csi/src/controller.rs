@@ -4,10 +4,14 @@
 //! that publishing a volume to a node is attaching it to that host.
 
 use crate::csi::{self, controller_server::Controller, identity_server::Identity};
-use crate::{LOCAL_DEVICE, LOCAL_PATH, PLUGIN_NAME, TOPOLOGY_NODE_KEY, capability_error, not_found_or, required};
+use crate::kube::KubeApi;
+use crate::{
+    DHCHAP, DHCHAP_SECRET, LOCAL_DEVICE, LOCAL_PATH, PLUGIN_NAME, TOPOLOGY_NODE_KEY, capability_error, not_found_or,
+    required,
+};
 use nvpool_control::client::Controllers;
 use nvpool_control::proto;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use tonic::{Request, Response, Status};
 
@@ -63,6 +67,25 @@ impl Identity for IdentityService {
 
 pub struct ControllerService {
     pub controllers: Arc<Controllers>,
+    /// Where hosts' DH-HMAC-CHAP secrets go, for volumes whose class asks for them.
+    pub secrets: Option<Arc<SecretStore>>,
+}
+
+/// The Kubernetes namespace whose Secrets carry hosts' DH-HMAC-CHAP secrets from the
+/// Controller service to the Node service.
+pub struct SecretStore {
+    pub api: KubeApi,
+    pub namespace: String,
+}
+
+impl SecretStore {
+    /// The Secret of one attachment: a name from the volume and the host (hashed, as
+    /// either may hold characters a Secret name may not).
+    pub fn name(volume: &str, host: &str) -> String {
+        let digest = nvpool_auth::Hash::Sha256.digest(&[volume.as_bytes(), b"\0", host.as_bytes()]);
+        let hex: String = digest[..10].iter().map(|b| format!("{b:02x}")).collect();
+        format!("nvpool-dhchap-{hex}")
+    }
 }
 
 /// The size to create: the required bytes rounded up to whole blocks, within the limit.
@@ -212,13 +235,26 @@ impl Controller for ControllerService {
                 )));
             }
         };
-        let known = ["thin", "accessPolicy", "volumeGroup", "localPath"];
+        let dhchap = match req.parameters.get(DHCHAP).map(String::as_str) {
+            None | Some("false") => false,
+            Some("true") => true,
+            Some(other) => {
+                return Err(Status::invalid_argument(format!("parameter {DHCHAP}={other:?}: use true or false")));
+            }
+        };
+        if dhchap && self.secrets.is_none() {
+            return Err(Status::failed_precondition(format!(
+                "the class asks for {DHCHAP}=true, and this driver reaches no Kubernetes API to hand hosts their \
+                 secrets through: run it in a pod, or pass --kube-api"
+            )));
+        }
+        let known = ["thin", "accessPolicy", "volumeGroup", "localPath", DHCHAP];
         if let Some(unknown) =
             req.parameters.keys().find(|k| !k.starts_with("csi.storage.k8s.io/") && !known.contains(&k.as_str()))
         {
             return Err(Status::invalid_argument(format!(
                 "unknown parameter {unknown:?}: nvpool takes thin=true|false, accessPolicy=inherit|balance, \
-                 volumeGroup=NAME and localPath=ublk|nvme-tcp"
+                 volumeGroup=NAME, localPath=ublk|nvme-tcp and {DHCHAP}=true|false"
             )));
         }
         let mut create = proto::CreateVolumeRequest {
@@ -242,6 +278,9 @@ impl Controller for ControllerService {
         };
         let mut volume = csi_volume(&v);
         volume.volume_context.insert(LOCAL_PATH.to_string(), local_path.to_string());
+        if dhchap {
+            volume.volume_context.insert(DHCHAP.to_string(), "true".to_string());
+        }
         Ok(Response::new(csi::CreateVolumeResponse { volume: Some(volume) }))
     }
 
@@ -278,14 +317,43 @@ impl Controller for ControllerService {
             Some("nvme-tcp") => String::new(),
             _ => self.node_of_host(host).await?,
         };
+        // A class with dhchap=true: the controller makes secrets for this host, which
+        // reach the node through a Secret (never through the publish context, which
+        // Kubernetes keeps in plain sight on the VolumeAttachment).
+        let dhchap = req.volume_context.get(DHCHAP).is_some_and(|v| v == "true");
+        let store = match (dhchap, &self.secrets) {
+            (false, _) => None,
+            (true, Some(store)) => Some(store),
+            (true, None) => {
+                return Err(Status::failed_precondition(format!(
+                    "volume {volume} asks for {DHCHAP}, and this driver reaches no Kubernetes API to hand the host \
+                     its secrets through: run it in a pod, or pass --kube-api"
+                )));
+            }
+        };
         let attach = proto::AttachRequest {
             volume: volume.to_string(),
             host_nqn: host.to_string(),
             readonly: req.readonly,
             local_node,
+            dhchap,
             ..Default::default()
         };
         let a = self.controllers.call(async |mut c| c.attach(attach.clone()).await).await?;
+        let mut secret_ref = None;
+        if let (Some(store), Some(s)) = (store, &a.dhchap) {
+            let name = SecretStore::name(volume, host);
+            let labels = BTreeMap::from([
+                ("app.kubernetes.io/managed-by".to_string(), PLUGIN_NAME.to_string()),
+                ("nvpool.io/purpose".to_string(), "dhchap".to_string()),
+            ]);
+            let mut data = BTreeMap::from([("secret".to_string(), s.secret.clone())]);
+            if !s.ctrl_secret.is_empty() {
+                data.insert("ctrl_secret".to_string(), s.ctrl_secret.clone());
+            }
+            store.api.put_secret(&store.namespace, &name, &labels, &data).await.map_err(Status::unavailable)?;
+            secret_ref = Some(format!("{}/{name}", store.namespace));
+        }
         if !a.local_fallback.is_empty() {
             tracing::info!("{volume}: {host} gets NVMe/TCP paths: {}", a.local_fallback);
         }
@@ -299,6 +367,9 @@ impl Controller for ControllerService {
         ]);
         if let Some(local) = a.local {
             publish_context.insert(LOCAL_DEVICE.to_string(), local.device);
+        }
+        if let Some(r) = secret_ref {
+            publish_context.insert(DHCHAP_SECRET.to_string(), r);
         }
         Ok(Response::new(csi::ControllerPublishVolumeResponse { publish_context }))
     }
@@ -322,8 +393,13 @@ impl Controller for ControllerService {
             vec![]
         };
         for host in hosts {
-            let detach = proto::DetachRequest { volume: volume.to_string(), host_nqn: host };
+            let detach = proto::DetachRequest { volume: volume.to_string(), host_nqn: host.clone() };
             self.controllers.call(async |mut c| c.detach(detach.clone()).await).await?;
+            // The controller revoked the host's secrets; their Secret goes too.
+            if let Some(store) = &self.secrets {
+                let name = SecretStore::name(volume, &host);
+                store.api.delete_secret(&store.namespace, &name).await.map_err(Status::unavailable)?;
+            }
         }
         Ok(Response::new(csi::ControllerUnpublishVolumeResponse {}))
     }

@@ -4,6 +4,7 @@
 
 mod controller;
 mod fsinfo;
+pub mod kube;
 mod node;
 
 use nvpool_control::client::Controllers;
@@ -26,6 +27,12 @@ pub const TOPOLOGY_NODE_KEY: &str = "topology.nvpool.io/node";
 pub const LOCAL_PATH: &str = "localPath";
 /// The publish context key naming the local device a host on the owner node got.
 pub const LOCAL_DEVICE: &str = "localDevice";
+/// The StorageClass parameter (and volume context key) asking that hosts authenticate
+/// with DH-HMAC-CHAP: `true` or `false` (the default).
+pub const DHCHAP: &str = "dhchap";
+/// The publish context key naming the Secret (`NAMESPACE/NAME`) with a host's
+/// DH-HMAC-CHAP secrets.
+pub const DHCHAP_SECRET: &str = "dhchapSecret";
 
 /// Why a capability is not supported, if it is not.
 fn capability_error(c: &csi::VolumeCapability) -> Option<String> {
@@ -81,6 +88,11 @@ pub struct CsiArgs {
     pub state_dir: PathBuf,
     /// Mutual TLS to the controllers, when on.
     pub tls: Option<nvpool_control::tls::Tls>,
+    /// The Kubernetes API, for hosts' DH-HMAC-CHAP secrets (`None`: volumes whose class
+    /// asks for them are refused).
+    pub kube: Option<kube::KubeApi>,
+    /// The namespace of those Secrets (the driver's own).
+    pub secret_namespace: String,
 }
 
 /// Serves until the process ends.
@@ -101,8 +113,13 @@ pub async fn run(args: CsiArgs) -> Result<(), String> {
         controller::IdentityService { controllers: controllers.clone() },
     ));
     if let Some(c) = controllers {
+        let secrets = args
+            .kube
+            .clone()
+            .map(|api| Arc::new(controller::SecretStore { api, namespace: args.secret_namespace.clone() }));
         router = router.add_service(csi::controller_server::ControllerServer::new(controller::ControllerService {
             controllers: c,
+            secrets,
         }));
     }
     if args.mode != Mode::Controller {
@@ -117,6 +134,7 @@ pub async fn run(args: CsiArgs) -> Result<(), String> {
             host_nqn: args.host_nqn,
             state_dir: args.state_dir,
             path_changes: tokio::sync::Mutex::new(()),
+            kube: args.kube.clone(),
         });
         tokio::spawn(node.clone().follow_paths(client));
         router = router.add_service(csi::node_server::NodeServer::from_arc(node));

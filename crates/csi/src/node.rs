@@ -7,7 +7,8 @@
 //! target, which waits for its hosts to connect) is connected within seconds.
 
 use crate::csi::{self, node_server::Node, volume_capability::AccessType};
-use crate::{LOCAL_DEVICE, TOPOLOGY_NODE_KEY, capability_error, fsinfo, required};
+use crate::kube::KubeApi;
+use crate::{DHCHAP_SECRET, LOCAL_DEVICE, TOPOLOGY_NODE_KEY, capability_error, fsinfo, required};
 use nvpool_control::client::Controllers;
 use nvpool_control::proto;
 use std::collections::HashMap;
@@ -26,12 +27,16 @@ pub struct NodeService {
     /// Held while paths are connected or disconnected, so that following a volume's
     /// paths never reconnects one that unstaging is taking down.
     pub path_changes: tokio::sync::Mutex<()>,
+    /// The Kubernetes API, to read hosts' DH-HMAC-CHAP secrets from their Secrets.
+    pub kube: Option<KubeApi>,
 }
 
 /// What a staged volume uses.
 struct Staged {
     nqn: String,
     device: String,
+    /// The Secret (`NAMESPACE/NAME`) with the DH-HMAC-CHAP secrets its paths connect with.
+    dhchap_secret: Option<String>,
 }
 
 /// Runs a command; its stderr becomes the error.
@@ -183,7 +188,7 @@ async fn local_device(nqn: String, device: &str) -> Result<Staged, Status> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     tracing::info!("{nqn}: staged the local device {device}");
-    Ok(Staged { nqn, device: device.to_string() })
+    Ok(Staged { nqn, device: device.to_string(), dhchap_secret: None })
 }
 
 impl NodeService {
@@ -218,12 +223,19 @@ impl NodeService {
                 // Unstaged meanwhile: its paths are not to come back.
                 let Some(staged) = self.staged(&volume) else { continue };
                 let paths = v.attachments.into_iter().find(|a| a.host_nqn == self.host_nqn).map(|a| a.paths);
+                let auth = match self.dhchap_args(staged.dhchap_secret.as_deref()).await {
+                    Ok(a) => a,
+                    Err(e) => {
+                        tracing::warn!("{volume}: cannot connect new paths: {}", e.message());
+                        continue;
+                    }
+                };
                 for p in paths.unwrap_or_default() {
                     if path_connected(&staged.nqn, &p.address, p.port) {
                         continue;
                     }
                     let port = p.port.to_string();
-                    let args = [
+                    let mut args = vec![
                         "connect",
                         "-t",
                         &p.transport,
@@ -236,6 +248,7 @@ impl NodeService {
                         "--hostnqn",
                         &self.host_nqn,
                     ];
+                    args.extend(auth.iter().map(String::as_str));
                     match run("nvme", &args).await {
                         Ok(_) => tracing::info!("{volume}: connected the path through {} ({})", p.node, p.ana_state),
                         Err(e) => tracing::warn!("{volume}: path through {}: {}", p.node, e.message()),
@@ -245,6 +258,30 @@ impl NodeService {
         }
     }
 
+    /// The `nvme connect` options that authenticate with the secrets in Secret
+    /// `reference` (`NAMESPACE/NAME`); none without one.
+    async fn dhchap_args(&self, reference: Option<&str>) -> Result<Vec<String>, Status> {
+        let Some(reference) = reference else { return Ok(vec![]) };
+        let (namespace, name) = reference.split_once('/').ok_or_else(|| {
+            Status::invalid_argument(format!("publish_context {DHCHAP_SECRET}={reference:?} is not NAMESPACE/NAME"))
+        })?;
+        let kube = self.kube.as_ref().ok_or_else(|| {
+            Status::failed_precondition(format!(
+                "the volume's host authenticates with secrets in Secret {reference}, and this node plugin reaches no \
+                 Kubernetes API: run it in a pod, or pass --kube-api"
+            ))
+        })?;
+        let data = kube.get_secret(namespace, name).await.map_err(Status::unavailable)?;
+        let secret = data
+            .get("secret")
+            .ok_or_else(|| Status::failed_precondition(format!("Secret {reference} has no `secret` field")))?;
+        let mut args = vec![format!("--dhchap-secret={secret}")];
+        if let Some(ctrl) = data.get("ctrl_secret") {
+            args.push(format!("--dhchap-ctrl-secret={ctrl}"));
+        }
+        Ok(args)
+    }
+
     fn state_file(&self, volume: &str) -> PathBuf {
         self.state_dir.join(format!("{volume}.staged"))
     }
@@ -252,7 +289,11 @@ impl NodeService {
     fn staged(&self, volume: &str) -> Option<Staged> {
         let text = std::fs::read_to_string(self.state_file(volume)).ok()?;
         let mut lines = text.lines();
-        Some(Staged { nqn: lines.next()?.to_string(), device: lines.next()?.to_string() })
+        Some(Staged {
+            nqn: lines.next()?.to_string(),
+            device: lines.next()?.to_string(),
+            dhchap_secret: lines.next().filter(|l| !l.is_empty()).map(String::from),
+        })
     }
 
     /// Connects every path of the volume and waits for its device.
@@ -268,6 +309,8 @@ impl NodeService {
             return local_device(field("nqn")?, device).await;
         }
         let (nqn, uuid, paths) = (field("nqn")?, field("uuid")?, field("paths")?);
+        let dhchap_secret = context.get(DHCHAP_SECRET).filter(|s| !s.is_empty()).cloned();
+        let auth = self.dhchap_args(dhchap_secret.as_deref()).await?;
         let mut errors = Vec::new();
         if controller_of(&nqn).is_none() {
             for path in paths.split(';') {
@@ -275,8 +318,20 @@ impl NodeService {
                 let [transport, address, port, ..] = parts[..] else {
                     return Err(Status::invalid_argument(format!("publish_context path {path:?} is not understood")));
                 };
-                let args =
-                    ["connect", "-t", transport, "-a", address, "-s", port, "-n", &nqn, "--hostnqn", &self.host_nqn];
+                let mut args = vec![
+                    "connect",
+                    "-t",
+                    transport,
+                    "-a",
+                    address,
+                    "-s",
+                    port,
+                    "-n",
+                    &nqn,
+                    "--hostnqn",
+                    &self.host_nqn,
+                ];
+                args.extend(auth.iter().map(String::as_str));
                 if let Err(e) = run("nvme", &args).await {
                     errors.push(e.message().to_string());
                 }
@@ -296,7 +351,7 @@ impl NodeService {
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
                 tracing::info!("{nqn}: staged {device} with {} of {connected} connected paths", paths_under(&device));
-                return Ok(Staged { nqn, device });
+                return Ok(Staged { nqn, device, dhchap_secret });
             }
             if Instant::now() > deadline {
                 return Err(Status::unavailable(format!(
@@ -325,7 +380,10 @@ impl Node for NodeService {
         let changing = self.path_changes.lock().await;
         let staged = self.connect(&req.publish_context).await?;
         std::fs::create_dir_all(&self.state_dir)
-            .and_then(|()| std::fs::write(self.state_file(volume), format!("{}\n{}\n", staged.nqn, staged.device)))
+            .and_then(|()| {
+                let secret = staged.dhchap_secret.as_deref().unwrap_or_default();
+                std::fs::write(self.state_file(volume), format!("{}\n{}\n{secret}\n", staged.nqn, staged.device))
+            })
             .map_err(|e| {
                 Status::internal(format!("cannot record the staged volume in {}: {e}", self.state_dir.display()))
             })?;

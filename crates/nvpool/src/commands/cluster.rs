@@ -241,6 +241,20 @@ pub struct CsiArgs {
     /// Which certificate of --tls-dir to present.
     #[arg(long, default_value = "client:csi")]
     tls_identity: String,
+    /// The Kubernetes API server, https://HOST:PORT, for hosts' DH-HMAC-CHAP secrets
+    /// (StorageClass parameter dhchap: "true"); in a pod, the pod's own is used.
+    #[arg(long, requires_all = ["kube_token_file", "kube_ca_file"])]
+    kube_api: Option<String>,
+    /// A file with the bearer token for --kube-api.
+    #[arg(long)]
+    kube_token_file: Option<PathBuf>,
+    /// The CA certificates (PEM) that --kube-api's certificate chains to.
+    #[arg(long)]
+    kube_ca_file: Option<PathBuf>,
+    /// The namespace of the Secrets with hosts' DH-HMAC-CHAP secrets (default: the
+    /// pod's own, else nvpool).
+    #[arg(long)]
+    secret_namespace: Option<String>,
 }
 
 #[derive(Args)]
@@ -576,6 +590,15 @@ pub fn run(cmd: Command) -> Result<(), String> {
                 host_nqn: a.host_nqn.unwrap_or_else(|| read("/etc/nvme/hostnqn")),
                 state_dir: a.state_dir,
                 tls: a.tls_dir.as_deref().map(|d| Tls::load(d, &a.tls_identity)).transpose()?,
+                kube: match (&a.kube_api, &a.kube_token_file, &a.kube_ca_file) {
+                    (Some(url), Some(token), Some(ca)) => Some(nvpool_csi::kube::KubeApi::new(url, token, ca)?),
+                    _ => nvpool_csi::kube::KubeApi::in_cluster()?,
+                },
+                secret_namespace: a.secret_namespace.unwrap_or_else(|| {
+                    Some(read("/var/run/secrets/kubernetes.io/serviceaccount/namespace"))
+                        .filter(|n| !n.is_empty())
+                        .unwrap_or_else(|| "nvpool".to_string())
+                }),
             };
             rt.block_on(nvpool_csi::run(args))
         }
