@@ -14,11 +14,7 @@ disconnect() { nvme disconnect -n $NQN > /dev/null || fail "nvme disconnect"; wa
 verify() {   # verify NAME: fio write then verify on the connected namespace
     C=$(ctrl_of $NQN) || fail "no live controller"
     wait_for 20 test -b /dev/${C}n1 || fail "no /dev/${C}n1"
-    fio --name=$1 --filename=/dev/${C}n1 --ioengine=io_uring --direct=1 --rw=randwrite --bssplit=4k/50:64k/50 \
-        --iodepth=8 --size=16M --verify=crc32c --verify_fatal=1 --output=/host/fio-$1.txt \
-        || { cat /host/fio-$1.txt; fail "fio $1"; }
-    grep -q 'err= 0' /host/fio-$1.txt && ! grep -o 'err= *[0-9]*' /host/fio-$1.txt | grep -qv 'err= *0$' \
-        || { cat /host/fio-$1.txt; fail "fio $1 reported errors"; }
+    fio_verify $1 /dev/${C}n1
     echo "fio write+verify over the authenticated connection: no errors"
 }
 refused() {   # refused STEP CONNECT-ARGS...: the connect must fail
@@ -41,8 +37,7 @@ nqn = "$NQN"
 nsid = 1
 backend = "memory:64MiB"
 TOML
-$BIN/nvpool engine --config /tmp/engine.toml > /host/engine.log 2>&1 &
-wait_for 60 cli subsystem list > /dev/null 2>&1 || { cat /host/engine.log; fail "the engine did not start"; }
+start_engine /tmp/engine.toml /host/engine.log
 HKEY=$(nvme gen-dhchap-key --hmac=1 --nqn=$HOSTNQN)
 CKEY=$(nvme gen-dhchap-key --hmac=2 --nqn=$NQN)
 WRONG=$(nvme gen-dhchap-key --hmac=1 --nqn=$HOSTNQN)

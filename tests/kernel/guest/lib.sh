@@ -34,3 +34,20 @@ measure() {   # measure NAME FILE DEPTH
     iops=$(cut -d';' -f8 /tmp/terse.txt); lat=$(cut -d';' -f40 /tmp/terse.txt)
     printf '%-15s QD%-3s %8s IOPS  %10s us mean\n' $1 $3 $iops $lat | tee -a /host/figures.txt
 }
+# Starts the engine of CONFIG (whose management socket is $SOCK) from $BIN, logging
+# to LOG, and waits until it answers; ENGINE is its process ID.
+start_engine() {   # start_engine CONFIG LOG
+    $BIN/nvpool engine --config $1 > $2 2>&1 &
+    ENGINE=$!
+    wait_for 60 timeout 120 $BIN/nvpool engine subsystem list --socket $SOCK > /dev/null 2>&1 \
+        || { cat $2; fail "the engine did not start"; }
+}
+# fio writes 16 MiB (4 KiB and 64 KiB blocks, depth 8) to a device and verifies it
+# (crc32c); fails on any I/O error. Its report goes to /host/fio-NAME.txt.
+fio_verify() {   # fio_verify NAME DEVICE
+    fio --name=$1 --filename=$2 --ioengine=io_uring --direct=1 --rw=randwrite --bssplit=4k/50:64k/50 \
+        --iodepth=8 --size=16M --verify=crc32c --verify_fatal=1 --output=/host/fio-$1.txt \
+        || { cat /host/fio-$1.txt; fail "fio $1"; }
+    grep -q 'err= 0' /host/fio-$1.txt && ! grep -o 'err= *[0-9]*' /host/fio-$1.txt | grep -qv 'err= *0$' \
+        || { cat /host/fio-$1.txt; fail "fio $1 reported errors"; }
+}

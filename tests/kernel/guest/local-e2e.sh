@@ -5,11 +5,9 @@ SOCK=/tmp/engine.sock
 # A management call that hangs fails the step instead of the whole guest's time.
 cli() { timeout 120 $BIN/nvpool engine "$@" --socket $SOCK; }
 RUN=0
-start_engine() {   # start_engine CONFIG: starts the engine, waits for its socket
+next_engine() {   # next_engine CONFIG: starts the engine again, with a log of its own
     RUN=$((RUN + 1))
-    $BIN/nvpool engine --config $1 > /host/engine-$RUN.log 2>&1 &
-    ENGINE=$!
-    wait_for 60 cli subsystem list >/dev/null 2>&1 || { cat /host/engine-$RUN.log; fail "the engine did not start"; }
+    start_engine $1 /host/engine-$RUN.log
 }
 errors_in() { grep -o 'err= *[0-9]*' "$1" | grep -v 'err= *0$'; }
 checked() {   # checked FIO_OUTPUT JOBS: every job ended with no error
@@ -38,7 +36,7 @@ block_size = 4096
 nsid = 2
 backend = "file:/tmp/ro.img"
 TOML
-start_engine /tmp/engine.toml
+next_engine /tmp/engine.toml
 cli local add $NQN/1 --ublk --id 0 || fail "local add"
 wait_for 10 test -b /dev/ublkb0 || fail "no /dev/ublkb0"
 cli local list | tee /tmp/local-list.txt
@@ -110,7 +108,7 @@ sleep 3
 kill -9 $ENGINE
 echo "engine killed; fio goes on waiting"
 sleep 2
-start_engine /tmp/engine-local.toml
+next_engine /tmp/engine-local.toml
 cli local list | tee /tmp/after-crash.txt
 wait $FIO || { cat /host/fio-crash.txt; fail "fio failed across the crash"; }
 checked /host/fio-crash.txt 1

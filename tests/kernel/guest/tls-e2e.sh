@@ -17,11 +17,7 @@ device() {
     echo /dev/${C}n1
 }
 verify() {   # verify NAME: fio write then verify on the connected namespace
-    D=$(device)
-    fio --name=$1 --filename=$D --ioengine=io_uring --direct=1 --rw=randwrite --bssplit=4k/50:64k/50 \
-        --iodepth=8 --size=16M --verify=crc32c --verify_fatal=1 --output=/host/fio-$1.txt \
-        || { cat /host/fio-$1.txt; fail "fio $1"; }
-    ! grep -o 'err= *[0-9]*' /host/fio-$1.txt | grep -qv 'err= *0$' || { cat /host/fio-$1.txt; fail "fio $1 reported errors"; }
+    fio_verify $1 $(device)
     echo "fio write+verify over TLS ($1): no errors"
 }
 session() {   # session STEP: what the kernel and tlshd said of the connection
@@ -73,8 +69,7 @@ nqn = "$NQN"
 nsid = 1
 backend = "memory:128MiB"
 TOML
-$BIN/nvpool engine --config /tmp/engine.toml > /host/engine.log 2>&1 &
-wait_for 60 cli subsystem list > /dev/null 2>&1 || { cat /host/engine.log; fail "the engine did not start"; }
+start_engine /tmp/engine.toml /host/engine.log
 cli listener list
 PSK256=$(nvme gen-tls-key --hmac=1 --hostnqn=$HOSTNQN --subsysnqn=$NQN)
 PSK384=$(nvme gen-tls-key --hmac=2 --hostnqn=$HOSTNQN --subsysnqn=$NQN)
