@@ -30,7 +30,11 @@ impl Etcd {
         e
     }
 
-    /// Starts the stopped server again on the same ports and data.
+    /// Starts the stopped server again on the same ports and data, and waits until it
+    /// reports itself healthy (it has a leader). Waiting for that, not just for its
+    /// port, matters: an etcd killed before it wrote its first raft entries leaves a
+    /// data directory it restarts from as a member with no voters, which never elects
+    /// a leader (seen in CI as a store that never worked again after a restart).
     pub fn resume(&mut self) {
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -49,9 +53,9 @@ impl Etcd {
             .expect("etcd is not installed: scripts/setup installs Debian's etcd-server");
         self.child = Some(child);
         let address = self.client_url.trim_start_matches("http://").to_string();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(&address).is_err() {
-            assert!(Instant::now() < deadline, "etcd did not start; see {}", self.dir.join("etcd.log").display());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !healthy(&address) {
+            assert!(Instant::now() < deadline, "etcd did not become healthy; see {}", self.dir.join("etcd.log").display());
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -63,6 +67,19 @@ impl Etcd {
             let _ = c.wait();
         }
     }
+}
+
+/// Whether etcd at `address` answers its `/health` endpoint with health true.
+fn healthy(address: &str) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(address) else { return false };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    if s.write_all(b"GET /health HTTP/1.0\r\n\r\n").is_err() {
+        return false;
+    }
+    let mut reply = String::new();
+    let _ = s.read_to_string(&mut reply);
+    reply.contains("\"health\":\"true\"")
 }
 
 impl Drop for Etcd {

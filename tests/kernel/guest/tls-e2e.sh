@@ -124,7 +124,8 @@ grep -q 'requires TLS' /host/engine.log || fail "the engine did not say why it c
 step "a wrong PSK is refused"
 NVPOOL_TLS_PSK=$WRONG cli host add $NQN $HOSTNQN || fail "host add with another PSK"
 refused wrong-psk 4420 --tls
-grep 'closed: TLS handshake failed\|closed: no TLS PSK' /host/engine.log | tail -1 | sed 's/.*WARN//'
+grep 'is not the PSK configured for it' /host/engine.log | tail -1 | sed 's/.*WARN//'
+grep -q 'is not the PSK configured for it' /host/engine.log || fail "the engine did not say the host's key differs"
 NVPOOL_TLS_PSK=$PSK256 cli host add $NQN $HOSTNQN || fail "host add with the right PSK again"
 
 step "the TLS-or-plain listener takes both; the cost of TLS (${TLS_ROUNDS:-1} alternating rounds)"

@@ -74,6 +74,14 @@ pub fn accept(stream: &TcpStream, lookup: Arc<KeyLookup>) -> Result<Established,
             if let Some(failed) = state.and_then(|st| lock(&st.failed).take()) {
                 return Err(failed);
             }
+            // A key was found for the identity, and the host's did not match it.
+            if let Some(identity) = state.and_then(|st| lock(&st.chosen).take()) {
+                return Err(format!(
+                    "the host's key for identity {identity} is not the PSK configured for it (or the host derives \
+                     TLS keys another way: --tls-psk-kdf compat for libnvme before mid-2025, rfc8446 for SPDK and \
+                     newer libnvme); OpenSSL: {e}"
+                ));
+            }
             return Err(match state.and_then(|st| lock(&st.refused).take()) {
                 Some(identity) => format!("no TLS PSK for the identity the host offered ({identity})"),
                 None => format!("TLS handshake failed: {e}"),
