@@ -55,7 +55,11 @@ impl Etcd {
         let address = self.client_url.trim_start_matches("http://").to_string();
         let deadline = Instant::now() + Duration::from_secs(30);
         while !healthy(&address) {
-            assert!(Instant::now() < deadline, "etcd did not become healthy; see {}", self.dir.join("etcd.log").display());
+            assert!(
+                Instant::now() < deadline,
+                "etcd did not become healthy; see {}",
+                self.dir.join("etcd.log").display()
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
