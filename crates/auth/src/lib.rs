@@ -7,6 +7,7 @@
 
 pub mod chap;
 pub mod ffdhe;
+mod framing;
 pub mod hash;
 pub mod psk;
 pub mod secret;

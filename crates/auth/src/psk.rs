@@ -22,6 +22,10 @@ use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 
 use crate::Hash;
+use crate::framing::{self, FrameError};
+
+/// What every configured PSK in the interchange format starts with.
+const PREFIX: &str = "NVMeTLSkey-1:";
 
 /// How the HKDF labels of the PSK derivation are laid out.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -156,28 +160,19 @@ impl std::fmt::Display for Identity {
 impl ConfiguredPsk {
     /// Parses `NVMeTLSkey-1:hh:<base64>:` (the trailing colon may be missing).
     pub fn parse(text: &str) -> Result<ConfiguredPsk, PskError> {
-        let rest = text.trim().strip_prefix("NVMeTLSkey-1:").ok_or(PskError::Format)?;
-        let (hh, body) = rest.split_once(':').ok_or(PskError::Format)?;
-        let body = body.strip_suffix(':').unwrap_or(body);
-        if body.contains(':') || hh.len() != 2 {
-            return Err(PskError::Format);
-        }
-        let transform = match hh {
+        let framed = framing::decode(text, PREFIX).map_err(|e| match e {
+            FrameError::Format => PskError::Format,
+            FrameError::Base64 => PskError::Base64,
+            FrameError::Short => PskError::Length(0),
+        })?;
+        let transform = match framed.hh {
             "00" => None,
             "01" => Some(Hash::Sha256),
             "02" => Some(Hash::Sha384),
-            _ => return Err(PskError::Transform(hh.into())),
+            hh => return Err(PskError::Transform(hh.into())),
         };
-        let mut decoded = STANDARD.decode(body).map_err(|_| PskError::Base64)?;
-        if decoded.len() < 4 {
-            return Err(PskError::Length(0));
-        }
-        let crc_at = decoded.len() - 4;
-        let crc = u32::from_le_bytes(decoded[crc_at..].try_into().expect("four bytes"));
-        let key = decoded[..crc_at].to_vec();
-        decoded.fill(0);
-        let psk = ConfiguredPsk::new(key, transform)?;
-        if crc32fast::hash(&psk.key) != crc {
+        let psk = ConfiguredPsk::new(framed.key, transform)?;
+        if !framed.checksum_ok {
             return Err(PskError::Checksum);
         }
         Ok(psk)
@@ -206,11 +201,7 @@ impl ConfiguredPsk {
 
     /// The interchange form, to hand to a host. Keep it out of logs.
     pub fn to_interchange(&self) -> String {
-        let mut body = self.key.clone();
-        body.extend_from_slice(&crc32fast::hash(&self.key).to_le_bytes());
-        let text = format!("NVMeTLSkey-1:{:02}:{}:", self.transform.map_or(0, Hash::id), STANDARD.encode(&body));
-        body.fill(0);
-        text
+        framing::encode(PREFIX, self.transform.map_or(0, Hash::id), &self.key)
     }
 
     /// The hash of the cipher suite this PSK is for, by its length.

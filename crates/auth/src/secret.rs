@@ -3,10 +3,11 @@
 //! secret is transformed with before use (00 none, 01-03 SHA-256/384/512), and the
 //! base64 holds the key followed by its CRC-32, least significant byte first.
 
-use base64::Engine;
-use base64::engine::general_purpose::STANDARD;
-
 use crate::Hash;
+use crate::framing::{self, FrameError};
+
+/// What every secret starts with.
+const PREFIX: &str = "DHHC-1:";
 
 /// What is appended to an NQN when a secret is transformed.
 const TRANSFORM_SUFFIX: &[u8] = b"NVMe-over-Fabrics";
@@ -41,26 +42,18 @@ pub enum SecretError {
 impl Secret {
     /// Parses `DHHC-1:hh:<base64>:` (the trailing colon may be missing).
     pub fn parse(text: &str) -> Result<Secret, SecretError> {
-        let rest = text.trim().strip_prefix("DHHC-1:").ok_or(SecretError::Format)?;
-        let (hh, body) = rest.split_once(':').ok_or(SecretError::Format)?;
-        let body = body.strip_suffix(':').unwrap_or(body);
-        if body.contains(':') || hh.len() != 2 {
-            return Err(SecretError::Format);
-        }
+        let framed = framing::decode(text, PREFIX).map_err(|e| match e {
+            FrameError::Format => SecretError::Format,
+            FrameError::Base64 => SecretError::Base64,
+            FrameError::Short => SecretError::Length(0),
+        })?;
+        let hh = framed.hh;
         let transform = match hh {
             "00" => None,
             _ => Some(hh.parse::<u8>().ok().and_then(Hash::from_id).ok_or_else(|| SecretError::Transform(hh.into()))?),
         };
-        let mut decoded = STANDARD.decode(body).map_err(|_| SecretError::Base64)?;
-        if decoded.len() < 4 {
-            return Err(SecretError::Length(0));
-        }
-        let crc_at = decoded.len() - 4;
-        let key = decoded[..crc_at].to_vec();
-        let crc = u32::from_le_bytes(decoded[crc_at..].try_into().expect("four bytes"));
-        decoded.fill(0);
-        let secret = Secret::new(key, transform)?;
-        if crc32fast::hash(&secret.key) != crc {
+        let secret = Secret::new(framed.key, transform)?;
+        if !framed.checksum_ok {
             return Err(SecretError::Checksum);
         }
         Ok(secret)
@@ -88,11 +81,7 @@ impl Secret {
 
     /// The `DHHC-1:hh:<base64>:` form, to hand to a host. Keep it out of logs.
     pub fn to_dhhc(&self) -> String {
-        let mut body = self.key.clone();
-        body.extend_from_slice(&crc32fast::hash(&self.key).to_le_bytes());
-        let text = format!("DHHC-1:{:02}:{}:", self.transform.map_or(0, Hash::id), STANDARD.encode(&body));
-        body.fill(0);
-        text
+        framing::encode(PREFIX, self.transform.map_or(0, Hash::id), &self.key)
     }
 
     /// The hash the secret is transformed with, if any.
@@ -136,6 +125,8 @@ impl std::fmt::Debug for Secret {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use base64::Engine;
+    use base64::engine::general_purpose::STANDARD;
 
     /// A 32-byte key of 0x00..0x1f with the SHA-256 transform.
     const NVME_CLI_SECRET: &str = "DHHC-1:01:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh+KfiaR:";
