@@ -500,13 +500,16 @@ def write_outputs(results, args):
     md += ["", "Engine CPU per million I/Os (all configurations; a polling reactor counts its polling): " + ", ".join(
         f"{b} {v:.2f} s" for b, v in results["engine_cpu_s_per_million_ios"].items() if v), "",
         "![IOPS as a fraction of the machine's limit](results.svg)", ""]
-    # SPDK side by side (bench/spdk.py, run after this suite by scripts/bench), and the
-    # hand-kept list of what changed, each change with its A/B figure.
+    # SPDK side by side and where both targets' CPU goes (bench/spdk.py and profile.py,
+    # run after this suite by scripts/bench), and the hand-kept list of what changed,
+    # each change with its A/B figure. Their headings go one level down.
     for name, title, missing in (("spdk.md", "SPDK side by side", "SPDK was not built: run scripts/build-spdk, then scripts/bench, for the SPDK columns."),
+                                 ("profile.md", "Where the targets' CPU goes", None),
                                  ("changes.md", "What changed", None)):
         path = os.path.join(args.out, name)
         if os.path.exists(path):
-            body = "\n".join(l for l in open(path).read().splitlines() if not l.startswith("# ")).strip()
+            body = "\n".join("#" + l if l.startswith("## ") else l
+                             for l in open(path).read().splitlines() if not l.startswith("# ")).strip()
             md += [f"## {title}", "", body, ""]
         elif missing:
             md += [f"## {title}", "", missing, ""]

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use nvpool_wire::Status;
 use nvpool_wire::bytes::{compact, nul};
 use nvpool_wire::command::{Command, Completion, admin_opcode, io_opcode, sgl};
-use nvpool_wire::fabrics::{Capabilities, PropertyAccess, VERSION_2_0, csts, fctype, property};
+use nvpool_wire::fabrics::{Capabilities, PropertyAccess, VERSION_2_0, cc, csts, fctype, property};
 use nvpool_wire::identify::{self, IdentifyController, IdentifyNamespace};
 use nvpool_wire::tcp::{self, DataHeader, DataLimits, Digests, IcResp, Pdu};
 
@@ -61,7 +61,18 @@ struct RConn {
     /// Writes waiting for H2CData: (command ID, bytes still to come).
     pending_writes: Vec<(u16, u32)>,
     qid: u16,
+    /// The controller configuration the host last set: CSTS follows it, as hosts that
+    /// disable the controller before enabling it (SPDK's) wait for that.
+    cc: u32,
     dead: bool,
+}
+
+/// CSTS for a controller configured with `cc`: ready while enabled, and a shutdown
+/// completes at once.
+fn controller_status(cc_value: u32) -> u32 {
+    let ready = if cc_value & cc::EN != 0 { csts::RDY } else { 0 };
+    let shutdown = if cc_value & cc::SHN_MASK != 0 { csts::SHST_COMPLETE } else { 0 };
+    ready | shutdown
 }
 
 impl Responder {
@@ -156,6 +167,7 @@ impl RConn {
             sent_in_first: 0,
             pending_writes: Vec::new(),
             qid: 0,
+            cc: 0,
             dead: false,
         }
     }
@@ -254,10 +266,18 @@ impl RConn {
                     let v = match PropertyAccess::from_command(c).offset {
                         property::CAP => Capabilities { mqes: 1023, timeout: 15, css: 1 }.to_u64(),
                         property::VS => u64::from(VERSION_2_0),
-                        property::CSTS => u64::from(csts::RDY),
+                        property::CC => u64::from(self.cc),
+                        property::CSTS => u64::from(controller_status(self.cc)),
                         _ => 0,
                     };
                     self.respond(c.cid, v, Status::SUCCESS);
+                }
+                fctype::PROPERTY_SET => {
+                    let p = PropertyAccess::from_command(c);
+                    if p.offset == property::CC {
+                        self.cc = p.value as u32 & cc::WRITABLE;
+                    }
+                    self.respond(c.cid, 0, Status::SUCCESS);
                 }
                 _ => self.respond(c.cid, 0, Status::SUCCESS),
             },
@@ -331,5 +351,19 @@ impl RConn {
             self.out.clear();
             self.sent_in_first = 0;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_follows_the_configuration() {
+        // SPDK's host disables a ready controller and waits for RDY to clear before it
+        // enables it again; the Linux host and nvpool's enable and wait for RDY.
+        assert_eq!(controller_status(0), 0);
+        assert_eq!(controller_status(cc::EN | 6 << 16 | 4 << 20), csts::RDY);
+        assert_eq!(controller_status(cc::EN | 1 << 14), csts::RDY | csts::SHST_COMPLETE);
     }
 }
