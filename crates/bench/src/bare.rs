@@ -209,6 +209,7 @@ pub fn run(
                 connections: 1,
                 seconds,
                 ios,
+                commands: ios,
                 iops: ios as f64 / seconds.max(1e-9),
                 mib_per_s: (ios * u64::from(io_size)) as f64 / seconds.max(1e-9) / (1024.0 * 1024.0),
                 latency: Latency::from_histogram(&hist),

@@ -143,6 +143,9 @@ pub struct Report {
     pub seconds: f64,
     /// I/Os completed while measuring.
     pub ios: u64,
+    /// Every I/O command completed, the warm-up's and the drain's included: what the
+    /// target saw.
+    pub commands: u64,
     /// I/Os per second.
     pub iops: f64,
     /// MiB per second.
@@ -185,6 +188,8 @@ struct Conn {
     cursor: u64,
     region: (u64, u64),
     maxh2cdata: usize,
+    /// Commands completed on this connection, whether measured or not.
+    completed: u64,
 }
 
 /// Everything about the namespace and the run the hot loop needs.
@@ -317,6 +322,7 @@ pub fn run(o: &Options) -> Result<Report, String> {
             cursor: 0,
             region: (u64::from(i) * per_conn, per_conn),
             maxh2cdata,
+            completed: 0,
         });
     }
     let result = drive(&plan, &mut conns, o.warmup, o.duration, o.timeline);
@@ -459,6 +465,7 @@ fn drive(
         connections: 0,
         seconds: measured_secs,
         ios: counters.ios,
+        commands: conns.iter().map(|c| c.completed).sum(),
         iops: counters.ios as f64 / measured_secs.max(1e-9),
         mib_per_s: counters.bytes as f64 / measured_secs.max(1e-9) / (1024.0 * 1024.0),
         latency: Latency::from_histogram(h),
@@ -542,6 +549,7 @@ impl Conn {
 
     fn complete(&mut self, plan: &Plan, cid: u16, ok: bool, t: Tick, k: &mut Counters) {
         let Some(slot) = self.slots.get_mut(usize::from(cid)).and_then(Option::take) else { return };
+        self.completed += 1;
         if t.measuring {
             let ns = (t.now - slot.start).as_nanos() as u64;
             k.hist.record(ns);

@@ -149,6 +149,9 @@ pub struct EngineConfig {
     /// Limits.
     #[serde(default)]
     pub limits: Limits,
+    /// Where to serve Prometheus metrics (`GET /metrics`), if anywhere.
+    #[serde(default)]
+    pub metrics_listen: Option<std::net::SocketAddr>,
     /// Listeners.
     #[serde(default, rename = "listener")]
     pub listeners: Vec<ListenerConfig>,
@@ -192,6 +195,7 @@ impl Default for EngineConfig {
             host_nqn: None,
             remote_queues: Default::default(),
             limits: Limits::default(),
+            metrics_listen: None,
             listeners: Vec::new(),
             pools: Vec::new(),
             subsystems: Vec::new(),

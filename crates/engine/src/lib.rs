@@ -10,6 +10,7 @@ pub mod bufpool;
 pub mod config;
 pub mod error;
 pub mod local;
+pub mod metrics;
 pub mod mgmt;
 mod migration;
 pub mod nvme;
@@ -78,6 +79,7 @@ impl Engine {
         cfg.validate()?;
         let target = Target::new(cfg.limits.clone());
         let cores = cfg.reactor_cores();
+        nvme::stats::set_reactor_count(cores.len());
         let mut links = Vec::new();
         let mut ends = Vec::new();
         for _ in &cores {
@@ -396,6 +398,11 @@ impl Engine {
                 }
             })
             .collect()
+    }
+
+    /// Where each reactor's time went so far, by reactor.
+    pub fn reactor_times(&self) -> Vec<reactor::ReactorTime> {
+        self.links.iter().map(|l| l.time()).collect()
     }
 
     /// Stops every reactor and waits for them; connections are closed.

@@ -11,6 +11,7 @@ pub mod data_pointer;
 pub mod discovery;
 pub mod fabrics;
 pub mod nvm;
+pub mod stats;
 pub mod subsystem;
 
 use std::collections::BTreeMap;
@@ -20,7 +21,8 @@ use std::time::Instant;
 
 pub use controller::Controller;
 pub use nvpool_api::ListenerInfo;
-pub use subsystem::{Counted, Namespace, NamespaceStats, StatsSnapshot, Subsystem};
+pub use stats::{NamespaceStats, StatsSnapshot};
+pub use subsystem::{Namespace, Subsystem};
 
 use crate::config::Limits;
 use crate::error::{Error, Result};
@@ -58,7 +60,8 @@ pub struct Target {
     listeners: RwLock<Vec<ListenerInfo>>,
     discovery_generation: AtomicU64,
     connections: AtomicUsize,
-    started: Instant,
+    /// The epoch of the reactors' pass clock.
+    pub(crate) started: Instant,
     /// Limits from the configuration.
     pub limits: Limits,
 }

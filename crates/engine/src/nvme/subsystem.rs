@@ -10,110 +10,12 @@ use nvpool_api::{AnaGroupInfo, AnaState};
 
 use super::ana::{self, AnaTable};
 use super::auth::HostKeys;
+use super::stats::NamespaceStats;
 use super::{Controller, MAX_NSID, lock, read, write};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::tls::HostPsk;
 use crate::upgrade::image::AnaImage;
-pub use nvpool_api::StatsSnapshot;
-
-/// Reactors with their own counter shard; any further reactors share one more shard.
-const OWNED_SHARDS: usize = 64;
-
-/// What a completed command counts as.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Counted {
-    /// A read of this many bytes.
-    Read(u64),
-    /// A write of this many bytes.
-    Write(u64),
-    /// Flush, write zeroes or dataset management.
-    Other,
-    /// A command that failed.
-    Error,
-}
-
-impl Counted {
-    /// What a command with this plan that ended with `ok` counts as.
-    pub fn of(plan: &crate::nvme::nvm::IoPlan, ok: bool) -> Counted {
-        use crate::nvme::nvm::IoPlan;
-        match *plan {
-            _ if !ok => Counted::Error,
-            IoPlan::Read { len, .. } => Counted::Read(u64::from(len)),
-            IoPlan::Write { len, .. } => Counted::Write(u64::from(len)),
-            _ => Counted::Other,
-        }
-    }
-}
-
-/// One reactor's counters, alone on its cache line so reactors never share one.
-#[derive(Debug, Default)]
-#[repr(align(64))]
-struct StatShard {
-    reads: AtomicU64,
-    writes: AtomicU64,
-    read_bytes: AtomicU64,
-    write_bytes: AtomicU64,
-    others: AtomicU64,
-    errors: AtomicU64,
-}
-
-/// Per-namespace I/O counters, one shard per reactor. A reactor is the only writer of
-/// its shard, so it counts with a plain load and store: no locked instruction on the
-/// I/O path. Readers sum the shards; relaxed atomics, as these are statistics.
-#[derive(Debug)]
-pub struct NamespaceStats {
-    shards: Box<[StatShard]>,
-}
-
-impl Default for NamespaceStats {
-    fn default() -> Self {
-        NamespaceStats { shards: (0..=OWNED_SHARDS).map(|_| StatShard::default()).collect() }
-    }
-}
-
-impl NamespaceStats {
-    /// Counts a command completed by reactor `reactor`. Only that reactor's thread may
-    /// pass its ID.
-    pub fn count(&self, reactor: usize, what: Counted) {
-        let exclusive = reactor < OWNED_SHARDS;
-        let shard = &self.shards[if exclusive { reactor } else { OWNED_SHARDS }];
-        let add = |counter: &AtomicU64, n: u64| {
-            if exclusive {
-                counter.store(counter.load(Ordering::Relaxed) + n, Ordering::Relaxed);
-            } else {
-                counter.fetch_add(n, Ordering::Relaxed);
-            }
-        };
-        match what {
-            Counted::Read(bytes) => {
-                add(&shard.reads, 1);
-                add(&shard.read_bytes, bytes);
-            }
-            Counted::Write(bytes) => {
-                add(&shard.writes, 1);
-                add(&shard.write_bytes, bytes);
-            }
-            Counted::Other => add(&shard.others, 1),
-            Counted::Error => add(&shard.errors, 1),
-        }
-    }
-
-    /// The counters summed over all reactors.
-    pub fn snapshot(&self) -> StatsSnapshot {
-        let mut t = StatsSnapshot::default();
-        for s in self.shards.iter() {
-            let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-            t.reads += get(&s.reads);
-            t.writes += get(&s.writes);
-            t.read_bytes += get(&s.read_bytes);
-            t.write_bytes += get(&s.write_bytes);
-            t.others += get(&s.others);
-            t.errors += get(&s.errors);
-        }
-        t
-    }
-}
 
 /// A namespace: a backend exported under an NSID with stable identifiers.
 #[derive(Debug)]
@@ -516,36 +418,6 @@ mod tests {
 
     fn ns(nsid: u32, id: u8) -> Namespace {
         Namespace::new(nsid, Arc::new(crate::backend::null::Null::new(1 << 20)), 512, [id; 16], [id; 16]).unwrap()
-    }
-
-    #[test]
-    fn stats_sum_every_reactor_shard() {
-        let stats = NamespaceStats::default();
-        // Reactors with their own shard, and two past the owned ones that share one.
-        let reactors = [0, 1, OWNED_SHARDS - 1, OWNED_SHARDS, OWNED_SHARDS + 7];
-        std::thread::scope(|scope| {
-            for &reactor in &reactors {
-                let stats = &stats;
-                scope.spawn(move || {
-                    for _ in 0..1000 {
-                        stats.count(reactor, Counted::Read(4096));
-                        stats.count(reactor, Counted::Write(512));
-                    }
-                    stats.count(reactor, Counted::Other);
-                    stats.count(reactor, Counted::Error);
-                });
-            }
-        });
-        let n = reactors.len() as u64;
-        let expected = StatsSnapshot {
-            reads: 1000 * n,
-            writes: 1000 * n,
-            read_bytes: 4096 * 1000 * n,
-            write_bytes: 512 * 1000 * n,
-            others: n,
-            errors: n,
-        };
-        assert_eq!(stats.snapshot(), expected);
     }
 
     #[test]

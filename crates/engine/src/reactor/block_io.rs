@@ -59,6 +59,8 @@ pub struct BlockIo {
     /// Bytes of queued reads and writes not yet reported done: a transfer split over
     /// several operations completes in pieces, and one that ends short is an error.
     transfer_left: u64,
+    /// The reactor pass clock when the command started (see `Reactor::pass_ns`).
+    pub started_ns: u64,
 }
 
 impl BlockIo {
@@ -74,13 +76,15 @@ impl BlockIo {
             pending: 0,
             deferred: false,
             transfer_left: 0,
+            started_ns: 0,
         }
     }
 
-    /// Starts a new command.
-    pub(super) fn reset(&mut self, plan: IoPlan) {
+    /// Starts a new command at `now_ns` on the reactor's pass clock.
+    pub(super) fn reset(&mut self, plan: IoPlan, now_ns: u64) {
         debug_assert!(self.is_idle() && self.buf.is_none());
         self.plan = plan;
+        self.started_ns = now_ns;
         self.status = Status::SUCCESS;
         self.hold = None;
         self.route = 0;
@@ -327,7 +331,7 @@ mod tests {
 
     fn io_with(plan: IoPlan, pending: u32) -> BlockIo {
         let mut io = BlockIo::idle();
-        io.reset(plan);
+        io.reset(plan, 0);
         io.set_buf(BufPool::new(8192).get(8192));
         io.pending = pending;
         io

@@ -28,9 +28,7 @@ use crate::nvme::auth::{self, Handled, Outcome, Transaction};
 use crate::nvme::data_pointer::Source;
 use crate::nvme::nvm::{self, IoPlan};
 use crate::nvme::subsystem::NamespaceMap;
-use crate::nvme::{
-    ADMIN_IN_CAPSULE_DATA, Controller, Counted, IO_IN_CAPSULE_DATA, MAX_H2C_DATA, Namespace, Target, fabrics,
-};
+use crate::nvme::{ADMIN_IN_CAPSULE_DATA, Controller, IO_IN_CAPSULE_DATA, MAX_H2C_DATA, Namespace, Target, fabrics};
 use crate::tls::TlsPeer;
 use crate::upgrade::image::{ConnImage, QueueImage};
 
@@ -821,7 +819,7 @@ impl Conn {
         let (plan, source) = match nvm::plan(ns, cmd, data.len()) {
             Ok(p) => p,
             Err(s) => {
-                ns.stats.count(r.id, Counted::Error);
+                ns.stats.rejected(r.id, s);
                 return self.respond(r, idx, cmd.cid, s, 0);
             }
         };
@@ -839,7 +837,8 @@ impl Conn {
             slot.ns = Some(ns.clone());
         }
         slot.cid = cmd.cid;
-        slot.io.reset(plan);
+        slot.io.reset(plan, r.pass_ns);
+        ns.stats.started(r.id);
         slot.received = 0;
         if host_len == 0 {
             return self.start_io(r, idx, tag);
@@ -987,7 +986,7 @@ impl Conn {
         // send is done.
         let mut mapped = None;
         if let Some(ns) = &slot.ns {
-            ns.stats.count(r.id, Counted::of(&plan, status.is_success()));
+            ns.stats.completed(r.id, &plan, status, r.pass_ns.saturating_sub(slot.io.started_ns));
             if let (IoPlan::Read { offset, len }, true, None) = (plan, status.is_success(), &buf)
                 && let Some(at) = ns.backend.mapped(offset, len as usize)
             {

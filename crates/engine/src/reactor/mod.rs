@@ -29,6 +29,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
@@ -182,9 +183,44 @@ pub struct Parked {
 pub struct ReactorLink {
     tx: Sender<Msg>,
     wake: OwnedFd,
+    /// Where the reactor's time went; only the reactor writes it.
+    time: ReactorClock,
+}
+
+/// Where a reactor's time went, as the metrics report it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReactorTime {
+    /// Passes that completed something, and the submissions that followed them.
+    pub busy_ns: u64,
+    /// Asleep on the ring, or polling with nothing to do.
+    pub idle_ns: u64,
+}
+
+/// A reactor's time counters, on a cache line of their own.
+#[derive(Debug, Default)]
+#[repr(align(64))]
+struct ReactorClock {
+    busy_ns: AtomicU64,
+    idle_ns: AtomicU64,
+}
+
+impl ReactorClock {
+    /// Adds a pass; a plain load and store, as the reactor is the only writer.
+    fn add(&self, ns: u64, busy: bool) {
+        let counter = if busy { &self.busy_ns } else { &self.idle_ns };
+        counter.store(counter.load(Ordering::Relaxed) + ns, Ordering::Relaxed);
+    }
 }
 
 impl ReactorLink {
+    /// Where the reactor's time went so far.
+    pub fn time(&self) -> ReactorTime {
+        ReactorTime {
+            busy_ns: self.time.busy_ns.load(Ordering::Relaxed),
+            idle_ns: self.time.idle_ns.load(Ordering::Relaxed),
+        }
+    }
+
     /// Sends a message and wakes the reactor.
     pub fn send(&self, m: Msg) {
         if self.tx.send(m).is_ok() {
@@ -207,7 +243,7 @@ pub fn mailbox() -> std::io::Result<(ReactorLink, Receiver<Msg>, OwnedFd)> {
     let owned = unsafe { OwnedFd::from_raw_fd(fd) };
     let reactor_side = owned.try_clone()?;
     let (tx, rx) = mpsc::channel();
-    Ok((ReactorLink { tx, wake: owned }, rx, reactor_side))
+    Ok((ReactorLink { tx, wake: owned, time: ReactorClock::default() }, rx, reactor_side))
 }
 
 /// The CPUs this process may run on.
@@ -448,6 +484,9 @@ struct Reactor {
     /// Multishot accepts posted and not yet ended.
     armed_accepts: usize,
     last_tick: Instant,
+    /// When this pass began, in nanoseconds since the target started: the clock
+    /// commands are timed with, read once per pass.
+    pass_ns: u64,
     warnings: WarningLimit,
 }
 
@@ -496,6 +535,7 @@ impl Reactor {
             upgrade: Upgrade::Serving,
             armed_accepts: 0,
             last_tick: Instant::now(),
+            pass_ns: 0,
             warnings: WarningLimit::default(),
         }
     }
@@ -627,8 +667,11 @@ impl Reactor {
         let mut completions: Vec<(u64, i32, u32)> = Vec::with_capacity(RING_ENTRIES as usize * 4);
         let mut last_activity = Instant::now();
         // The clock is read once per pass, right after the enter: it serves the busy
-        // check, the activity mark and the timers.
+        // check, the activity mark, the timers and the commands' latency.
         let mut now = last_activity;
+        // Whether the last pass completed anything: its time, and the enter after it
+        // unless that slept, counts as busy.
+        let mut worked = false;
         loop {
             // Spin while busy: a request that follows a response within `busy_poll` is
             // picked up without a sleep and a wakeup. Idle, the thread sleeps on the ring.
@@ -669,8 +712,14 @@ impl Reactor {
                     std::thread::sleep(Duration::from_millis(10));
                 }
             }
+            let pass_start = now;
             now = Instant::now();
-            if self.after_enter(&mut completions, now) {
+            if let Some(link) = self.links.get(self.id) {
+                link.time.add(now.duration_since(pass_start).as_nanos() as u64, worked && busy);
+            }
+            self.pass_ns = now.duration_since(self.target.started).as_nanos() as u64;
+            worked = self.after_enter(&mut completions, now);
+            if worked {
                 last_activity = now;
             }
             if matches!(self.upgrade, Upgrade::Parking(_)) {

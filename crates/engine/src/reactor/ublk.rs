@@ -28,7 +28,6 @@ use crate::local::request;
 use crate::local::uapi::{self, IO_DESC_SIZE, IoCmd, IoDesc, op};
 use crate::nvme::Namespace;
 use crate::nvme::nvm::IoPlan;
-use crate::nvme::subsystem::Counted;
 
 /// Where a tag stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -227,11 +226,12 @@ impl UblkQueue {
         let plan = match request::plan(&desc, ns.block_shift, ns.blocks << ns.block_shift, self.device.read_only) {
             Ok(p) => p,
             Err(errno) => {
-                ns.stats.count(r.id, Counted::Error);
+                ns.stats.rejected(r.id, Status::INVALID_FIELD);
                 return self.commit(r, slot, tag, -errno);
             }
         };
-        t.io.reset(plan);
+        t.io.reset(plan, r.pass_ns);
+        ns.stats.started(r.id);
         match (self.zero_copy_slots, plan) {
             (Some(first), IoPlan::Read { len, .. } | IoPlan::Write { len, .. }) => {
                 t.io.set_kernel_buf(first + tag, len)
@@ -289,7 +289,7 @@ impl UblkQueue {
         let (plan, status) = (t.io.plan, t.io.status);
         if let Some(ns) = &self.ns {
             ns.backend.finished(&mut t.io, r.id);
-            ns.stats.count(r.id, Counted::of(&plan, status.is_success()));
+            ns.stats.completed(r.id, &plan, status, r.pass_ns.saturating_sub(t.io.started_ns));
         }
         self.commit(r, slot, tag, request::result(&plan, status.is_success()));
     }

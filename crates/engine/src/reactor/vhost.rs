@@ -26,7 +26,6 @@ use crate::local::vhost::Ring;
 use crate::local::virtio_blk::{self, HEADER_SIZE, Header, ID_BYTES, SEGMENT_SIZE, Segment, request_type, status};
 use crate::nvme::Namespace;
 use crate::nvme::nvm::IoPlan;
-use crate::nvme::subsystem::Counted;
 
 /// One request the guest made available, from the descriptor chain at its head.
 struct Request {
@@ -298,10 +297,11 @@ impl VhostQueue {
             _ => None,
         };
         let Some(plan) = virtio_blk::plan(&geometry, header.kind, header.sector, data_len, segment) else {
-            ns.stats.count(r.id, Counted::Error);
+            ns.stats.rejected(r.id, Status::INVALID_FIELD);
             return self.complete(head, status::UNSUPP, 0);
         };
-        req.io.reset(plan);
+        req.io.reset(plan, r.pass_ns);
+        ns.stats.started(r.id);
         match plan {
             IoPlan::Write { len, .. } => {
                 let mut buf = r.io_buf(len as usize);
@@ -365,7 +365,7 @@ impl VhostQueue {
         let (plan, ok) = (req.io.plan, req.io.status.is_success());
         if let Some(ns) = &self.ns {
             ns.backend.finished(&mut req.io, r.id);
-            ns.stats.count(r.id, Counted::of(&plan, ok));
+            ns.stats.completed(r.id, &plan, req.io.status, r.pass_ns.saturating_sub(req.io.started_ns));
         }
         let buf = req.io.take_buf();
         let mut written = 0;

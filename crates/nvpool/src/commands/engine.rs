@@ -178,6 +178,9 @@ struct EngineArgs {
     /// Path of the management socket.
     #[arg(long)]
     mgmt_socket: Option<PathBuf>,
+    /// Serve Prometheus metrics at http://ADDR/metrics, e.g. 127.0.0.1:9480.
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
 }
 
 #[derive(Subcommand)]
@@ -778,6 +781,9 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
     if let Some(c) = &a.cores {
         cfg.cores = Some(c.clone());
     }
+    if let Some(addr) = a.metrics_listen {
+        cfg.metrics_listen = Some(addr);
+    }
     if let Some(us) = a.busy_poll_us {
         cfg.busy_poll_us = us;
     }
@@ -806,6 +812,15 @@ fn run_engine(a: EngineArgs) -> Result<(), String> {
     if let Err(e) = mgmt::serve(engine.clone(), &cfg.management_socket) {
         engine.stop();
         return Err(e);
+    }
+    if let Some(addr) = cfg.metrics_listen {
+        match nvpool_engine::metrics::serve(engine.clone(), addr) {
+            Ok(bound) => println!("  metrics at http://{bound}/metrics"),
+            Err(e) => {
+                engine.stop();
+                return Err(e);
+            }
+        }
     }
     println!("nvpool engine {} running; management socket {}", nvpool_engine::VERSION, cfg.management_socket.display());
     for l in engine.listeners() {
@@ -844,6 +859,10 @@ fn run_taken_over() -> Result<(), String> {
     if let Err(e) = mgmt::serve_listener(engine.clone(), taken.management) {
         engine.stop();
         return Err(e);
+    }
+    if let Some(addr) = taken.config.metrics_listen {
+        // The old process still holds the address for a moment while it exits.
+        nvpool_engine::metrics::serve_once_free(engine.clone(), addr);
     }
     println!(
         "nvpool engine {} took over (pid {}); management socket {}",
