@@ -8,6 +8,7 @@
 //! silent zero.
 
 mod client;
+pub mod scrape;
 mod types;
 
 pub use client::{ApiError, ErrorKind, ErrorReply, call};

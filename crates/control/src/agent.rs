@@ -8,6 +8,7 @@
 //! device back by its number, with the I/O it held.
 
 use crate::client::Controllers;
+use crate::metrics::{AgentMetrics, ResultLabels};
 use crate::model::VOLUME_NQN_PREFIX;
 use crate::proto::{self, agent_server::AgentServer};
 use nvpool_api::{
@@ -40,6 +41,8 @@ pub struct AgentArgs {
     pub labels: BTreeMap<String, String>,
     /// Mutual TLS with this node's certificate (`node:NAME`), when on.
     pub tls: Option<crate::tls::Tls>,
+    /// Where to serve Prometheus metrics, if anywhere.
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 #[derive(Default)]
@@ -54,6 +57,7 @@ struct Service {
     applied: tokio::sync::Mutex<Applied>,
     /// Under mutual TLS, only the controller may give orders.
     tls: bool,
+    metrics: AgentMetrics,
 }
 
 impl Service {
@@ -68,11 +72,16 @@ impl Service {
         let mut applied = self.applied.lock().await;
         let engine = self.engine.clone();
         let to_apply = state.clone();
+        let started = std::time::Instant::now();
         let results = tokio::task::spawn_blocking(move || reconcile(&engine, &to_apply)).await.unwrap_or_else(|e| {
             vec![proto::VolumeResult { error: format!("agent failed: {e}"), ..Default::default() }]
         });
-        if results.iter().all(|r| r.error.is_empty()) {
+        self.metrics.apply_seconds.observe(started.elapsed().as_secs_f64());
+        let ok = results.iter().all(|r| r.error.is_empty());
+        self.metrics.applies.get_or_create(&ResultLabels { result: if ok { "ok" } else { "failed" } }).inc();
+        if ok {
             applied.generation = state.generation;
+            self.metrics.applied_generation.set(state.generation as i64);
         }
         applied.state = Some(state);
         results
@@ -498,8 +507,17 @@ fn keep_cntlid_range(engine: &Path, (min, max): (u16, u16)) -> Result<(), String
 /// Runs the agent until the process ends.
 pub async fn run(args: AgentArgs) -> Result<(), String> {
     let controllers = Controllers::with_tls(&args.controllers, args.tls.as_ref())?;
-    let service =
-        Arc::new(Service { engine: args.engine_socket.clone(), applied: Default::default(), tls: args.tls.is_some() });
+    let service = Arc::new(Service {
+        engine: args.engine_socket.clone(),
+        applied: Default::default(),
+        tls: args.tls.is_some(),
+        metrics: AgentMetrics::default(),
+    });
+    if let Some(addr) = args.metrics_listen {
+        let service = service.clone();
+        crate::metrics::serve(addr, Arc::new(move || crate::metrics::encode(&service.metrics.registry()))).await?;
+        tracing::info!(agent = %args.name, "metrics at http://{addr}/metrics");
+    }
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e} (pick another --listen)", args.listen))?;
@@ -532,6 +550,7 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
             })
             .await
             .map_err(|e| e.to_string())?;
+            service.metrics.engine_up.set(i64::from(found.is_ok()));
             match found {
                 Ok((nvme, host_nqn, usage)) => {
                     let node = proto::Node {
@@ -582,6 +601,7 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
             let engine2 = engine.clone();
             let usage = tokio::task::spawn_blocking(move || usage(&engine2)).await.map_err(|e| e.to_string())?;
             let applied_generation = service.applied.lock().await.generation;
+            service.metrics.engine_up.set(i64::from(usage.is_ok()));
             let hb = match usage {
                 Ok(Usage { version, pools, volumes }) => {
                     if engine_down.take().is_some() {
@@ -610,12 +630,20 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
                     }
                 }
             };
-            match controllers.call(async |mut c| c.heartbeat(hb.clone()).await).await {
+            let sent = controllers.call(async |mut c| c.heartbeat(hb.clone()).await).await;
+            let result = match &sent {
+                Ok(r) if !r.known => "unknown_node",
+                Ok(_) => "ok",
+                Err(_) => "failed",
+            };
+            service.metrics.heartbeats.get_or_create(&ResultLabels { result }).inc();
+            match sent {
                 Ok(r) if !r.known => registered = false,
                 Ok(_) => {}
                 Err(e) => tracing::warn!(agent = %args.name, "heartbeat failed: {}", e.message()),
             }
         }
+        service.metrics.registered.set(i64::from(registered));
         tokio::time::sleep(interval).await;
     }
 }

@@ -26,6 +26,8 @@ pub struct ControllerArgs {
     pub cluster: ClusterConfig,
     /// How long a dead leader keeps the leader key (etcd only).
     pub lease_ttl: Duration,
+    /// Where to serve Prometheus metrics, if anywhere.
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 struct Service {
@@ -226,11 +228,28 @@ pub async fn run(args: ControllerArgs) -> Result<(), String> {
         .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
     let serving = tokio::spawn(server);
     tracing::info!(controller = %id, "serving on {} with store {}", args.listen, store.describe());
+    let metrics = args.cluster.metrics.clone();
+    if let Some(addr) = args.metrics_listen {
+        let (service, metrics) = (service.clone(), metrics.clone());
+        let render = move || {
+            let mut registry = prometheus_client::registry::Registry::default();
+            metrics.register(&mut registry);
+            // A standby reports its own figures only: the pool's are the leader's.
+            if let Some(cluster) = service.leader.read().unwrap().clone() {
+                crate::metrics::register_cluster(&mut registry, &cluster.figures());
+            }
+            crate::metrics::encode(&registry)
+        };
+        crate::metrics::serve(addr, std::sync::Arc::new(render)).await?;
+        tracing::info!(controller = %id, "metrics at http://{addr}/metrics");
+    }
 
     let Some(etcd) = etcd else {
         let cluster = Cluster::load(store, vec![], args.cluster).await.map_err(|e| e.message().to_string())?;
         tracing::info!(controller = %id, "leading cluster {}", cluster.cluster_id());
         *service.leader.write().unwrap() = Some(cluster.clone());
+        metrics.leader.set(1);
+        metrics.leadership_terms.inc();
         tokio::spawn(cluster.reconcile_forever());
         return serving.await.map_err(|e| e.to_string())?.map_err(|e| format!("controller server failed: {e}"));
     };
@@ -256,11 +275,14 @@ pub async fn run(args: ControllerArgs) -> Result<(), String> {
         };
         tracing::info!(controller = %id, "leading cluster {}", cluster.cluster_id());
         *service.leader.write().unwrap() = Some(cluster.clone());
+        metrics.leader.set(1);
+        metrics.leadership_terms.inc();
         let background = tokio::spawn(cluster.reconcile_forever());
         let mut lost = leadership.lost.clone();
         let _ = lost.wait_for(|l| *l).await;
         background.abort();
         *service.leader.write().unwrap() = None;
+        metrics.leader.set(0);
         tracing::warn!(controller = %id, "lost the leader lease; standing by");
     }
 }

@@ -9,10 +9,12 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::Duration;
 
 use nvpool_api::PoolInfo;
+use nvpool_api::scrape;
 use prometheus_client::encoding::{DescriptorEncoder, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
@@ -20,6 +22,7 @@ use prometheus_client::registry::{Registry, Unit};
 use crate::Engine;
 use crate::nvme::stats::{DetailedStats, ERROR_CLASSES, LATENCY_BOUNDS_NS, Op};
 use crate::reactor::ReactorTime;
+use crate::upgrade::process::wait_readable;
 
 /// Binds `addr` and serves scrapes on a thread of their own; returns the bound address.
 pub fn serve(engine: Arc<Engine>, addr: SocketAddr) -> Result<SocketAddr, String> {
@@ -53,10 +56,23 @@ pub fn serve_once_free(engine: Arc<Engine>, addr: SocketAddr) {
     }
 }
 
+/// Answers scrapes one at a time (as Prometheus scrapes; a stuck client times out)
+/// until a hot upgrade hands the engine over: the listener then closes, so the new
+/// process can take the address.
 fn serve_on(engine: &Engine, listener: TcpListener) {
-    for stream in listener.incoming().flatten() {
-        // One scrape at a time, as Prometheus scrapes; a stuck client times out.
-        let _ = answer(engine, stream);
+    loop {
+        if !wait_readable(listener.as_raw_fd(), Duration::from_millis(200)) {
+            if engine.handed_over() {
+                return;
+            }
+            continue;
+        }
+        if engine.handed_over() {
+            return;
+        }
+        if let Ok((stream, _)) = listener.accept() {
+            let _ = answer(engine, stream);
+        }
     }
 }
 
@@ -66,28 +82,14 @@ fn answer(engine: &Engine, mut stream: TcpStream) -> std::io::Result<()> {
     stream.set_write_timeout(Some(Duration::from_secs(5)))?;
     let mut head = Vec::new();
     let mut chunk = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 16 * 1024 {
+    while !scrape::head_complete(&head) {
         let n = stream.read(&mut chunk)?;
         if n == 0 {
             break;
         }
         head.extend_from_slice(&chunk[..n]);
     }
-    let request_line = String::from_utf8_lossy(&head).lines().next().unwrap_or_default().to_string();
-    let mut parts = request_line.split_whitespace();
-    let (method, path) = (parts.next().unwrap_or_default(), parts.next().unwrap_or_default());
-    let (status, content_type, body) = match (method, path.split('?').next().unwrap_or_default()) {
-        ("GET", "/metrics") => {
-            ("200 OK", prometheus_client::encoding::prometheus_text::CONTENT_TYPE, render(Snapshot::of(engine)))
-        }
-        ("GET", _) => ("404 Not Found", "text/plain", "not found: the metrics are at /metrics\n".to_string()),
-        _ => ("405 Method Not Allowed", "text/plain", "only GET /metrics is served\n".to_string()),
-    };
-    write!(
-        stream,
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
+    stream.write_all(scrape::reply(&head, || render(Snapshot::of(engine))).as_bytes())
 }
 
 /// One namespace's figures.
@@ -197,9 +199,10 @@ impl prometheus_client::collector::Collector for SnapshotCollector {
         };
         family(
             e,
-            ("nvpool_engine_build", "The engine's version", None, MetricType::Info),
+            ("nvpool_engine_build", "The engine's version and process ID", None, MetricType::Info),
             [(Labels::new(), s.version)],
-            |m, version| m.encode_info(&[("version", version)]),
+            // The process, so that a scrape says which side of a hot upgrade answered.
+            |m, version| m.encode_info(&[("version", version.to_string()), ("pid", std::process::id().to_string())]),
         )?;
         let per_ns = |f: fn(&DetailedStats) -> u64| s.namespaces.iter().map(move |n| (ns_labels(n), f(&n.stats)));
         let counters: [Reading<DetailedStats>; 5] = [

@@ -526,3 +526,67 @@ fn tls_listeners_and_psks_survive_an_upgrade() {
     let log = std::fs::read_to_string(dir.path().join("engine.log")).unwrap();
     assert!(!log.contains("NVMeTLSkey"), "a key reached the log");
 }
+
+/// `GET /metrics` on `port`, retried while nothing answers (an upgrade's new process
+/// binds the address once the old one lets go of it).
+fn scrape(port: u16) -> String {
+    use std::io::{Read, Write};
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut reply = String::new();
+        let answered = std::net::TcpStream::connect(("127.0.0.1", port)).and_then(|mut s| {
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n")?;
+            s.read_to_string(&mut reply)
+        });
+        if answered.is_ok() && !reply.is_empty() {
+            return reply;
+        }
+        assert!(Instant::now() < deadline, "nothing serves metrics on {port}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn metrics_are_served_across_upgrades() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("sock");
+    let (port, metrics) = (free_port(), free_port());
+    let mut first = Process::new(BIN)
+        .args(["engine", "--listen", &format!("127.0.0.1:{port}"), "--discovery-port", "0"])
+        .args(["--subsystem", NQN, "--namespace", "memory:16MiB", "--metrics-listen", &format!("127.0.0.1:{metrics}")])
+        .arg("--mgmt-socket")
+        .arg(&socket)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let serving = StopOnDrop(socket.clone());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while cli(&socket, &["info"]).is_err() {
+        assert!(Instant::now() < deadline, "the engine did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut pids = vec![first.id()];
+    assert!(scrape(metrics).contains("nvpool_namespace_reads_completed_total{"), "before the upgrade");
+    for _ in 0..2 {
+        let report: serde_json::Value = serde_json::from_str(&cli(&socket, &["upgrade", "--json"]).unwrap()).unwrap();
+        let new_pid = report["new_pid"].as_u64().unwrap();
+        pids.push(new_pid as u32);
+        // The old process lets go of the address as it hands over; until the new one
+        // has it, scrapes find nothing or the old one's last answers.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let reply = scrape(metrics);
+            if reply.contains(&format!(",pid=\"{new_pid}\"}} 1")) {
+                assert!(reply.starts_with("HTTP/1.1 200 OK"), "{reply}");
+                assert!(reply.contains(&format!("nvpool_namespace_size_bytes{{subsystem=\"{NQN}\"")), "{reply}");
+                break;
+            }
+            assert!(Instant::now() < deadline, "pid {new_pid} does not serve the metrics:\n{reply}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    let _ = first.wait();
+    println!("metrics on port {metrics} from pids {pids:?}");
+    drop(serving);
+}

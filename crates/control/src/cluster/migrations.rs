@@ -97,6 +97,7 @@ impl Cluster {
             };
             let views = self.node_views(&st);
             let scores = scheduler::place(&views, &request, &self.cfg.policy, EXPLAINED_NODES);
+            self.cfg.metrics.placed("migration", scheduler::choice(&scores).is_some());
             let Some(chosen) = scheduler::choice(&scores) else {
                 return Err(Status::resource_exhausted(format!(
                     "volume {name} cannot move: {}",

@@ -8,6 +8,7 @@
 //! agent is behind gets its state again from the background loop.
 
 use crate::access::{self, AccessPolicy};
+use crate::metrics::{ClusterFigures, ControllerMetrics, PoolFigures};
 use crate::model::*;
 use crate::proto::{self, agent_client::AgentClient};
 use crate::scheduler::{self, Locality, NodeView, Policy, PoolView, Request, Score};
@@ -36,6 +37,8 @@ pub struct ClusterConfig {
     pub apply_timeout: Duration,
     /// Mutual TLS to the agents (the controller's own certificate), when on.
     pub tls: Option<crate::tls::Tls>,
+    /// What the controller counts as it works, kept across leadership terms.
+    pub metrics: Arc<ControllerMetrics>,
 }
 
 impl Default for ClusterConfig {
@@ -46,6 +49,7 @@ impl Default for ClusterConfig {
             heartbeat_interval: Duration::from_secs(1),
             apply_timeout: Duration::from_secs(20),
             tls: None,
+            metrics: Arc::default(),
         }
     }
 }
@@ -227,7 +231,14 @@ impl Cluster {
 
     async fn commit(&self, mut txn: Txn) -> Result<(), Status> {
         txn.conditions.extend(self.fence.iter().cloned());
-        if self.store.commit(txn).await.map_err(store_status)? {
+        let started = Instant::now();
+        let committed = self.store.commit(txn).await;
+        let metrics = &self.cfg.metrics;
+        metrics.store_commit_seconds.observe(started.elapsed().as_secs_f64());
+        if !matches!(committed, Ok(true)) {
+            metrics.store_commit_failures.inc();
+        }
+        if committed.map_err(store_status)? {
             Ok(())
         } else {
             Err(Status::unavailable(

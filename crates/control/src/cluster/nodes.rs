@@ -142,6 +142,38 @@ impl Cluster {
         Ok(reply)
     }
 
+    /// The pool's state for a metrics scrape.
+    pub fn figures(&self) -> ClusterFigures {
+        let nodes = self.list_nodes();
+        let pools = self.list_pools();
+        let st = self.state.lock().unwrap();
+        let count = |f: &dyn Fn(&VolumeRecord) -> bool| st.volumes.values().filter(|v| f(v)).count() as i64;
+        ClusterFigures {
+            nodes_healthy: nodes.iter().filter(|n| n.healthy).count() as i64,
+            nodes_unhealthy: nodes.iter().filter(|n| !n.healthy).count() as i64,
+            volumes_creating: count(&|v| v.state == VolumeState::Creating),
+            volumes_ready: count(&|v| v.state == VolumeState::Ready),
+            migrations: count(&|v| v.migration.is_some()),
+            attachments: st.volumes.values().map(|v| v.hosts.len() as i64).sum(),
+            pools: pools
+                .into_iter()
+                .filter_map(|p| {
+                    let r = p.pool?;
+                    Some(PoolFigures {
+                        node: p.node,
+                        pool: r.name,
+                        capacity_bytes: r.capacity_bytes as i64,
+                        used_bytes: r.used_bytes as i64,
+                        committed_bytes: p.committed_bytes as i64,
+                        provisioned_bytes: r.provisioned_bytes as i64,
+                        volumes: i64::from(r.volumes),
+                        failed: !r.failed.is_empty(),
+                    })
+                })
+                .collect(),
+        }
+    }
+
     pub fn list_pools(&self) -> Vec<proto::PoolOnNode> {
         let st = self.state.lock().unwrap();
         let views = self.node_views(&st);

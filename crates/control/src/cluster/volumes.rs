@@ -71,6 +71,7 @@ impl Cluster {
             let mut st = self.state.lock().unwrap();
             let views = self.node_views(&st);
             let scores = scheduler::place(&views, &request, &self.cfg.policy, EXPLAINED_NODES);
+            self.cfg.metrics.placed("volume", scheduler::choice(&scores).is_some());
             let Some(chosen) = scheduler::choice(&scores) else {
                 return Err(Status::resource_exhausted(no_room_message(&request, &scores, views.len())));
             };

@@ -175,6 +175,9 @@ pub struct ControllerArgs {
     /// certificate from its CA, and agents their node's.
     #[arg(long, env = "NVPOOL_TLS_DIR")]
     tls_dir: Option<PathBuf>,
+    /// Serve Prometheus metrics at http://ADDR/metrics, e.g. 127.0.0.1:9482.
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
 }
 
 #[derive(Args)]
@@ -213,6 +216,9 @@ pub struct AgentArgs {
     /// certificate (node:NAME) and takes orders only from the controller's.
     #[arg(long, env = "NVPOOL_TLS_DIR")]
     tls_dir: Option<PathBuf>,
+    /// Serve Prometheus metrics at http://ADDR/metrics, e.g. 127.0.0.1:9481.
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
 }
 
 #[derive(Args)]
@@ -463,6 +469,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
                     ..ClusterConfig::default()
                 },
                 lease_ttl: a.lease_ttl,
+                metrics_listen: a.metrics_listen,
             };
             rt.block_on(server::run(args))
         }
@@ -485,6 +492,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
                 }),
                 labels: a.label.into_iter().collect::<BTreeMap<_, _>>(),
                 tls: a.tls_dir.as_deref().map(|d| Tls::load(d, &format!("{NODE_PREFIX}{name}"))).transpose()?,
+                metrics_listen: a.metrics_listen,
                 name,
             };
             rt.block_on(agent::run(args))
