@@ -80,6 +80,16 @@ methods! {
         /// The new backend, as in the configuration (`volume:POOL/NAME`, `remote:...`).
         backend: String,
     }
+    /// Sets a namespace's I/O limits, from its next command on: connected hosts keep
+    /// their connections, and commands waiting for the old budget wait for the new one.
+    "namespace_qos_set" => SetNamespaceQos -> Empty {
+        /// Subsystem NQN.
+        nqn: String,
+        /// Namespace ID.
+        nsid: u32,
+        /// The limits; all zero lifts them.
+        limits: QosLimits,
+    }
     /// Removes a namespace.
     "namespace_remove" => RemoveNamespace -> Empty {
         /// Subsystem NQN.

@@ -249,6 +249,9 @@ pub struct NamespaceInfo {
     pub direct_io: bool,
     /// ANA group.
     pub ana_group: u32,
+    /// I/O limits.
+    #[serde(default, skip_serializing_if = "QosLimits::is_unlimited")]
+    pub qos: QosLimits,
     /// I/O counters.
     pub stats: StatsSnapshot,
 }
@@ -516,6 +519,75 @@ pub struct NamespaceConfig {
     /// namespace must put it in the same group.
     #[serde(default)]
     pub ana_group: Option<u32>,
+    /// I/O limits; none when absent.
+    #[serde(default, skip_serializing_if = "QosLimits::is_unlimited")]
+    pub qos: QosLimits,
+}
+
+/// Limits on a namespace's I/O, enforced by the engine serving it: over-limit commands
+/// wait, they never fail. 0 is no limit. Operations count every command; bytes count
+/// the data reads and writes move. A command is let through while its budget is
+/// positive and its whole cost is then taken, so one larger than a millisecond's
+/// budget waits for the next ones.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QosLimits {
+    /// Commands per second, reads, writes and others together.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub iops: u64,
+    /// Reads per second.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub read_iops: u64,
+    /// Writes per second (Write, Write Zeroes and Dataset Management).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub write_iops: u64,
+    /// Bytes read and written per second.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub bps: u64,
+    /// Bytes read per second.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub read_bps: u64,
+    /// Bytes written per second.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub write_bps: u64,
+}
+
+impl QosLimits {
+    /// Whether no limit is set.
+    pub fn is_unlimited(&self) -> bool {
+        *self == QosLimits::default()
+    }
+
+    /// The limits as `name=value` pairs, for people: `iops=5000 bps=200MiB/s`, or
+    /// `none`.
+    pub fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        for (name, v) in [("iops", self.iops), ("read_iops", self.read_iops), ("write_iops", self.write_iops)] {
+            if v != 0 {
+                parts.push(format!("{name}={v}"));
+            }
+        }
+        for (name, v) in [("bps", self.bps), ("read_bps", self.read_bps), ("write_bps", self.write_bps)] {
+            if v != 0 {
+                parts.push(format!("{name}={}", bytes_per_second(v)));
+            }
+        }
+        if parts.is_empty() { "none".into() } else { parts.join(" ") }
+    }
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
+/// A rate in the largest binary unit that divides it: `200MiB/s`, `1500B/s`.
+fn bytes_per_second(v: u64) -> String {
+    for (shift, unit) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
+        if v >= 1 << shift && v.is_multiple_of(1 << shift) {
+            return format!("{}{unit}/s", v >> shift);
+        }
+    }
+    format!("{v}B/s")
 }
 
 fn default_block_size() -> u32 {
@@ -613,4 +685,37 @@ pub struct LocalDeviceInfo {
 pub struct LocalDeviceAdded {
     /// The device.
     pub device: LocalDeviceInfo,
+}
+
+/// Parses a size such as `4096`, `256MiB`, `1G` or `2TiB` (binary units).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(digits);
+    let n: u64 = num.parse().map_err(|_| format!("size {s:?} must start with a number, e.g. 256MiB"))?;
+    let shift = match unit {
+        "" | "B" => 0,
+        "k" | "K" | "KiB" | "KB" => 10,
+        "M" | "MiB" | "MB" => 20,
+        "G" | "GiB" | "GB" => 30,
+        "T" | "TiB" | "TB" => 40,
+        _ => {
+            return Err(format!("size unit {unit:?} is unknown: use B, KiB, MiB, GiB or TiB"));
+        }
+    };
+    let v = n.checked_mul(1u64 << shift).ok_or_else(|| format!("size {s:?} is too large"))?;
+    if v == 0 {
+        return Err(format!("size {s:?} must be greater than zero"));
+    }
+    Ok(v)
+}
+
+/// Parses a rate in bytes per second: a size with or without `/s` (`200MiB/s`), or 0
+/// for none.
+pub fn parse_rate(s: &str) -> Result<u64, String> {
+    let size = s.trim().strip_suffix("/s").unwrap_or(s.trim());
+    if size == "0" {
+        return Ok(0);
+    }
+    parse_size(size).map_err(|e| format!("{e}; a rate reads like 200MiB/s, or 0 for no limit"))
 }

@@ -86,6 +86,10 @@ pub struct Options {
     /// answers each read with its data and a response capsule, two PDUs. Off, a read's
     /// last C2HData PDU may carry SUCCESS and stand for the response.
     pub sq_flow_control: bool,
+    /// Sleep this long after a pass that received nothing, instead of polling again:
+    /// for a load that must leave the CPU to what shares it (a throttled volume's load
+    /// beside the one measured). `None` polls.
+    pub nap: Option<Duration>,
 }
 
 /// One window of a run's timeline.
@@ -325,7 +329,7 @@ pub fn run(o: &Options) -> Result<Report, String> {
             completed: 0,
         });
     }
-    let result = drive(&plan, &mut conns, o.warmup, o.duration, o.timeline);
+    let result = drive(&plan, &mut conns, o);
     drop(admin);
     let r = result?;
     Ok(Report { workload: o.workload, io_size: o.io_size, queue_depth: o.queue_depth, connections: o.connections, ..r })
@@ -376,16 +380,10 @@ pub(crate) fn unix_now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
 
-fn drive(
-    plan: &Plan,
-    conns: &mut [Conn],
-    warmup: Duration,
-    duration: Duration,
-    timeline: Option<Duration>,
-) -> Result<Report, String> {
+fn drive(plan: &Plan, conns: &mut [Conn], o: &Options) -> Result<Report, String> {
     let start = Instant::now();
-    let measure_at = start + warmup;
-    let end_at = measure_at + duration;
+    let measure_at = start + o.warmup;
+    let end_at = measure_at + o.duration;
     let mut counters = Counters::default();
     let mut measuring = false;
     let mut running = true;
@@ -404,11 +402,13 @@ fn drive(
     let mut windows = Vec::new();
     let mut window_start = start;
     loop {
+        let mut received = false;
         for c in conns.iter_mut() {
             c.flush()?;
             match c.stream.read(&mut c.rbuf[c.rend..]) {
                 Ok(0) => return Err("the target closed a connection".into()),
                 Ok(n) => {
+                    received = true;
                     c.rend += n;
                     let t = Tick { now: Instant::now(), running, measuring };
                     c.process(plan, t, &mut counters)?;
@@ -418,8 +418,13 @@ fn drive(
                 Err(e) => return Err(format!("socket: {e}")),
             }
         }
+        let napped = !received && o.nap.is_some();
+        if let (true, Some(nap)) = (napped, o.nap) {
+            std::thread::sleep(nap);
+        }
+        // Busy, the clock is read every 64 passes; a pass that napped is long already.
         pass = pass.wrapping_add(1);
-        if !pass.is_multiple_of(64) {
+        if !napped && !pass.is_multiple_of(64) {
             continue;
         }
         let now = Instant::now();
@@ -431,7 +436,7 @@ fn drive(
             counters = Counters::default();
             window_start = now;
         }
-        if let Some(every) = timeline.filter(|&w| measuring && now - window_start >= w) {
+        if o.timeline.is_some_and(|w| measuring && now - window_start >= w) {
             let secs = (now - window_start).as_secs_f64();
             windows.push(Window {
                 at_s: (window_start - measure_start).as_secs_f64(),
@@ -439,7 +444,9 @@ fn drive(
                 max_us: counters.window_max_ns as f64 / 1000.0,
             });
             (counters.window_ios, counters.window_max_ns) = (0, 0);
-            window_start += every;
+            // The next window starts when this one's counts were taken, so a late
+            // check (a nap, a busy pass) makes a longer window, never a wrong rate.
+            window_start = now;
         }
         if running && now >= end_at {
             running = false;

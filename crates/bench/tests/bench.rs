@@ -28,6 +28,7 @@ fn options(target: std::net::SocketAddr, nqn: &str, workload: Workload, io_size:
         span: Some(8 << 20),
         timeline: Some(Duration::from_millis(100)),
         sq_flow_control: false,
+        nap: None,
     }
 }
 
@@ -79,6 +80,7 @@ fn verifies_data_through_the_engine() {
                 uuid: None,
                 allow_torn_writes: false,
                 ana_group: None,
+                qos: Default::default(),
             }],
         }],
         ..EngineConfig::default()

@@ -14,9 +14,10 @@ use crate::proto::{self, agent_server::AgentServer};
 use nvpool_api::{
     AddHost, AddLocalDevice, AddNamespace, AddSubsystem, AnaState, CancelMigration, CreateVolume, DeleteVolume,
     DhchapKeys, ErrorKind, GetEngineInfo, GetMigration, GetVolume, ListAnaGroups, ListListeners, ListLocalDevices,
-    ListPools, ListSubsystems, ListVolumes, LocalDeviceConfig, LocalDeviceInfo, Method, NamespaceConfig, RemoveHost,
-    RemoveLocalDevice, RemoveSubsystem, ResizeVolume, SetAnaState, SetControllerIdRange, StartMigration,
-    SubsystemConfig, SubsystemInfo, SwapNamespace, SwitchMigration, UpgradeEngine, VolumeIdentity, VolumeInfo,
+    ListPools, ListSubsystems, ListVolumes, LocalDeviceConfig, LocalDeviceInfo, Method, NamespaceConfig, QosLimits,
+    RemoveHost, RemoveLocalDevice, RemoveSubsystem, ResizeVolume, SetAnaState, SetControllerIdRange, SetNamespaceQos,
+    StartMigration, SubsystemConfig, SubsystemInfo, SwapNamespace, SwitchMigration, UpgradeEngine, VolumeIdentity,
+    VolumeInfo,
 };
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -293,8 +294,14 @@ fn forward(engine: &Path, d: &proto::DesiredVolume, subsystem: Option<&Subsystem
         uuid: None,
         allow_torn_writes: false,
         ana_group: None,
+        qos: limits(d),
     };
     export(engine, d, namespace, subsystem)
+}
+
+/// The I/O limits the controller wants every engine serving the volume to enforce.
+fn limits(d: &proto::DesiredVolume) -> QosLimits {
+    d.qos.unwrap_or_default().into()
 }
 
 /// Makes the engine export `namespace` under the volume's subsystem to exactly the
@@ -309,7 +316,7 @@ fn export(
     subsystem: Option<&SubsystemInfo>,
 ) -> Result<(), String> {
     let nqn = d.subsystem_nqn.clone();
-    let (allowed, backend) = match subsystem {
+    let (allowed, backend, qos) = match subsystem {
         None => {
             let config = SubsystemConfig {
                 nqn: nqn.clone(),
@@ -322,16 +329,20 @@ fn export(
                 namespaces: vec![namespace.clone()],
             };
             call(engine, AddSubsystem(config))?;
-            (vec![], Some(namespace.backend.clone()))
+            (vec![], Some(namespace.backend.clone()), namespace.qos)
         }
         Some(s) => {
-            let backend = s.namespaces.iter().find(|n| n.nsid == 1).map(|n| n.backend.clone());
-            if backend.is_none() {
+            let existing = s.namespaces.iter().find(|n| n.nsid == 1);
+            if existing.is_none() {
                 call(engine, AddNamespace { nqn: nqn.clone(), namespace: namespace.clone() })?;
             }
-            (s.hosts.clone(), backend.or(Some(namespace.backend.clone())))
+            let backend = existing.map(|n| n.backend.clone()).or(Some(namespace.backend.clone()));
+            (s.hosts.clone(), backend, existing.map_or(namespace.qos, |n| n.qos))
         }
     };
+    if qos != namespace.qos {
+        call(engine, SetNamespaceQos { nqn: nqn.clone(), nsid: 1, limits: namespace.qos })?;
+    }
     // The namespace is alone in ANA group 1 (its NSID).
     let groups = call(engine, ListAnaGroups { nqn: nqn.clone() })?;
     let group = groups.iter().find(|g| g.nsids.contains(&1));
@@ -428,6 +439,7 @@ fn ensure(
         uuid: None,
         allow_torn_writes: false,
         ana_group: None,
+        qos: limits(d),
     };
     export(engine, d, namespace, subsystem)?;
     if volume.is_some() {

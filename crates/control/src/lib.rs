@@ -23,4 +23,30 @@ pub mod tls;
 #[allow(clippy::all, missing_docs)]
 pub mod proto {
     tonic::include_proto!("nvpool.v1");
+
+    impl From<nvpool_api::QosLimits> for QosLimits {
+        fn from(l: nvpool_api::QosLimits) -> QosLimits {
+            QosLimits {
+                iops: l.iops,
+                read_iops: l.read_iops,
+                write_iops: l.write_iops,
+                bps: l.bps,
+                read_bps: l.read_bps,
+                write_bps: l.write_bps,
+            }
+        }
+    }
+
+    impl From<QosLimits> for nvpool_api::QosLimits {
+        fn from(l: QosLimits) -> nvpool_api::QosLimits {
+            nvpool_api::QosLimits {
+                iops: l.iops,
+                read_iops: l.read_iops,
+                write_iops: l.write_iops,
+                bps: l.bps,
+                read_bps: l.read_bps,
+                write_bps: l.write_bps,
+            }
+        }
+    }
 }

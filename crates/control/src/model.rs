@@ -4,6 +4,7 @@
 
 use crate::access::AccessPolicy;
 use crate::scheduler::Locality;
+use nvpool_api::QosLimits;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -125,6 +126,9 @@ pub struct VolumeRecord {
     /// DH-HMAC-CHAP secrets of the hosts attached with them, by host NQN.
     #[serde(default)]
     pub dhchap: BTreeMap<String, DhchapRecord>,
+    /// I/O limits every engine serving the volume enforces.
+    #[serde(default, skip_serializing_if = "QosLimits::is_unlimited")]
+    pub qos: QosLimits,
 }
 
 /// A host's DH-HMAC-CHAP secrets (`DHHC-1` form). `Debug` hides them.

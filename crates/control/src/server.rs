@@ -118,6 +118,11 @@ impl proto::controller_server::Controller for Service {
         self.with(async |c| c.cancel_migration(&r.get_ref().name).await).await
     }
 
+    async fn set_volume_qos(&self, r: Request<proto::SetVolumeQosRequest>) -> Result<Response<proto::Volume>, Status> {
+        let r = r.into_inner();
+        self.with(async |c| c.set_volume_qos(&r.name, r.qos.unwrap_or_default().into()).await).await
+    }
+
     async fn list_volumes(
         &self,
         r: Request<proto::ListVolumesRequest>,

@@ -192,6 +192,33 @@ impl ControllerService {
     }
 }
 
+/// The StorageClass parameters that set I/O limits, and whether each is in bytes per
+/// second (else commands per second).
+const QOS_PARAMETERS: [(&str, bool); 6] = [
+    ("iops", false),
+    ("readIops", false),
+    ("writeIops", false),
+    ("bandwidth", true),
+    ("readBandwidth", true),
+    ("writeBandwidth", true),
+];
+
+/// The I/O limits a class's parameters set.
+fn qos_parameters(parameters: &HashMap<String, String>) -> Result<nvpool_api::QosLimits, Status> {
+    let mut values = [0u64; 6];
+    for ((name, bytes), value) in QOS_PARAMETERS.iter().zip(values.iter_mut()) {
+        let Some(given) = parameters.get(*name) else { continue };
+        let parsed = if *bytes {
+            nvpool_api::parse_rate(given)
+        } else {
+            given.trim().parse::<u64>().map_err(|_| "use a whole number of commands per second, or 0".to_string())
+        };
+        *value = parsed.map_err(|e| Status::invalid_argument(format!("parameter {name}={given:?}: {e}")))?;
+    }
+    let [iops, read_iops, write_iops, bps, read_bps, write_bps] = values;
+    Ok(nvpool_api::QosLimits { iops, read_iops, write_iops, bps, read_bps, write_bps })
+}
+
 #[tonic::async_trait]
 impl Controller for ControllerService {
     async fn create_volume(
@@ -248,13 +275,16 @@ impl Controller for ControllerService {
                  secrets through: run it in a pod, or pass --kube-api"
             )));
         }
+        let qos = qos_parameters(&req.parameters)?;
         let known = ["thin", "accessPolicy", "volumeGroup", "localPath", DHCHAP];
+        let known: Vec<&str> = known.into_iter().chain(QOS_PARAMETERS.iter().map(|(name, _)| *name)).collect();
         if let Some(unknown) =
             req.parameters.keys().find(|k| !k.starts_with("csi.storage.k8s.io/") && !known.contains(&k.as_str()))
         {
             return Err(Status::invalid_argument(format!(
                 "unknown parameter {unknown:?}: nvpool takes thin=true|false, accessPolicy=inherit|balance, \
-                 volumeGroup=NAME, localPath=ublk|nvme-tcp and {DHCHAP}=true|false"
+                 volumeGroup=NAME, localPath=ublk|nvme-tcp, {DHCHAP}=true|false, and the I/O limits iops, readIops, \
+                 writeIops (per second), bandwidth, readBandwidth and writeBandwidth (e.g. 200MiB/s)"
             )));
         }
         let mut create = proto::CreateVolumeRequest {
@@ -263,6 +293,7 @@ impl Controller for ControllerService {
             thin,
             access_policy: access_policy as i32,
             group: req.parameters.get("volumeGroup").cloned().unwrap_or_default(),
+            qos: (!qos.is_unlimited()).then(|| qos.into()),
             ..Default::default()
         };
         self.placement(&req, &mut create).await?;

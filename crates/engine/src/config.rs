@@ -257,28 +257,7 @@ impl EngineConfig {
     }
 }
 
-/// Parses a size such as `4096`, `256MiB`, `1G` or `2TiB` (binary units).
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(digits);
-    let n: u64 = num.parse().map_err(|_| format!("size {s:?} must start with a number, e.g. 256MiB"))?;
-    let shift = match unit {
-        "" | "B" => 0,
-        "k" | "K" | "KiB" | "KB" => 10,
-        "M" | "MiB" | "MB" => 20,
-        "G" | "GiB" | "GB" => 30,
-        "T" | "TiB" | "TB" => 40,
-        _ => {
-            return Err(format!("size unit {unit:?} is unknown: use B, KiB, MiB, GiB or TiB"));
-        }
-    };
-    let v = n.checked_mul(1u64 << shift).ok_or_else(|| format!("size {s:?} is too large"))?;
-    if v == 0 {
-        return Err(format!("size {s:?} must be greater than zero"));
-    }
-    Ok(v)
-}
+pub use nvpool_api::parse_size;
 
 /// The stable UUID of namespace `nsid` of subsystem `nqn`, for namespaces configured
 /// without one: the same configuration gives the same identity after a restart.

@@ -15,6 +15,7 @@ pub mod mgmt;
 mod migration;
 pub mod nvme;
 pub mod pool;
+pub mod qos;
 pub mod reactor;
 mod storage;
 pub mod tls;
@@ -306,6 +307,17 @@ impl Engine {
         s.swap_backend(nsid, opened.backend)
     }
 
+    /// Sets the I/O limits of namespace `nsid` of `nqn`, from its next command on.
+    pub fn set_namespace_qos(&self, nqn: &str, nsid: u32, limits: nvpool_api::QosLimits) -> Result<()> {
+        let s = self.subsystem(nqn)?;
+        let ns = s.namespaces().get(&nsid).cloned().ok_or_else(|| {
+            Error::not_found(format!("no namespace {nsid} in {nqn}: `nvpool engine subsystem list` shows them"))
+        })?;
+        ns.qos.set(limits);
+        tracing::info!(nqn, nsid, "I/O limits: {}", limits.describe());
+        Ok(())
+    }
+
     /// Removes a namespace; connected hosts get an event. Refused while a local
     /// device serves it.
     pub fn remove_namespace(&self, nqn: &str, nsid: u32) -> Result<()> {
@@ -459,6 +471,7 @@ fn add_namespace_to(engine: &Engine, s: &Subsystem, n: &NamespaceConfig) -> Resu
         nvme::ana::check_group(group).map_err(Error::invalid)?;
         ns.ana_group = group;
     }
+    ns.qos.set(n.qos);
     s.add_namespace(ns)?;
     Ok(nsid)
 }
@@ -491,6 +504,7 @@ fn namespace_info(ns: &Namespace) -> NamespaceInfo {
         nguid: ns.nguid.iter().map(|b| format!("{b:02x}")).collect(),
         direct_io: ns.backend.direct_io(),
         ana_group: ns.ana_group,
+        qos: ns.qos.limits(),
         stats: ns.stats.snapshot(),
     }
 }
@@ -507,6 +521,7 @@ mod tests {
             uuid: None,
             allow_torn_writes,
             ana_group: None,
+            qos: Default::default(),
         }
     }
 

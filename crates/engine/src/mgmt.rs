@@ -147,6 +147,7 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value> {
         AddNamespace::NAME => {
             answer(p, |r: AddNamespace| engine.add_namespace(&r.nqn, &r.namespace).map(|nsid| NamespaceAdded { nsid }))
         }
+        SetNamespaceQos::NAME => answer(p, |r: SetNamespaceQos| ok(engine.set_namespace_qos(&r.nqn, r.nsid, r.limits))),
         SwapNamespace::NAME => answer(p, |r: SwapNamespace| ok(engine.swap_namespace(&r.nqn, r.nsid, &r.backend))),
         RemoveNamespace::NAME => answer(p, |r: RemoveNamespace| ok(engine.remove_namespace(&r.nqn, r.nsid))),
         AddLocalDevice::NAME => {

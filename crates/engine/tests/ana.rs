@@ -32,6 +32,7 @@ fn start(limits: Limits) -> TestEngine {
         .map(|nsid| NamespaceConfig {
             nsid: Some(nsid),
             ana_group: Some(group_of(nsid)),
+            qos: Default::default(),
             ..namespace(if nsid == 1 { "memory:4MiB" } else { "null:1MiB" }, 512)
         })
         .collect();

@@ -1176,6 +1176,7 @@ fn every_rule_is_answered_as_the_specifications_say_while_a_witness_verifies_its
                 uuid: None,
                 allow_torn_writes: false,
                 ana_group: None,
+                qos: Default::default(),
             }],
         }],
         ..EngineConfig::default()

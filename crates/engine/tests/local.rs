@@ -20,6 +20,7 @@ fn config() -> EngineConfig {
         uuid: None,
         allow_torn_writes: false,
         ana_group: None,
+        qos: Default::default(),
     };
     let subsystem = SubsystemConfig {
         nqn: NQN.into(),

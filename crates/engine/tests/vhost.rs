@@ -50,6 +50,7 @@ fn engine() -> Arc<Engine> {
         uuid: None,
         allow_torn_writes: false,
         ana_group: None,
+        qos: Default::default(),
     };
     let subsystem = SubsystemConfig {
         nqn: NQN.into(),

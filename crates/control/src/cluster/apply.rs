@@ -61,6 +61,7 @@ fn present(v: &VolumeRecord, pool: &str) -> proto::DesiredVolume {
             .iter()
             .map(|(host, d)| proto::HostDhchap { host_nqn: host.clone(), secrets: Some(dhchap_proto(d)) })
             .collect(),
+        qos: Some(v.qos.into()),
         ..Default::default()
     }
 }

@@ -43,6 +43,7 @@ impl Cluster {
             exclude_nodes: v.exclude.clone(),
             access_policy: policy_to(v.access_policy) as i32,
             group: v.group.clone(),
+            qos: Some(v.qos.into()),
             attachments: v
                 .hosts
                 .iter()
@@ -156,6 +157,7 @@ pub(super) fn same_request(v: &VolumeRecord, req: &proto::CreateVolumeRequest, l
         && v.exclude == req.exclude_nodes
         && policy_to(v.access_policy) as i32 == req.access_policy
         && v.group == req.group
+        && v.qos == req.qos.unwrap_or_default().into()
 }
 
 pub(super) fn no_room_message(req: &Request, scores: &[Score], nodes: usize) -> String {

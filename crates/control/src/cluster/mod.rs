@@ -13,6 +13,7 @@ use crate::model::*;
 use crate::proto::{self, agent_client::AgentClient};
 use crate::scheduler::{self, Locality, NodeView, Policy, PoolView, Request, Score};
 use crate::store::{Condition, Store, Txn};
+use nvpool_api::QosLimits;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};

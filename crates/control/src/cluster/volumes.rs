@@ -101,6 +101,7 @@ impl Cluster {
                 local_hosts: vec![],
                 local_device: None,
                 dhchap: BTreeMap::new(),
+                qos: req.qos.unwrap_or_default().into(),
             };
             // Reserve the space now, so that concurrent creations see it taken.
             st.volumes.insert(record.name.clone(), record.clone());
@@ -252,6 +253,39 @@ impl Cluster {
                 )))
             }
         }
+    }
+
+    /// Sets a volume's I/O limits and has every node that serves it enforce them.
+    pub async fn set_volume_qos(&self, name: &str, qos: QosLimits) -> Result<proto::Volume, Status> {
+        let _guard = self.volume_locks.lock(name).await;
+        let v = self.ready_volume(name)?;
+        if v.qos == qos {
+            return Ok(self.volume_proto(&v));
+        }
+        self.put_volume(&VolumeRecord { qos, ..v.clone() }).await?;
+        let mut failed = Vec::new();
+        for node in v.exporting_nodes() {
+            let applied = match self.apply_node(&node).await {
+                Ok(results) => results.get(&v.id).map_or(Ok(()), |r| match r.error.as_str() {
+                    "" => Ok(()),
+                    e => Err(e.to_string()),
+                }),
+                Err(e) => Err(format!("the node did not answer: {e}")),
+            };
+            if let Err(e) = applied {
+                failed.push(format!("{node}: {e}"));
+            }
+        }
+        if !failed.is_empty() {
+            // The limits are recorded: each node takes them when it next applies its state.
+            return Err(Status::unavailable(format!(
+                "volume {name} has limits {} now, but not every node serving it took them yet ({}); they will as \
+                 they come back, or retry",
+                qos.describe(),
+                failed.join("; ")
+            )));
+        }
+        Ok(self.volume_proto(&self.ready_volume(name)?))
     }
 
     pub fn get_volume(&self, name: &str) -> Result<proto::Volume, Status> {

@@ -14,6 +14,7 @@ use super::stats::NamespaceStats;
 use super::{Controller, MAX_NSID, lock, read, write};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
+use crate::qos::Qos;
 use crate::tls::HostPsk;
 use crate::upgrade::image::AnaImage;
 
@@ -36,6 +37,8 @@ pub struct Namespace {
     pub ana_group: u32,
     /// I/O counters, kept when the backend is swapped.
     pub stats: Arc<NamespaceStats>,
+    /// I/O limits, kept when the backend is swapped.
+    pub qos: Arc<Qos>,
 }
 
 impl Namespace {
@@ -69,6 +72,7 @@ impl Namespace {
             uuid,
             ana_group: nsid,
             stats: Arc::default(),
+            qos: Arc::default(),
         })
     }
 
@@ -301,7 +305,7 @@ impl Subsystem {
                 self.nqn
             )));
         }
-        let swapped = Namespace { backend, stats: old.stats.clone(), ..**old };
+        let swapped = Namespace { backend, stats: old.stats.clone(), qos: old.qos.clone(), ..**old };
         let mut map = (**guard).clone();
         map.insert(nsid, Arc::new(swapped));
         *guard = Arc::new(map);

@@ -17,6 +17,7 @@ use nvpool_wire::Status;
 
 use super::{Msg, Op, Reactor};
 use crate::bufpool::Buf;
+use crate::nvme::Namespace;
 use crate::nvme::nvm::IoPlan;
 
 /// A descriptor disk operations go to, and how its operations complete.
@@ -56,6 +57,9 @@ pub struct BlockIo {
     pending: u32,
     /// Whether another thread has the command and will answer through the mailbox.
     deferred: bool,
+    /// Whether the command waits for its namespace's I/O budget and has not reached
+    /// the backend yet.
+    throttled: bool,
     /// Bytes of queued reads and writes not yet reported done: a transfer split over
     /// several operations completes in pieces, and one that ends short is an error.
     transfer_left: u64,
@@ -75,6 +79,7 @@ impl BlockIo {
             kernel_buf: None,
             pending: 0,
             deferred: false,
+            throttled: false,
             transfer_left: 0,
             started_ns: 0,
         }
@@ -90,6 +95,7 @@ impl BlockIo {
         self.route = 0;
         self.transfer_left = 0;
         self.kernel_buf = None;
+        self.throttled = false;
     }
 
     /// Whether nothing is in flight for this command.
@@ -216,6 +222,30 @@ impl<'a> DiskQueue<'a> {
     /// The reactor this runs on.
     pub fn reactor_id(&self) -> usize {
         self.reactor.id
+    }
+
+    /// Starts `io`'s command on namespace `ns`: the backend takes it, unless the
+    /// namespace's I/O limits hold it back, and then it waits on this reactor (as a
+    /// deferred command) until [`DiskQueue::resume`] starts it.
+    pub(super) fn start(&mut self, ns: &Namespace, io: &mut BlockIo) {
+        if ns.qos.limited() && !self.reactor.throttle.admit(&ns.qos, &io.plan, self.reactor.pass_ns) {
+            io.deferred = true;
+            io.throttled = true;
+            self.deferred = true;
+            self.reactor.throttle.wait(&ns.qos, self.conn, self.tag, io.plan);
+            return;
+        }
+        ns.backend.start(io, self);
+    }
+
+    /// Continues a deferred command with the answer `status`: a command that waited for
+    /// its budget starts now; one the backend handed away goes back to it.
+    pub(super) fn resume(&mut self, ns: &Namespace, io: &mut BlockIo, status: Status) {
+        if std::mem::take(&mut io.throttled) {
+            ns.backend.start(io, self);
+        } else {
+            ns.backend.resume(io, status, self);
+        }
     }
 
     /// Gives `io` a data buffer of `len` bytes if it has none.

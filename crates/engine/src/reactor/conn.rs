@@ -914,7 +914,7 @@ impl Conn {
         }
         slot.state = SlotState::Backend;
         let mut queue = DiskQueue::new(r, idx, tag, self.digests.data);
-        ns.backend.start(&mut slot.io, &mut queue);
+        queue.start(ns, &mut slot.io);
         let queued = queue.queued();
         self.queued(r, idx, tag, queued);
     }
@@ -948,7 +948,7 @@ impl Conn {
             return;
         }
         let mut queue = DiskQueue::new(r, idx, tag, self.digests.data);
-        ns.backend.resume(&mut slot.io, status, &mut queue);
+        queue.resume(ns, &mut slot.io, status);
         let queued = queue.queued();
         self.queued(r, idx, tag, queued);
     }

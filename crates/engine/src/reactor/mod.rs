@@ -20,6 +20,7 @@ mod block_io;
 mod conn;
 mod local;
 mod remote;
+mod throttle;
 mod ublk;
 mod vhost;
 
@@ -44,6 +45,7 @@ use crate::upgrade::image::ConnImage;
 use conn::Conn;
 use local::LocalQueue;
 use remote::{Answer, Forwarded, HostQueue};
+use throttle::Throttle;
 use ublk::UblkQueue;
 use vhost::VhostQueue;
 
@@ -51,6 +53,9 @@ use crate::backend::remote::RemoteLink;
 
 /// How often timers (keep-alive, dead controllers, idle handshakes) are checked.
 const TICK: Duration = Duration::from_millis(100);
+/// How long a reactor with commands waiting for I/O budget sleeps at most: well under
+/// the burst a budget holds (`qos::BURST_MS`), so a waiting command loses none of it.
+const THROTTLE_WAKE: Duration = Duration::from_micros(200);
 /// Submission queue entries; completions get four times as many.
 const RING_ENTRIES: u32 = 1024;
 /// Slots in the ring's registered-buffer table. Pool buffers are registered as the
@@ -475,6 +480,10 @@ struct Reactor {
     disk_in_flight: u32,
     /// Commands forwarded to owners of remote namespaces and not yet answered.
     remote_in_flight: u32,
+    /// Commands waiting for their namespace's I/O budget.
+    throttle: Throttle,
+    /// The waiting commands let through in this pass.
+    throttle_due: Vec<(u32, u16)>,
     /// Connections with output to flush at the end of this pass, each once.
     dirty: Vec<u32>,
     is_dirty: Vec<bool>,
@@ -529,6 +538,8 @@ impl Reactor {
             disk_queued: false,
             disk_in_flight: 0,
             remote_in_flight: 0,
+            throttle: Throttle::default(),
+            throttle_due: Vec::with_capacity(256),
             dirty: Vec::with_capacity(256),
             is_dirty: Vec::new(),
             stopping: false,
@@ -664,6 +675,7 @@ impl Reactor {
     fn run(&mut self) {
         self.post_wake();
         let ts = types::Timespec::new().nsec(TICK.as_nanos() as u32);
+        let throttled_ts = types::Timespec::new().nsec(THROTTLE_WAKE.as_nanos() as u32);
         let mut completions: Vec<(u64, i32, u32)> = Vec::with_capacity(RING_ENTRIES as usize * 4);
         let mut last_activity = Instant::now();
         // The clock is read once per pass, right after the enter: it serves the busy
@@ -699,7 +711,10 @@ impl Reactor {
                     unsafe { self.ring.submitter().enter::<libc::sigset_t>(pending, 0, IORING_ENTER_GETEVENTS, None) }
                 }
             } else {
-                let args = types::SubmitArgs::new().timespec(&ts);
+                // Commands waiting for budget are looked at again soon: their budget
+                // fills with time, not with a completion.
+                let wait = if self.throttle.waiting() > 0 { &throttled_ts } else { &ts };
+                let args = types::SubmitArgs::new().timespec(wait);
                 self.ring.submitter().submit_with_args(1, &args)
             };
             match entered {
@@ -770,11 +785,28 @@ impl Reactor {
             self.last_tick = now;
             self.tick();
         }
+        if self.throttle.waiting() > 0 {
+            self.start_throttled();
+        }
         if self.disk_queued {
             self.submit_disk_ops();
         }
         self.flush_dirty();
         !completions.is_empty()
+    }
+
+    /// Starts the commands that waited for their namespace's I/O budget and now have
+    /// it. While a hot upgrade parks the reactor, every one starts: parking waits for
+    /// the commands under way, and the new process gets no waiting ones.
+    fn start_throttled(&mut self) {
+        let mut due = std::mem::take(&mut self.throttle_due);
+        let everything = matches!(self.upgrade, Upgrade::Parking(_)) || self.stopping;
+        self.throttle.due(self.pass_ns, everything, &mut due);
+        for &(owner, tag) in &due {
+            self.resumed(owner, tag, nvpool_wire::Status::SUCCESS, None);
+        }
+        due.clear();
+        self.throttle_due = due;
     }
 
     /// Runs `f` on connection `c` with the connection taken out of the table, so `f`
@@ -1151,6 +1183,7 @@ impl Reactor {
                 self.with_conn(c, |r, conn| conn.check(r, c, true));
             }
         }
+        self.throttle.forget_removed();
         let now = self.target.now_ms();
         for q in 0..self.remotes.len() as u32 {
             self.with_remote(q, |_, queue, answers| queue.tick(now, answers));

@@ -247,7 +247,7 @@ impl UblkQueue {
         }
         // Reads land in the tag's buffer, where the driver takes them from.
         let mut queue = DiskQueue::new(r, slot | LOCAL_OWNER, tag, true);
-        ns.backend.start(&mut t.io, &mut queue);
+        queue.start(&ns, &mut t.io);
         let queued = queue.queued();
         r.disk_ops_queued(&queued);
         if t.io.is_idle() {
@@ -274,7 +274,7 @@ impl UblkQueue {
         t.io.deferred_done();
         let Some(ns) = ns else { return };
         let mut queue = DiskQueue::new(r, slot | LOCAL_OWNER, tag, true);
-        ns.backend.resume(&mut t.io, status, &mut queue);
+        queue.resume(&ns, &mut t.io, status);
         let queued = queue.queued();
         r.disk_ops_queued(&queued);
         if t.io.is_idle() {

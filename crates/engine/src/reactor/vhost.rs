@@ -322,7 +322,7 @@ impl VhostQueue {
         }
         // Reads land in the request's buffer, where they are copied to the guest from.
         let mut queue = DiskQueue::new(r, slot | LOCAL_OWNER, head, true);
-        ns.backend.start(&mut req.io, &mut queue);
+        queue.start(&ns, &mut req.io);
         let queued = queue.queued();
         r.disk_ops_queued(&queued);
         if req.io.is_idle() {
@@ -349,7 +349,7 @@ impl VhostQueue {
         req.io.deferred_done();
         let Some(ns) = ns else { return };
         let mut queue = DiskQueue::new(r, slot | LOCAL_OWNER, head, true);
-        ns.backend.resume(&mut req.io, status, &mut queue);
+        queue.resume(&ns, &mut req.io, status);
         let queued = queue.queued();
         r.disk_ops_queued(&queued);
         if req.io.is_idle() {

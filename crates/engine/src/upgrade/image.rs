@@ -170,6 +170,9 @@ pub struct NamespaceImage {
     pub nguid: [u8; 16],
     /// ANA group.
     pub ana_group: u32,
+    /// I/O limits (none from an engine that had none).
+    #[serde(default)]
+    pub qos: nvpool_api::QosLimits,
 }
 
 /// How a backend opens in the new process.

@@ -296,6 +296,7 @@ impl Engine {
                     uuid: ns.uuid,
                     nguid: ns.nguid,
                     ana_group: ns.ana_group,
+                    qos: ns.qos.limits(),
                 });
             }
             subsystems.push(SubsystemImage {
@@ -542,6 +543,7 @@ impl Engine {
             };
             let mut ns = Namespace::new(n.nsid, backend, n.block_size, n.uuid, n.nguid)?;
             ns.ana_group = n.ana_group;
+            ns.qos.set(n.qos);
             s.add_namespace(ns)?;
         }
         s.restore_ana(&i.ana);

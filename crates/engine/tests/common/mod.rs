@@ -38,5 +38,6 @@ pub fn namespace(backend: &str, block_size: u32) -> NamespaceConfig {
         uuid: None,
         allow_torn_writes: false,
         ana_group: None,
+        qos: Default::default(),
     }
 }

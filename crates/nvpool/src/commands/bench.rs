@@ -67,6 +67,11 @@ pub struct BenchArgs {
     /// (the default asks for one, as SPDK's host does).
     #[arg(long)]
     sq_flow_control: bool,
+    /// Sleep this many microseconds whenever nothing arrived, instead of polling:
+    /// leaves the CPU to what shares it, at some latency (a throttled volume's load
+    /// run beside the one measured).
+    #[arg(long)]
+    nap_us: Option<u64>,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -149,6 +154,7 @@ fn bench_nvme(
         span: a.span,
         timeline: a.timeline_ms.map(Duration::from_millis),
         sq_flow_control: a.sq_flow_control,
+        nap: a.nap_us.map(std::time::Duration::from_micros),
     };
     nvpool_bench::load::run(&o)
 }

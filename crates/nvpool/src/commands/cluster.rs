@@ -1,7 +1,7 @@
 //! Command-line verbs of the control plane: running the controller and the agent, and
 //! managing nodes, pools, volumes and attachments through the controller.
 
-use crate::output::{human, parse_size, print_or, render};
+use crate::output::{QosArgs, human, parse_size, print_or, render};
 use clap::{Args, Subcommand};
 use nvpool_control::access::AccessPolicy;
 use nvpool_control::client::Controllers;
@@ -375,6 +375,19 @@ pub enum ClusterVolumeVerb {
         /// Show every node's score.
         #[arg(long)]
         explain: bool,
+        #[command(flatten)]
+        qos: QosArgs,
+    },
+    /// Set a volume's I/O limits on every engine that serves it, from their next
+    /// command on; hosts stay connected. Limits not given stay as they are.
+    Qos {
+        /// Volume name.
+        name: String,
+        #[command(flatten)]
+        qos: QosArgs,
+        /// Lift every limit (before applying those given).
+        #[arg(long)]
+        clear: bool,
     },
     /// Delete a volume.
     Delete {
@@ -647,6 +660,7 @@ async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), Strin
             access_policy,
             group,
             explain,
+            qos,
         } => {
             let locality = match locality.as_str() {
                 "local" => proto::Locality::Local,
@@ -666,6 +680,7 @@ async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), Strin
                     AccessPolicy::Balance => proto::AccessPolicy::Balance,
                 } as i32,
                 group,
+                qos: qos.given().then(|| qos.applied_to(Default::default()).into()),
             };
             let r = c.call(async |mut c| c.create_volume(req.clone()).await).await.map_err(status)?;
             let v = r.volume.unwrap_or_default();
@@ -700,6 +715,26 @@ async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), Strin
             let v = c.call(async |mut c| c.resize_volume(req.clone()).await).await.map_err(status)?;
             print_or(api.json, &volume_json(&v), || render(&volume_table(std::slice::from_ref(&v))));
         }
+        ClusterVolumeVerb::Qos { name, qos, clear } => {
+            let current = if clear {
+                nvpool_api::QosLimits::default()
+            } else {
+                let req = proto::VolumeName { name: name.clone() };
+                let v = c.call(async |mut c| c.get_volume(req.clone()).await).await.map_err(status)?;
+                v.qos.unwrap_or_default().into()
+            };
+            if !clear && !qos.given() {
+                return Err(format!(
+                    "volume {name} has limits {}: give --iops, --bw or another limit to change them, or --clear",
+                    current.describe()
+                ));
+            }
+            let req = proto::SetVolumeQosRequest { name: name.clone(), qos: Some(qos.applied_to(current).into()) };
+            let v = c.call(async |mut c| c.set_volume_qos(req.clone()).await).await.map_err(status)?;
+            print_or(api.json, &volume_json(&v), || {
+                format!("volume {name}: limits {}", nvpool_api::QosLimits::from(v.qos.unwrap_or_default()).describe())
+            });
+        }
         ClusterVolumeVerb::Get { name } => {
             let req = proto::VolumeName { name };
             let v = c.call(async |mut c| c.get_volume(req.clone()).await).await.map_err(status)?;
@@ -713,6 +748,10 @@ async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), Strin
                 }
                 if !v.last_migration.is_empty() {
                     out += &format!("\nlast migration: {}", v.last_migration);
+                }
+                let qos = nvpool_api::QosLimits::from(v.qos.unwrap_or_default());
+                if !qos.is_unlimited() {
+                    out += &format!("\nlimits: {}", qos.describe());
                 }
                 out += &format!(
                     "\naccess policy {}{}",
@@ -991,6 +1030,7 @@ fn volume_json(v: &proto::Volume) -> serde_json::Value {
             "pause_us": m.pause_us, "started_ms_ago": m.started_ms_ago, "waiting": m.waiting,
         })),
         "last_migration": v.last_migration,
+        "qos": nvpool_api::QosLimits::from(v.qos.unwrap_or_default()),
     })
 }
 

@@ -11,8 +11,8 @@ use nvpool_api::{
     GetEngineInfo, GetMigration, GetVolume, ImportPool, ListAnaGroups, ListListeners, ListLocalDevices, ListPools,
     ListSubsystems, ListVolumes, ListenerInfo, LocalDeviceConfig, LocalDeviceInfo, Method, MigrationInfo, PoolInfo,
     RemoveHost, RemoveListener, RemoveLocalDevice, RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState,
-    StartMigration, SubsystemInfo, SwitchMigration, TlsMode, TlsPsk, UpgradeEngine, VolumeDirty, VolumeIdentity,
-    VolumeInfo,
+    SetNamespaceQos, StartMigration, SubsystemInfo, SwitchMigration, TlsMode, TlsPsk, UpgradeEngine, VolumeDirty,
+    VolumeIdentity, VolumeInfo,
 };
 use nvpool_engine::Engine;
 use nvpool_engine::config::{
@@ -21,7 +21,7 @@ use nvpool_engine::config::{
 use nvpool_engine::mgmt;
 use nvpool_engine::upgrade::process::notify_service_manager;
 
-use crate::output::{human, parse_size, print_or, render};
+use crate::output::{QosArgs, human, parse_size, print_or, render};
 
 #[derive(Args)]
 #[command(args_conflicts_with_subcommands = true)]
@@ -232,6 +232,21 @@ enum NamespaceVerb {
         /// ANA group, 1 to 1024 (the NSID by default); the same on every path.
         #[arg(long)]
         ana_group: Option<u32>,
+        #[command(flatten)]
+        qos: QosArgs,
+    },
+    /// Set a namespace's I/O limits, from its next command on; hosts stay connected.
+    /// Limits not given stay as they are.
+    Qos {
+        /// Subsystem NQN.
+        nqn: String,
+        /// Namespace ID.
+        nsid: u32,
+        #[command(flatten)]
+        qos: QosArgs,
+        /// Lift every limit (before applying those given).
+        #[arg(long)]
+        clear: bool,
     },
     /// Remove a namespace.
     Remove {
@@ -532,11 +547,34 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
             }
         },
         EngineVerb::Namespace { verb, api } => match verb {
-            NamespaceVerb::Add { nqn, backend, nsid, block_size, uuid, allow_torn_writes, ana_group } => {
-                let namespace = NamespaceConfig { nsid, backend, block_size, uuid, allow_torn_writes, ana_group };
+            NamespaceVerb::Add { nqn, backend, nsid, block_size, uuid, allow_torn_writes, ana_group, qos } => {
+                let qos = qos.applied_to(Default::default());
+                let namespace = NamespaceConfig { nsid, backend, block_size, uuid, allow_torn_writes, ana_group, qos };
                 let r = api.call(AddNamespace { nqn: nqn.clone(), namespace })?;
                 print_or(api.json, &r, || format!("namespace {} added to {nqn}", r.nsid));
                 Ok(())
+            }
+            NamespaceVerb::Qos { nqn, nsid, qos, clear } => {
+                let subsystems = api.call(ListSubsystems {})?;
+                let current = subsystems
+                    .iter()
+                    .filter(|s| s.nqn == nqn)
+                    .flat_map(|s| &s.namespaces)
+                    .find(|n| n.nsid == nsid)
+                    .map(|n| n.qos)
+                    .ok_or_else(|| {
+                        format!("no namespace {nsid} in {nqn}: `nvpool engine subsystem list` shows them")
+                    })?;
+                if !clear && !qos.given() {
+                    return Err(format!(
+                        "namespace {nsid} of {nqn} has limits {}: give --iops, --bw or another limit to change \
+                         them, or --clear",
+                        current.describe()
+                    ));
+                }
+                let limits = qos.applied_to(if clear { Default::default() } else { current });
+                let message = format!("namespace {nsid} of {nqn}: limits {}", limits.describe());
+                done(&api, SetNamespaceQos { nqn, nsid, limits }, &message)
             }
             NamespaceVerb::Remove { nqn, nsid } => {
                 let message = format!("namespace {nsid} removed from {nqn}");
@@ -766,6 +804,7 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
                             uuid: None,
                             allow_torn_writes: false,
                             ana_group: None,
+                            qos: Default::default(),
                         })
                         .collect(),
                 });
