@@ -49,6 +49,8 @@
 //! allow_torn_writes = false         # optional: allow blocks the storage may tear
 //! ana_group = 1                     # optional: the ANA group (default: the NSID)
 //! uuid = "..."                     # optional: derived from the NQN and NSID
+//! qos = { iops = 5000, bps = 209715200 }   # optional: I/O limits per second (also
+//!                                   # read_iops, write_iops, read_bps, write_bps)
 //!
 //! [[local]]                        # a block device of this node (ublk)
 //! target = "nqn.2024-01.io.nvpool:vol1/1"   # NQN/NSID, or volume:POOL/NAME
@@ -304,10 +306,17 @@ mod tests {
             allow_any_host = true
             [[subsystem.namespace]]
             backend = "memory:64MiB"
+            qos = { write_iops = 100, read_bps = 1048576 }
             "#,
         )
         .unwrap();
         assert_eq!(c.subsystems[0].namespaces[0].block_size, 512);
+        let qos = c.subsystems[0].namespaces[0].qos;
+        assert_eq!((qos.write_iops, qos.read_bps, qos.iops), (100, 1 << 20, 0));
+        let e = EngineConfig::from_toml(
+            "[[subsystem]]\nnqn = \"x\"\n[[subsystem.namespace]]\nbackend = \"null:1M\"\nqos = { iopz = 1 }",
+        );
+        assert!(e.unwrap_err().contains("iopz"));
         assert_eq!(c.listeners[0].address.port(), 4420);
         let e = EngineConfig::from_toml("reactorz = 1").unwrap_err();
         assert!(e.contains("reactorz"), "{e}");

@@ -99,6 +99,7 @@ struct NamespaceFigures {
     nsid: u32,
     backend: String,
     size_bytes: u64,
+    qos: nvpool_api::QosLimits,
     stats: DetailedStats,
 }
 
@@ -126,6 +127,7 @@ impl Snapshot {
                     nsid: ns.nsid,
                     backend: ns.backend.description(),
                     size_bytes: ns.blocks << ns.block_shift,
+                    qos: ns.qos.limits(),
                     stats: ns.stats.detailed(),
                 });
             }
@@ -234,6 +236,44 @@ impl prometheus_client::collector::Collector for SnapshotCollector {
                 })
             }),
             counter,
+        )?;
+        family(
+            e,
+            (
+                "nvpool_namespace_throttled",
+                "Commands that waited for the namespace's I/O limits",
+                None,
+                MetricType::Counter,
+            ),
+            per_ns(|d| d.throttled),
+            counter,
+        )?;
+        family(
+            e,
+            (
+                "nvpool_namespace_qos_limit",
+                "The namespace's I/O limits per second, by limit (iops, read_iops, write_iops, bps, read_bps, \
+                 write_bps); a limit not set is not reported",
+                None,
+                MetricType::Gauge,
+            ),
+            s.namespaces.iter().flat_map(|n| {
+                let q = n.qos;
+                let limits = [
+                    ("iops", q.iops),
+                    ("read_iops", q.read_iops),
+                    ("write_iops", q.write_iops),
+                    ("bps", q.bps),
+                    ("read_bps", q.read_bps),
+                    ("write_bps", q.write_bps),
+                ];
+                limits.into_iter().filter(|(_, v)| *v != 0).map(move |(limit, v)| {
+                    let mut l = ns_labels(n);
+                    l.push(("limit", limit.to_string()));
+                    (l, v.min(i64::MAX as u64) as i64)
+                })
+            }),
+            gauge,
         )?;
         family(
             e,

@@ -547,7 +547,7 @@ fn scrape(port: u16) -> String {
 }
 
 #[test]
-fn metrics_are_served_across_upgrades() {
+fn metrics_and_limits_are_served_across_upgrades() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("sock");
     let (port, metrics) = (free_port(), free_port());
@@ -568,6 +568,8 @@ fn metrics_are_served_across_upgrades() {
     }
     let mut pids = vec![first.id()];
     assert!(scrape(metrics).contains("nvpool_namespace_reads_completed_total{"), "before the upgrade");
+    // I/O limits go across too.
+    cli(&socket, &["namespace", "qos", NQN, "1", "--iops", "12345"]).unwrap();
     for _ in 0..2 {
         let report: serde_json::Value = serde_json::from_str(&cli(&socket, &["upgrade", "--json"]).unwrap()).unwrap();
         let new_pid = report["new_pid"].as_u64().unwrap();
@@ -580,6 +582,7 @@ fn metrics_are_served_across_upgrades() {
             if reply.contains(&format!(",pid=\"{new_pid}\"}} 1")) {
                 assert!(reply.starts_with("HTTP/1.1 200 OK"), "{reply}");
                 assert!(reply.contains(&format!("nvpool_namespace_size_bytes{{subsystem=\"{NQN}\"")), "{reply}");
+                assert!(reply.contains("limit=\"iops\"} 12345"), "the namespace lost its limits:\n{reply}");
                 break;
             }
             assert!(Instant::now() < deadline, "pid {new_pid} does not serve the metrics:\n{reply}");

@@ -161,6 +161,7 @@ struct StatShard {
     errors: AtomicU64,
     started: AtomicU64,
     completed: AtomicU64,
+    throttled: AtomicU64,
     errors_by_class: [AtomicU64; ERROR_CLASSES.len()],
     latency: [HistogramShard; 3],
 }
@@ -193,6 +194,8 @@ pub struct DetailedStats {
     pub latency: [HistogramSnapshot; 3],
     /// Failed commands per [`ERROR_CLASSES`] entry.
     pub errors_by_class: [u64; ERROR_CLASSES.len()],
+    /// Commands that waited for the namespace's I/O limits.
+    pub throttled: u64,
 }
 
 /// Per-namespace statistics, one shard per reactor.
@@ -219,6 +222,12 @@ impl NamespaceStats {
     pub fn started(&self, reactor: usize) {
         let (shard, exclusive) = self.shard(reactor);
         add(&shard.started, 1, exclusive);
+    }
+
+    /// A command that waits for the namespace's I/O limits.
+    pub fn throttled(&self, reactor: usize) {
+        let (shard, exclusive) = self.shard(reactor);
+        add(&shard.throttled, 1, exclusive);
     }
 
     /// A command that failed before it started (a malformed or refused command).
@@ -274,6 +283,7 @@ impl NamespaceStats {
         for s in self.shards.iter() {
             started += get(&s.started);
             completed += get(&s.completed);
+            d.throttled += get(&s.throttled);
             for (total, c) in d.errors_by_class.iter_mut().zip(&s.errors_by_class) {
                 *total += get(c);
             }

@@ -233,6 +233,7 @@ impl<'a> DiskQueue<'a> {
             io.throttled = true;
             self.deferred = true;
             self.reactor.throttle.wait(&ns.qos, self.conn, self.tag, io.plan);
+            ns.stats.throttled(self.reactor.id);
             return;
         }
         ns.backend.start(io, self);
