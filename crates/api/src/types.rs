@@ -349,6 +349,13 @@ pub struct StatsSnapshot {
     pub others: u64,
     /// Commands that failed.
     pub errors: u64,
+    /// Commands answered, failed ones included.
+    #[serde(default)]
+    pub completed: u64,
+    /// The latencies of the commands answered, summed, in nanoseconds: the mean
+    /// latency over a span is its change over `completed`'s.
+    #[serde(default)]
+    pub latency_ns: u64,
 }
 
 /// What `namespace_add` made.

@@ -465,6 +465,7 @@ struct Usage {
     version: String,
     pools: Vec<proto::PoolReport>,
     volumes: Vec<proto::VolumeUsage>,
+    counters: Vec<proto::VolumeCounters>,
 }
 
 fn usage(engine: &Path) -> Result<Usage, String> {
@@ -487,7 +488,23 @@ fn usage(engine: &Path) -> Result<Usage, String> {
         .into_iter()
         .map(|v| proto::VolumeUsage { engine_name: v.name, allocated_bytes: v.allocated_bytes })
         .collect();
-    Ok(Usage { version, pools, volumes })
+    let counters = call(engine, ListSubsystems {})?
+        .into_iter()
+        .filter(|s| s.nqn.starts_with(VOLUME_NQN_PREFIX))
+        .flat_map(|s| {
+            let nqn = s.nqn;
+            s.namespaces.into_iter().filter(|n| n.nsid == 1).map(move |n| proto::VolumeCounters {
+                subsystem_nqn: nqn.clone(),
+                reads: n.stats.reads,
+                writes: n.stats.writes,
+                read_bytes: n.stats.read_bytes,
+                write_bytes: n.stats.write_bytes,
+                completed: n.stats.completed,
+                latency_ns: n.stats.latency_ns,
+            })
+        })
+        .collect();
+    Ok(Usage { version, pools, volumes, counters })
 }
 
 /// The address hosts use: the engine's first listener, unless one was given.
@@ -615,7 +632,7 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
             let applied_generation = service.applied.lock().await.generation;
             service.metrics.engine_up.set(i64::from(usage.is_ok()));
             let hb = match usage {
-                Ok(Usage { version, pools, volumes }) => {
+                Ok(Usage { version, pools, volumes, counters }) => {
                     if engine_down.take().is_some() {
                         tracing::info!(agent = %args.name, "engine at {} answers again", engine.display());
                     }
@@ -625,6 +642,7 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
                         volumes,
                         applied_generation,
                         engine_version: version,
+                        counters,
                         ..Default::default()
                     }
                 }

@@ -7,6 +7,7 @@ pub mod access;
 pub mod agent;
 pub mod client;
 pub mod cluster;
+pub mod dashboard;
 pub mod metrics;
 pub mod model;
 pub mod scheduler;

@@ -28,6 +28,8 @@ pub struct ControllerArgs {
     pub lease_ttl: Duration,
     /// Where to serve Prometheus metrics, if anywhere.
     pub metrics_listen: Option<SocketAddr>,
+    /// Where to serve the dashboard, if anywhere.
+    pub http_listen: Option<SocketAddr>,
 }
 
 struct Service {
@@ -247,6 +249,19 @@ pub async fn run(args: ControllerArgs) -> Result<(), String> {
         };
         crate::metrics::serve(addr, std::sync::Arc::new(render)).await?;
         tracing::info!(controller = %id, "metrics at http://{addr}/metrics");
+    }
+    if let Some(addr) = args.http_listen {
+        // Under mutual TLS the control plane authenticates every caller; the page has
+        // no client certificate, so it is served on this machine only.
+        if tls.is_some() && !addr.ip().is_loopback() {
+            return Err(format!(
+                "the dashboard has no authentication of its own: with --tls-dir, give --http-listen a loopback \
+                 address ({addr} is not) and reach it through an SSH tunnel or a proxy that authenticates"
+            ));
+        }
+        let service = service.clone();
+        crate::dashboard::serve(addr, std::sync::Arc::new(move || service.leader.read().unwrap().clone())).await?;
+        tracing::info!(controller = %id, "dashboard at http://{addr}/");
     }
 
     let Some(etcd) = etcd else {

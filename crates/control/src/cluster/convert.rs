@@ -44,6 +44,7 @@ impl Cluster {
             access_policy: policy_to(v.access_policy) as i32,
             group: v.group.clone(),
             qos: Some(v.qos.into()),
+            io: st.nodes.get(&v.node).and_then(|n| n.io.volume(&v.subsystem_nqn)),
             attachments: v
                 .hosts
                 .iter()

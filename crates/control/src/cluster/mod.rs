@@ -22,6 +22,7 @@ use tonic::transport::{Channel, Endpoint};
 
 mod apply;
 mod convert;
+mod io;
 mod migrations;
 mod nodes;
 mod volumes;
@@ -71,6 +72,8 @@ struct NodeEntry {
     /// The hosts connected to each volume's export here (by volume ID), as of the last
     /// Apply.
     connected: HashMap<String, Vec<String>>,
+    /// The I/O of the volumes served here, from the heartbeats.
+    io: io::NodeIo,
 }
 
 impl NodeEntry {
@@ -87,6 +90,7 @@ impl NodeEntry {
             engine_error: None,
             engine_version: String::new(),
             connected: HashMap::new(),
+            io: io::NodeIo::default(),
         }
     }
 }

@@ -84,6 +84,7 @@ impl Cluster {
         n.pools = hb.pools.iter().map(pool_record).collect();
         n.usage = hb.volumes.into_iter().map(|u| (u.engine_name, u.allocated_bytes)).collect();
         n.applied_generation = hb.applied_generation;
+        n.io.update(n.last_seen, hb.counters);
         true
     }
 
@@ -107,6 +108,7 @@ impl Cluster {
                 cntlid_max: n.record.cntlid_block.map_or(0, |b| u32::from(access::cntlid_range(b).1)),
                 engine_version: n.engine_version.clone(),
                 local_host_nqn: n.record.local_host_nqn.clone(),
+                io: n.io.total(),
             })
             .collect()
     }

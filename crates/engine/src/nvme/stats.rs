@@ -272,6 +272,8 @@ impl NamespaceStats {
             t.write_bytes += get(&s.write_bytes);
             t.others += get(&s.others);
             t.errors += get(&s.errors);
+            t.completed += get(&s.completed);
+            t.latency_ns += s.latency.iter().map(|h| get(&h.sum_ns)).sum::<u64>();
         }
         t
     }
@@ -352,6 +354,8 @@ mod tests {
             write_bytes: 512 * 1000 * n,
             others: n,
             errors: n,
+            completed: 2001 * n,
+            latency_ns: (5_000 * 1000 + 30_000 * 1000 + 3_000_000_000) * n,
         };
         assert_eq!(stats.snapshot(), expected);
         let d = stats.detailed();

@@ -83,6 +83,21 @@ pub enum Command {
     Sim(SimArgs),
     /// Serve the CSI driver (controller and/or node plugin) on a Unix socket.
     Csi(CsiArgs),
+    /// Show the busiest volumes and nodes, refreshed: IOPS, throughput and latency
+    /// from the engines' counters.
+    Top {
+        /// How often to refresh, e.g. 2s.
+        #[arg(long, default_value = "2s", value_parser = parse_duration)]
+        every: Duration,
+        /// How many volumes and nodes to show.
+        #[arg(long, default_value_t = 20)]
+        rows: usize,
+        /// Print one screen and exit.
+        #[arg(long)]
+        once: bool,
+        #[command(flatten)]
+        api: ControllerApi,
+    },
     /// Show which controller leads and which store it uses.
     ClusterInfo {
         #[command(flatten)]
@@ -178,6 +193,10 @@ pub struct ControllerArgs {
     /// Serve Prometheus metrics at http://ADDR/metrics, e.g. 127.0.0.1:9482.
     #[arg(long)]
     metrics_listen: Option<SocketAddr>,
+    /// Serve the pool's dashboard (a read-only web page) at http://ADDR/, e.g.
+    /// 127.0.0.1:9483; with --tls-dir, on a loopback address only.
+    #[arg(long)]
+    http_listen: Option<SocketAddr>,
 }
 
 #[derive(Args)]
@@ -483,6 +502,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
                 },
                 lease_ttl: a.lease_ttl,
                 metrics_listen: a.metrics_listen,
+                http_listen: a.http_listen,
             };
             rt.block_on(server::run(args))
         }
@@ -627,6 +647,10 @@ pub fn run(cmd: Command) -> Result<(), String> {
             run_sim(a);
             Ok(())
         }
+        Command::Top { every, rows, once, api } => rt.block_on(async {
+            let options = super::top::TopOptions { every, rows, once };
+            super::top::run(&api.controllers()?, &options).await
+        }),
         Command::ClusterInfo { api } => rt.block_on(async {
             let c = api.controllers()?;
             let r = c.call(async |mut c| c.cluster_info(proto::ClusterInfoRequest {}).await).await.map_err(status)?;
@@ -1031,6 +1055,7 @@ fn volume_json(v: &proto::Volume) -> serde_json::Value {
         })),
         "last_migration": v.last_migration,
         "qos": nvpool_api::QosLimits::from(v.qos.unwrap_or_default()),
+        "io": io_json(v.io.as_ref()),
     })
 }
 
@@ -1143,9 +1168,20 @@ fn nodes_json(nodes: &[proto::Node]) -> serde_json::Value {
                 "pools": n.pools.iter().map(pool_json).collect::<Vec<_>>(),
                 "engine_error": if n.engine_error.is_empty() { serde_json::Value::Null } else { n.engine_error.clone().into() },
                 "engine_version": n.engine_version,
+                "io": io_json(n.io.as_ref()),
             })
         })
         .collect()
+}
+
+/// Live I/O rates, or null before the controller has two heartbeats of them.
+fn io_json(io: Option<&proto::IoRates>) -> serde_json::Value {
+    io.map_or(serde_json::Value::Null, |r| {
+        serde_json::json!({
+            "read_iops": r.read_iops, "write_iops": r.write_iops, "read_bytes_per_second": r.read_bytes_per_second,
+            "write_bytes_per_second": r.write_bytes_per_second, "mean_latency_us": r.mean_latency_us,
+        })
+    })
 }
 
 fn pool_json(p: &proto::PoolReport) -> serde_json::Value {

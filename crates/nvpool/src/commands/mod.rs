@@ -3,3 +3,4 @@
 pub mod bench;
 pub mod cluster;
 pub mod engine;
+pub mod top;
