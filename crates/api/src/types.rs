@@ -388,6 +388,25 @@ pub struct PoolInfo {
     pub volumes: usize,
     /// Why the pool stopped accepting changes, if it did.
     pub failed: Option<String>,
+    /// Its metadata journal.
+    #[serde(default)]
+    pub journal: JournalInfo,
+}
+
+/// A pool's metadata journal: where allocation changes are made durable before they
+/// are used, until a checkpoint of the whole metadata empties it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JournalInfo {
+    /// Bytes the journal holds.
+    pub size_bytes: u64,
+    /// Bytes of it in use since the last checkpoint.
+    pub used_bytes: u64,
+    /// Entries written since the pool was opened (each one a durable write).
+    pub entries: u64,
+    /// Checkpoints written since the pool was opened.
+    pub checkpoints: u64,
+    /// The checkpoint generation the metadata is at.
+    pub generation: u64,
 }
 
 /// A volume.

@@ -6,6 +6,11 @@
 //! (`/api/v1/nodes`, `/api/v1/volumes`), searched, sorted and cut here, so a pool of
 //! 1,000 nodes and 10,000 volumes sends the browser one page at a time. The figures are
 //! the leading controller's view: a standby answers 503 and names no data.
+//!
+//! Under the control plane's mutual TLS the page is served over HTTPS with the
+//! controller's certificate, and a browser must present a certificate from the
+//! cluster's CA (`nvpool certs init` makes `client:NAME` ones; import one into the
+//! browser), as every other caller of the controller must.
 
 use std::cmp::Ordering;
 use std::collections::HashMap;
@@ -21,6 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cluster::Cluster;
 use crate::proto;
+use crate::tls::Tls;
 
 const INDEX: &str = include_str!("dashboard/index.html");
 const SCRIPT: &str = include_str!("dashboard/app.js");
@@ -31,8 +37,9 @@ const MAX_PAGE: usize = 500;
 /// The leading cluster, if this controller leads.
 pub type Leader = Arc<dyn Fn() -> Option<Arc<Cluster>> + Send + Sync>;
 
-/// Serves the dashboard on `addr` in the background.
-pub async fn serve(addr: SocketAddr, leader: Leader) -> Result<(), String> {
+/// Serves the dashboard on `addr` in the background: over TLS with client
+/// certificates required when `tls` is given.
+pub async fn serve(addr: SocketAddr, leader: Leader, tls: Option<&Tls>) -> Result<(), String> {
     let app = Router::new()
         .route("/", get(|| async { page("text/html; charset=utf-8", INDEX) }))
         .route("/app.js", get(|| async { page("text/javascript; charset=utf-8", SCRIPT) }))
@@ -44,12 +51,57 @@ pub async fn serve(addr: SocketAddr, leader: Leader) -> Result<(), String> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| format!("cannot serve the dashboard on {addr}: {e}; pass --http-listen another address"))?;
+    let served = match tls {
+        None => tokio::spawn(async move { axum::serve(listener, app).await }),
+        Some(tls) => {
+            let acceptor = tokio_rustls::TlsAcceptor::from(tls.rustls_server()?);
+            tokio::spawn(async move { axum::serve(TlsListener { tcp: listener, acceptor }, app).await })
+        }
+    };
     tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
+        if let Ok(Err(e)) = served.await {
             tracing::warn!("the dashboard stopped: {e}");
         }
     });
     Ok(())
+}
+
+/// How long a browser has to finish its TLS handshake.
+const HANDSHAKE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Connections that completed a TLS handshake with a client certificate from the
+/// cluster's CA; the others are dropped (and logged at debug level).
+struct TlsListener {
+    tcp: tokio::net::TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            let (tcp, peer) = match self.tcp.accept().await {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    // Out of descriptors, most likely: wait rather than spin.
+                    tracing::debug!("dashboard: accept failed: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            match tokio::time::timeout(HANDSHAKE, self.acceptor.accept(tcp)).await {
+                Ok(Ok(tls)) => return (tls, peer),
+                Ok(Err(e)) => tracing::debug!("dashboard: TLS handshake with {peer} failed: {e}"),
+                Err(_) => tracing::debug!("dashboard: {peer} did not finish its TLS handshake"),
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.tcp.local_addr()
+    }
 }
 
 fn page(content_type: &'static str, body: &'static str) -> Response {

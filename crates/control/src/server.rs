@@ -251,17 +251,12 @@ pub async fn run(args: ControllerArgs) -> Result<(), String> {
         tracing::info!(controller = %id, "metrics at http://{addr}/metrics");
     }
     if let Some(addr) = args.http_listen {
-        // Under mutual TLS the control plane authenticates every caller; the page has
-        // no client certificate, so it is served on this machine only.
-        if tls.is_some() && !addr.ip().is_loopback() {
-            return Err(format!(
-                "the dashboard has no authentication of its own: with --tls-dir, give --http-listen a loopback \
-                 address ({addr} is not) and reach it through an SSH tunnel or a proxy that authenticates"
-            ));
-        }
         let service = service.clone();
-        crate::dashboard::serve(addr, std::sync::Arc::new(move || service.leader.read().unwrap().clone())).await?;
-        tracing::info!(controller = %id, "dashboard at http://{addr}/");
+        let leader = std::sync::Arc::new(move || service.leader.read().unwrap().clone());
+        // Under mutual TLS, HTTPS with a client certificate from the cluster's CA.
+        crate::dashboard::serve(addr, leader, tls.as_ref()).await?;
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        tracing::info!(controller = %id, "dashboard at {scheme}://{addr}/");
     }
 
     let Some(etcd) = etcd else {

@@ -71,6 +71,32 @@ impl Tls {
             .client_ca_root(Certificate::from_pem(&self.ca))
     }
 
+    /// For a server outside gRPC (the dashboard): its certificate, and a client
+    /// certificate required from the CA.
+    pub fn rustls_server(&self) -> Result<std::sync::Arc<rustls::ServerConfig>, String> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let bad = |what: &str, e: &dyn std::fmt::Display| format!("the TLS {what} cannot be used: {e}");
+        let mut roots = rustls::RootCertStore::empty();
+        for ca in CertificateDer::pem_slice_iter(&self.ca) {
+            roots.add(ca.map_err(|e| bad("CA", &e))?).map_err(|e| bad("CA", &e))?;
+        }
+        let certs: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_slice_iter(&self.cert).collect::<Result<_, _>>().map_err(|e| bad("certificate", &e))?;
+        let key = PrivateKeyDer::from_pem_slice(&self.key).map_err(|e| bad("key", &e))?;
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let clients = rustls::server::WebPkiClientVerifier::builder_with_provider(roots.into(), provider.clone())
+            .build()
+            .map_err(|e| bad("CA", &e))?;
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| bad("protocol versions", &e))?
+            .with_client_cert_verifier(clients)
+            .with_single_cert(certs, key)
+            .map_err(|e| bad("certificate", &e))?;
+        Ok(std::sync::Arc::new(config))
+    }
+
     /// For a client: the CA the server's certificate must come from, and its own.
     pub fn client(&self) -> ClientTlsConfig {
         ClientTlsConfig::new()

@@ -346,7 +346,24 @@ impl prometheus_client::collector::Collector for SnapshotCollector {
             per_reactor(|t| t.idle_ns),
             counter_seconds,
         )?;
-        let pool_gauges: [Reading<PoolInfo>; 5] = [
+        family(
+            e,
+            ("nvpool_reactor_connections", "NVMe/TCP connections a reactor serves", None, MetricType::Gauge),
+            per_reactor(|t| t.connections).map(|(l, v)| (l, v as i64)),
+            gauge,
+        )?;
+        family(
+            e,
+            (
+                "nvpool_reactor_throttled_commands",
+                "Commands waiting on a reactor for their namespace's I/O budget",
+                None,
+                MetricType::Gauge,
+            ),
+            per_reactor(|t| t.throttled).map(|(l, v)| (l, v as i64)),
+            gauge,
+        )?;
+        let pool_gauges: [Reading<PoolInfo>; 8] = [
             ("nvpool_pool_capacity", "Data space of the pool", Some(Unit::Bytes), |p| p.capacity_bytes),
             ("nvpool_pool_used", "Space allocated to volumes", Some(Unit::Bytes), |p| p.used_bytes),
             ("nvpool_pool_free", "Space free", Some(Unit::Bytes), |p| p.free_bytes),
@@ -357,6 +374,16 @@ impl prometheus_client::collector::Collector for SnapshotCollector {
                 |p| p.provisioned_bytes,
             ),
             ("nvpool_pool_volumes", "Volumes in the pool", None, |p| p.volumes as u64),
+            ("nvpool_pool_journal_size", "Bytes the metadata journal holds", Some(Unit::Bytes), |p| {
+                p.journal.size_bytes
+            }),
+            (
+                "nvpool_pool_journal_used",
+                "Bytes of the metadata journal in use since its last checkpoint",
+                Some(Unit::Bytes),
+                |p| p.journal.used_bytes,
+            ),
+            ("nvpool_pool_metadata_generation", "The metadata's checkpoint generation", None, |p| p.journal.generation),
         ];
         for (name, help, unit, f) in pool_gauges {
             family(
@@ -364,6 +391,25 @@ impl prometheus_client::collector::Collector for SnapshotCollector {
                 (name, help, unit, MetricType::Gauge),
                 s.pools.iter().map(|p| (vec![("pool", p.name.clone())], f(p) as i64)),
                 gauge,
+            )?;
+        }
+        let pool_counters: [Reading<PoolInfo>; 2] = [
+            (
+                "nvpool_pool_journal_entries",
+                "Metadata journal entries written (one durable write each) since the engine opened the pool",
+                None,
+                |p| p.journal.entries,
+            ),
+            ("nvpool_pool_checkpoints", "Metadata checkpoints written since the engine opened the pool", None, |p| {
+                p.journal.checkpoints
+            }),
+        ];
+        for (name, help, unit, f) in pool_counters {
+            family(
+                e,
+                (name, help, unit, MetricType::Counter),
+                s.pools.iter().map(|p| (vec![("pool", p.name.clone())], f(p))),
+                counter,
             )?;
         }
         family(

@@ -61,6 +61,8 @@ fn counts_agree_with_the_io_done() {
     // Past the namespace's end: refused before it starts, counted by status.
     assert!(q.read(1, (16 << 20) / 4096, 1, 4096).is_err());
 
+    // Reactors publish their connection counts with their timers (every 100 ms).
+    std::thread::sleep(std::time::Duration::from_millis(300));
     let (head, body) = get(metrics, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
     assert!(head.starts_with("HTTP/1.1 200 OK"), "{head}");
     assert!(head.contains("Content-Type: text/plain; version=0.0.4"), "{head}");
@@ -79,6 +81,9 @@ fn counts_agree_with_the_io_done() {
     assert_eq!(sample(&body, &format!("nvpool_subsystem_controllers{{subsystem=\"{NQN}\"}}")), 1.0);
     assert_eq!(sample(&body, "nvpool_connections "), 2.0);
     assert!(sample(&body, "nvpool_reactor_busy_seconds_total{reactor=\"0\"}") >= 0.0);
+    let per_reactor = |r: u32| sample(&body, &format!("nvpool_reactor_connections{{reactor=\"{r}\"}}"));
+    assert_eq!(per_reactor(0) + per_reactor(1), 2.0, "the admin and I/O queues, on their reactors");
+    assert_eq!(sample(&body, "nvpool_reactor_throttled_commands{reactor=\"0\"}"), 0.0);
     assert!(sample(&body, "nvpool_reactor_idle_seconds_total{reactor=\"1\"}") > 0.0);
     assert!(body.contains("# TYPE nvpool_namespace_latency_seconds histogram"), "{body}");
     let build =

@@ -31,6 +31,9 @@ pub struct MetaStore<D: MetaIo> {
     /// Bytes of the journal used under the current generation.
     journal_used: u64,
     next_seq: u64,
+    /// Entries and checkpoints written since the store was opened.
+    entries: u64,
+    checkpoints: u64,
 }
 
 impl<D: MetaIo> MetaStore<D> {
@@ -39,7 +42,16 @@ impl<D: MetaIo> MetaStore<D> {
     pub fn format(dev: D, pool_uuid: [u8; 16], layout: MetaLayout, state: &PoolState) -> io::Result<MetaStore<D>> {
         dev.write_at(&vec![0u8; BLOCK as usize], layout.slot_offset(0))?;
         dev.write_at(&vec![0u8; BLOCK as usize], layout.journal_offset)?;
-        let mut s = MetaStore { dev, pool_uuid, layout, generation: 0, journal_used: 0, next_seq: 0 };
+        let mut s = MetaStore {
+            dev,
+            pool_uuid,
+            layout,
+            generation: 0,
+            journal_used: 0,
+            next_seq: 0,
+            entries: 0,
+            checkpoints: 0,
+        };
         s.checkpoint(state)?;
         Ok(s)
     }
@@ -91,7 +103,16 @@ impl<D: MetaIo> MetaStore<D> {
             at += h.total_len();
             seq += 1;
         }
-        let mut s = MetaStore { dev, pool_uuid, layout, generation, journal_used: at, next_seq: seq };
+        let mut s = MetaStore {
+            dev,
+            pool_uuid,
+            layout,
+            generation,
+            journal_used: at,
+            next_seq: seq,
+            entries: 0,
+            checkpoints: 0,
+        };
         s.checkpoint(&state)?;
         Ok((s, state))
     }
@@ -110,6 +131,7 @@ impl<D: MetaIo> MetaStore<D> {
         self.dev.sync()?;
         self.journal_used += entry.len() as u64;
         self.next_seq += 1;
+        self.entries += 1;
         Ok(())
     }
 
@@ -125,7 +147,19 @@ impl<D: MetaIo> MetaStore<D> {
         self.generation = generation;
         self.journal_used = 0;
         self.next_seq = 0;
+        self.checkpoints += 1;
         Ok(())
+    }
+
+    /// The journal's figures, for the management API and the metrics.
+    pub fn figures(&self) -> nvpool_api::JournalInfo {
+        nvpool_api::JournalInfo {
+            size_bytes: self.layout.journal_size,
+            used_bytes: self.journal_used,
+            entries: self.entries,
+            checkpoints: self.checkpoints,
+            generation: self.generation,
+        }
     }
 
     /// Bytes of journal in use (for tests and stats).

@@ -523,6 +523,7 @@ impl Pool {
             provisioned_bytes: inner.state.volumes.values().map(|v| v.meta.size).sum(),
             volumes: inner.state.volumes.len(),
             failed: inner.failed.clone(),
+            journal: inner.store.figures(),
         }
     }
 

@@ -199,6 +199,10 @@ pub struct ReactorTime {
     pub busy_ns: u64,
     /// Asleep on the ring, or polling with nothing to do.
     pub idle_ns: u64,
+    /// Connections it serves.
+    pub connections: u64,
+    /// Commands waiting for their namespace's I/O budget on it.
+    pub throttled: u64,
 }
 
 /// A reactor's time counters, on a cache line of their own.
@@ -207,6 +211,8 @@ pub struct ReactorTime {
 struct ReactorClock {
     busy_ns: AtomicU64,
     idle_ns: AtomicU64,
+    connections: AtomicU64,
+    throttled: AtomicU64,
 }
 
 impl ReactorClock {
@@ -214,6 +220,12 @@ impl ReactorClock {
     fn add(&self, ns: u64, busy: bool) {
         let counter = if busy { &self.busy_ns } else { &self.idle_ns };
         counter.store(counter.load(Ordering::Relaxed) + ns, Ordering::Relaxed);
+    }
+
+    /// Its connections and waiting commands now.
+    fn set_load(&self, connections: usize, throttled: usize) {
+        self.connections.store(connections as u64, Ordering::Relaxed);
+        self.throttled.store(throttled as u64, Ordering::Relaxed);
     }
 }
 
@@ -223,6 +235,8 @@ impl ReactorLink {
         ReactorTime {
             busy_ns: self.time.busy_ns.load(Ordering::Relaxed),
             idle_ns: self.time.idle_ns.load(Ordering::Relaxed),
+            connections: self.time.connections.load(Ordering::Relaxed),
+            throttled: self.time.throttled.load(Ordering::Relaxed),
         }
     }
 
@@ -1184,6 +1198,10 @@ impl Reactor {
             }
         }
         self.throttle.forget_removed();
+        if let Some(link) = self.links.get(self.id) {
+            let open = self.conns.len() - self.free_conns.len();
+            link.time.set_load(open, self.throttle.waiting());
+        }
         let now = self.target.now_ms();
         for q in 0..self.remotes.len() as u32 {
             self.with_remote(q, |_, queue, answers| queue.tick(now, answers));

@@ -194,7 +194,7 @@ pub struct ControllerArgs {
     #[arg(long)]
     metrics_listen: Option<SocketAddr>,
     /// Serve the pool's dashboard (a read-only web page) at http://ADDR/, e.g.
-    /// 127.0.0.1:9483; with --tls-dir, on a loopback address only.
+    /// 127.0.0.1:9483; with --tls-dir, HTTPS that wants a client certificate from the CA.
     #[arg(long)]
     http_listen: Option<SocketAddr>,
 }
