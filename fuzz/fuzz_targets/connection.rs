@@ -188,6 +188,7 @@ fn world() -> World {
                 uuid: None,
                 allow_torn_writes: false,
                 ana_group: None,
+                qos: Default::default(),
             }],
         }],
         ..EngineConfig::default()
