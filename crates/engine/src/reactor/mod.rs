@@ -188,11 +188,11 @@ pub struct Parked {
 pub struct ReactorLink {
     tx: Sender<Msg>,
     wake: OwnedFd,
-    /// Where the reactor's time went; only the reactor writes it.
+    /// Where the reactor's time went, and its load; only the reactor writes it.
     time: ReactorClock,
 }
 
-/// Where a reactor's time went, as the metrics report it.
+/// Where a reactor's time went, and its load now, as the metrics report it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ReactorTime {
     /// Passes that completed something, and the submissions that followed them.
@@ -205,7 +205,7 @@ pub struct ReactorTime {
     pub throttled: u64,
 }
 
-/// A reactor's time counters, on a cache line of their own.
+/// A reactor's time and load counters, on a cache line of their own.
 #[derive(Debug, Default)]
 #[repr(align(64))]
 struct ReactorClock {
