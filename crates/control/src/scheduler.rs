@@ -1,7 +1,15 @@
 //! Volume placement, in LightPool's two phases. *Filter* drops the nodes that cannot or
-//! must not take the volume. *Score* ranks the rest by locality preference and by how
-//! full the pool would be afterwards: the fuller pool wins, so that large holes stay
-//! free for large volumes. Pure code: the controller and the simulator both call it.
+//! must not take the volume. *Score* ranks the rest by three terms:
+//! - locality: the consumer's preference (its own node, or any other);
+//! - reserve: whether the volume leaves a node the room its own pods' local requests
+//!   are expected to need (learned from them: see `Outlook::reserve`);
+//! - space: how much of the pool would be spoken for afterwards (taken, or reserved).
+//!
+//! The default weights put locality first, then reserves, then the pool with the most
+//! room nobody expects to need: volumes that may go anywhere spread over that room and
+//! stay off the room local requests will want (docs/ARCHITECTURE.md, "Placement", has
+//! the measurements behind this). Pure code: the controller and the simulator both
+//! call it.
 
 use serde::{Deserialize, Serialize};
 
@@ -27,18 +35,25 @@ impl std::fmt::Display for Locality {
     }
 }
 
-/// How much each score counts. Both scores lie in [0, 1].
+/// How much each score counts. All three scores lie in [0, 1].
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
 pub struct Weights {
     pub locality: f64,
+    /// 0 turns local reserves off: the scheduler then places as if no local request
+    /// were to come.
+    #[serde(default)]
+    pub reserve: f64,
     pub space: f64,
 }
 
 impl Default for Weights {
-    /// Locality outweighs fullness: a volume goes to its preferred place whenever that
-    /// place fits it, and fullness decides among equally preferred places.
+    /// Locality outweighs the rest: a volume goes to its preferred place whenever that
+    /// place fits it. Among equally preferred places, one that keeps the nodes'
+    /// reserves whole beats one that eats into them, and the emptiest pool (counting
+    /// reserves as taken) wins last. A positive space weight packs instead: the
+    /// fullest pool wins.
     fn default() -> Weights {
-        Weights { locality: 10.0, space: 1.0 }
+        Weights { locality: 10.0, reserve: 2.0, space: -1.0 }
     }
 }
 
@@ -71,11 +86,17 @@ pub struct PoolView {
 }
 
 /// One node, as the scheduler sees it.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct NodeView {
     pub name: String,
     pub healthy: bool,
     pub pools: Vec<PoolView>,
+    /// Bytes of the live volumes that pods on this node asked to have on this node,
+    /// wherever they were placed. With `local_held`, this is the node's history of
+    /// local requests from which its reserve is learned.
+    pub local_demand: u64,
+    /// Of `local_demand`, the bytes that sit on this node.
+    pub local_held: u64,
 }
 
 /// What is to be placed.
@@ -98,30 +119,44 @@ pub struct Score {
     /// Why the node was filtered out; `None` when it passed.
     pub filtered_out: Option<String>,
     pub locality: f64,
+    pub reserve: f64,
     pub space: f64,
     pub total: f64,
     pub used_ratio_after: f64,
+    /// Bytes the node keeps for its own pods' local requests (0 for the request's own
+    /// host when it asks for local placement: the reserve is there for it).
+    pub reserved: u64,
 }
 
 /// Bytes a volume of `size` takes from a pool when thick: whole clusters.
 pub fn thick_bytes(size: u64, cluster_size: u64) -> u64 {
-    size.div_ceil(cluster_size.max(1)) * cluster_size.max(1)
+    let cluster_size = cluster_size.max(1);
+    // Cluster sizes are powers of two in practice; this runs for every pool in every
+    // decision, and a division costs more than the rest of the pool's check.
+    if cluster_size.is_power_of_two() {
+        size.checked_add(cluster_size - 1).map_or(u64::MAX, |s| s & !(cluster_size - 1))
+    } else {
+        size.div_ceil(cluster_size) * cluster_size
+    }
 }
 
 /// Filters and scores every node and explains the best `limit` of them, best first
-/// (eligible nodes by score, then filtered ones by name). The first is the choice when
-/// it passed the filter. This is what the controller shows; [`choose`] makes the same
-/// choice without explaining.
+/// (eligible nodes by score, then filtered ones; ties in the order given, which for
+/// the controller is by name). The first is the choice when it passed the filter.
+/// This is what the controller shows; [`choose`] makes the same choice without
+/// explaining.
 pub fn place(nodes: &[NodeView], req: &Request, policy: &Policy, limit: usize) -> Vec<Score> {
+    let outlook = Outlook::of(nodes, policy);
     let mut evaluated: Vec<(usize, Result<Eligible, Filtered>)> =
-        nodes.iter().enumerate().map(|(i, n)| (i, evaluate(n, req, policy))).collect();
+        nodes.iter().enumerate().map(|(i, n)| (i, evaluate(n, req, policy, &outlook))).collect();
     let order = |a: &(usize, Result<Eligible, Filtered>), b: &(usize, Result<Eligible, Filtered>)| {
-        let by_name = || nodes[a.0].name.cmp(&nodes[b.0].name);
+        let in_order = || a.0.cmp(&b.0);
         match (&a.1, &b.1) {
-            (Ok(x), Ok(y)) => y.total.total_cmp(&x.total).then_with(by_name),
+            // As `choose` compares: -0 and 0 are equal.
+            (Ok(x), Ok(y)) => y.total.partial_cmp(&x.total).unwrap_or(std::cmp::Ordering::Equal).then_with(in_order),
             (Ok(_), Err(_)) => std::cmp::Ordering::Less,
             (Err(_), Ok(_)) => std::cmp::Ordering::Greater,
-            (Err(_), Err(_)) => by_name(),
+            (Err(_), Err(_)) => in_order(),
         }
     };
     // Only the explained nodes are sorted and put into words.
@@ -140,18 +175,22 @@ pub fn place(nodes: &[NodeView], req: &Request, policy: &Policy, limit: usize) -
                     pool: n.pools[e.pool].name.clone(),
                     filtered_out: None,
                     locality: e.locality,
+                    reserve: e.reserve,
                     space: e.space,
                     total: e.total,
-                    used_ratio_after: e.space,
+                    used_ratio_after: ratio(e.committed_after, &n.pools[e.pool]),
+                    reserved: e.reserved,
                 },
                 Err(why) => Score {
                     node: n.name.clone(),
                     pool: String::new(),
                     filtered_out: Some(why.describe(n, req, policy)),
                     locality: 0.0,
+                    reserve: 0.0,
                     space: 0.0,
                     total: 0.0,
                     used_ratio_after: 0.0,
+                    reserved: 0,
                 },
             }
         })
@@ -161,12 +200,24 @@ pub fn place(nodes: &[NodeView], req: &Request, policy: &Policy, limit: usize) -
 /// The chosen node and pool (indexes into `nodes`), without allocating: what the
 /// simulator and the benchmark run. Same choice as `place`.
 pub fn choose(nodes: &[NodeView], req: &Request, policy: &Policy) -> Option<(usize, usize)> {
+    // A local request whose own node passes and fits: when locality outweighs the other
+    // terms together, that node wins without scoring the rest. (Its own reserve is
+    // there for it, so the outlook does not matter.)
+    let w = &policy.weights;
+    if req.locality == Locality::Local
+        && w.locality > w.reserve.abs() + w.space.abs()
+        && let Some(host) = find_node(nodes, &req.host_node)
+        && let Ok(e) = evaluate(&nodes[host], req, policy, &Outlook::NONE)
+    {
+        return Some((host, e.pool));
+    }
+    let outlook = Outlook::of(nodes, policy);
     let mut best: Option<(usize, Eligible)> = None;
     for (i, n) in nodes.iter().enumerate() {
-        if let Ok(e) = evaluate(n, req, policy) {
+        if let Ok(e) = evaluate(n, req, policy, &outlook) {
             let better = match &best {
                 None => true,
-                Some((j, b)) => e.total > b.total || (e.total == b.total && n.name < nodes[*j].name),
+                Some((_, b)) => e.total > b.total,
             };
             if better {
                 best = Some((i, e));
@@ -174,6 +225,15 @@ pub fn choose(nodes: &[NodeView], req: &Request, policy: &Policy) -> Option<(usi
         }
     }
     best.map(|(i, e)| (i, e.pool))
+}
+
+/// The node of that name: by binary search when the nodes are sorted by name (as the
+/// controller and the simulator list them), else by looking at each.
+fn find_node(nodes: &[NodeView], name: &str) -> Option<usize> {
+    match nodes.binary_search_by(|n| n.name.as_str().cmp(name)) {
+        Ok(i) => Some(i),
+        Err(_) => nodes.iter().position(|n| n.name == name),
+    }
 }
 
 /// The chosen node and pool, if any node passed.
@@ -184,8 +244,60 @@ pub fn choice(scores: &[Score]) -> Option<&Score> {
 struct Eligible {
     pool: usize,
     locality: f64,
+    reserve: f64,
     space: f64,
     total: f64,
+    committed_after: u64,
+    reserved: u64,
+}
+
+/// What reserves are projected from, worked out once per decision.
+struct Outlook {
+    /// Projected local need per byte of a node's local demand, and per byte of its
+    /// capacity (the prior); both 0 when reserves are off or nothing is placed yet.
+    per_demand_byte: f64,
+    per_capacity_byte: f64,
+}
+
+impl Outlook {
+    const NONE: Outlook = Outlook { per_demand_byte: 0.0, per_capacity_byte: 0.0 };
+
+    /// A node's pods' share of the bytes placed so far is the best guess of their
+    /// share of the pool once it is full. While little is placed that share says
+    /// little, so it starts from a prior, weighing as much as a tenth of the pool's
+    /// worth of placements: the local demand seen so far, spread over the nodes by
+    /// capacity. In all, a node's projected local need is
+    /// `C * (demand + W * (L / T) * capacity / C) / (T + W)` for a pool of capacity
+    /// `C` holding `T` bytes, `L` of them asked for locally, and a prior weight `W`.
+    fn of(nodes: &[NodeView], policy: &Policy) -> Outlook {
+        if policy.weights.reserve == 0.0 {
+            return Outlook::NONE;
+        }
+        let (mut capacity, mut placed, mut local_demand) = (0u64, 0u64, 0u64);
+        for n in nodes.iter().filter(|n| !n.pools.is_empty()) {
+            local_demand = local_demand.saturating_add(n.local_demand);
+            for p in &n.pools {
+                capacity = capacity.saturating_add(p.capacity);
+                placed = placed.saturating_add(p.provisioned);
+            }
+        }
+        if placed == 0 {
+            return Outlook::NONE;
+        }
+        let (capacity, placed, local_demand) = (capacity as f64, placed as f64, local_demand as f64);
+        let prior_weight = capacity / 10.0;
+        Outlook {
+            per_demand_byte: capacity / (placed + prior_weight),
+            per_capacity_byte: prior_weight * (local_demand / placed) / (placed + prior_weight),
+        }
+    }
+
+    /// The room a node keeps for its own pods' local requests: their projected need
+    /// less what they hold already.
+    fn reserve(&self, node: &NodeView, node_capacity: u64) -> u64 {
+        let projected = node.local_demand as f64 * self.per_demand_byte + node_capacity as f64 * self.per_capacity_byte;
+        (projected as u64).saturating_sub(node.local_held)
+    }
 }
 
 /// Why a node was filtered out; turned into words only when explaining.
@@ -217,7 +329,7 @@ impl Filtered {
     }
 }
 
-fn evaluate(node: &NodeView, req: &Request, policy: &Policy) -> Result<Eligible, Filtered> {
+fn evaluate(node: &NodeView, req: &Request, policy: &Policy, outlook: &Outlook) -> Result<Eligible, Filtered> {
     if !node.healthy {
         return Err(Filtered::Unhealthy);
     }
@@ -231,22 +343,54 @@ fn evaluate(node: &NodeView, req: &Request, policy: &Policy) -> Result<Eligible,
         return Err(Filtered::NoPool);
     }
     // The fullest pool that fits, for the same reason as across nodes.
-    let mut best: Option<(usize, f64)> = None;
+    let mut best: Option<(usize, u64)> = None;
+    let (mut node_free, mut node_capacity) = (0u64, 0u64);
     for (i, p) in node.pools.iter().enumerate() {
-        if let Ok(ratio) = fit(p, req, policy)
-            && best.is_none_or(|(_, r)| ratio > r)
+        node_free = node_free.saturating_add(p.capacity.saturating_sub(p.committed));
+        node_capacity = node_capacity.saturating_add(p.capacity);
+        if let Ok(after) = fit(p, req, policy)
+            && best.is_none_or(|(j, a)| ratio(after, &node.pools[i]) > ratio(a, &node.pools[j]))
         {
-            best = Some((i, ratio));
+            best = Some((i, after));
         }
     }
-    let (pool, used_ratio_after) = best.ok_or(Filtered::NoRoom)?;
-    let locality = match req.locality {
-        Locality::Any => 0.0,
-        Locality::Local => f64::from(u8::from(node.name == req.host_node)),
-        Locality::Remote => f64::from(u8::from(node.name != req.host_node)),
+    let (pool, committed_after) = best.ok_or(Filtered::NoRoom)?;
+    let is_host = || node.name == req.host_node;
+    let (locality, own_reserve) = match req.locality {
+        Locality::Any => (0.0, false),
+        Locality::Local => {
+            let here = is_host();
+            (f64::from(u8::from(here)), here)
+        }
+        Locality::Remote => (f64::from(u8::from(!is_host())), false),
     };
-    let space = used_ratio_after;
-    Ok(Eligible { pool, locality, space, total: policy.weights.locality * locality + policy.weights.space * space })
+    let reserved = if own_reserve { 0 } else { outlook.reserve(node, node_capacity) };
+    let p = &node.pools[pool];
+    let free_after = node_free.saturating_sub(committed_after - p.committed);
+    // 1 while the node keeps its whole reserve; else less by the share of the node's
+    // capacity the volume takes out of it, so that the node that loses least wins.
+    let reserve = if free_after >= reserved {
+        1.0
+    } else {
+        let taken = (reserved - free_after).min(node_free - free_after);
+        1.0 - taken as f64 / node_capacity as f64
+    };
+    // How much of the pool is spoken for: taken, or kept for the node's own pods.
+    let space = ratio(committed_after.saturating_add(reserved), p).min(1.0);
+    let w = &policy.weights;
+    Ok(Eligible {
+        pool,
+        locality,
+        reserve,
+        space,
+        total: w.locality * locality + w.reserve * reserve + w.space * space,
+        committed_after,
+        reserved,
+    })
+}
+
+fn ratio(bytes: u64, p: &PoolView) -> f64 {
+    bytes as f64 / p.capacity as f64
 }
 
 /// Why a pool cannot take a volume.
@@ -272,8 +416,8 @@ impl std::fmt::Display for PoolReject {
     }
 }
 
-/// Whether the pool can take the volume; if so, the share of it used afterwards.
-fn fit(p: &PoolView, req: &Request, policy: &Policy) -> Result<f64, PoolReject> {
+/// Whether the pool can take the volume; if so, the bytes it has committed afterwards.
+fn fit(p: &PoolView, req: &Request, policy: &Policy) -> Result<u64, PoolReject> {
     if let Some(why) = &p.failed {
         return Err(PoolReject::Failed(why.clone()));
     }
@@ -298,12 +442,13 @@ fn fit(p: &PoolView, req: &Request, policy: &Policy) -> Result<f64, PoolReject> 
         }
         p.committed + need
     };
-    Ok(after as f64 / p.capacity as f64)
+    Ok(after)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     const GIB: u64 = 1 << 30;
 
@@ -319,6 +464,7 @@ mod tests {
                 cluster_size: 1 << 20,
                 failed: None,
             }],
+            ..NodeView::default()
         }
     }
 
@@ -326,34 +472,63 @@ mod tests {
         Request { size, locality, host_node: host.into(), ..Request::default() }
     }
 
+    /// The policy before reserves: locality, then the fullest pool.
+    fn fullest() -> Policy {
+        Policy { weights: Weights { locality: 10.0, reserve: 0.0, space: 1.0 }, ..Policy::default() }
+    }
+
     #[test]
-    fn prefers_the_fuller_node_when_locality_is_equal() {
+    fn without_reserves_the_fuller_node_wins_when_locality_is_equal() {
         let nodes = [node("a", 100 * GIB, 10 * GIB), node("b", 100 * GIB, 60 * GIB), node("c", 100 * GIB, 95 * GIB)];
-        let scores = place(&nodes, &req(10 * GIB, Locality::Any, ""), &Policy::default(), 0);
+        let scores = place(&nodes, &req(10 * GIB, Locality::Any, ""), &fullest(), 0);
         assert_eq!(choice(&scores).unwrap().node, "b", "c is too full, b is the fullest that fits");
         assert!(scores[2].filtered_out.as_deref().unwrap().contains("needed"));
     }
 
     #[test]
-    fn locality_wins_over_fullness_and_falls_back_when_full() {
+    fn locality_wins_and_falls_back_when_full() {
         let nodes = [node("a", 100 * GIB, 10 * GIB), node("b", 100 * GIB, 60 * GIB)];
-        let p = Policy::default();
-        assert_eq!(choice(&place(&nodes, &req(GIB, Locality::Local, "a"), &p, 0)).unwrap().node, "a");
-        assert_eq!(choice(&place(&nodes, &req(GIB, Locality::Remote, "b"), &p, 0)).unwrap().node, "a");
-        // The host node cannot fit it: the volume goes elsewhere rather than failing.
-        assert_eq!(choice(&place(&nodes, &req(85 * GIB, Locality::Local, "b"), &p, 0)).unwrap().node, "a");
+        for p in [Policy::default(), fullest()] {
+            assert_eq!(choice(&place(&nodes, &req(GIB, Locality::Local, "b"), &p, 0)).unwrap().node, "b");
+            assert_eq!(choice(&place(&nodes, &req(GIB, Locality::Remote, "b"), &p, 0)).unwrap().node, "a");
+            // The host node cannot fit it: the volume goes elsewhere rather than failing.
+            assert_eq!(choice(&place(&nodes, &req(85 * GIB, Locality::Local, "b"), &p, 0)).unwrap().node, "a");
+        }
     }
 
     #[test]
-    fn filters_unhealthy_excluded_and_not_included_nodes() {
-        let mut nodes = vec![node("a", 100 * GIB, 0), node("b", 100 * GIB, 0), node("c", 100 * GIB, 0)];
-        nodes[0].healthy = false;
-        let mut r = req(GIB, Locality::Any, "");
-        r.exclude = vec!["b".into()];
-        let scores = place(&nodes, &r, &Policy::default(), 0);
-        assert_eq!(choice(&scores).unwrap().node, "c");
-        r.include = vec!["a".into(), "b".into()];
-        assert!(choice(&place(&nodes, &r, &Policy::default(), 0)).is_none());
+    fn other_volumes_keep_off_the_room_a_node_reserves_for_its_own_pods() {
+        // Half of what is placed was asked for locally by a's pods. Blended with the
+        // prior (by capacity, a quarter), a expects its pods to need 43% of the pool
+        // (129.5 GiB) and keeps 89.5 GiB free beyond the 40 they hold.
+        let mut a = node("a", 150 * GIB, 40 * GIB);
+        (a.local_demand, a.local_held) = (40 * GIB, 40 * GIB);
+        let b = node("b", 150 * GIB, 40 * GIB);
+        let nodes = [a, b];
+        let scores = place(&nodes, &req(10 * GIB, Locality::Any, "x"), &Policy::default(), 0);
+        let by_name = |n: &str| scores.iter().find(|s| s.node == n).unwrap().clone();
+        assert_eq!(choice(&scores).unwrap().node, "b");
+        assert_eq!(by_name("a").reserved / (GIB / 2), 179, "{:?}", by_name("a"));
+        assert_eq!(by_name("a").reserve, 1.0, "a still keeps its reserve with 10 GiB more");
+        // The reserve is there for a's own pods.
+        let mine = place(&nodes, &req(10 * GIB, Locality::Local, "a"), &Policy::default(), 0);
+        assert_eq!((choice(&mine).unwrap().node.as_str(), choice(&mine).unwrap().reserved), ("a", 0));
+        // Without reserves, the two nodes are alike and the name decides.
+        assert_eq!(choice(&place(&nodes, &req(10 * GIB, Locality::Any, "x"), &fullest(), 0)).unwrap().node, "a");
+    }
+
+    #[test]
+    fn when_every_node_must_give_up_reserve_the_one_that_loses_least_takes_it() {
+        // Each node's pods asked for 50 GiB and expect to need about 83 GiB in all: a's
+        // hold 10 and b's 50, so a keeps 73 GiB and b 33. Both have 40 GiB free.
+        let mut a = node("a", 100 * GIB, 60 * GIB);
+        (a.local_demand, a.local_held) = (50 * GIB, 10 * GIB);
+        let mut b = node("b", 100 * GIB, 60 * GIB);
+        (b.local_demand, b.local_held) = (50 * GIB, 50 * GIB);
+        let scores = place(&[a, b], &req(30 * GIB, Locality::Any, "x"), &Policy::default(), 0);
+        assert!(scores.iter().all(|s| s.reserve < 1.0), "{scores:?}");
+        // In a the volume takes 30 GiB of the reserve, in b only the 23 beyond 10 free.
+        assert_eq!(choice(&scores).unwrap().node, "b", "{scores:?}");
     }
 
     #[test]
@@ -377,42 +552,88 @@ mod tests {
         assert!((s[0].used_ratio_after - 0.9).abs() < 1e-9);
     }
 
-    proptest::proptest! {
-        /// The fast path and the explained path always make the same choice.
+    /// A small random cluster: some nodes unhealthy, some pools failed or full, local
+    /// demand all over, and a request that may include and exclude nodes.
+    fn cluster_and_request() -> impl Strategy<Value = (Vec<NodeView>, Request, Policy)> {
+        let pool = (1u64..100, 0u64..110, 0u64..3, proptest::bool::weighted(0.1));
+        let node = (proptest::collection::vec(pool, 0..4), proptest::bool::weighted(0.8), 0u64..120, 0u64..100);
+        (
+            proptest::collection::vec(node, 1..14),
+            (1u64..60, proptest::bool::ANY, 0u8..3, 0usize..14),
+            (proptest::collection::vec(0usize..14, 0..4), proptest::collection::vec(0usize..14, 0..3)),
+            (0.0f64..20.0, -3.0f64..3.0, -2.0f64..2.0),
+        )
+            .prop_map(|(nodes, (size, thin, locality, host), (include, exclude), (lw, rw, sw))| {
+                let nodes: Vec<NodeView> = nodes
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, (pools, healthy, demand, held))| NodeView {
+                        name: format!("n{i}"),
+                        healthy,
+                        pools: pools
+                            .into_iter()
+                            .enumerate()
+                            .map(|(k, (cap, used, thin_share, failed))| PoolView {
+                                name: format!("p{k}"),
+                                capacity: cap * GIB,
+                                committed: used.min(cap) * GIB,
+                                provisioned: used * GIB * (1 + thin_share),
+                                cluster_size: 1 << 20,
+                                failed: failed.then(|| "disk gone".into()),
+                            })
+                            .collect(),
+                        local_demand: demand * GIB,
+                        local_held: held.min(demand) * GIB,
+                    })
+                    .collect();
+                let name = |i: &usize| format!("n{i}");
+                let req = Request {
+                    size: size * GIB,
+                    thin,
+                    locality: [Locality::Any, Locality::Local, Locality::Remote][locality as usize],
+                    host_node: format!("n{host}"),
+                    include: include.iter().map(name).collect(),
+                    exclude: exclude.iter().map(name).collect(),
+                };
+                (nodes, req, Policy { weights: Weights { locality: lw, reserve: rw, space: sw }, thin_overcommit: 2.0 })
+            })
+    }
+
+    /// Whether a pool can take the request, from first principles.
+    fn has_room(p: &PoolView, r: &Request, policy: &Policy) -> bool {
+        let free = p.capacity.saturating_sub(p.committed);
+        p.failed.is_none()
+            && p.capacity > 0
+            && if r.thin {
+                p.provisioned + r.size <= (p.capacity as f64 * policy.thin_overcommit) as u64 && free >= p.cluster_size
+            } else {
+                thick_bytes(r.size, p.cluster_size) <= free
+            }
+    }
+
+    proptest! {
+        /// Under any weights: the choice is healthy, allowed by the request and has
+        /// room; there is a choice whenever some node qualifies; the same input gives
+        /// the same choice; and the explained path agrees with the fast one.
         #[test]
-        fn choose_agrees_with_place(
-            pools in proptest::collection::vec((0u64..4, 1u64..100, 0u64..100, proptest::bool::ANY), 1..12),
-            size in 1u64..60,
-            thin in proptest::bool::ANY,
-            locality in 0u8..3,
-            host in 0usize..12,
-            space_weight in -2.0f64..2.0,
-            limit in 0usize..14,
-        ) {
-            let nodes: Vec<NodeView> = pools
-                .iter()
-                .enumerate()
-                .map(|(i, &(n, cap, used, healthy))| NodeView {
-                    name: format!("n{i}"),
-                    healthy,
-                    pools: (0..n)
-                        .map(|k| PoolView {
-                            name: format!("p{k}"),
-                            capacity: cap * GIB,
-                            committed: (used.min(cap) * GIB) / (k + 1),
-                            provisioned: used * GIB,
-                            cluster_size: 1 << 20,
-                            failed: None,
-                        })
-                        .collect(),
-                })
-                .collect();
-            let locality = [Locality::Any, Locality::Local, Locality::Remote][locality as usize];
-            let req = Request { size: size * GIB, thin, locality, host_node: format!("n{host}"), ..Request::default() };
-            let policy = Policy { weights: Weights { locality: 10.0, space: space_weight }, thin_overcommit: 2.0 };
+        fn the_choice_is_always_allowed_and_has_room((nodes, req, policy) in cluster_and_request(), limit in 0usize..16) {
+            let allowed = |n: &NodeView| n.healthy
+                && !req.exclude.contains(&n.name)
+                && (req.include.is_empty() || req.include.contains(&n.name));
+            let qualifies = nodes.iter().any(|n| allowed(n) && n.pools.iter().any(|p| has_room(p, &req, &policy)));
+            let fast = choose(&nodes, &req, &policy);
+            prop_assert_eq!(fast.is_some(), qualifies);
+            if let Some((n, p)) = fast {
+                prop_assert!(allowed(&nodes[n]), "{:?} is not allowed", nodes[n].name);
+                prop_assert!(has_room(&nodes[n].pools[p], &req, &policy));
+            }
+            prop_assert_eq!(fast, choose(&nodes, &req, &policy), "deterministic");
             let explained = place(&nodes, &req, &policy, limit);
-            let fast = choose(&nodes, &req, &policy).map(|(n, p)| (nodes[n].name.clone(), nodes[n].pools[p].name.clone()));
-            proptest::prop_assert_eq!(choice(&explained).map(|s| (s.node.clone(), s.pool.clone())), fast);
+            let names = fast.map(|(n, p)| (nodes[n].name.clone(), nodes[n].pools[p].name.clone()));
+            prop_assert_eq!(choice(&explained).map(|s| (s.node.clone(), s.pool.clone())), names);
+            for s in &explained {
+                prop_assert!((0.0..=1.0).contains(&s.reserve) && (0.0..=1.0).contains(&s.space), "{:?}", s);
+            }
         }
     }
 }

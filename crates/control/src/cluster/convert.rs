@@ -202,6 +202,8 @@ pub(super) fn score_proto(s: &Score) -> proto::NodeScore {
         space_score: s.space,
         total: s.total,
         used_ratio_after: s.used_ratio_after,
+        reserve_score: s.reserve,
+        reserved_bytes: s.reserved,
     }
 }
 

@@ -234,11 +234,22 @@ impl Cluster {
             e.0 += taken;
             e.1 += size;
         }
+        // What each node's pods asked to have locally, and what of it sits there.
+        let mut local: HashMap<&str, (u64, u64)> = HashMap::new();
+        for v in st.volumes.values().filter(|v| v.locality == Locality::Local) {
+            let e = local.entry(v.host_node.as_str()).or_default();
+            e.0 += v.size;
+            if v.node == v.host_node {
+                e.1 += v.size;
+            }
+        }
         st.nodes
             .values()
             .map(|n| NodeView {
                 name: n.record.name.clone(),
                 healthy: self.healthy(n),
+                local_demand: local.get(n.record.name.as_str()).map_or(0, |l| l.0),
+                local_held: local.get(n.record.name.as_str()).map_or(0, |l| l.1),
                 pools: n
                     .pools
                     .iter()

@@ -180,6 +180,10 @@ pub struct ControllerArgs {
     /// Scheduler weight of the locality preference.
     #[arg(long, default_value_t = Weights::default().locality)]
     weight_locality: f64,
+    /// Scheduler weight of keeping the room a node's own pods are expected to need for
+    /// local volumes (0: no reserves).
+    #[arg(long, default_value_t = Weights::default().reserve)]
+    weight_reserve: f64,
     /// Scheduler weight of fullness (fuller pools score higher).
     #[arg(long, default_value_t = Weights::default().space)]
     weight_space: f64,
@@ -284,6 +288,14 @@ pub struct CsiArgs {
 
 #[derive(Args)]
 pub struct SimArgs {
+    /// Policies to compare, in this order: reserve, reserve+migrate, emptiest+migrate,
+    /// fullest, emptiest, most-free, local-only, or weights:LOCALITY/RESERVE/SPACE[+migrate].
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "reserve,reserve+migrate,emptiest+migrate,fullest,emptiest,most-free,local-only"
+    )]
+    policies: Vec<String>,
     /// Nodes in the cluster.
     #[arg(long, default_value_t = SimConfig::default().nodes)]
     nodes: usize,
@@ -296,12 +308,28 @@ pub struct SimArgs {
     /// Median volume size.
     #[arg(long, value_parser = parse_size, default_value = "200GiB")]
     median_size: u64,
-    /// Chance that a step deletes a volume rather than creating one.
-    #[arg(long, default_value_t = SimConfig::default().delete_probability)]
-    delete_probability: f64,
+    /// Share of pods (databases) whose volumes ask for their own node.
+    #[arg(long, default_value_t = SimConfig::default().local_share)]
+    local_share: f64,
+    /// Where pods run: "disks" (database pods follow the disks) or "independent" (one
+    /// weight per node for every pod, whatever its disks).
+    #[arg(long, default_value = "disks", value_parser = ["disks", "independent"])]
+    demand: String,
+    /// Sigma of each node's log-normal demand factor.
+    #[arg(long, default_value_t = SimConfig::default().demand_spread)]
+    demand_spread: f64,
+    /// Mean lifetime of long-lived pods, in pod arrivals that would fill the pool once.
+    #[arg(long, default_value_t = SimConfig::default().lifetime)]
+    lifetime: f64,
+    /// Share of volumes that may be hot-migrated.
+    #[arg(long, default_value_t = SimConfig::default().movable_share)]
+    movable_share: f64,
     /// Random seed; the same seed replays the same cluster and stream.
     #[arg(long, default_value_t = SimConfig::default().seed)]
     seed: u64,
+    /// Print the reports as JSON.
+    #[arg(long)]
+    json: bool,
     /// Measure scheduler speed (decisions per second, p50 and p99) instead.
     #[arg(long)]
     bench: bool,
@@ -492,7 +520,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
                 store: a.store,
                 cluster: ClusterConfig {
                     policy: Policy {
-                        weights: Weights { locality: a.weight_locality, space: a.weight_space },
+                        weights: Weights { locality: a.weight_locality, reserve: a.weight_reserve, space: a.weight_space },
                         thin_overcommit: a.thin_overcommit,
                     },
                     node_timeout: a.node_timeout,
@@ -644,8 +672,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
             rt.block_on(nvpool_csi::run(args))
         }
         Command::Sim(a) => {
-            run_sim(a);
-            Ok(())
+            run_sim(a)
         }
         Command::Top { every, rows, once, api } => rt.block_on(async {
             let options = super::top::TopOptions { every, rows, once };
@@ -1128,21 +1155,27 @@ fn scores_json(scores: &[proto::NodeScore]) -> serde_json::Value {
         .map(|s| {
             serde_json::json!({
                 "node": s.node, "pool": s.pool, "filtered_out": s.filtered_out, "locality": s.locality_score,
-                "space": s.space_score, "total": s.total, "used_ratio_after": s.used_ratio_after,
+                "reserve": s.reserve_score, "reserved_bytes": s.reserved_bytes, "space": s.space_score,
+                "total": s.total, "used_ratio_after": s.used_ratio_after,
             })
         })
         .collect()
 }
 
 fn score_table(scores: &[proto::NodeScore]) -> Vec<Vec<String>> {
-    let mut rows =
-        vec![["NODE", "POOL", "LOCALITY", "SPACE", "TOTAL", "USED AFTER", "VERDICT"].map(String::from).to_vec()];
+    let mut rows = vec![
+        ["NODE", "POOL", "LOCALITY", "RESERVE", "RESERVED", "SPACE", "TOTAL", "USED AFTER", "VERDICT"]
+            .map(String::from)
+            .to_vec(),
+    ];
     for (i, s) in scores.iter().enumerate() {
         let passed = s.filtered_out.is_empty();
         rows.push(vec![
             s.node.clone(),
             if passed { s.pool.clone() } else { "-".into() },
             if passed { format!("{:.2}", s.locality_score) } else { "-".into() },
+            if passed { format!("{:.3}", s.reserve_score) } else { "-".into() },
+            if passed { human(s.reserved_bytes) } else { "-".into() },
             if passed { format!("{:.3}", s.space_score) } else { "-".into() },
             if passed { format!("{:.3}", s.total) } else { "-".into() },
             if passed { format!("{:.1}%", s.used_ratio_after * 100.0) } else { "-".into() },
@@ -1249,13 +1282,17 @@ fn pool_table(pools: &[proto::PoolOnNode]) -> Vec<Vec<String>> {
     rows
 }
 
-fn run_sim(a: SimArgs) {
+fn run_sim(a: SimArgs) -> Result<(), String> {
     let cfg = SimConfig {
         nodes: a.nodes,
         heavy_fraction: a.heavy_fraction,
         diskless_fraction: a.diskless_fraction,
         median_size: a.median_size,
-        delete_probability: a.delete_probability,
+        local_share: a.local_share,
+        demand: if a.demand == "independent" { sim::Demand::Independent } else { sim::Demand::FollowsDisks },
+        demand_spread: a.demand_spread,
+        lifetime: a.lifetime,
+        movable_share: a.movable_share,
         seed: a.seed,
         ..SimConfig::default()
     };
@@ -1274,43 +1311,74 @@ fn run_sim(a: SimArgs) {
         for (name, n, rate, p50, p99) in r.rows {
             println!("| {name} | {n} | {rate:.0} | {p50:.1} | {p99:.1} |");
         }
-        return;
+        return Ok(());
     }
+    let strategies: Vec<(String, sim::Strategy)> = a
+        .policies
+        .iter()
+        .map(|name| sim::policy_named(name).map(|s| (name.clone(), s)))
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("--policies: {e}"))?;
+    if a.json {
+        let reports: Vec<sim::SimReport> = strategies.iter().map(|(name, s)| sim::run(&cfg, name, *s)).collect();
+        println!("{}", serde_json::to_string_pretty(&reports).map_err(|e| e.to_string())?);
+        return Ok(());
+    }
+    let demand = match cfg.demand {
+        sim::Demand::FollowsDisks => "database pods run where the disks are",
+        sim::Demand::Independent => "pods land by a weight independent of the disks",
+    };
     println!(
-        "Simulated cluster: {} nodes ({disks}); volumes log-normal around {}, {:.0}% asking local, {:.0}% remote; \
-         each step deletes a volume with probability {}; seed {}.\n",
+        "Simulated cluster: {} nodes ({disks}). Pods ask for 1 to {} volumes, log-normal around {}; {:.0}% of pods \
+         ask local, {:.0}% remote; {demand}, with a log-normal spread of sigma {}; long-lived pods live {} pool \
+         fills on average, {:.0}% live a twentieth of that; {:.0}% of volumes may migrate; seed {}.\n",
         cfg.nodes,
+        cfg.volumes_per_pod,
         human(cfg.median_size),
         cfg.local_share * 100.0,
         cfg.remote_share * 100.0,
-        cfg.delete_probability,
+        cfg.demand_spread,
+        cfg.lifetime,
+        cfg.short_lived_share * 100.0,
+        cfg.movable_share * 100.0,
         cfg.seed
     );
     println!(
         "| policy | created | deleted | used at first failure | failed request | largest hole | fragmentation | \
-         local requests met | used when 1% failed | decisions/s |"
+         local requests met | met at ≥90% used | used when 1% failed | migrated per placement | decisions/s |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-    for (name, strategy) in sim::strategies() {
-        let r = sim::run(&cfg, name, strategy);
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let descriptions = sim::policies();
+    for (name, strategy) in &strategies {
+        let r = sim::run(&cfg, name, *strategy);
+        let label =
+            descriptions.iter().find(|(n, _, _)| n == name).map_or(name.clone(), |(n, d, _)| format!("{n} ({d})"));
+        let goal = r.utilisation >= 0.95 && r.local_met >= 0.9;
+        let b = |s: String| if goal { format!("**{s}**") } else { s };
         println!(
-            "| {} | {} | {} | {:.1}% | {} | {} | {:.3} | {:.1}% | {:.1}% | {:.0} |",
-            r.name,
+            "| {} | {} | {} | {} | {} | {} | {:.3} | {} | {:.1}% | {:.1}% | {} | {:.0} |",
+            b(label),
             r.created,
             r.deleted,
-            r.utilisation * 100.0,
+            b(format!("{:.1}%", r.utilisation * 100.0)),
             human(r.failed_size),
             human(r.largest_hole),
             r.fragmentation,
-            r.local_met * 100.0,
+            b(format!("{:.1}%", r.local_met * 100.0)),
+            r.local_met_when_full * 100.0,
             r.utilisation_at_1pct * 100.0,
+            human(r.migrated_per_placement),
             r.decisions_per_second
         );
     }
-    println!("| LightPool's report: local-only | | | | | | | | about 40% | |");
-    println!("| LightPool's report: pooled | | | | | | | | about 65% | |");
+    println!("| LightPool's report: local-only | | | | | | | | | about 40% | | |");
+    println!("| LightPool's report: pooled | | | | | | | | | about 65% | | |");
     println!(
-        "\nfragmentation: 1 - (largest free space on one node / all free space) at the first failure.\n\
-         local requests met: requests asking for local placement from nodes with disks that got it."
+        "\nBold: the goal, at least 95% used at the first failure with at least 90% of local requests met.\n\
+         fragmentation: 1 - (largest free space on one node / all free space) at the first failure.\n\
+         local requests met: volumes asking for their pod's node, from nodes with disks, that got it (until the \
+         first failure); met at ≥90% used: the same, for requests made while the pool was at least 90% used.\n\
+         migrated per placement: bytes moved by hot migration per volume created, until the first failure."
     );
+    Ok(())
 }
