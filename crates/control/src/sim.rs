@@ -176,8 +176,8 @@ pub struct SimReport {
     /// their node, until the first failure.
     pub local_met: f64,
     /// The same, for the requests made while the pool was at least 90% used: how the
-    /// policy holds up when space is short.
-    pub local_met_when_full: f64,
+    /// policy holds up when space is short. None when the first failure came before.
+    pub local_met_when_full: Option<f64>,
     /// Used bytes over capacity once 1% of the creations have failed.
     pub utilisation_at_1pct: f64,
     /// Volumes and bytes moved by migration until the first failure.
@@ -614,7 +614,7 @@ pub fn run(cfg: &SimConfig, name: &str, strategy: Strategy) -> SimReport {
                     utilisation: cluster.used_share(),
                     failed_size: size,
                     local_met: share(local_met, local_asked),
-                    local_met_when_full: share(full_met, full_asked),
+                    local_met_when_full: (full_asked > 0).then(|| share(full_met, full_asked)),
                     migrations,
                     migrated_bytes,
                     migrated_per_placement: migrated_bytes / created.max(1),
@@ -664,7 +664,7 @@ fn free_space(cluster: &Cluster) -> SimReport {
         largest_hole,
         fragmentation: if free == 0 { 0.0 } else { 1.0 - largest_hole as f64 / free as f64 },
         local_met: 0.0,
-        local_met_when_full: 0.0,
+        local_met_when_full: None,
         utilisation_at_1pct: 0.0,
         migrations: 0,
         migrated_bytes: 0,

@@ -178,14 +178,14 @@ pub struct ControllerArgs {
     #[arg(long, value_parser = parse_duration, default_value = "2s")]
     lease_ttl: Duration,
     /// Scheduler weight of the locality preference.
-    #[arg(long, default_value_t = Weights::default().locality)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = Weights::default().locality)]
     weight_locality: f64,
     /// Scheduler weight of keeping the room a node's own pods are expected to need for
     /// local volumes (0: no reserves).
-    #[arg(long, default_value_t = Weights::default().reserve)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = Weights::default().reserve)]
     weight_reserve: f64,
     /// Scheduler weight of fullness (fuller pools score higher).
-    #[arg(long, default_value_t = Weights::default().space)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = Weights::default().space)]
     weight_space: f64,
     /// Thin volumes may promise up to this multiple of a pool's capacity.
     #[arg(long, default_value_t = Policy::default().thin_overcommit)]
@@ -1356,7 +1356,7 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
         let goal = r.utilisation >= 0.95 && r.local_met >= 0.9;
         let b = |s: String| if goal { format!("**{s}**") } else { s };
         println!(
-            "| {} | {} | {} | {} | {} | {} | {:.3} | {} | {:.1}% | {:.1}% | {} | {:.0} |",
+            "| {} | {} | {} | {} | {} | {} | {:.3} | {} | {} | {:.1}% | {} | {:.0} |",
             b(label),
             r.created,
             r.deleted,
@@ -1365,7 +1365,7 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
             human(r.largest_hole),
             r.fragmentation,
             b(format!("{:.1}%", r.local_met * 100.0)),
-            r.local_met_when_full * 100.0,
+            r.local_met_when_full.map_or("-".into(), |m| format!("{:.1}%", m * 100.0)),
             r.utilisation_at_1pct * 100.0,
             human(r.migrated_per_placement),
             r.decisions_per_second
@@ -1377,7 +1377,8 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
         "\nBold: the goal, at least 95% used at the first failure with at least 90% of local requests met.\n\
          fragmentation: 1 - (largest free space on one node / all free space) at the first failure.\n\
          local requests met: volumes asking for their pod's node, from nodes with disks, that got it (until the \
-         first failure); met at ≥90% used: the same, for requests made while the pool was at least 90% used.\n\
+         first failure); met at ≥90% used: the same, for requests made while the pool was at least 90% used \
+         (-: it failed first).\n\
          migrated per placement: bytes moved by hot migration per volume created, until the first failure."
     );
     Ok(())
