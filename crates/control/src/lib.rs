@@ -10,6 +10,7 @@ pub mod cluster;
 pub mod dashboard;
 pub mod metrics;
 pub mod model;
+pub mod room;
 pub mod scheduler;
 pub mod server;
 pub mod sim;

@@ -27,6 +27,14 @@ pub struct PlacementLabels {
     pub result: &'static str,
 }
 
+/// Labels of the rebalancer's moves: why the volume moved.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RebalanceLabels {
+    /// `home` (a local volume to its consumer's node), `room` (off that node, to make
+    /// room for one) or `hole` (off a node, to make room for a volume that fit nowhere).
+    pub reason: &'static str,
+}
+
 /// What the controller counts as it works; shared by every leadership term.
 #[derive(Debug)]
 pub struct ControllerMetrics {
@@ -40,6 +48,9 @@ pub struct ControllerMetrics {
     pub leader: Gauge,
     /// Terms this controller has won.
     pub leadership_terms: Counter,
+    /// Migrations the rebalancer started, and their bytes (the volumes' sizes).
+    pub rebalance_moves: Family<RebalanceLabels, Counter>,
+    pub rebalance_bytes: Family<RebalanceLabels, Counter>,
 }
 
 impl Default for ControllerMetrics {
@@ -53,6 +64,8 @@ impl Default for ControllerMetrics {
             placements: Family::default(),
             leader: Gauge::default(),
             leadership_terms: Counter::default(),
+            rebalance_moves: Family::default(),
+            rebalance_bytes: Family::default(),
         }
     }
 }
@@ -82,6 +95,24 @@ impl ControllerMetrics {
             "Times this controller became the leader",
             self.leadership_terms.clone(),
         );
+        r.register(
+            "nvpool_controller_rebalance_moves",
+            "Migrations the rebalancer started, by reason",
+            self.rebalance_moves.clone(),
+        );
+        r.register_with_unit(
+            "nvpool_controller_rebalance_moved",
+            "Bytes of the volumes the rebalancer started moving, by reason",
+            Unit::Bytes,
+            self.rebalance_bytes.clone(),
+        );
+    }
+
+    /// Records a move the rebalancer started.
+    pub fn rebalanced(&self, reason: &'static str, bytes: u64) {
+        let labels = RebalanceLabels { reason };
+        self.rebalance_moves.get_or_create(&labels).inc();
+        self.rebalance_bytes.get_or_create(&labels).inc_by(bytes);
     }
 
     /// Records a placement.

@@ -129,6 +129,13 @@ pub struct VolumeRecord {
     /// I/O limits every engine serving the volume enforces.
     #[serde(default, skip_serializing_if = "QosLimits::is_unlimited")]
     pub qos: QosLimits,
+    /// The rebalancer never moves it.
+    #[serde(default)]
+    pub pinned: bool,
+    /// A local volume that its consumer's node had no room for when it was made, so
+    /// it went elsewhere: the rebalancer brings it home when it can. Any move clears it.
+    #[serde(default)]
+    pub awaiting_home: bool,
 }
 
 /// A host's DH-HMAC-CHAP secrets (`DHHC-1` form). `Debug` hides them.

@@ -445,6 +445,23 @@ fn fit(p: &PoolView, req: &Request, policy: &Policy) -> Result<u64, PoolReject> 
     Ok(after)
 }
 
+/// How many bytes of volumes would have to leave the pool for the volume to fit: 0
+/// when it fits; `None` when no amount would do (the pool failed or has no capacity).
+/// For a thin volume it counts provisioned bytes beyond the overcommit limit.
+pub fn shortfall(p: &PoolView, req: &Request, policy: &Policy) -> Option<u64> {
+    match fit(p, req, policy) {
+        Ok(_) => Some(0),
+        Err(PoolReject::Failed(_) | PoolReject::NoCapacity) => None,
+        Err(PoolReject::TooSmall { free, need }) => Some(need - free),
+        Err(PoolReject::Overcommitted { .. } | PoolReject::Full) => {
+            let limit = (p.capacity as f64 * policy.thin_overcommit) as u64;
+            let over = p.provisioned.saturating_add(req.size).saturating_sub(limit);
+            let full = p.cluster_size.saturating_sub(p.capacity.saturating_sub(p.committed));
+            Some(over.max(full))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -17,6 +17,7 @@
 //! that did not ask for that node off it (as hot migration would), and the bytes moved
 //! are reported.
 
+use crate::room;
 use crate::scheduler::{self, Locality, NodeView, Policy, PoolView, Request, Weights};
 use serde::Serialize;
 use std::cmp::Reverse;
@@ -344,6 +345,12 @@ impl Stream {
     }
 }
 
+/// What a rebalancing moved.
+struct Moved {
+    volumes: u64,
+    bytes: u64,
+}
+
 struct Volume {
     node: usize,
     size: u64,
@@ -457,22 +464,13 @@ impl Cluster {
 
     /// Frees room for a volume that fits nowhere, on the node that needs the fewest
     /// bytes moved (of those whose movable volumes could make the room), as
-    /// `make_room` does. Returns the node and the bytes moved.
-    fn make_hole(&mut self, size: u64, policy: &Policy) -> Option<(usize, u64)> {
-        let mut candidates: Vec<(u64, usize)> = (0..self.nodes.len())
-            .filter(|&n| !self.nodes[n].pools.is_empty())
-            .filter_map(|n| {
-                let deficit = scheduler::thick_bytes(size, GIB).saturating_sub(self.free(n));
-                (self.movable_bytes[n] >= deficit).then_some((deficit, n))
-            })
-            .collect();
-        const TRIES: usize = 8;
-        if candidates.len() > TRIES {
-            candidates.select_nth_unstable(TRIES - 1);
-            candidates.truncate(TRIES);
-        }
-        candidates.sort_unstable();
-        candidates.into_iter().find_map(|(_, n)| self.make_room(n, size, policy).map(|bytes| (n, bytes)))
+    /// `make_room` does. Returns the node and what moved.
+    fn make_hole(&mut self, size: u64, policy: &Policy) -> Option<(usize, Moved)> {
+        let nodes = (0..self.nodes.len()).filter(|&n| !self.nodes[n].pools.is_empty()).map(|n| {
+            let deficit = scheduler::thick_bytes(size, GIB).saturating_sub(self.free(n));
+            (deficit, self.movable_bytes[n], n)
+        });
+        room::hole_candidates(nodes).into_iter().find_map(|n| self.make_room(n, size, policy).map(|moved| (n, moved)))
     }
 
     /// The volumes on `node` that may move away, as (size, id).
@@ -484,37 +482,15 @@ impl Cluster {
             .map(|(id, v)| (v.size, id))
     }
 
-    /// Frees room on `host` for `size` bytes by migrating a few movable volumes that
-    /// did not ask for this node to nodes the scheduler picks: the smallest one that
-    /// is enough, else the largest ones, at most 4 volumes and twice the request's
-    /// bytes. Returns the bytes moved, or `None` (and moves nothing) when it cannot.
-    fn make_room(&mut self, host: usize, size: u64, policy: &Policy) -> Option<u64> {
+    /// Frees room on `host` for `size` bytes by migrating the volumes that
+    /// `room::evictions` picks among those that did not ask for this node, to nodes
+    /// the scheduler picks. Returns the bytes moved, or `None` (and moves nothing)
+    /// when it cannot.
+    fn make_room(&mut self, host: usize, size: u64, policy: &Policy) -> Option<Moved> {
         let need = scheduler::thick_bytes(size, self.nodes[host].pools.first()?.cluster_size);
         let deficit = need.checked_sub(self.free(host)).filter(|&d| d > 0)?;
-        let mut movable: Vec<(u64, usize)> = self.movable(host).collect();
-        movable.sort_unstable();
-        let chosen: Vec<(u64, usize)> = match movable.iter().find(|(s, _)| *s >= deficit) {
-            Some(&one) => vec![one],
-            None => {
-                let mut picked = Vec::new();
-                let mut freed = 0;
-                for &(s, id) in movable.iter().rev().take(4) {
-                    picked.push((s, id));
-                    freed += s;
-                    if freed >= deficit {
-                        break;
-                    }
-                }
-                if freed < deficit {
-                    return None;
-                }
-                picked
-            }
-        };
+        let chosen = room::evictions(self.movable(host).collect(), deficit, size)?;
         let bytes: u64 = chosen.iter().map(|(s, _)| s).sum();
-        if bytes > 2 * size {
-            return None;
-        }
         let mut moved = Vec::new();
         for &(size, id) in &chosen {
             let v = self.volumes[id].as_ref().expect("a live volume");
@@ -535,7 +511,7 @@ impl Cluster {
                 }
             }
         }
-        Some(bytes)
+        Some(Moved { volumes: chosen.len() as u64, bytes })
     }
 }
 
@@ -587,22 +563,26 @@ pub fn run(cfg: &SimConfig, name: &str, strategy: Strategy) -> SimReport {
             if migrate
                 && wants_home
                 && chosen != Some(pod.host)
-                && let Some(bytes) = cluster.make_room(pod.host, size, &policy)
+                && let Some(moved) = cluster.make_room(pod.host, size, &policy)
             {
+                // The controller places a volume that fits elsewhere there at once and
+                // brings it home once the room is made: its own bytes move too. (One
+                // that fits nowhere is refused, and lands at home when retried.)
+                let home_move = chosen.is_some();
                 chosen = Some(pod.host);
                 if first_failure.is_none() {
-                    migrations += 1;
-                    migrated_bytes += bytes;
+                    migrations += moved.volumes + u64::from(home_move);
+                    migrated_bytes += moved.bytes + if home_move { size } else { 0 };
                 }
             }
             if migrate
                 && chosen.is_none()
-                && let Some((node, bytes)) = cluster.make_hole(size, &policy)
+                && let Some((node, moved)) = cluster.make_hole(size, &policy)
             {
                 chosen = Some(node);
                 if first_failure.is_none() {
-                    migrations += 1;
-                    migrated_bytes += bytes;
+                    migrations += moved.volumes;
+                    migrated_bytes += moved.bytes;
                 }
             }
             let Some(node) = chosen else {

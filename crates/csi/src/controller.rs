@@ -204,6 +204,15 @@ const QOS_PARAMETERS: [(&str, bool); 6] = [
 ];
 
 /// The I/O limits a class's parameters set.
+/// A true|false parameter of the storage class; false when absent.
+fn bool_parameter(parameters: &HashMap<String, String>, name: &str) -> Result<bool, Status> {
+    match parameters.get(name).map(String::as_str) {
+        None | Some("false") => Ok(false),
+        Some("true") => Ok(true),
+        Some(other) => Err(Status::invalid_argument(format!("parameter {name}={other:?}: use true or false"))),
+    }
+}
+
 fn qos_parameters(parameters: &HashMap<String, String>) -> Result<nvpool_api::QosLimits, Status> {
     let mut values = [0u64; 6];
     for ((name, bytes), value) in QOS_PARAMETERS.iter().zip(values.iter_mut()) {
@@ -236,13 +245,8 @@ impl Controller for ControllerService {
         if req.volume_content_source.is_some() {
             return Err(Status::invalid_argument("nvpool does not create volumes from snapshots or other volumes yet"));
         }
-        let thin = match req.parameters.get("thin").map(String::as_str) {
-            None | Some("false") => false,
-            Some("true") => true,
-            Some(other) => {
-                return Err(Status::invalid_argument(format!("parameter thin={other:?}: use true or false")));
-            }
-        };
+        let thin = bool_parameter(&req.parameters, "thin")?;
+        let pinned = bool_parameter(&req.parameters, "pinned")?;
         let access_policy = match req.parameters.get("accessPolicy").map(String::as_str) {
             None | Some("inherit") => proto::AccessPolicy::Inherit,
             Some("balance") => proto::AccessPolicy::Balance,
@@ -262,13 +266,7 @@ impl Controller for ControllerService {
                 )));
             }
         };
-        let dhchap = match req.parameters.get(DHCHAP).map(String::as_str) {
-            None | Some("false") => false,
-            Some("true") => true,
-            Some(other) => {
-                return Err(Status::invalid_argument(format!("parameter {DHCHAP}={other:?}: use true or false")));
-            }
-        };
+        let dhchap = bool_parameter(&req.parameters, DHCHAP)?;
         if dhchap && self.secrets.is_none() {
             return Err(Status::failed_precondition(format!(
                 "the class asks for {DHCHAP}=true, and this driver reaches no Kubernetes API to hand hosts their \
@@ -276,15 +274,16 @@ impl Controller for ControllerService {
             )));
         }
         let qos = qos_parameters(&req.parameters)?;
-        let known = ["thin", "accessPolicy", "volumeGroup", "localPath", DHCHAP];
+        let known = ["thin", "pinned", "accessPolicy", "volumeGroup", "localPath", DHCHAP];
         let known: Vec<&str> = known.into_iter().chain(QOS_PARAMETERS.iter().map(|(name, _)| *name)).collect();
         if let Some(unknown) =
             req.parameters.keys().find(|k| !k.starts_with("csi.storage.k8s.io/") && !known.contains(&k.as_str()))
         {
             return Err(Status::invalid_argument(format!(
-                "unknown parameter {unknown:?}: nvpool takes thin=true|false, accessPolicy=inherit|balance, \
-                 volumeGroup=NAME, localPath=ublk|nvme-tcp, {DHCHAP}=true|false, and the I/O limits iops, readIops, \
-                 writeIops (per second), bandwidth, readBandwidth and writeBandwidth (e.g. 200MiB/s)"
+                "unknown parameter {unknown:?}: nvpool takes thin=true|false, pinned=true|false, \
+                 accessPolicy=inherit|balance, volumeGroup=NAME, localPath=ublk|nvme-tcp, {DHCHAP}=true|false, \
+                 and the I/O limits iops, readIops, writeIops (per second), bandwidth, readBandwidth and \
+                 writeBandwidth (e.g. 200MiB/s)"
             )));
         }
         let mut create = proto::CreateVolumeRequest {
@@ -294,6 +293,7 @@ impl Controller for ControllerService {
             access_policy: access_policy as i32,
             group: req.parameters.get("volumeGroup").cloned().unwrap_or_default(),
             qos: (!qos.is_unlimited()).then(|| qos.into()),
+            pinned,
             ..Default::default()
         };
         self.placement(&req, &mut create).await?;

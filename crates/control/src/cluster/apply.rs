@@ -225,11 +225,19 @@ impl Cluster {
     }
 
     /// Runs until the process ends: brings behind nodes up to date and finishes
-    /// creations and removals that an earlier controller left open.
+    /// creations and removals that an earlier controller left open; now and then, the
+    /// rebalancer's pass.
     pub async fn reconcile_forever(self: Arc<Self>) {
+        let mut rebalanced = Instant::now();
         loop {
             tokio::time::sleep(self.cfg.heartbeat_interval / 2).await;
             self.repath_lost_access_points().await;
+            if let Some(every) = self.cfg.rebalance_every
+                && rebalanced.elapsed() >= every
+            {
+                rebalanced = Instant::now();
+                self.rebalance().await;
+            }
             // Migrations an earlier controller recorded go on from their last step.
             let moving: Vec<String> = self
                 .state

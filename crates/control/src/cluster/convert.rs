@@ -84,6 +84,8 @@ impl Cluster {
                 }
             }),
             last_migration: v.last_migration.clone(),
+            pinned: v.pinned,
+            awaiting_home: v.awaiting_home,
         }
     }
 

@@ -381,6 +381,8 @@ impl Cluster {
         let mut moved = v.clone();
         moved.node = m.to_node.clone();
         moved.pool = m.to_pool.clone();
+        // Wherever it went, it was moved there on purpose: the rebalancer leaves it.
+        moved.awaiting_home = false;
         moved.migration = Some(MigrationRecord { phase: MigrationPhase::Retiring, switched_ms: now_ms(), ..m.clone() });
         for paths in moved.paths.values_mut() {
             let rest: Vec<String> = paths.iter().filter(|n| **n != from && **n != m.to_node).cloned().collect();

@@ -25,6 +25,7 @@ mod convert;
 mod io;
 mod migrations;
 mod nodes;
+mod rebalance;
 mod volumes;
 
 use convert::*;
@@ -41,6 +42,10 @@ pub struct ClusterConfig {
     pub tls: Option<crate::tls::Tls>,
     /// What the controller counts as it works, kept across leadership terms.
     pub metrics: Arc<ControllerMetrics>,
+    /// How often the rebalancer looks for volumes to move; `None`: it is off.
+    pub rebalance_every: Option<Duration>,
+    /// Most bytes per second each of the rebalancer's copies takes; 0: no limit.
+    pub rebalance_rate: u64,
 }
 
 impl Default for ClusterConfig {
@@ -52,6 +57,8 @@ impl Default for ClusterConfig {
             apply_timeout: Duration::from_secs(20),
             tls: None,
             metrics: Arc::default(),
+            rebalance_every: Some(Duration::from_secs(10)),
+            rebalance_rate: 0,
         }
     }
 }
@@ -106,6 +113,9 @@ struct State {
     driving: HashSet<String>,
     /// What the drivers last heard of each migration.
     progress: HashMap<String, migrations::Progress>,
+    /// Creations that found no room, for the rebalancer; kept in memory only (a new
+    /// leader hears of them when the creations are retried).
+    wanted_holes: Vec<rebalance::WantedHole>,
     next_generation: u64,
 }
 
@@ -208,6 +218,7 @@ impl Cluster {
             applying: HashSet::new(),
             driving: HashSet::new(),
             progress: HashMap::new(),
+            wanted_holes: Vec::new(),
             next_generation: now_ms(),
         };
         let names: Vec<String> = state.nodes.keys().cloned().collect();

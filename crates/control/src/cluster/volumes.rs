@@ -73,7 +73,14 @@ impl Cluster {
             let scores = scheduler::place(&views, &request, &self.cfg.policy, EXPLAINED_NODES);
             self.cfg.metrics.placed("volume", scheduler::choice(&scores).is_some());
             let Some(chosen) = scheduler::choice(&scores) else {
-                return Err(Status::resource_exhausted(no_room_message(&request, &scores, views.len())));
+                let message = no_room_message(&request, &scores, views.len());
+                return Err(Status::resource_exhausted(match self.want_hole(&mut st, &views, &request) {
+                    Some(node) => format!(
+                        "{message}; the rebalancer is making room on {node} by moving other volumes: \
+                         retry in a minute"
+                    ),
+                    None => message,
+                }));
             };
             let record = VolumeRecord {
                 name: req.name.clone(),
@@ -102,6 +109,10 @@ impl Cluster {
                 local_device: None,
                 dhchap: BTreeMap::new(),
                 qos: req.qos.unwrap_or_default().into(),
+                pinned: req.pinned,
+                awaiting_home: locality == Locality::Local
+                    && chosen.node != req.host_node
+                    && views.iter().any(|n| n.name == req.host_node && !n.pools.is_empty()),
             };
             // Reserve the space now, so that concurrent creations see it taken.
             st.volumes.insert(record.name.clone(), record.clone());

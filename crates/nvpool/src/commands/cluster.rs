@@ -190,6 +190,15 @@ pub struct ControllerArgs {
     /// Thin volumes may promise up to this multiple of a pool's capacity.
     #[arg(long, default_value_t = Policy::default().thin_overcommit)]
     thin_overcommit: f64,
+    /// How often the rebalancer looks for volumes to move: local volumes placed away
+    /// for want of room go home, and room is made for volumes that fit nowhere
+    /// (0: the rebalancer is off).
+    #[arg(long, value_parser = parse_duration, default_value = "10s")]
+    rebalance_every: Duration,
+    /// Most bytes per second each of the rebalancer's copies takes, e.g. 200MiB
+    /// (default: no limit).
+    #[arg(long, value_parser = parse_size)]
+    rebalance_rate: Option<u64>,
     /// Mutual TLS: the directory of `nvpool certs init`; callers then need a
     /// certificate from its CA, and agents their node's.
     #[arg(long, env = "NVPOOL_TLS_DIR")]
@@ -419,6 +428,9 @@ pub enum ClusterVolumeVerb {
         /// The volume group the access policy works on.
         #[arg(long, default_value = "")]
         group: String,
+        /// The rebalancer never moves this volume (it still moves by hand or by drain).
+        #[arg(long)]
+        pinned: bool,
         /// Show every node's score.
         #[arg(long)]
         explain: bool,
@@ -525,6 +537,8 @@ pub fn run(cmd: Command) -> Result<(), String> {
                     },
                     node_timeout: a.node_timeout,
                     heartbeat_interval: a.heartbeat_interval,
+                    rebalance_every: (!a.rebalance_every.is_zero()).then_some(a.rebalance_every),
+                    rebalance_rate: a.rebalance_rate.unwrap_or(0),
                     tls: a.tls_dir.as_deref().map(|d| Tls::load(d, CONTROLLER)).transpose()?,
                     ..ClusterConfig::default()
                 },
@@ -710,6 +724,7 @@ async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), Strin
             exclude,
             access_policy,
             group,
+            pinned,
             explain,
             qos,
         } => {
@@ -732,6 +747,7 @@ async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), Strin
                 } as i32,
                 group,
                 qos: qos.given().then(|| qos.applied_to(Default::default()).into()),
+                pinned,
             };
             let r = c.call(async |mut c| c.create_volume(req.clone()).await).await.map_err(status)?;
             let v = r.volume.unwrap_or_default();
@@ -1081,6 +1097,7 @@ fn volume_json(v: &proto::Volume) -> serde_json::Value {
             "pause_us": m.pause_us, "started_ms_ago": m.started_ms_ago, "waiting": m.waiting,
         })),
         "last_migration": v.last_migration,
+        "pinned": v.pinned, "awaiting_home": v.awaiting_home,
         "qos": nvpool_api::QosLimits::from(v.qos.unwrap_or_default()),
         "io": io_json(v.io.as_ref()),
     })
@@ -1141,7 +1158,8 @@ fn volume_table(vs: &[proto::Volume]) -> Vec<Vec<String>> {
             if v.thin { "thin" } else { "thick" }.into(),
             v.node.clone(),
             v.pool.clone(),
-            v.state.clone(),
+            // A local volume the rebalancer is to bring home.
+            if v.awaiting_home { format!("{}, away from {}", v.state, v.host_node) } else { v.state.clone() },
             human(v.allocated_bytes),
             if v.hosts.is_empty() { "-".into() } else { v.hosts.join(",") },
         ]);
