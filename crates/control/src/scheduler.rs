@@ -147,8 +147,9 @@ pub fn thick_bytes(size: u64, cluster_size: u64) -> u64 {
 /// explaining.
 pub fn place(nodes: &[NodeView], req: &Request, policy: &Policy, limit: usize) -> Vec<Score> {
     let outlook = Outlook::of(nodes, policy);
+    let host = host_of(nodes, req);
     let mut evaluated: Vec<(usize, Result<Eligible, Filtered>)> =
-        nodes.iter().enumerate().map(|(i, n)| (i, evaluate(n, req, policy, &outlook))).collect();
+        nodes.iter().enumerate().map(|(i, n)| (i, evaluate(n, host == Some(i), req, policy, &outlook))).collect();
     let order = |a: &(usize, Result<Eligible, Filtered>), b: &(usize, Result<Eligible, Filtered>)| {
         let in_order = || a.0.cmp(&b.0);
         match (&a.1, &b.1) {
@@ -204,17 +205,18 @@ pub fn choose(nodes: &[NodeView], req: &Request, policy: &Policy) -> Option<(usi
     // terms together, that node wins without scoring the rest. (Its own reserve is
     // there for it, so the outlook does not matter.)
     let w = &policy.weights;
+    let host = host_of(nodes, req);
     if req.locality == Locality::Local
         && w.locality > w.reserve.abs() + w.space.abs()
-        && let Some(host) = find_node(nodes, &req.host_node)
-        && let Ok(e) = evaluate(&nodes[host], req, policy, &Outlook::NONE)
+        && let Some(host) = host
+        && let Ok(e) = evaluate(&nodes[host], true, req, policy, &Outlook::NONE)
     {
         return Some((host, e.pool));
     }
     let outlook = Outlook::of(nodes, policy);
     let mut best: Option<(usize, Eligible)> = None;
     for (i, n) in nodes.iter().enumerate() {
-        if let Ok(e) = evaluate(n, req, policy, &outlook) {
+        if let Ok(e) = evaluate(n, host == Some(i), req, policy, &outlook) {
             let better = match &best {
                 None => true,
                 Some((_, b)) => e.total > b.total,
@@ -225,6 +227,15 @@ pub fn choose(nodes: &[NodeView], req: &Request, policy: &Policy) -> Option<(usi
         }
     }
     best.map(|(i, e)| (i, e.pool))
+}
+
+/// The request's host node, if it names one; found once, so that each node's
+/// evaluation compares indexes rather than names.
+fn host_of(nodes: &[NodeView], req: &Request) -> Option<usize> {
+    match req.locality {
+        Locality::Any => None,
+        Locality::Local | Locality::Remote => find_node(nodes, &req.host_node),
+    }
 }
 
 /// The node of that name: by binary search when the nodes are sorted by name (as the
@@ -329,7 +340,13 @@ impl Filtered {
     }
 }
 
-fn evaluate(node: &NodeView, req: &Request, policy: &Policy, outlook: &Outlook) -> Result<Eligible, Filtered> {
+fn evaluate(
+    node: &NodeView,
+    is_host: bool,
+    req: &Request,
+    policy: &Policy,
+    outlook: &Outlook,
+) -> Result<Eligible, Filtered> {
     if !node.healthy {
         return Err(Filtered::Unhealthy);
     }
@@ -355,14 +372,10 @@ fn evaluate(node: &NodeView, req: &Request, policy: &Policy, outlook: &Outlook) 
         }
     }
     let (pool, committed_after) = best.ok_or(Filtered::NoRoom)?;
-    let is_host = || node.name == req.host_node;
     let (locality, own_reserve) = match req.locality {
         Locality::Any => (0.0, false),
-        Locality::Local => {
-            let here = is_host();
-            (f64::from(u8::from(here)), here)
-        }
-        Locality::Remote => (f64::from(u8::from(!is_host())), false),
+        Locality::Local => (f64::from(u8::from(is_host)), is_host),
+        Locality::Remote => (f64::from(u8::from(!is_host)), false),
     };
     let reserved = if own_reserve { 0 } else { outlook.reserve(node, node_capacity) };
     let p = &node.pools[pool];
