@@ -379,6 +379,10 @@ fn evaluate(
     };
     let reserved = if own_reserve { 0 } else { outlook.reserve(node, node_capacity) };
     let p = &node.pools[pool];
+    // One division per node (they dominate a decision on a large cluster): a node with
+    // one pool, the usual case, has the pool's capacity.
+    let per_node_byte = 1.0 / node_capacity as f64;
+    let per_pool_byte = if node.pools.len() == 1 { per_node_byte } else { 1.0 / p.capacity as f64 };
     let free_after = node_free.saturating_sub(committed_after - p.committed);
     // 1 while the node keeps its whole reserve; else less by the share of the node's
     // capacity the volume takes out of it, so that the node that loses least wins.
@@ -386,10 +390,10 @@ fn evaluate(
         1.0
     } else {
         let taken = (reserved - free_after).min(node_free - free_after);
-        1.0 - taken as f64 / node_capacity as f64
+        (1.0 - taken as f64 * per_node_byte).max(0.0)
     };
     // How much of the pool is spoken for: taken, or kept for the node's own pods.
-    let space = ratio(committed_after.saturating_add(reserved), p).min(1.0);
+    let space = (committed_after.saturating_add(reserved) as f64 * per_pool_byte).min(1.0);
     let w = &policy.weights;
     Ok(Eligible {
         pool,
