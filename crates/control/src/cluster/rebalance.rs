@@ -33,6 +33,8 @@ const LOOK_AT: usize = 64;
 pub(super) struct WantedHole {
     request: Request,
     until: Instant,
+    /// The node the last moves for it leave; while they run, it waits for them.
+    making_on: Option<String>,
 }
 
 /// A migration the rebalancer starts: to `to`, or where the scheduler picks.
@@ -69,7 +71,8 @@ impl Cluster {
         if st.wanted_holes.len() >= MOST_WANTED_HOLES {
             st.wanted_holes.remove(0);
         }
-        st.wanted_holes.push(WantedHole { request: request.clone(), until: Instant::now() + HOLE_WANTED_FOR });
+        let until = Instant::now() + HOLE_WANTED_FOR;
+        st.wanted_holes.push(WantedHole { request: request.clone(), until, making_on: None });
         Some(node)
     }
 
@@ -112,10 +115,16 @@ impl Cluster {
         let now = Instant::now();
         let policy = &self.cfg.policy;
         st.wanted_holes.retain(|h| h.until > now && scheduler::choose(&views, &h.request, policy).is_none());
-        for hole in &st.wanted_holes {
-            if let Some((_, moves)) = self.plan_hole(st, &views, &busy, &hole.request) {
-                return moves;
-            }
+        let making = |h: &WantedHole| h.making_on.as_ref().is_some_and(|n| busy.contains(n));
+        let hole = st
+            .wanted_holes
+            .iter()
+            .enumerate()
+            .filter(|(_, h)| !making(h))
+            .find_map(|(i, h)| self.plan_hole(st, &views, &busy, &h.request).map(|(node, moves)| (i, node, moves)));
+        if let Some((i, node, moves)) = hole {
+            st.wanted_holes[i].making_on = Some(node);
+            return moves;
         }
         let awaiting = st.volumes.values().filter(|v| {
             v.awaiting_home
