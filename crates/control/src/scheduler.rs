@@ -100,7 +100,7 @@ pub struct NodeView {
 }
 
 /// What is to be placed.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Request {
     pub size: u64,
     pub thin: bool,

@@ -484,7 +484,7 @@ impl Cluster {
 
     /// Frees room on `host` for `size` bytes by migrating the volumes that
     /// `room::evictions` picks among those that did not ask for this node, to nodes
-    /// the scheduler picks. Returns the bytes moved, or `None` (and moves nothing)
+    /// the scheduler picks. Returns what moved, or `None` (and moves nothing)
     /// when it cannot.
     fn make_room(&mut self, host: usize, size: u64, policy: &Policy) -> Option<Moved> {
         let need = scheduler::thick_bytes(size, self.nodes[host].pools.first()?.cluster_size);

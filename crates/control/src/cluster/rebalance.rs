@@ -45,12 +45,15 @@ struct Move {
     bytes: u64,
 }
 
-/// Whether the rebalancer may move the volume off its node.
+/// Whether the rebalancer may move the volume at all now: not pinned, ready, not
+/// moving, and not served through a local device.
+fn movable_now(v: &VolumeRecord) -> bool {
+    !v.pinned && v.state == VolumeState::Ready && v.migration.is_none() && v.local_hosts.is_empty()
+}
+
+/// Whether the rebalancer may move the volume off its node to make room there.
 fn may_leave(v: &VolumeRecord) -> bool {
-    !v.pinned
-        && v.state == VolumeState::Ready
-        && v.migration.is_none()
-        && v.local_hosts.is_empty()
+    movable_now(v)
         && !(v.locality == Locality::Local && v.host_node == v.node)
         && (v.include.is_empty() || v.include.iter().any(|n| *n != v.node))
 }
@@ -67,7 +70,7 @@ impl Cluster {
         self.cfg.rebalance_every?;
         let busy = busy_nodes(st);
         let (node, _) = self.plan_hole(st, views, &busy, request)?;
-        st.wanted_holes.retain(|h| !same_request(&h.request, request));
+        st.wanted_holes.retain(|h| h.request != *request);
         if st.wanted_holes.len() >= MOST_WANTED_HOLES {
             st.wanted_holes.remove(0);
         }
@@ -128,10 +131,7 @@ impl Cluster {
         }
         let awaiting = st.volumes.values().filter(|v| {
             v.awaiting_home
-                && !v.pinned
-                && v.state == VolumeState::Ready
-                && v.migration.is_none()
-                && v.local_hosts.is_empty()
+                && movable_now(v)
                 && !busy.contains(&v.host_node)
                 && !busy.contains(&v.node)
                 && allowed_on(&v.include, &v.exclude, &v.host_node)
@@ -252,9 +252,4 @@ fn busy_nodes(st: &State) -> HashSet<String> {
         .filter_map(|v| v.migration.as_ref())
         .flat_map(|m| [m.from_node.clone(), m.to_node.clone()])
         .collect()
-}
-
-fn same_request(a: &Request, b: &Request) -> bool {
-    (a.size, a.thin, a.locality, &a.host_node, &a.include, &a.exclude)
-        == (b.size, b.thin, b.locality, &b.host_node, &b.include, &b.exclude)
 }
