@@ -8,6 +8,7 @@
 //!   Management, the I/O Command Set specific Identify structures),
 //! - NVMe over Fabrics 1.1 (Connect, Property Get/Set, Disconnect, discovery log),
 //! - NVMe/TCP Transport Specification 1.0 (PDUs and digests),
+//! - NVMe RDMA Transport Specification 1.0b (connection private data, keyed SGLs),
 //! - NVMe Base 2.x in-band authentication (the DH-HMAC-CHAP messages).
 //!
 //! Decoders never panic on wire input: they return an error that names what was wrong.
@@ -19,6 +20,7 @@ pub mod command;
 pub mod fabrics;
 pub mod identify;
 pub mod log;
+pub mod rdma;
 pub mod status;
 pub mod tcp;
 

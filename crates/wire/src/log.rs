@@ -353,6 +353,8 @@ const _: () = assert!(DiscoveryLogEntry::SIZE == 1024);
 
 /// Transport type: TCP.
 pub const TRTYPE_TCP: u8 = 3;
+/// Transport type: RDMA.
+pub const TRTYPE_RDMA: u8 = 1;
 /// Address family: IPv4.
 pub const ADRFAM_IPV4: u8 = 1;
 /// Address family: IPv6.
