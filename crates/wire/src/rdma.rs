@@ -17,59 +17,53 @@ pub const REJECT_DATA_LEN: usize = 4;
 /// The only record format defined.
 const RECORD_FORMAT: u16 = 0;
 
-/// Why a controller refuses a connection request (the reject's STS field).
+/// Why a controller refuses a connection request: the reject's STS field, whose
+/// value each variant carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u16)]
 pub enum RejectReason {
     /// The private data is shorter than a request's.
-    InvalidLength,
+    InvalidLength = 1,
     /// The record format is not 0.
-    InvalidRecordFormat,
+    InvalidRecordFormat = 2,
     /// The queue ID is beyond the queues the controller offers.
-    InvalidQid,
+    InvalidQid = 3,
     /// The submission queue size is 0 or larger than the controller takes.
-    InvalidHsqsize,
+    InvalidHsqsize = 4,
     /// The host has no receive queue entries for responses.
-    InvalidHrqsize,
+    InvalidHrqsize = 5,
     /// The controller cannot make the queue pair.
-    NoResources,
+    NoResources = 6,
     /// The host's inbound RDMA READ depth is not usable.
-    InvalidIrd,
+    InvalidIrd = 7,
     /// The host's outbound RDMA READ depth is not usable.
-    InvalidOrd,
+    InvalidOrd = 8,
     /// The controller ID does not name a controller of this host.
-    InvalidCntlid,
+    InvalidCntlid = 9,
 }
 
 impl RejectReason {
+    /// Every reason, in the order of their values (1 to 9).
+    const ALL: [RejectReason; 9] = [
+        RejectReason::InvalidLength,
+        RejectReason::InvalidRecordFormat,
+        RejectReason::InvalidQid,
+        RejectReason::InvalidHsqsize,
+        RejectReason::InvalidHrqsize,
+        RejectReason::NoResources,
+        RejectReason::InvalidIrd,
+        RejectReason::InvalidOrd,
+        RejectReason::InvalidCntlid,
+    ];
+
     /// The STS value.
     pub fn code(self) -> u16 {
-        match self {
-            RejectReason::InvalidLength => 1,
-            RejectReason::InvalidRecordFormat => 2,
-            RejectReason::InvalidQid => 3,
-            RejectReason::InvalidHsqsize => 4,
-            RejectReason::InvalidHrqsize => 5,
-            RejectReason::NoResources => 6,
-            RejectReason::InvalidIrd => 7,
-            RejectReason::InvalidOrd => 8,
-            RejectReason::InvalidCntlid => 9,
-        }
+        self as u16
     }
 
     /// The reason an STS value stands for, if it is a defined one.
     pub fn from_code(code: u16) -> Option<RejectReason> {
-        Some(match code {
-            1 => RejectReason::InvalidLength,
-            2 => RejectReason::InvalidRecordFormat,
-            3 => RejectReason::InvalidQid,
-            4 => RejectReason::InvalidHsqsize,
-            5 => RejectReason::InvalidHrqsize,
-            6 => RejectReason::NoResources,
-            7 => RejectReason::InvalidIrd,
-            8 => RejectReason::InvalidOrd,
-            9 => RejectReason::InvalidCntlid,
-            _ => return None,
-        })
+        Self::ALL.get(usize::from(code).checked_sub(1)?).copied()
     }
 
     /// The reject's private data.
