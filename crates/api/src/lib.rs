@@ -171,11 +171,17 @@ methods! {
         /// Whether hosts connect with TLS.
         #[serde(default)]
         tls: TlsMode,
+        /// NVMe/TCP (the default) or NVMe over RDMA.
+        #[serde(default)]
+        transport: Transport,
     }
     /// Stops listening on an address and ends the connections it accepted.
     "listener_remove" => RemoveListener -> Empty {
         /// IP and port.
         address: std::net::SocketAddr,
+        /// The listener's transport.
+        #[serde(default)]
+        transport: Transport,
     }
     /// Creates a pool on disks.
     "pool_create" => CreatePool -> PoolInfo {

@@ -71,6 +71,42 @@ pub struct ListenerInfo {
     /// Whether hosts connect with TLS.
     #[serde(default)]
     pub tls: TlsMode,
+    /// The transport: NVMe/TCP or NVMe over RDMA.
+    #[serde(default)]
+    pub transport: Transport,
+}
+
+/// The NVMe over Fabrics transport a listener speaks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    /// NVMe/TCP.
+    #[default]
+    Tcp,
+    /// NVMe over RDMA (RoCE v2, InfiniBand, iWARP), through the RDMA connection manager.
+    Rdma,
+}
+
+impl Transport {
+    /// The name users write (and `nvme-cli`'s `-t`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Tcp => "tcp",
+            Transport::Rdma => "rdma",
+        }
+    }
+}
+
+impl std::str::FromStr for Transport {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Transport, String> {
+        match s {
+            "tcp" => Ok(Transport::Tcp),
+            "rdma" => Ok(Transport::Rdma),
+            other => Err(format!("unknown transport {other:?}: use tcp or rdma")),
+        }
+    }
 }
 
 /// Whether a listener takes NVMe/TCP over TLS 1.3 (with a pre-shared key).

@@ -64,7 +64,11 @@ fn verifies_data_through_the_engine() {
     let nqn = "nqn.2024-01.io.nvpool:bench";
     let cfg = EngineConfig {
         reactors: Some(2),
-        listeners: vec![ListenerConfig { address: "127.0.0.1:0".parse().unwrap(), tls: Default::default() }],
+        listeners: vec![ListenerConfig {
+            address: "127.0.0.1:0".parse().unwrap(),
+            tls: Default::default(),
+            transport: Default::default(),
+        }],
         subsystems: vec![SubsystemConfig {
             nqn: nqn.into(),
             serial: None,

@@ -21,6 +21,9 @@
 //! [[listener]]
 //! address = "127.0.0.1:4430"
 //! tls = "required"                 # NVMe/TCP over TLS 1.3 with a PSK; or "allowed"
+//! [[listener]]
+//! address = "192.168.1.10:4420"
+//! transport = "rdma"               # NVMe over RDMA (RoCE v2, InfiniBand, iWARP)
 //!
 //! [[subsystem]]
 //! nqn = "nqn.2024-01.io.nvpool:vol1"
@@ -122,6 +125,9 @@ pub struct ListenerConfig {
     /// Whether hosts connect with TLS: `off` (the default), `allowed` or `required`.
     #[serde(default)]
     pub tls: nvpool_api::TlsMode,
+    /// `tcp` (the default) or `rdma`.
+    #[serde(default)]
+    pub transport: nvpool_api::Transport,
 }
 
 /// The whole engine configuration.

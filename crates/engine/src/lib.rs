@@ -16,6 +16,7 @@ mod migration;
 pub mod nvme;
 pub mod pool;
 pub mod qos;
+pub mod rdma;
 pub mod reactor;
 mod storage;
 pub mod tls;
@@ -34,6 +35,7 @@ use error::{Error, ErrorKind, Result};
 use nvme::auth::HostKeys;
 use nvme::subsystem::HostPolicy;
 use nvme::{ListenerInfo, Namespace, Subsystem, Target, lock};
+use nvpool_api::Transport;
 pub use nvpool_api::{DhchapKeys, DirtyAction, DirtyReport, HostDhchap, NamespaceInfo, SubsystemInfo};
 use reactor::{Msg, ReactorLink};
 
@@ -50,7 +52,7 @@ pub struct Engine {
     target: Arc<Target>,
     links: Arc<Vec<ReactorLink>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
-    listeners: Mutex<BTreeMap<u16, SocketAddr>>,
+    listeners: Mutex<BTreeMap<u16, (SocketAddr, Transport)>>,
     next_port_id: AtomicU16,
     pools: Mutex<BTreeMap<String, Arc<pool::Pool>>>,
     /// The host NQN `remote:` namespaces present to their owners.
@@ -69,6 +71,8 @@ pub struct Engine {
     upgrade_lock: RwLock<()>,
     /// Set once a hot upgrade handed everything to a new process.
     handed_over: AtomicBool,
+    /// The RDMA connection manager, started with the first RDMA listener.
+    rdma: Mutex<Option<Arc<rdma::Rdma>>>,
     /// Block devices of this node served from namespaces (ublk).
     local: local::LocalDevices,
     vhost: local::vhost::VhostDevices,
@@ -111,6 +115,7 @@ impl Engine {
             management: Mutex::new(None),
             upgrade_lock: RwLock::new(()),
             handed_over: AtomicBool::new(false),
+            rdma: Mutex::new(None),
             local: local::LocalDevices::default(),
             vhost: local::vhost::VhostDevices::default(),
         });
@@ -128,7 +133,7 @@ impl Engine {
                 let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
                 let mut told = false;
                 loop {
-                    match engine.add_listener(l.address, l.tls) {
+                    match engine.add_listener(l.address, l.tls, l.transport) {
                         Err(e) if e.kind == ErrorKind::AlreadyExists && std::time::Instant::now() < deadline => {
                             if !std::mem::replace(&mut told, true) {
                                 tracing::warn!(
@@ -139,6 +144,12 @@ impl Engine {
                                 );
                             }
                             std::thread::sleep(std::time::Duration::from_millis(50))
+                        }
+                        // An RDMA listener without the libraries or a device fails alone:
+                        // the engine serves its other listeners.
+                        Err(e) if l.transport == Transport::Rdma && e.kind == ErrorKind::Unavailable => {
+                            tracing::error!("{}; the engine goes on without this listener", e.message);
+                            break;
                         }
                         r => break r.map(|_| ())?,
                     }
@@ -183,7 +194,10 @@ impl Engine {
     }
 
     /// Binds and serves a listener; returns it with the port the system chose for 0.
-    pub fn add_listener(&self, addr: SocketAddr, tls: tls::TlsMode) -> Result<ListenerInfo> {
+    pub fn add_listener(&self, addr: SocketAddr, tls: tls::TlsMode, transport: Transport) -> Result<ListenerInfo> {
+        if transport == Transport::Rdma {
+            return self.add_rdma_listener(addr, tls);
+        }
         let listener = TcpListener::bind(addr).map_err(|e| {
             let message = format!(
                 "cannot listen on {addr}: {e} (is another engine or nvmet using the port? pick another with --listen)"
@@ -192,8 +206,8 @@ impl Engine {
         })?;
         let local = listener.local_addr().map_err(|e| Error::io(format!("listener {addr}"), e))?;
         let port_id = self.next_port_id.fetch_add(1, Ordering::Relaxed);
-        lock(&self.listeners).insert(port_id, local);
-        let info = ListenerInfo { port_id, addr: local.ip(), port: local.port(), tls };
+        lock(&self.listeners).insert(port_id, (local, Transport::Tcp));
+        let info = ListenerInfo { port_id, addr: local.ip(), port: local.port(), tls, transport };
         self.target.add_listener_info(info.clone());
         // Reactor 0 accepts and spreads connections over all reactors.
         self.links[0].send(Msg::Listen { port_id, listener });
@@ -201,19 +215,68 @@ impl Engine {
         Ok(info)
     }
 
+    /// Listens for NVMe over RDMA, starting the connection manager on first use. A
+    /// machine without the RDMA libraries or a device at `addr` fails here, for this
+    /// listener only.
+    fn add_rdma_listener(&self, addr: SocketAddr, tls: tls::TlsMode) -> Result<ListenerInfo> {
+        if tls != tls::TlsMode::Off {
+            return Err(Error::invalid(format!(
+                "rdma:{addr}: TLS is defined for NVMe/TCP only: drop the tls setting of this listener"
+            )));
+        }
+        let rdma = {
+            let mut slot = lock(&self.rdma);
+            match slot.as_ref() {
+                Some(r) => r.clone(),
+                None => {
+                    let r = Arc::new(
+                        rdma::Rdma::start(self.target.clone(), self.links.clone())
+                            .map_err(|e| Error::unavailable(format!("cannot listen on rdma:{addr}: {e}")))?,
+                    );
+                    *slot = Some(r.clone());
+                    r
+                }
+            }
+        };
+        if lock(&self.listeners).values().any(|&(a, t)| t == Transport::Rdma && a == addr) {
+            return Err(Error::exists(format!("the engine already listens on rdma:{addr}")));
+        }
+        let port_id = self.next_port_id.fetch_add(1, Ordering::Relaxed);
+        let local = rdma.listen(addr, port_id).map_err(|e| {
+            let message = format!("cannot listen on rdma:{addr}: {e}");
+            if e.kind() == std::io::ErrorKind::AddrInUse { Error::exists(message) } else { Error::unavailable(message) }
+        })?;
+        lock(&self.listeners).insert(port_id, (local, Transport::Rdma));
+        let info = ListenerInfo { port_id, addr: local.ip(), port: local.port(), tls, transport: Transport::Rdma };
+        self.target.add_listener_info(info.clone());
+        self.kick();
+        Ok(info)
+    }
+
+    /// An address the engine listens on for NVMe over RDMA, if it does.
+    pub(crate) fn rdma_listener(&self) -> Option<SocketAddr> {
+        lock(&self.listeners).values().find(|(_, t)| *t == Transport::Rdma).map(|(a, _)| *a)
+    }
+
     /// Stops a listener and ends the connections it accepted; their hosts go over to
     /// their other paths.
-    pub fn remove_listener(&self, addr: SocketAddr) -> Result<()> {
+    pub fn remove_listener(&self, addr: SocketAddr, transport: Transport) -> Result<()> {
         let port_id = {
             let mut map = lock(&self.listeners);
-            let id = map.iter().find(|(_, a)| **a == addr).map(|(id, _)| *id);
+            let id = map.iter().find(|(_, l)| **l == (addr, transport)).map(|(id, _)| *id);
             let id = id.ok_or_else(|| {
-                Error::not_found(format!("no listener on {addr}: `nvpool engine listener list` shows them"))
+                let shown = if transport == Transport::Rdma { format!("rdma:{addr}") } else { addr.to_string() };
+                Error::not_found(format!("no listener on {shown}: `nvpool engine listener list` shows them"))
             })?;
             map.remove(&id);
             id
         };
         self.target.remove_listener_info(port_id);
+        if transport == Transport::Rdma
+            && let Some(r) = lock(&self.rdma).as_ref()
+        {
+            r.unlisten(port_id);
+        }
         for l in self.links.iter() {
             l.send(Msg::Unlisten(port_id));
         }
@@ -425,12 +488,20 @@ impl Engine {
         if !self.handed_over() {
             self.remove_all_local();
         }
+        // The connection manager's thread stops first (it hands connections to
+        // reactors); its event channel goes last, after the reactors destroyed the
+        // connections made on it.
+        let rdma = lock(&self.rdma).take();
+        if let Some(r) = &rdma {
+            r.stop();
+        }
         for l in self.links.iter() {
             l.send(Msg::Stop);
         }
         for t in lock(&self.threads).drain(..) {
             let _ = t.join();
         }
+        drop(rdma);
         for p in lock(&self.pools).values() {
             p.close();
         }

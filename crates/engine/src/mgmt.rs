@@ -169,8 +169,8 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value> {
         }
         ListAnaGroups::NAME => answer(p, |r: ListAnaGroups| engine.ana_groups(&r.nqn)),
         ListListeners::NAME => answer(p, |ListListeners {}| Ok(engine.listeners())),
-        AddListener::NAME => answer(p, |r: AddListener| engine.add_listener(r.address, r.tls)),
-        RemoveListener::NAME => answer(p, |r: RemoveListener| ok(engine.remove_listener(r.address))),
+        AddListener::NAME => answer(p, |r: AddListener| engine.add_listener(r.address, r.tls, r.transport)),
+        RemoveListener::NAME => answer(p, |r: RemoveListener| ok(engine.remove_listener(r.address, r.transport))),
         CreatePool::NAME => answer(p, |r: CreatePool| engine.create_pool(&r.name, &r.disks, r.cluster_size, r.force)),
         ImportPool::NAME => answer(p, |r: ImportPool| engine.import_pool(&r.disks)),
         ExportPool::NAME => answer(p, |r: ExportPool| ok(engine.export_pool(&r.name))),

@@ -39,7 +39,11 @@ fn start(limits: Limits) -> TestEngine {
     let cfg = EngineConfig {
         reactors: Some(1),
         limits,
-        listeners: vec![ListenerConfig { address: "127.0.0.1:0".parse().unwrap(), tls: Default::default() }],
+        listeners: vec![ListenerConfig {
+            address: "127.0.0.1:0".parse().unwrap(),
+            tls: Default::default(),
+            transport: Default::default(),
+        }],
         subsystems: vec![SubsystemConfig {
             nqn: NQN.into(),
             serial: None,

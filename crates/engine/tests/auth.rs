@@ -33,7 +33,11 @@ fn keys(secret: &Secret, ctrl: Option<&Secret>, hash: Option<Hash>, group: DhGro
 fn start(k: DhchapKeys) -> TestEngine {
     let cfg = EngineConfig {
         reactors: Some(2),
-        listeners: vec![ListenerConfig { address: "127.0.0.1:0".parse().unwrap(), tls: Default::default() }],
+        listeners: vec![ListenerConfig {
+            address: "127.0.0.1:0".parse().unwrap(),
+            tls: Default::default(),
+            transport: Default::default(),
+        }],
         subsystems: vec![SubsystemConfig {
             nqn: NQN.into(),
             serial: None,

@@ -1160,7 +1160,11 @@ fn witness(addr: SocketAddr, stop: Arc<AtomicBool>, verified: Arc<AtomicU64>) ->
 fn every_rule_is_answered_as_the_specifications_say_while_a_witness_verifies_its_data() {
     let cfg = EngineConfig {
         reactors: Some(2),
-        listeners: vec![ListenerConfig { address: "127.0.0.1:0".parse().unwrap(), tls: Default::default() }],
+        listeners: vec![ListenerConfig {
+            address: "127.0.0.1:0".parse().unwrap(),
+            tls: Default::default(),
+            transport: Default::default(),
+        }],
         subsystems: vec![SubsystemConfig {
             nqn: NQN.into(),
             serial: None,

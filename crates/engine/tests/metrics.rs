@@ -31,7 +31,11 @@ fn sample(body: &str, prefix: &str) -> f64 {
 fn counts_agree_with_the_io_done() {
     let cfg = EngineConfig {
         reactors: Some(2),
-        listeners: vec![ListenerConfig { address: "127.0.0.1:0".parse().unwrap(), tls: Default::default() }],
+        listeners: vec![ListenerConfig {
+            address: "127.0.0.1:0".parse().unwrap(),
+            tls: Default::default(),
+            transport: Default::default(),
+        }],
         subsystems: vec![SubsystemConfig {
             nqn: NQN.into(),
             serial: None,

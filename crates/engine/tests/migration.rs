@@ -55,7 +55,11 @@ impl Node {
         let dir = tempfile::tempdir().unwrap();
         let cfg = EngineConfig {
             reactors: Some(2),
-            listeners: vec![ListenerConfig { address: "127.0.0.1:0".parse().unwrap(), tls: Default::default() }],
+            listeners: vec![ListenerConfig {
+                address: "127.0.0.1:0".parse().unwrap(),
+                tls: Default::default(),
+                transport: Default::default(),
+            }],
             host_nqn: Some(host_nqn.into()),
             ..EngineConfig::default()
         };

@@ -35,7 +35,11 @@ impl Node {
     fn start(pools: Vec<PoolConfig>) -> Node {
         let cfg = EngineConfig {
             reactors: Some(2),
-            listeners: vec![ListenerConfig { address: "127.0.0.1:0".parse().unwrap(), tls: Default::default() }],
+            listeners: vec![ListenerConfig {
+                address: "127.0.0.1:0".parse().unwrap(),
+                tls: Default::default(),
+                transport: Default::default(),
+            }],
             pools,
             ..EngineConfig::default()
         };

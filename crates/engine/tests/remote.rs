@@ -29,7 +29,11 @@ fn engine_with(address: &str, namespaces: Vec<NamespaceConfig>, reactors: usize,
     let cfg = EngineConfig {
         remote_queues: queues,
         reactors: Some(reactors),
-        listeners: vec![ListenerConfig { address: address.parse().unwrap(), tls: Default::default() }],
+        listeners: vec![ListenerConfig {
+            address: address.parse().unwrap(),
+            tls: Default::default(),
+            transport: Default::default(),
+        }],
         subsystems: vec![SubsystemConfig {
             nqn: NQN.into(),
             serial: None,

@@ -24,7 +24,11 @@ const IN_CAPSULE: usize = 8192;
 fn start_with(namespaces: Vec<NamespaceConfig>, allow_any_host: bool, reactors: usize) -> TestEngine {
     let cfg = EngineConfig {
         reactors: Some(reactors),
-        listeners: vec![ListenerConfig { address: "127.0.0.1:0".parse().unwrap(), tls: Default::default() }],
+        listeners: vec![ListenerConfig {
+            address: "127.0.0.1:0".parse().unwrap(),
+            tls: Default::default(),
+            transport: Default::default(),
+        }],
         subsystems: vec![SubsystemConfig {
             nqn: NQN.into(),
             serial: None,
@@ -610,12 +614,12 @@ fn answers_sent_in_pieces_carry_their_own_command_ids_and_data() {
 #[test]
 fn a_removed_listener_takes_its_connections_down_and_others_stay() {
     let t = start("memory:16MiB");
-    let second = t.engine.add_listener("127.0.0.1:0".parse().unwrap(), Default::default()).unwrap();
+    let second = t.engine.add_listener("127.0.0.1:0".parse().unwrap(), Default::default(), Default::default()).unwrap();
     let second = SocketAddr::new(second.addr, second.port);
     // Two reactors: the connections land on both.
     let (_a1, mut io1) = controller(t.addr, &admin_opts(), 2);
     let (_a2, mut io2) = controller(second, &admin_opts(), 2);
-    t.engine.remove_listener(t.addr).unwrap();
+    t.engine.remove_listener(t.addr, Default::default()).unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
     for q in &mut io1 {
         while q.read(1, 0, 1, 512).is_ok() {

@@ -30,7 +30,11 @@ struct Listeners {
 fn start(psk: &ConfiguredPsk) -> Listeners {
     let cfg = EngineConfig {
         reactors: Some(2),
-        listeners: vec![ListenerConfig { address: "127.0.0.1:0".parse().unwrap(), tls: TlsMode::Required }],
+        listeners: vec![ListenerConfig {
+            address: "127.0.0.1:0".parse().unwrap(),
+            tls: TlsMode::Required,
+            transport: Default::default(),
+        }],
         subsystems: vec![SubsystemConfig {
             nqn: NQN.into(),
             serial: None,
@@ -44,7 +48,7 @@ fn start(psk: &ConfiguredPsk) -> Listeners {
         ..EngineConfig::default()
     };
     let t = TestEngine::start(&cfg);
-    let allowed = t.engine.add_listener("127.0.0.1:0".parse().unwrap(), TlsMode::Allowed).unwrap();
+    let allowed = t.engine.add_listener("127.0.0.1:0".parse().unwrap(), TlsMode::Allowed, Default::default()).unwrap();
     let allowed = SocketAddr::new(allowed.addr, allowed.port);
     Listeners { required: t.addr, allowed, t }
 }

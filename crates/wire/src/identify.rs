@@ -152,6 +152,9 @@ pub const LPA_COMMAND_EFFECTS: u8 = 1 << 1;
 pub const LPA_EXTENDED_DATA: u8 = 1 << 2;
 /// SGLS bits 1:0 = 01b: SGLs supported, no alignment requirement.
 pub const SGLS_SUPPORTED: u32 = 1;
+/// SGLS bit 2: Keyed SGL Data Block descriptors supported (NVMe over RDMA; the Linux
+/// host refuses an RDMA controller without it).
+pub const SGLS_KEYED: u32 = 1 << 2;
 /// SGLS bit 20: SGL offsets supported (needed for in-capsule data).
 pub const SGLS_OFFSET: u32 = 1 << 20;
 /// Controller type: I/O controller.

@@ -15,8 +15,8 @@ use nvpool_wire::log::{
 use super::ana::{ANA_TRANSITION_TIME_S, MAX_ANA_GROUP};
 use super::data_pointer::{self, Direction, Length};
 use super::{
-    AER_LIMIT, Controller, IO_IN_CAPSULE_DATA, KEEP_ALIVE_GRANULARITY, MAX_NSID, MDTS, Namespace, Target, discovery,
-    fabrics,
+    AER_LIMIT, Controller, IO_IN_CAPSULE_DATA, KEEP_ALIVE_GRANULARITY, MAX_NSID, MDTS, Namespace, Target, Transport,
+    discovery, fabrics,
 };
 
 /// Firmware revision reported in Identify and the firmware slot log (8 characters:
@@ -179,7 +179,9 @@ pub fn identify_controller(target: &Target, ctrl: &Controller) -> IdentifyContro
         lpa: identify::LPA_EXTENDED_DATA,
         elpe: ERROR_LOG_ENTRIES,
         aerl: (AER_LIMIT - 1) as u8,
-        sgls: identify::SGLS_SUPPORTED | identify::SGLS_OFFSET,
+        sgls: identify::SGLS_SUPPORTED
+            | identify::SGLS_OFFSET
+            | if ctrl.transport == Transport::Rdma { identify::SGLS_KEYED } else { 0 },
         maxcmd: (target.limits.max_queue_depth) as u16,
         subnqn: nul(&s.nqn),
         ioccsz: ((64 + IO_IN_CAPSULE_DATA) / 16) as u32,
@@ -392,6 +394,7 @@ mod tests {
             hostid: [0; 16],
             kato_ms: 0,
             max_io_queues: 4,
+            transport: Transport::Tcp,
         };
         let c = Arc::new(Controller::new(1, a, 0));
         s.attach_controller(&c);

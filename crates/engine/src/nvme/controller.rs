@@ -33,6 +33,8 @@ pub struct Association {
     pub kato_ms: u32,
     /// Upper bound of what Set Features Number of Queues grants.
     pub max_io_queues: u32,
+    /// The transport of its admin queue.
+    pub transport: super::Transport,
 }
 
 /// A controller: the state of one host's association with one subsystem.
@@ -45,6 +47,8 @@ pub struct Controller {
     pub hostnqn: String,
     /// The host's identifier.
     pub hostid: [u8; 16],
+    /// The transport of its admin queue: Identify says what its data pointers may be.
+    pub transport: super::Transport,
     kato_ms: AtomicU32,
     keep_alive_deadline_ms: AtomicU64,
     cc: AtomicU32,
@@ -71,12 +75,13 @@ struct Events {
 impl Controller {
     /// A new controller for an association established at `now_ms`.
     pub fn new(cntlid: u16, a: Association, now_ms: u64) -> Controller {
-        let Association { subsystem, hostnqn, hostid, kato_ms, max_io_queues } = a;
+        let Association { subsystem, hostnqn, hostid, kato_ms, max_io_queues, transport } = a;
         Controller {
             cntlid,
             subsystem,
             hostnqn,
             hostid,
+            transport,
             kato_ms: AtomicU32::new(kato_ms),
             keep_alive_deadline_ms: AtomicU64::new(now_ms + u64::from(kato_ms)),
             cc: AtomicU32::new(0),
@@ -122,6 +127,8 @@ impl Controller {
             subsystem,
             hostnqn: i.hostnqn.clone(),
             hostid: i.hostid,
+            // Only NVMe/TCP connections are handed to a new process.
+            transport: super::Transport::Tcp,
             kato_ms: AtomicU32::new(i.kato_ms),
             keep_alive_deadline_ms: AtomicU64::new(now_ms + u64::from(i.kato_ms)),
             cc: AtomicU32::new(i.cc),
@@ -351,7 +358,14 @@ mod tests {
 
     fn ctrl() -> Controller {
         let s = Subsystem::new("nqn.2024-01.io.nvpool:t", "SN", "m", HostPolicy::default()).unwrap();
-        let a = Association { subsystem: s, hostnqn: "nqn.h".into(), hostid: [0; 16], kato_ms: 5000, max_io_queues: 4 };
+        let a = Association {
+            subsystem: s,
+            hostnqn: "nqn.h".into(),
+            hostid: [0; 16],
+            kato_ms: 5000,
+            max_io_queues: 4,
+            transport: super::super::Transport::Tcp,
+        };
         Controller::new(1, a, 0)
     }
 

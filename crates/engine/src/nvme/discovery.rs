@@ -6,21 +6,29 @@ use nvpool_wire::bytes::nul;
 use nvpool_wire::fabrics::DISCOVERY_NQN;
 use nvpool_wire::log::{
     ADRFAM_IPV4, ADRFAM_IPV6, DiscoveryLogEntry, DiscoveryLogHeader, SUBTYPE_CURRENT_DISCOVERY, SUBTYPE_NVME,
-    TREQ_NOT_REQUIRED, TREQ_REQUIRED, TRTYPE_TCP, TSAS_SECTYPE_TLS13,
+    TREQ_NOT_REQUIRED, TREQ_REQUIRED, TRTYPE_RDMA, TRTYPE_TCP, TSAS_SECTYPE_TLS13,
 };
 
-use super::{ADMIN_QUEUE_DEPTH, ListenerInfo, Target};
+use super::{ADMIN_QUEUE_DEPTH, ListenerInfo, Target, Transport};
 use crate::tls::TlsMode;
 
 fn entry(l: &ListenerInfo, subtype: u8, subnqn: &str) -> DiscoveryLogEntry {
     // A TLS listener says so, as nvmet's tls1.3 ports do: SECTYPE TLS 1.3, and whether
     // the secure channel is required.
-    let mut tsas = [0u8; 256];
-    if l.tls != TlsMode::Off {
-        tsas[0] = TSAS_SECTYPE_TLS13;
-    }
+    // An RDMA port says how to reach it: reliable connected queue pairs through the
+    // RDMA IP connection manager.
+    let (trtype, tsas) = match l.transport {
+        Transport::Tcp => {
+            let mut tsas = [0u8; 256];
+            if l.tls != TlsMode::Off {
+                tsas[0] = TSAS_SECTYPE_TLS13;
+            }
+            (TRTYPE_TCP, tsas)
+        }
+        Transport::Rdma => (TRTYPE_RDMA, nvpool_wire::rdma::discovery_tsas()),
+    };
     DiscoveryLogEntry {
-        trtype: TRTYPE_TCP,
+        trtype,
         adrfam: if l.addr.is_ipv4() { ADRFAM_IPV4 } else { ADRFAM_IPV6 },
         subtype,
         treq: if l.tls == TlsMode::Required { TREQ_REQUIRED } else { TREQ_NOT_REQUIRED },
@@ -73,6 +81,7 @@ mod tests {
             addr: "127.0.0.1".parse().unwrap(),
             port: 4420,
             tls: TlsMode::Off,
+            transport: Transport::Tcp,
         });
         let open = Subsystem::new(
             "nqn.2024-01.io.nvpool:open",
@@ -103,6 +112,7 @@ mod tests {
                 addr: "127.0.0.1".parse().unwrap(),
                 port: 4419 + port_id,
                 tls,
+                transport: Transport::Tcp,
             });
         }
         let page = log_page(&t, "nqn.someone");
@@ -111,5 +121,24 @@ mod tests {
         assert_eq!((entries[0].treq, entries[0].tsas[0]), (TREQ_NOT_REQUIRED, 0));
         assert_eq!((entries[1].treq, entries[1].tsas[0]), (TREQ_NOT_REQUIRED, TSAS_SECTYPE_TLS13));
         assert_eq!((entries[2].treq, entries[2].tsas[0]), (TREQ_REQUIRED, TSAS_SECTYPE_TLS13));
+    }
+
+    #[test]
+    fn rdma_listeners_report_their_transport_and_how_to_reach_them() {
+        let t = Target::new(Limits::default());
+        let addr = "192.168.77.1".parse().unwrap();
+        t.add_listener_info(ListenerInfo {
+            port_id: 7,
+            addr,
+            port: 4420,
+            tls: TlsMode::Off,
+            transport: Transport::Rdma,
+        });
+        let page = log_page(&t, "nqn.someone");
+        let e = DiscoveryLogEntry::decode(&page[1024..]).unwrap();
+        assert_eq!(e.trtype, TRTYPE_RDMA);
+        assert_eq!(e.tsas[..3], [1, 1, 1], "reliable connected, no provider named, RDMA IP CM");
+        assert_eq!(e.treq, TREQ_NOT_REQUIRED);
+        assert_eq!(get_nul_padded(&e.traddr, 0, 256), "192.168.77.1");
     }
 }

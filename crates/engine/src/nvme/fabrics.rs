@@ -12,7 +12,7 @@ use nvpool_wire::fabrics::{
 
 use super::controller::Association;
 use super::data_pointer::{self, Direction, Length, Source};
-use super::{ADMIN_QUEUE_DEPTH, Controller, Target};
+use super::{ADMIN_QUEUE_DEPTH, Controller, Target, Transport};
 use crate::tls::TlsPeer;
 
 /// A successful Connect: the queue now belongs to `controller`.
@@ -49,8 +49,14 @@ fn refuse_for_now(status: Status, result: u32) -> Refused {
     Refused { status, result }
 }
 
-/// Handles a Connect command with its in-capsule data.
-pub fn connect(target: &Target, cmd: &Command, data: &[u8], tls: Option<&TlsPeer>) -> Result<Connected, Refused> {
+/// Handles a Connect command with its in-capsule data, arrived over `transport`.
+pub fn connect(
+    target: &Target,
+    cmd: &Command,
+    data: &[u8],
+    tls: Option<&TlsPeer>,
+    transport: Transport,
+) -> Result<Connected, Refused> {
     let c = ConnectCommand::from_command(cmd);
     if c.recfmt != 0 {
         return Err(refuse(Status::CONNECT_INCOMPATIBLE_FORMAT, 0));
@@ -101,6 +107,7 @@ pub fn connect(target: &Target, cmd: &Command, data: &[u8], tls: Option<&TlsPeer
                     hostid: d.hostid,
                     kato_ms: c.kato,
                     max_io_queues,
+                    transport,
                 };
                 Arc::new(Controller::new(id, a, now))
             })
@@ -193,15 +200,15 @@ mod tests {
         let peer = TlsPeer { host_nqn: HOST.into(), subsystem_nqn: NQN.into() };
 
         let (cmd, data) = admin_connect(NQN, HOST);
-        assert!(connect(&target, &cmd, &data, Some(&peer)).is_ok());
+        assert!(connect(&target, &cmd, &data, Some(&peer), Transport::Tcp).is_ok());
         // Another host's NQN, or another subsystem, over that session: Connect Invalid Host.
         for (subnqn, hostnqn) in [(NQN, "nqn.2024-01.io.nvpool:host-b"), (other, HOST)] {
             let (cmd, data) = admin_connect(subnqn, hostnqn);
-            let refused = connect(&target, &cmd, &data, Some(&peer)).err().expect("refused");
+            let refused = connect(&target, &cmd, &data, Some(&peer), Transport::Tcp).err().expect("refused");
             assert_eq!(refused.status.base(), Status::CONNECT_INVALID_HOST);
         }
         // Without TLS, nothing binds the NQNs.
         let (cmd, data) = admin_connect(other, HOST);
-        assert!(connect(&target, &cmd, &data, None).is_ok());
+        assert!(connect(&target, &cmd, &data, None, Transport::Tcp).is_ok());
     }
 }

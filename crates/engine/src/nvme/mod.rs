@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
 pub use controller::Controller;
-pub use nvpool_api::ListenerInfo;
+pub use nvpool_api::{ListenerInfo, Transport};
 pub use stats::{NamespaceStats, StatsSnapshot};
 pub use subsystem::{Namespace, Subsystem};
 

@@ -124,6 +124,15 @@ impl BlockIo {
         self.buf.as_mut().map(Buf::as_mut_slice)
     }
 
+    /// The data buffer, for a transport to fill (an RDMA READ) while no disk
+    /// operation is in flight.
+    pub fn buf_mut(&mut self) -> Option<&mut Buf> {
+        if self.pending != 0 {
+            return None;
+        }
+        self.buf.as_mut()
+    }
+
     /// The data buffer's bytes, while no operation is in flight.
     pub fn data(&self) -> Option<&[u8]> {
         if self.pending != 0 {

@@ -15,20 +15,22 @@ use std::sync::Arc;
 use io_uring::{opcode, types};
 use nvpool_wire::Status;
 use nvpool_wire::bytes::compact;
-use nvpool_wire::command::{Command, Completion, admin_opcode};
+use nvpool_wire::command::{Command, Completion, SQE_SIZE, SglDescriptor, admin_opcode, sgl};
 use nvpool_wire::fabrics::fctype;
+use nvpool_wire::rdma::KeyedSgl;
 use nvpool_wire::tcp::{self, DataHeader, Digests, FatalError, IcResp, Pdu, data_field, fes};
 
 use super::block_io::{BlockIo, DiskQueue, Queued};
+use super::rdma::{Done, Prefetched, RdmaWire, Work};
 use super::{Msg, Op, Reactor};
-use crate::bufpool::{Buf, BufPool, PAGE_SIZE};
+use crate::bufpool::{Buf, PAGE_SIZE};
 use crate::nvme::admin::{self, AdminOutcome};
 use crate::nvme::ana;
 use crate::nvme::auth::{self, Handled, Outcome, Transaction};
 use crate::nvme::data_pointer::Source;
 use crate::nvme::nvm::{self, IoPlan};
 use crate::nvme::subsystem::NamespaceMap;
-use crate::nvme::{ADMIN_IN_CAPSULE_DATA, Controller, IO_IN_CAPSULE_DATA, MAX_H2C_DATA, Namespace, Target, fabrics};
+use crate::nvme::{ADMIN_IN_CAPSULE_DATA, Controller, IO_IN_CAPSULE_DATA, MAX_H2C_DATA, Namespace, Transport, fabrics};
 use crate::tls::TlsPeer;
 use crate::upgrade::image::{ConnImage, QueueImage};
 
@@ -180,20 +182,25 @@ struct SendArea {
     digests: [[u8; 4]; MAX_SEND_ITEMS],
 }
 
-pub(super) struct Conn {
+/// How a connection's bytes move. The TCP state is inline: every TCP connection is
+/// boxed already, and its hot path reads it on every PDU.
+#[allow(clippy::large_enum_variant)]
+enum Wire {
+    /// An NVMe/TCP stream: PDUs in a byte stream, sent in batches.
+    Tcp(Stream),
+    /// An RDMA queue pair: capsules by SEND and RECV, data by READ and WRITE.
+    Rdma(Box<RdmaWire>),
+}
+
+/// The NVMe/TCP side of a connection.
+struct Stream {
     socket: TcpStream,
-    /// The host's address, for the log.
-    peer: String,
     /// Who the connection's TLS session proved the host to be: its Connect must name
     /// that host and subsystem.
     tls: Option<Box<TlsPeer>>,
-    /// The listener that accepted it; `None` for a socket pair.
-    pub(super) port_id: Option<u16>,
     /// The socket's slot in the ring's registered-file table, if it has one: operations
     /// on a registered file skip the kernel's descriptor lookup and reference counting.
-    pub(super) registered_file: Option<u32>,
-    phase: Phase,
-    accepted_ms: u64,
+    registered_file: Option<u32>,
     digests: Digests,
     /// Its own mapping, so a closed connection gives the memory back at once. Out of
     /// its place only while `on_recv` parses it.
@@ -211,14 +218,6 @@ pub(super) struct Conn {
     send_area: Box<SendArea>,
     msg: libc::msghdr,
     send_posted: bool,
-    ops_in_flight: u32,
-    queue: Option<Queue>,
-    slots: Vec<Slot>,
-    free_slots: Vec<u16>,
-    aers: Vec<u16>,
-    /// Set while a hot upgrade parks the connection: it finishes what it took and
-    /// takes nothing new (see `park_step`).
-    parking: bool,
     /// Whole capsules that arrived while parking, not acted on.
     held: Vec<u8>,
     /// Whether parking asked the kernel to take the posted receive back.
@@ -227,17 +226,32 @@ pub(super) struct Conn {
     resume_after_recv: bool,
 }
 
+/// One queue of a host: the commands it runs, on its wire.
+pub(super) struct Conn {
+    wire: Wire,
+    /// The host's address, for the log.
+    peer: String,
+    /// The listener that accepted it; `None` for a socket pair.
+    pub(super) port_id: Option<u16>,
+    phase: Phase,
+    accepted_ms: u64,
+    ops_in_flight: u32,
+    queue: Option<Queue>,
+    slots: Vec<Slot>,
+    free_slots: Vec<u16>,
+    aers: Vec<u16>,
+    /// Set while a hot upgrade parks the connection: it finishes what it took and
+    /// takes nothing new (see `park_step`).
+    parking: bool,
+}
+
 impl Conn {
     pub(super) fn new(socket: TcpStream, now_ms: u64, port_id: Option<u16>, tls: Option<Box<TlsPeer>>) -> Conn {
         let peer = socket.peer_addr().map_or_else(|_| "a socket pair".to_string(), |a| a.to_string());
-        Conn {
+        let stream = Stream {
             socket,
-            peer,
             tls,
-            port_id,
             registered_file: None,
-            phase: Phase::Handshake,
-            accepted_ms: now_ms,
             digests: Digests::default(),
             recv_buf: Some(Buf::new(RECV_BUF.div_ceil(PAGE_SIZE))),
             recv_start: 0,
@@ -254,15 +268,34 @@ impl Conn {
             // SAFETY: msghdr is plain data; all-zero is a valid empty header.
             msg: unsafe { std::mem::zeroed() },
             send_posted: false,
+            held: Vec::new(),
+            recv_cancelled: false,
+            resume_after_recv: false,
+        };
+        Conn::on_wire(Wire::Tcp(stream), peer, now_ms, port_id, Phase::Handshake)
+    }
+
+    /// A connection on an RDMA queue pair, accepted with `posted` receives.
+    pub(super) fn rdma(wire: Box<RdmaWire>, posted: u32, now_ms: u64, port_id: u16) -> Conn {
+        let peer = wire.peer.clone();
+        let mut c = Conn::on_wire(Wire::Rdma(wire), peer, now_ms, Some(port_id), Phase::Ready);
+        c.ops_in_flight = posted;
+        c
+    }
+
+    fn on_wire(wire: Wire, peer: String, now_ms: u64, port_id: Option<u16>, phase: Phase) -> Conn {
+        Conn {
+            wire,
+            peer,
+            port_id,
+            phase,
+            accepted_ms: now_ms,
             ops_in_flight: 0,
             queue: None,
             slots: Vec::new(),
             free_slots: Vec::new(),
             aers: Vec::new(),
             parking: false,
-            held: Vec::new(),
-            recv_cancelled: false,
-            resume_after_recv: false,
         }
     }
 
@@ -276,7 +309,10 @@ impl Conn {
         now_ms: u64,
     ) -> Result<Conn, String> {
         let mut c = Conn::new(socket, now_ms, i.port_id, i.tls.clone().map(Box::new));
-        c.digests = Digests { header: i.header_digest, data: i.data_digest };
+        if let Wire::Tcp(s) = &mut c.wire {
+            s.digests = Digests { header: i.header_digest, data: i.data_digest };
+            s.held = i.input.clone();
+        }
         if i.ready {
             c.phase = Phase::Ready;
         }
@@ -303,7 +339,6 @@ impl Conn {
             });
         }
         c.aers = i.aers.clone();
-        c.held = i.input.clone();
         // Parked as the other process left it, until `resume`.
         c.parking = true;
         Ok(c)
@@ -318,10 +353,11 @@ impl Conn {
 
     /// Whether nothing is in flight but, perhaps, the posted receive.
     fn quiet(&self) -> bool {
+        let Wire::Tcp(s) = &self.wire else { return false };
         matches!(self.phase, Phase::Handshake | Phase::Ready)
-            && self.out.is_empty()
-            && !self.send_posted
-            && self.ops_in_flight == u32::from(self.recv_posted)
+            && s.out.is_empty()
+            && !s.send_posted
+            && self.ops_in_flight == u32::from(s.recv_posted)
             && self.slots.iter().all(|s| s.state == SlotState::Free)
     }
 
@@ -331,9 +367,10 @@ impl Conn {
         if !self.parking || !self.quiet() {
             return false;
         }
-        if self.recv_posted {
-            if !self.recv_cancelled {
-                self.recv_cancelled = true;
+        let Wire::Tcp(s) = &mut self.wire else { return false };
+        if s.recv_posted {
+            if !s.recv_cancelled {
+                s.recv_cancelled = true;
                 let sqe = opcode::AsyncCancel::new(Op::Recv(idx).encode()).build().user_data(0);
                 // SAFETY: a cancellation points at no memory.
                 unsafe { r.push(sqe) };
@@ -345,27 +382,27 @@ impl Conn {
 
     /// The bytes read and not acted on, in order: the capsules held while parking,
     /// then whatever the receive buffer has not parsed (the start of the next PDU).
-    fn unread_input(&self) -> Vec<u8> {
-        let mut input = self.held.clone();
-        if let Some(buf) = &self.recv_buf {
-            input.extend_from_slice(&buf.as_slice()[self.recv_start..self.recv_end]);
+    fn unread_input(s: &Stream) -> Vec<u8> {
+        let mut input = s.held.clone();
+        if let Some(buf) = &s.recv_buf {
+            input.extend_from_slice(&buf.as_slice()[s.recv_start..s.recv_end]);
         }
         input
     }
 
     /// What a new engine process needs to serve this parked connection, its socket
-    /// being descriptor `fd`.
-    pub(super) fn image(&self, reactor: usize, fd: usize) -> ConnImage {
-        let input = self.unread_input();
-        ConnImage {
+    /// being descriptor `fd`; `None` for an RDMA connection, which cannot be handed on.
+    pub(super) fn image(&self, reactor: usize, fd: usize) -> Option<ConnImage> {
+        let Wire::Tcp(s) = &self.wire else { return None };
+        Some(ConnImage {
             reactor,
             fd,
             port_id: self.port_id,
-            tls: self.tls.as_deref().cloned(),
+            tls: s.tls.as_deref().cloned(),
             ready: self.phase == Phase::Ready,
-            header_digest: self.digests.header,
-            data_digest: self.digests.data,
-            input,
+            header_digest: s.digests.header,
+            data_digest: s.digests.data,
+            input: Conn::unread_input(s),
             queue: self.queue.as_ref().map(|q| QueueImage {
                 cntlid: q.controller.cntlid,
                 qid: q.qid,
@@ -375,7 +412,7 @@ impl Conn {
                 authenticated: q.authenticated,
             }),
             aers: self.aers.clone(),
-        }
+        })
     }
 
     /// Goes on serving after parking (or after a handover): the held commands and the
@@ -384,11 +421,15 @@ impl Conn {
         if !self.parking {
             return;
         }
-        if self.recv_posted {
+        let Wire::Tcp(s) = &mut self.wire else {
+            self.parking = false;
+            return;
+        };
+        if s.recv_posted {
             // The kernel may still write into the buffer: resume once the receive
             // is back (with data or cancelled).
-            self.resume_after_recv = true;
-            if !std::mem::replace(&mut self.recv_cancelled, true) {
+            s.resume_after_recv = true;
+            if !std::mem::replace(&mut s.recv_cancelled, true) {
                 let sqe = opcode::AsyncCancel::new(Op::Recv(idx).encode()).build().user_data(0);
                 // SAFETY: a cancellation points at no memory.
                 unsafe { r.push(sqe) };
@@ -396,36 +437,67 @@ impl Conn {
             return;
         }
         self.parking = false;
-        self.recv_cancelled = false;
-        let input = self.unread_input();
-        self.held.clear();
-        self.recv_start = 0;
-        self.recv_end = 0;
+        s.recv_cancelled = false;
+        let input = Conn::unread_input(s);
+        s.held.clear();
+        s.recv_start = 0;
+        s.recv_end = 0;
         let mut rest = &input[..];
         while !rest.is_empty() && matches!(self.phase, Phase::Handshake | Phase::Ready) {
-            let Some(buf) = self.recv_buf.as_mut() else { break };
-            compact(buf.as_mut_slice(), &mut self.recv_start, &mut self.recv_end);
-            let n = rest.len().min(buf.capacity() - self.recv_end);
+            let Wire::Tcp(s) = &mut self.wire else { break };
+            let Some(buf) = s.recv_buf.as_mut() else { break };
+            compact(buf.as_mut_slice(), &mut s.recv_start, &mut s.recv_end);
+            let n = rest.len().min(buf.capacity() - s.recv_end);
             if n == 0 {
                 // Cannot happen: the buffer holds the largest PDU, and whole PDUs are
                 // consumed before more is copied in.
                 break;
             }
-            buf.as_mut_slice()[self.recv_end..self.recv_end + n].copy_from_slice(&rest[..n]);
-            self.recv_end += n;
+            buf.as_mut_slice()[s.recv_end..s.recv_end + n].copy_from_slice(&rest[..n]);
+            s.recv_end += n;
             rest = &rest[n..];
             self.parse_input(r, idx);
         }
         r.mark_dirty(idx);
     }
 
-    pub(super) fn raw_fd(&self) -> RawFd {
-        self.socket.as_raw_fd()
+    /// The socket's descriptor; `None` on RDMA.
+    pub(super) fn raw_fd(&self) -> Option<RawFd> {
+        match &self.wire {
+            Wire::Tcp(s) => Some(s.socket.as_raw_fd()),
+            Wire::Rdma(_) => None,
+        }
+    }
+
+    /// Records the socket's slot in the ring's registered-file table.
+    pub(super) fn set_registered_file(&mut self, slot: u32) {
+        if let Wire::Tcp(s) = &mut self.wire {
+            s.registered_file = Some(slot);
+        }
+    }
+
+    /// Takes the socket's slot in the ring's registered-file table, to free it.
+    pub(super) fn take_registered_file(&mut self) -> Option<u32> {
+        match &mut self.wire {
+            Wire::Tcp(s) => s.registered_file.take(),
+            Wire::Rdma(_) => None,
+        }
     }
 
     /// A second descriptor of the socket, for another engine process.
     pub(super) fn dup_socket(&self) -> std::io::Result<TcpStream> {
-        self.socket.try_clone()
+        match &self.wire {
+            Wire::Tcp(s) => s.socket.try_clone(),
+            Wire::Rdma(_) => Err(std::io::Error::other("an RDMA connection has no socket")),
+        }
+    }
+
+    /// The serial number of the RDMA connection, if it is one.
+    pub(super) fn rdma_serial(&self) -> Option<u64> {
+        match &self.wire {
+            Wire::Rdma(w) => Some(w.serial),
+            Wire::Tcp(_) => None,
+        }
     }
 
     /// Whether the connection is closed and nothing references its memory any more.
@@ -433,26 +505,37 @@ impl Conn {
         self.phase == Phase::Closed && self.ops_in_flight == 0
     }
 
-    /// Shuts the socket down; outstanding operations complete with errors, after which
-    /// the connection is freed.
+    /// Shuts the socket down (or disconnects the queue pair); outstanding operations
+    /// complete with errors, after which the connection is freed.
     pub(super) fn begin_close(&mut self) {
         if self.phase != Phase::Closed {
             self.phase = Phase::Closed;
-            let _ = self.socket.shutdown(Shutdown::Both);
+            match &mut self.wire {
+                Wire::Tcp(s) => {
+                    let _ = s.socket.shutdown(Shutdown::Both);
+                }
+                Wire::Rdma(w) => w.disconnect(),
+            }
         }
     }
 
     /// Gives every buffer back and ends the queue's part in its controller.
-    pub(super) fn release(&mut self, target: &Target, pool: &mut BufPool) {
+    pub(super) fn release(&mut self, r: &mut Reactor) {
+        let target = r.target.clone();
         for s in &mut self.slots {
             if let Some(b) = s.io.take_buf() {
-                pool.put(b);
+                r.pool.put(b);
             }
         }
-        for item in self.out.drain(..) {
-            if let Payload::Pool(b, _) = item.payload {
-                pool.put(b);
+        match &mut self.wire {
+            Wire::Tcp(s) => {
+                for item in s.out.drain(..) {
+                    if let Payload::Pool(b, _) = item.payload {
+                        r.pool.put(b);
+                    }
+                }
             }
+            Wire::Rdma(w) => w.release(r),
         }
         if let Some(q) = self.queue.take() {
             if !q.authenticated {
@@ -476,25 +559,26 @@ impl Conn {
     // ----- receive path -------------------------------------------------------------
 
     pub(super) fn post_recv(&mut self, r: &mut Reactor, idx: u32) {
-        if self.recv_posted
+        let Wire::Tcp(s) = &mut self.wire else { return };
+        if s.recv_posted
             || !matches!(self.phase, Phase::Handshake | Phase::Ready)
-            || self.out.len() >= MAX_OUT_BACKLOG
+            || s.out.len() >= MAX_OUT_BACKLOG
             // Parking reads only the data of commands already taken.
             || (self.parking && !self.slots.iter().any(|s| s.state == SlotState::AwaitingData))
         {
             return;
         }
-        let Some(buf) = self.recv_buf.as_mut() else { return };
-        if self.recv_start > 0 {
+        let Some(buf) = s.recv_buf.as_mut() else { return };
+        if s.recv_start > 0 {
             // Keep the partial PDU at the front so the whole PDU always fits.
-            compact(buf.as_mut_slice(), &mut self.recv_start, &mut self.recv_end);
+            compact(buf.as_mut_slice(), &mut s.recv_start, &mut s.recv_end);
         }
-        let room = buf.capacity() - self.recv_end;
-        let ptr = buf.as_mut_slice()[self.recv_end..].as_mut_ptr();
+        let room = buf.capacity() - s.recv_end;
+        let ptr = buf.as_mut_slice()[s.recv_end..].as_mut_ptr();
         let len = room as u32;
-        let sqe = match self.registered_file {
+        let sqe = match s.registered_file {
             Some(i) => opcode::Recv::new(types::Fixed(i), ptr, len).build(),
-            None => opcode::Recv::new(types::Fd(self.raw_fd()), ptr, len).build(),
+            None => opcode::Recv::new(types::Fd(s.socket.as_raw_fd()), ptr, len).build(),
         };
         let sqe = sqe.user_data(Op::Recv(idx).encode());
         // SAFETY: the receive writes into `recv_buf` past `recv_end`, inside its length.
@@ -502,13 +586,14 @@ impl Conn {
         // the connection is freed only once this operation has completed (see
         // `can_free`), and a receive is posted only when none is.
         unsafe { r.push(sqe) };
-        self.recv_posted = true;
+        s.recv_posted = true;
         self.ops_in_flight += 1;
     }
 
     pub(super) fn on_recv(&mut self, r: &mut Reactor, idx: u32, res: i32) {
+        let Wire::Tcp(s) = &mut self.wire else { return };
         self.ops_in_flight -= 1;
-        self.recv_posted = false;
+        s.recv_posted = false;
         if res == -libc::ECANCELED && self.parking {
             // Parking took the receive back before anything arrived.
         } else if res <= 0 {
@@ -516,10 +601,12 @@ impl Conn {
             self.begin_close();
             return;
         } else {
-            self.recv_end += res as usize;
+            s.recv_end += res as usize;
             self.parse_input(r, idx);
         }
-        if std::mem::take(&mut self.resume_after_recv) {
+        if let Wire::Tcp(s) = &mut self.wire
+            && std::mem::take(&mut s.resume_after_recv)
+        {
             self.resume(r, idx);
         }
     }
@@ -527,36 +614,45 @@ impl Conn {
     /// Acts on every whole PDU in the receive buffer; a partial one stays at the front.
     fn parse_input(&mut self, r: &mut Reactor, idx: u32) {
         // The buffer is taken out so PDUs can borrow it while the connection changes.
-        let Some(buf) = self.recv_buf.take() else { return };
+        let Wire::Tcp(s) = &mut self.wire else { return };
+        let Some(buf) = s.recv_buf.take() else { return };
         while matches!(self.phase, Phase::Handshake | Phase::Ready) {
-            match tcp::parse(&buf.as_slice()[self.recv_start..self.recv_end], self.digests, RECV_LIMITS) {
+            let Wire::Tcp(s) = &mut self.wire else { break };
+            match tcp::parse(&buf.as_slice()[s.recv_start..s.recv_end], s.digests, RECV_LIMITS) {
                 Ok(None) => break,
                 Ok(Some(p)) if self.parking && matches!(p.pdu, Pdu::CapsuleCmd { .. } | Pdu::IcReq(_)) => {
                     // A parking connection takes no new command: the bytes wait for
                     // whichever process serves the connection next.
-                    self.held.extend_from_slice(&buf.as_slice()[self.recv_start..self.recv_start + p.len]);
-                    self.recv_start += p.len;
+                    s.held.extend_from_slice(&buf.as_slice()[s.recv_start..s.recv_start + p.len]);
+                    s.recv_start += p.len;
                 }
                 Ok(Some(p)) => {
-                    self.recv_start += p.len;
+                    s.recv_start += p.len;
                     self.on_pdu(r, idx, p.pdu, p.data_digest_ok);
                 }
                 Err(e) => {
-                    let start = self.recv_start;
+                    let (start, end) = (s.recv_start, s.recv_end);
                     let bytes = buf.as_slice();
-                    let hdr_end = (start + usize::from(bytes.get(start + 2).copied().unwrap_or(8))).min(self.recv_end);
+                    let hdr_end = (start + usize::from(bytes.get(start + 2).copied().unwrap_or(8))).min(end);
                     self.fatal(r, idx, e, &bytes[start..hdr_end.max(start)]);
                 }
             }
         }
-        self.recv_buf = Some(buf);
+        if let Wire::Tcp(s) = &mut self.wire {
+            s.recv_buf = Some(buf);
+        }
         // The receive is posted again when the output is flushed, after the send, so
         // responses leave before the kernel arms the socket for the next request.
         r.mark_dirty(idx);
     }
 
-    /// Sends a C2HTermReq and closes once it is out.
+    /// Sends a C2HTermReq and closes once it is out (on RDMA, which has no such
+    /// message, closes).
     fn fatal(&mut self, r: &mut Reactor, idx: u32, e: FatalError, offending: &[u8]) {
+        if let Wire::Rdma(_) = self.wire {
+            tracing::warn!(address = self.peer, "closing the connection: {}", e.reason);
+            return self.begin_close();
+        }
         let mut pdu = [0u8; tcp::TERM_REQ_MAX];
         let len = tcp::encode_term_req(true, e.fes, e.fei, offending, &mut pdu);
         self.queue_whole_pdu(&pdu[..len]);
@@ -588,7 +684,9 @@ impl Conn {
                 let mut pdu = [0u8; tcp::IC_SIZE];
                 tcp::encode_ic_resp(&resp, &mut pdu);
                 self.queue_whole_pdu(&pdu);
-                self.digests = req.digests;
+                if let Wire::Tcp(s) = &mut self.wire {
+                    s.digests = req.digests;
+                }
                 self.phase = Phase::Ready;
             }
             (Phase::Handshake, _) => self.sequence_error(r, idx, "PDU before ICReq"),
@@ -601,6 +699,97 @@ impl Conn {
                 self.fatal(r, idx, e, &[]);
             }
         }
+    }
+
+    // ----- RDMA receive path --------------------------------------------------------
+
+    /// A work request of the connection's queue pair completed.
+    pub(super) fn on_rdma(&mut self, r: &mut Reactor, idx: u32, done: Done) {
+        self.ops_in_flight -= 1;
+        let Wire::Rdma(w) = &mut self.wire else { return };
+        match done.work {
+            Work::Send(_) | Work::Write(_) => {
+                if let Some(b) = w.sent(done.work) {
+                    r.pool.put(b);
+                }
+                if done.ok && self.phase == Phase::Draining && w.idle() {
+                    self.begin_close();
+                }
+            }
+            // A failed or flushed receive brought nothing.
+            Work::Recv(i) if done.ok && self.phase == Phase::Ready => self.on_capsule(r, idx, i, done.bytes as usize),
+            Work::Recv(_) => {}
+            Work::Read(tag) if done.ok => self.on_data_read(r, idx, tag),
+            Work::Read(_) => {}
+            Work::Prefetch(i) => {
+                let held = w.take_prefetched(i);
+                if let Some(p) = held {
+                    if done.ok && self.phase == Phase::Ready {
+                        self.on_prefetched(r, idx, &p);
+                    }
+                    r.pool.put(p.buf);
+                }
+            }
+        }
+        // A failed work request leaves the queue pair in error: nothing more goes through.
+        if !done.ok {
+            self.begin_close();
+        }
+    }
+
+    /// A command capsule arrived in receive buffer `i`.
+    fn on_capsule(&mut self, r: &mut Reactor, idx: u32, i: u32, len: usize) {
+        let Wire::Rdma(w) = &mut self.wire else { return };
+        let Some(capsules) = w.take_capsules() else { return };
+        let bytes = RdmaWire::capsule(&capsules, i, len);
+        let Some(sqe) = bytes.first_chunk::<SQE_SIZE>().copied() else {
+            w.done_with(capsules, i);
+            let e = FatalError { fes: 0, fei: 0, reason: "a capsule shorter than a command" };
+            return self.fatal(r, idx, e, &[]);
+        };
+        let data = &bytes[SQE_SIZE..];
+        let mut cmd = Command::decode(&sqe);
+        let keyed = sqe[24..40].first_chunk::<16>().and_then(KeyedSgl::decode);
+        if let Some(key) = keyed {
+            w.remember_key(cmd.cid, key);
+            // A keyed descriptor does on RDMA what a Transport Data Block does on TCP:
+            // the data moves outside the capsule. The command runs with one, so the
+            // checks see its length, and its data moves by READ or WRITE.
+            cmd.dptr = SglDescriptor { address: 0, length: key.length, id: sgl::TRANSPORT };
+            if data_before_running(&cmd) && key.length > 0 {
+                let len = key.length as usize;
+                if len > ADMIN_IN_CAPSULE_DATA {
+                    w.done_with(capsules, i);
+                    return self.respond(r, idx, cmd.cid, Status::INVALID_FIELD.with_dnr(), 0);
+                }
+                let buf = r.io_buf(len);
+                let fetched = w.prefetch(cmd.cid, Prefetched { sqe, buf, len });
+                w.done_with(capsules, i);
+                if let Err(buf) = fetched {
+                    r.pool.put(buf);
+                    return self.respond(r, idx, cmd.cid, Status::TRANSIENT_TRANSPORT_ERROR, 0);
+                }
+                return r.mark_dirty(idx);
+            }
+        } else if cmd.dptr.id == sgl::TRANSPORT {
+            // TCP's descriptor means nothing on RDMA.
+            w.done_with(capsules, i);
+            return self.respond(r, idx, cmd.cid, Status::SGL_TYPE_INVALID.with_dnr(), 0);
+        }
+        self.on_command(r, idx, &cmd, data, true);
+        if let Wire::Rdma(w) = &mut self.wire {
+            w.done_with(capsules, i);
+        }
+        r.mark_dirty(idx);
+    }
+
+    /// The data of a command that needs it to run arrived: the command runs as if
+    /// the data had come in its capsule.
+    fn on_prefetched(&mut self, r: &mut Reactor, idx: u32, p: &Prefetched) {
+        let mut cmd = Command::decode(&p.sqe);
+        cmd.dptr = SglDescriptor { address: 0, length: p.len as u32, id: sgl::IN_CAPSULE };
+        self.on_command(r, idx, &cmd, &p.buf.as_slice()[..p.len], true);
+        r.mark_dirty(idx);
     }
 
     // ----- commands -----------------------------------------------------------------
@@ -666,7 +855,11 @@ impl Conn {
     }
 
     fn on_connect(&mut self, r: &mut Reactor, idx: u32, cmd: &Command, data: &[u8]) {
-        match fabrics::connect(&r.target, cmd, data, self.tls.as_deref()) {
+        let (tls, transport) = match &self.wire {
+            Wire::Tcp(s) => (s.tls.as_deref(), Transport::Tcp),
+            Wire::Rdma(_) => (None, Transport::Rdma),
+        };
+        match fabrics::connect(&r.target, cmd, data, tls, transport) {
             Ok(c) => {
                 // Bit 17 of DW0 tells the host to authenticate before anything else.
                 let result = u64::from(c.controller.cntlid)
@@ -759,7 +952,7 @@ impl Conn {
             }
         }
         if let Some(d) = answer.data {
-            self.queue_c2h(&[], cid, Payload::Owned(d), false);
+            self.send_data(r, cid, Payload::Owned(d), false);
         }
         self.respond(r, idx, cid, answer.status, 0);
     }
@@ -776,7 +969,7 @@ impl Conn {
                 // The handler checked the host's buffer: the data fills it exactly and
                 // is within MDTS.
                 if let Some(d) = data.filter(|d| !d.is_empty()) {
-                    self.queue_c2h(&[], cmd.cid, Payload::Owned(d), false);
+                    self.send_data(r, cmd.cid, Payload::Owned(d), false);
                 }
                 self.respond(r, idx, cmd.cid, status, result);
             }
@@ -859,9 +1052,34 @@ impl Conn {
             return self.start_io(r, idx, tag);
         }
         slot.state = SlotState::AwaitingData;
-        let h = DataHeader { cccid: cmd.cid, ttag: tag, offset: 0, length: host_len as u32 };
-        let item = push_item(&mut self.out);
-        item.header_len = tcp::encode_r2t(&h, self.digests, &mut item.header);
+        match &mut self.wire {
+            Wire::Tcp(s) => {
+                let h = DataHeader { cccid: cmd.cid, ttag: tag, offset: 0, length: host_len as u32 };
+                let item = push_item(&mut s.out);
+                item.header_len = tcp::encode_r2t(&h, s.digests, &mut item.header);
+            }
+            Wire::Rdma(w) => {
+                // Data a backend drops is not fetched at all.
+                let Some(buf) = slot.io.buf_mut() else {
+                    slot.received = host_len as u32;
+                    return self.start_io(r, idx, tag);
+                };
+                if !w.fetch(cmd.cid, Work::Read(tag), buf, host_len) {
+                    slot.io.status = Status::SGL_TYPE_INVALID.with_dnr();
+                    return self.finish(r, idx, tag);
+                }
+                r.mark_dirty(idx);
+            }
+        }
+    }
+
+    /// An RDMA READ of slot `tag`'s data completed.
+    fn on_data_read(&mut self, r: &mut Reactor, idx: u32, tag: u16) {
+        let Some(slot) = self.slots.get_mut(usize::from(tag)).filter(|s| s.state == SlotState::AwaitingData) else {
+            return;
+        };
+        slot.received = slot.io.plan.host_data_len();
+        self.start_io(r, idx, tag);
     }
 
     fn on_h2c_data(&mut self, r: &mut Reactor, idx: u32, h: DataHeader, last: bool, data: &[u8], digest_ok: bool) {
@@ -913,7 +1131,7 @@ impl Conn {
             return self.finish(r, idx, tag);
         }
         slot.state = SlotState::Backend;
-        let mut queue = DiskQueue::new(r, idx, tag, self.digests.data);
+        let mut queue = DiskQueue::new(r, idx, tag, self.wire.data_digest());
         queue.start(ns, &mut slot.io);
         let queued = queue.queued();
         self.queued(r, idx, tag, queued);
@@ -947,7 +1165,7 @@ impl Conn {
             }
             return;
         }
-        let mut queue = DiskQueue::new(r, idx, tag, self.digests.data);
+        let mut queue = DiskQueue::new(r, idx, tag, self.wire.data_digest());
         queue.resume(ns, &mut slot.io, status);
         let queued = queue.queued();
         self.queued(r, idx, tag, queued);
@@ -1001,12 +1219,11 @@ impl Conn {
                 let payload = match (buf, mapped) {
                     (Some(b), _) => Payload::Pool(b, len),
                     // Only made without data digests, which would need the bytes here.
-                    (None, Some((at, ns))) if !self.digests.data => Payload::Mapped { at, len, _namespace: ns },
+                    (None, Some((at, ns))) if !self.wire.data_digest() => Payload::Mapped { at, len, _namespace: ns },
                     _ => Payload::Zeroes(len),
                 };
                 let success = self.queue.as_ref().is_some_and(|q| q.flow_control_disabled);
-                self.queue_c2h(&r.zeroes, cid, payload, success);
-                if !success {
+                if !self.send_data(r, cid, payload, success) {
                     self.respond(r, idx, cid, Status::SUCCESS, 0);
                 }
             }
@@ -1025,55 +1242,114 @@ impl Conn {
     fn respond(&mut self, r: &mut Reactor, idx: u32, cid: u16, status: Status, result: u64) {
         let (sqhd, sqid) = self.queue.as_ref().map_or((0, 0), |q| (q.sqhd, q.qid));
         let c = Completion { result: result as u32, result_hi: (result >> 32) as u32, sqhd, sqid, cid, status };
-        let item = push_item(&mut self.out);
-        item.header_len = tcp::encode_capsule_resp(&c, self.digests, &mut item.header);
+        match &mut self.wire {
+            Wire::Tcp(s) => {
+                let item = push_item(&mut s.out);
+                item.header_len = tcp::encode_capsule_resp(&c, s.digests, &mut item.header);
+            }
+            Wire::Rdma(w) => w.respond(&c),
+        }
         r.mark_dirty(idx);
     }
 
     /// Queues a PDU larger than an item's inline header (ICResp, C2HTermReq) as an
     /// owned payload; these are rare, so the allocation does not matter.
     fn queue_whole_pdu(&mut self, pdu: &[u8]) {
-        let mut item = new_item();
-        item.payload = Payload::Owned(pdu.to_vec());
-        self.out.push_back(item);
+        if let Wire::Tcp(s) = &mut self.wire {
+            let mut item = new_item();
+            item.payload = Payload::Owned(pdu.to_vec());
+            s.out.push_back(item);
+        }
     }
 
-    /// Queues a C2HData PDU carrying `payload`. Inlined so the payload is written
-    /// straight into the queued item (see `push_item`).
+    /// Queues command `cid`'s data for the host: a C2HData PDU (whose SUCCESS flag,
+    /// with `success`, stands for the response), or an RDMA WRITE. Returns whether the
+    /// response went with the data. Inlined so the payload is written straight into
+    /// the queued item (see `push_item`).
     #[inline(always)]
-    fn queue_c2h(&mut self, zeroes: &[u8], cid: u16, payload: Payload, success: bool) {
-        let item = push_item(&mut self.out);
-        item.payload = payload;
-        let h = DataHeader { cccid: cid, ttag: 0, offset: 0, length: item.payload.len() as u32 };
-        item.header_len = tcp::encode_c2h_data(&h, true, success, self.digests, &mut item.header);
-        if self.digests.data {
-            item.digest = tcp::crc32c(payload_bytes(&item.payload, zeroes)).to_le_bytes();
-            item.digest_len = 4;
+    fn send_data(&mut self, r: &mut Reactor, cid: u16, payload: Payload, success: bool) -> bool {
+        match &mut self.wire {
+            Wire::Tcp(s) => {
+                let item = push_item(&mut s.out);
+                item.payload = payload;
+                let h = DataHeader { cccid: cid, ttag: 0, offset: 0, length: item.payload.len() as u32 };
+                item.header_len = tcp::encode_c2h_data(&h, true, success, s.digests, &mut item.header);
+                if s.digests.data {
+                    item.digest = tcp::crc32c(payload_bytes(&item.payload, &r.zeroes)).to_le_bytes();
+                    item.digest_len = 4;
+                }
+                success
+            }
+            Wire::Rdma(w) => {
+                // A WRITE needs registered memory: data that is not in a pool buffer is
+                // copied into one.
+                let len = payload.len();
+                let buf = match payload {
+                    Payload::Pool(b, _) => b,
+                    other => {
+                        let mut b = r.io_buf(len.max(1));
+                        let bytes = &mut b.as_mut_slice()[..len];
+                        match &other {
+                            Payload::Mapped { at, .. } => {
+                                // SAFETY: the namespace (held by the payload) maps `len`
+                                // bytes at `at` for as long as it lives.
+                                bytes.copy_from_slice(unsafe { std::slice::from_raw_parts(*at, len) })
+                            }
+                            Payload::Zeroes(_) => bytes.fill(0),
+                            p => bytes.copy_from_slice(payload_bytes(p, &r.zeroes)),
+                        }
+                        b
+                    }
+                };
+                if let Err(b) = w.send_data(cid, buf, len) {
+                    // No key to write with, or memory the device cannot register: the
+                    // connection cannot go on.
+                    r.pool.put(b);
+                    self.begin_close();
+                }
+                false
+            }
         }
     }
 
     pub(super) fn post_send(&mut self, r: &mut Reactor, idx: u32) {
-        if self.send_posted || self.phase == Phase::Closed {
+        if self.phase == Phase::Closed {
             return;
         }
-        if self.sending == 0 {
-            if self.out.is_empty() {
+        let s = match &mut self.wire {
+            Wire::Tcp(s) => s,
+            Wire::Rdma(w) => {
+                match w.flush(idx, false) {
+                    Ok(posted) => self.ops_in_flight += posted,
+                    Err(e) => {
+                        tracing::warn!(address = self.peer, "{e}");
+                        self.begin_close();
+                    }
+                }
+                return;
+            }
+        };
+        if s.send_posted {
+            return;
+        }
+        if s.sending == 0 {
+            if s.out.is_empty() {
                 if self.phase == Phase::Draining {
                     self.begin_close();
                 }
                 return;
             }
-            self.sending = self.out.len().min(MAX_SEND_ITEMS);
-            self.sent = 0;
-            let area = &mut *self.send_area;
-            for (i, item) in self.out.iter().take(self.sending).enumerate() {
+            s.sending = s.out.len().min(MAX_SEND_ITEMS);
+            s.sent = 0;
+            let area = &mut *s.send_area;
+            for (i, item) in s.out.iter().take(s.sending).enumerate() {
                 area.headers[i][..item.header_len].copy_from_slice(&item.header[..item.header_len]);
                 area.digests[i] = item.digest;
             }
         }
-        self.iov.clear();
-        let mut skip = self.sent;
-        for (i, item) in self.out.iter().take(self.sending).enumerate() {
+        s.iov.clear();
+        let mut skip = s.sent;
+        for (i, item) in s.out.iter().take(s.sending).enumerate() {
             let payload = match &item.payload {
                 Payload::Mapped { at, len, .. } => (*at, *len),
                 p => {
@@ -1081,8 +1357,8 @@ impl Conn {
                     (bytes.as_ptr(), bytes.len())
                 }
             };
-            let header = (self.send_area.headers[i].as_ptr(), item.header_len);
-            let digest = (self.send_area.digests[i].as_ptr(), item.digest_len);
+            let header = (s.send_area.headers[i].as_ptr(), item.header_len);
+            let digest = (s.send_area.digests[i].as_ptr(), item.digest_len);
             for (at, len) in [header, payload, digest] {
                 if skip >= len {
                     skip -= len;
@@ -1090,16 +1366,16 @@ impl Conn {
                 }
                 // Pointer arithmetic only: the kernel reads the bytes, Rust never does.
                 let rest = at.wrapping_add(skip);
-                self.iov.push(libc::iovec { iov_base: rest as *mut libc::c_void, iov_len: len - skip });
+                s.iov.push(libc::iovec { iov_base: rest as *mut libc::c_void, iov_len: len - skip });
                 skip = 0;
             }
         }
-        self.msg.msg_iov = self.iov.as_mut_ptr();
-        self.msg.msg_iovlen = self.iov.len();
+        s.msg.msg_iov = s.iov.as_mut_ptr();
+        s.msg.msg_iovlen = s.iov.len();
         let flags = libc::MSG_NOSIGNAL as u32;
-        let sqe = match self.registered_file {
-            Some(i) => opcode::SendMsg::new(types::Fixed(i), &self.msg).flags(flags).build(),
-            None => opcode::SendMsg::new(types::Fd(self.raw_fd()), &self.msg).flags(flags).build(),
+        let sqe = match s.registered_file {
+            Some(i) => opcode::SendMsg::new(types::Fixed(i), &s.msg).flags(flags).build(),
+            None => opcode::SendMsg::new(types::Fd(s.socket.as_raw_fd()), &s.msg).flags(flags).build(),
         };
         let sqe = sqe.user_data(Op::Send(idx).encode());
         // SAFETY: the send reads `msg`, `iov` (never grown past its capacity), the
@@ -1110,37 +1386,38 @@ impl Conn {
         // completes (`on_send` drains only sent items, and copies into `send_area` only
         // when no send is posted), and the connection outlives it (see `can_free`).
         unsafe { r.push(sqe) };
-        self.send_posted = true;
+        s.send_posted = true;
         self.ops_in_flight += 1;
     }
 
     pub(super) fn on_send(&mut self, r: &mut Reactor, idx: u32, res: i32) {
+        let Wire::Tcp(s) = &mut self.wire else { return };
         self.ops_in_flight -= 1;
-        self.send_posted = false;
+        s.send_posted = false;
         if res < 0 {
             self.begin_close();
             return;
         }
-        self.sent += res as usize;
+        s.sent += res as usize;
         let mut done = 0;
-        for item in self.out.iter().take(self.sending) {
-            if self.sent < item.len() {
+        for item in s.out.iter().take(s.sending) {
+            if s.sent < item.len() {
                 break;
             }
-            self.sent -= item.len();
+            s.sent -= item.len();
             done += 1;
         }
-        self.sending -= done;
-        if done > 0 && self.sending > 0 {
+        s.sending -= done;
+        if done > 0 && s.sending > 0 {
             // The batch goes on from its first unsent item, which is now the queue's
             // front: the copies of the headers and digests move to the front with it
             // (no send is posted now). Left in place, the rest of the batch would go
             // out under the headers of items already sent: other commands' IDs.
-            let area = &mut *self.send_area;
-            area.headers.copy_within(done..done + self.sending, 0);
-            area.digests.copy_within(done..done + self.sending, 0);
+            let area = &mut *s.send_area;
+            area.headers.copy_within(done..done + s.sending, 0);
+            area.digests.copy_within(done..done + s.sending, 0);
         }
-        for item in self.out.drain(..done) {
+        for item in s.out.drain(..done) {
             if let Payload::Pool(b, _) = item.payload {
                 r.pool.put(b);
             }
@@ -1173,6 +1450,19 @@ impl Conn {
             }
         }
     }
+}
+
+impl Wire {
+    /// Whether data PDUs carry digests (never on RDMA).
+    fn data_digest(&self) -> bool {
+        matches!(self, Wire::Tcp(s) if s.digests.data)
+    }
+}
+
+/// Whether a command takes its data before it runs: Connect and Authentication Send
+/// are handled whole, so on RDMA their data is read first.
+fn data_before_running(cmd: &Command) -> bool {
+    cmd.opcode == admin_opcode::FABRICS && matches!(cmd.fctype(), fctype::CONNECT | fctype::AUTH_SEND)
 }
 
 /// Queues an empty item and returns it, to be filled in place. An item built on the

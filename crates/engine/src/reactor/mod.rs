@@ -19,6 +19,7 @@
 mod block_io;
 mod conn;
 mod local;
+mod rdma;
 mod remote;
 mod throttle;
 mod ublk;
@@ -44,6 +45,7 @@ use crate::tls::TlsPeer;
 use crate::upgrade::image::ConnImage;
 use conn::Conn;
 use local::LocalQueue;
+use rdma::{RdmaWire, ReactorRdma};
 use remote::{Answer, Forwarded, HostQueue};
 use throttle::Throttle;
 use ublk::UblkQueue;
@@ -158,6 +160,10 @@ pub enum Msg {
         /// Where to report.
         done: Sender<Result<usize, String>>,
     },
+    /// Serve an RDMA connection request: make its queue pair here and accept.
+    RdmaQueue(Box<crate::rdma::Incoming>),
+    /// The connection manager reports an RDMA connection (by its serial) gone.
+    RdmaDisconnected(u64),
     /// Close everything and exit.
     Stop,
 }
@@ -399,6 +405,8 @@ enum Op {
     Local(u32, u16),
     /// A read of a virtqueue's kick eventfd: (queue slot).
     Kick(u32),
+    /// A poll of the channel of the reactor's RDMA completion queue `i`.
+    RdmaCq(u32),
 }
 
 impl Op {
@@ -413,6 +421,7 @@ impl Op {
             Op::RemoteSend(q) => (7, q, 0),
             Op::Local(q, tag) => (8, q, u32::from(tag)),
             Op::Kick(q) => (9, q, 0),
+            Op::RdmaCq(i) => (10, i, 0),
         };
         kind << 56 | u64::from(conn & 0xFF_FFFF) << 32 | u64::from(extra)
     }
@@ -430,6 +439,7 @@ impl Op {
             7 => Op::RemoteSend(conn),
             8 => Op::Local(conn, extra as u16),
             9 => Op::Kick(conn),
+            10 => Op::RdmaCq(conn),
             _ => return None,
         })
     }
@@ -467,6 +477,11 @@ struct Reactor {
     zeroes: Box<[u8]>,
     conns: Vec<Option<Box<Conn>>>,
     free_conns: Vec<u32>,
+    /// Completion queues of the RDMA connections; after `conns`, so the queue pairs
+    /// are destroyed before the queues they complete on.
+    rdma: ReactorRdma,
+    /// Completions taken from those queues in this pass.
+    rdma_done: Vec<(u32, rdma::Done)>,
     /// Queues to owners of remote namespaces, by slot; boxed, so their buffers stay
     /// put while the table grows. Kept for the reactor's life.
     remotes: Vec<Option<Box<HostQueue>>>,
@@ -539,6 +554,8 @@ impl Reactor {
             zeroes: vec![0u8; MAX_TRANSFER].into_boxed_slice(),
             conns: Vec::new(),
             free_conns: Vec::new(),
+            rdma: ReactorRdma::default(),
+            rdma_done: Vec::new(),
             remotes: Vec::new(),
             remote_slots: BTreeMap::new(),
             locals: Vec::new(),
@@ -790,11 +807,13 @@ impl Reactor {
                         v.on_kick(r, q, res)
                     }
                 }),
+                Some(Op::RdmaCq(i)) => self.on_rdma_event(i as usize),
                 Some(Op::RemoteRecv(q)) => self.with_remote(q, |r, queue, answers| queue.on_recv(r, q, res, answers)),
                 Some(Op::RemoteSend(q)) => self.with_remote(q, |r, queue, answers| queue.on_send(r, q, res, answers)),
                 None => {}
             }
         }
+        let rdma_work = self.rdma.active() && self.poll_rdma();
         if now.duration_since(self.last_tick) >= TICK {
             self.last_tick = now;
             self.tick();
@@ -806,7 +825,71 @@ impl Reactor {
             self.submit_disk_ops();
         }
         self.flush_dirty();
-        !completions.is_empty()
+        !completions.is_empty() || rdma_work
+    }
+
+    /// Handles what the RDMA completion queues completed; returns whether anything did.
+    fn poll_rdma(&mut self) -> bool {
+        let mut done = std::mem::take(&mut self.rdma_done);
+        self.rdma.poll(&mut done);
+        let any = !done.is_empty();
+        for &(c, d) in &done {
+            self.with_conn(c, |r, conn| conn.on_rdma(r, c, d));
+        }
+        done.clear();
+        self.rdma_done = done;
+        any
+    }
+
+    /// Watches RDMA completion queue `i`'s channel with the ring.
+    fn watch_rdma_cq(&mut self, i: usize) {
+        let Some(fd) = self.rdma.channel_fd(i) else { return };
+        let sqe =
+            opcode::PollAdd::new(types::Fd(fd), libc::POLLIN as u32).build().user_data(Op::RdmaCq(i as u32).encode());
+        // SAFETY: a poll points at no memory; the channel lives as long as the reactor.
+        unsafe { self.push(sqe) };
+    }
+
+    /// Completion queue `i` signalled: its events are taken and it is armed again (the
+    /// pass then polls it), and its channel watched again.
+    fn on_rdma_event(&mut self, i: usize) {
+        self.rdma.rearm(i);
+        self.watch_rdma_cq(i);
+    }
+
+    /// Accepts an RDMA connection on this reactor.
+    fn add_rdma_conn(&mut self, incoming: crate::rdma::Incoming) {
+        let port_id = incoming.port_id;
+        if self.stopping || self.held() || self.closed_ports.contains(&port_id) {
+            incoming.id.reject(&nvpool_wire::rdma::RejectReason::NoResources.encode());
+            return;
+        }
+        let idx = self.free_conns.pop().unwrap_or_else(|| {
+            self.conns.push(None);
+            (self.conns.len() - 1) as u32
+        });
+        match RdmaWire::accept(self, idx, incoming) {
+            Ok((wire, posted)) => {
+                let conn = Conn::rdma(Box::new(wire), posted, self.target.now_ms(), port_id);
+                self.target.connection_opened();
+                self.conns[idx as usize] = Some(Box::new(conn));
+            }
+            Err(e) => {
+                tracing::warn!(reactor = self.id, port_id, "refused an RDMA connection: {e}");
+                self.free_conns.push(idx);
+            }
+        }
+    }
+
+    /// Ends the RDMA connection with `serial`, which its host or the network ended.
+    fn rdma_disconnected(&mut self, serial: u64) {
+        for c in 0..self.conns.len() as u32 {
+            self.with_conn(c, |_, conn| {
+                if conn.rdma_serial() == Some(serial) {
+                    conn.begin_close();
+                }
+            });
+        }
     }
 
     /// Starts the commands that waited for their namespace's I/O budget and now have
@@ -973,6 +1056,8 @@ impl Reactor {
                 Msg::Park(report) => self.park(report),
                 Msg::Resume => self.resume(),
                 Msg::Restore { conns, listeners, done } => self.restore(conns, listeners, done),
+                Msg::RdmaQueue(incoming) => self.add_rdma_conn(*incoming),
+                Msg::RdmaDisconnected(serial) => self.rdma_disconnected(serial),
                 Msg::Stop => {
                     self.stopping = true;
                     let ports: Vec<u16> = self.listeners.keys().copied().collect();
@@ -1069,9 +1154,10 @@ impl Reactor {
         });
         if self.files_registered
             && idx < REGISTERED_FILES
-            && self.ring.submitter().register_files_update(idx, &[conn.raw_fd()]).is_ok()
+            && let Some(fd) = conn.raw_fd()
+            && self.ring.submitter().register_files_update(idx, &[fd]).is_ok()
         {
-            conn.registered_file = Some(idx);
+            conn.set_registered_file(idx);
         }
         self.target.connection_opened();
         self.conns[idx as usize] = Some(conn);
@@ -1115,8 +1201,12 @@ impl Reactor {
         let Upgrade::Parking(report) = std::mem::replace(&mut self.upgrade, Upgrade::Parked) else { return };
         let copies = || -> std::io::Result<Parked> {
             let mut conns = Vec::new();
+            // RDMA connections are not handed on (an upgrade with RDMA listeners is
+            // refused before it parks anything).
             for conn in self.conns.iter().flatten() {
-                conns.push((conn.image(self.id, 0), conn.dup_socket()?));
+                if let Some(image) = conn.image(self.id, 0) {
+                    conns.push((image, conn.dup_socket()?));
+                }
             }
             let mut listeners = Vec::new();
             for (&port_id, l) in &self.listeners {
@@ -1167,13 +1257,13 @@ impl Reactor {
     fn free_conn(&mut self, idx: u32, mut conn: Box<Conn>) {
         // The table holds its own reference to the socket: drop it, or the socket
         // would stay open after the connection is freed.
-        if let Some(slot) = conn.registered_file.take()
+        if let Some(slot) = conn.take_registered_file()
             && let Err(e) = self.ring.submitter().register_files_update(slot, &[-1])
             && let Some(suppressed) = self.warnings.allow(Warning::Unregister)
         {
             tracing::warn!(reactor = self.id, suppressed, "cannot unregister a closed socket: {e}");
         }
-        conn.release(&self.target, &mut self.pool);
+        conn.release(self);
         drop(conn);
         self.target.connection_closed();
         self.free_conns.push(idx);
@@ -1356,6 +1446,7 @@ mod tests {
             Op::RemoteSend(0xFF_FFFF),
             Op::Local(2, 4095),
             Op::Kick(0xFF_FFFF),
+            Op::RdmaCq(2),
         ] {
             assert_eq!(Op::decode(op.encode()), Some(op));
         }

@@ -113,6 +113,13 @@ impl Engine {
                 "volume {volume} is moving to another engine: upgrade once its migration ends, or cancel it"
             )));
         }
+        if let Some(address) = self.rdma_listener() {
+            return Err(Error::precondition(format!(
+                "the engine listens for NVMe over RDMA on {address}, and RDMA queue pairs cannot be handed to another \
+                 process: remove the RDMA listeners (their hosts go over to their other paths), upgrade, then add \
+                 them again"
+            )));
+        }
         let binary = binary.map(Path::to_path_buf).unwrap_or_else(|| lock(&self.executable).clone());
         let called = Instant::now();
         let (channel, mut child) = start_new_engine(&binary)?;
@@ -270,7 +277,7 @@ impl Engine {
         let mut connections = Vec::new();
         for p in parked {
             for (port_id, l) in p.listeners {
-                if let Some(&address) = addresses.get(&port_id) {
+                if let Some(&(address, _)) = addresses.get(&port_id) {
                     let tls = self.target.listener_tls(port_id);
                     listeners.push(ListenerImage { port_id, address, tls, fd: fds.push(l) });
                 }
@@ -495,9 +502,14 @@ fn rebuild(
     })()
     .map_err(|e| e.to_string())?;
     for l in &image.listeners {
-        lock(&engine.listeners).insert(l.port_id, l.address);
-        let info =
-            nvpool_api::ListenerInfo { port_id: l.port_id, addr: l.address.ip(), port: l.address.port(), tls: l.tls };
+        lock(&engine.listeners).insert(l.port_id, (l.address, nvpool_api::Transport::Tcp));
+        let info = nvpool_api::ListenerInfo {
+            port_id: l.port_id,
+            addr: l.address.ip(),
+            port: l.address.port(),
+            tls: l.tls,
+            transport: nvpool_api::Transport::Tcp,
+        };
         engine.target.add_listener_info(info);
     }
     for (stream, c) in sockets.into_iter().zip(image.connections) {

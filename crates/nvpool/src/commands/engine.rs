@@ -11,8 +11,8 @@ use nvpool_api::{
     GetEngineInfo, GetMigration, GetVolume, ImportPool, ListAnaGroups, ListListeners, ListLocalDevices, ListPools,
     ListSubsystems, ListVolumes, ListenerInfo, LocalDeviceConfig, LocalDeviceInfo, Method, MigrationInfo, PoolInfo,
     RemoveHost, RemoveListener, RemoveLocalDevice, RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState,
-    SetNamespaceQos, StartMigration, SubsystemInfo, SwitchMigration, TlsMode, TlsPsk, UpgradeEngine, VolumeDirty,
-    VolumeIdentity, VolumeInfo,
+    SetNamespaceQos, StartMigration, SubsystemInfo, SwitchMigration, TlsMode, TlsPsk, Transport, UpgradeEngine,
+    VolumeDirty, VolumeIdentity, VolumeInfo,
 };
 use nvpool_engine::Engine;
 use nvpool_engine::config::{
@@ -136,9 +136,10 @@ struct EngineArgs {
     /// Import a pool at start: its disks, comma-separated (repeatable, one per pool).
     #[arg(long)]
     pool: Vec<String>,
-    /// Address to serve NVMe/TCP on (repeatable).
+    /// Address to serve on (repeatable): IP:PORT for NVMe/TCP, rdma:IP:PORT for NVMe
+    /// over RDMA.
     #[arg(long)]
-    listen: Vec<SocketAddr>,
+    listen: Vec<ListenAddress>,
     /// NQN of the subsystem to serve.
     #[arg(long, requires = "namespace")]
     subsystem: Option<String>,
@@ -502,17 +503,49 @@ enum ListenerVerb {
     List,
     /// Listen on an address.
     Add {
-        /// IP:PORT.
-        address: SocketAddr,
+        /// IP:PORT for NVMe/TCP, or rdma:IP:PORT for NVMe over RDMA.
+        address: ListenAddress,
         /// NVMe/TCP over TLS 1.3: off, allowed (TLS or plain) or required.
         #[arg(long, default_value = "off")]
         tls: TlsMode,
     },
     /// Stop listening on an address.
     Remove {
-        /// IP:PORT.
-        address: SocketAddr,
+        /// IP:PORT, or rdma:IP:PORT.
+        address: ListenAddress,
     },
+}
+
+/// A listener's address as users write it: `IP:PORT` (NVMe/TCP), `tcp:IP:PORT` or
+/// `rdma:IP:PORT`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ListenAddress {
+    transport: Transport,
+    address: SocketAddr,
+}
+
+impl std::str::FromStr for ListenAddress {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<ListenAddress, String> {
+        let (transport, rest) = match s.split_once(':') {
+            Some((t @ ("tcp" | "rdma"), rest)) => (t.parse()?, rest),
+            _ => (Transport::Tcp, s),
+        };
+        let address = rest.parse().map_err(|e| {
+            format!("{s:?} is not a listen address ({e}): write IP:PORT, or rdma:IP:PORT for NVMe over RDMA")
+        })?;
+        Ok(ListenAddress { transport, address })
+    }
+}
+
+impl std::fmt::Display for ListenAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.transport {
+            Transport::Tcp => write!(f, "{}", self.address),
+            Transport::Rdma => write!(f, "rdma:{}", self.address),
+        }
+    }
 }
 
 /// Runs the engine, or one verb against a running engine.
@@ -648,12 +681,14 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
         },
         EngineVerb::Listener { verb, api } => match verb {
             ListenerVerb::List => show(&api, ListListeners {}, |r| listener_table(r)),
-            ListenerVerb::Add { address, tls } => {
+            ListenerVerb::Add { address: a, tls } => {
                 let how = if tls == TlsMode::Off { String::new() } else { format!(" (TLS {})", tls.name()) };
-                done(&api, AddListener { address, tls }, &format!("listening on {address}{how}"))
+                let add = AddListener { address: a.address, tls, transport: a.transport };
+                done(&api, add, &format!("listening on {a}{how}"))
             }
-            ListenerVerb::Remove { address } => {
-                done(&api, RemoveListener { address }, &format!("stopped listening on {address}"))
+            ListenerVerb::Remove { address: a } => {
+                let remove = RemoveListener { address: a.address, transport: a.transport };
+                done(&api, remove, &format!("stopped listening on {a}"))
             }
         },
         EngineVerb::Pool { verb, api } => match verb {
@@ -772,7 +807,7 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
                 listeners: a
                     .listen
                     .iter()
-                    .map(|&address| ListenerConfig { address, tls: Default::default() })
+                    .map(|l| ListenerConfig { address: l.address, tls: Default::default(), transport: l.transport })
                     .collect(),
                 pools: a
                     .pool
@@ -781,9 +816,10 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
                     .collect(),
                 ..EngineConfig::default()
             };
-            if a.discovery_port != 0 && !a.listen.iter().any(|l| l.port() == a.discovery_port) {
-                let address = SocketAddr::new(a.listen[0].ip(), a.discovery_port);
-                cfg.listeners.push(ListenerConfig { address, tls: Default::default() });
+            if a.discovery_port != 0 && !a.listen.iter().any(|l| l.address.port() == a.discovery_port) {
+                let first = a.listen[0];
+                let address = SocketAddr::new(first.address.ip(), a.discovery_port);
+                cfg.listeners.push(ListenerConfig { address, tls: Default::default(), transport: first.transport });
             }
             if let Some(nqn) = &a.subsystem {
                 cfg.subsystems.push(SubsystemConfig {
@@ -863,12 +899,14 @@ fn run_engine(a: EngineArgs) -> Result<(), String> {
     }
     println!("nvpool engine {} running; management socket {}", nvpool_engine::VERSION, cfg.management_socket.display());
     for l in engine.listeners() {
-        println!("  listening on {}:{}", l.addr, l.port);
+        let scheme = if l.transport == Transport::Rdma { "rdma:" } else { "" };
+        println!("  listening on {scheme}{}:{}", l.addr, l.port);
     }
     for s in engine.subsystems() {
         for l in engine.listeners().iter().filter(|l| cfg.listeners.first().is_some_and(|f| f.address.port() == l.port))
         {
-            println!("connect a host with:\n  nvme connect -t tcp -a {} -s {} -n {}", l.addr, l.port, s.nqn);
+            let t = l.transport.name();
+            println!("connect a host with:\n  nvme connect -t {t} -a {} -s {} -n {}", l.addr, l.port, s.nqn);
         }
     }
     notify_service_manager(&format!("READY=1\nMAINPID={}", std::process::id()));
@@ -1086,9 +1124,15 @@ fn volume_table(volumes: &[VolumeInfo]) -> Vec<Vec<String>> {
 }
 
 fn listener_table(listeners: &[ListenerInfo]) -> Vec<Vec<String>> {
-    let mut rows = vec![["PORT ID", "ADDRESS", "PORT", "TLS"].map(String::from).to_vec()];
+    let mut rows = vec![["PORT ID", "TRANSPORT", "ADDRESS", "PORT", "TLS"].map(String::from).to_vec()];
     for l in listeners {
-        rows.push(vec![l.port_id.to_string(), l.addr.to_string(), l.port.to_string(), l.tls.name().to_string()]);
+        rows.push(vec![
+            l.port_id.to_string(),
+            l.transport.name().to_string(),
+            l.addr.to_string(),
+            l.port.to_string(),
+            l.tls.name().to_string(),
+        ]);
     }
     rows
 }

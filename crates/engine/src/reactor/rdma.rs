@@ -1,0 +1,517 @@
+//! The RDMA wire of a connection (NVMe-oF 1.1 §7.3): command capsules arrive by
+//! RECV, host data is fetched with RDMA READ, data for the host goes by RDMA WRITE and
+//! responses by SEND, on the connection's queue pair. `conn.rs` runs the commands
+//! exactly as it does for TCP; this module moves their bytes.
+//!
+//! Every queue pair of a reactor completes on the reactor's completion queue for its
+//! device. The reactor polls those queues on each pass, and while it sleeps the queue's
+//! completion channel wakes its ring (a poll on the channel's descriptor), so a
+//! completion never crosses to another thread.
+//!
+//! Work requests are gathered during a pass and posted as one chain at its end, like
+//! the TCP wire's one `sendmsg`: with soft-RoCE each post is a system call.
+#![allow(unsafe_code)]
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use nvpool_wire::command::{CQE_SIZE, Completion, SQE_SIZE};
+use nvpool_wire::rdma::{KeyedSgl, encode_accept};
+use rdma_mummy_sys::{
+    ibv_recv_wr, ibv_send_flags, ibv_send_wr, ibv_sge, ibv_wc, ibv_wc_status, ibv_wr_opcode,
+    imm_data_invalidated_rkey_union_t, rdma_t,
+};
+
+use super::Reactor;
+use crate::bufpool::{Buf, PAGE_SIZE};
+use crate::nvme::IO_IN_CAPSULE_DATA;
+use crate::rdma::Incoming;
+use crate::rdma::verbs::{CmId, CompletionQueue, Device};
+
+/// A command capsule: the command and the largest in-capsule data (IOCCSZ).
+const CAPSULE_SIZE: usize = SQE_SIZE + IO_IN_CAPSULE_DATA;
+/// Completions a reactor's completion queue holds; queue pairs reserve their share.
+const CQ_ENTRIES: u32 = 16384;
+/// Completions taken per poll.
+const POLL_BATCH: usize = 64;
+
+/// What a work request was for, in its ID: kind in bits 63:56, connection slot in
+/// bits 55:32, an index in bits 31:0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Work {
+    /// A receive into capsule buffer `i`.
+    Recv(u32),
+    /// An RDMA READ of command slot `tag`'s data.
+    Read(u16),
+    /// An RDMA READ of the data of a command that needs it before it can run (Connect).
+    Prefetch(u32),
+    /// A SEND of the response in send slot `i`.
+    Send(u32),
+    /// An RDMA WRITE of the data held in send slot `i`.
+    Write(u32),
+}
+
+impl Work {
+    fn encode(self, conn: u32) -> u64 {
+        let (kind, index) = match self {
+            Work::Recv(i) => (1u64, i),
+            Work::Read(tag) => (2, u32::from(tag)),
+            Work::Prefetch(i) => (3, i),
+            Work::Send(i) => (4, i),
+            Work::Write(i) => (5, i),
+        };
+        kind << 56 | u64::from(conn & 0xFF_FFFF) << 32 | u64::from(index)
+    }
+
+    fn decode(v: u64) -> Option<(u32, Work)> {
+        let conn = ((v >> 32) & 0xFF_FFFF) as u32;
+        let index = v as u32;
+        let work = match v >> 56 {
+            1 => Work::Recv(index),
+            2 => Work::Read(index as u16),
+            3 => Work::Prefetch(index),
+            4 => Work::Send(index),
+            5 => Work::Write(index),
+            _ => return None,
+        };
+        Some((conn, work))
+    }
+}
+
+/// A completed work request, for the connection it belongs to.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Done {
+    pub work: Work,
+    pub ok: bool,
+    pub bytes: u32,
+}
+
+/// A reactor's completion queue for one device.
+pub(super) struct ReactorCq {
+    device: Arc<Device>,
+    cq: CompletionQueue,
+    /// Entries not yet reserved by a queue pair.
+    room: u32,
+}
+
+/// The completion queues of a reactor, one per device, and what polling them found.
+#[derive(Default)]
+pub(super) struct ReactorRdma {
+    cqs: Vec<ReactorCq>,
+    wc: Vec<ibv_wc>,
+}
+
+impl ReactorRdma {
+    /// Whether the reactor has any RDMA queue to poll.
+    pub(super) fn active(&self) -> bool {
+        !self.cqs.is_empty()
+    }
+
+    /// The completion queue for `device` with room for `entries` more, made (and its
+    /// channel watched by the ring) on first use. Returns its index.
+    fn reserve(r: &mut Reactor, device: &Arc<Device>, entries: u32) -> Result<usize, String> {
+        if let Some(i) = r.rdma.cqs.iter().position(|c| Arc::ptr_eq(&c.device, device)) {
+            let c = &mut r.rdma.cqs[i];
+            if c.room < entries {
+                return Err(format!("the reactor's completion queue is full ({CQ_ENTRIES} entries)"));
+            }
+            c.room -= entries;
+            return Ok(i);
+        }
+        let mut cq = device.completion_queue(CQ_ENTRIES).map_err(|e| e.to_string())?;
+        cq.rearm();
+        r.rdma.cqs.push(ReactorCq { device: device.clone(), cq, room: CQ_ENTRIES - entries });
+        let i = r.rdma.cqs.len() - 1;
+        r.watch_rdma_cq(i);
+        Ok(i)
+    }
+
+    /// The descriptor of completion queue `i`'s channel.
+    pub(super) fn channel_fd(&self, i: usize) -> Option<i32> {
+        self.cqs.get(i).map(|c| c.cq.fd())
+    }
+
+    /// Takes the channel's events and arms completion queue `i` again.
+    pub(super) fn rearm(&mut self, i: usize) {
+        if let Some(c) = self.cqs.get_mut(i) {
+            c.cq.rearm();
+        }
+    }
+
+    /// Polls every completion queue; returns the completions found, by connection.
+    pub(super) fn poll(&mut self, found: &mut Vec<(u32, Done)>) {
+        if self.wc.is_empty() {
+            // SAFETY: ibv_wc is plain data; zeroed entries are overwritten by the poll.
+            self.wc = vec![unsafe { std::mem::zeroed() }; POLL_BATCH];
+        }
+        for c in &mut self.cqs {
+            loop {
+                let n = c.cq.poll(&mut self.wc);
+                for wc in &self.wc[..n] {
+                    if let Some((conn, work)) = Work::decode(wc.wr_id) {
+                        let ok = wc.status == ibv_wc_status::IBV_WC_SUCCESS;
+                        found.push((conn, Done { work, ok, bytes: wc.byte_len }));
+                    }
+                }
+                if n < self.wc.len() {
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// `n` all-zero values.
+///
+/// # Safety
+/// All-zero bytes must be a valid `T` (plain C data).
+unsafe fn zeroed_vec<T>(n: u32) -> Vec<T> {
+    // SAFETY: the caller answers for `T`.
+    (0..n).map(|_| unsafe { std::mem::zeroed() }).collect()
+}
+
+/// Something to post at the end of the pass.
+enum Outgoing {
+    /// A response capsule, with the key to invalidate if the host asked.
+    Response { cqe: [u8; CQE_SIZE], invalidate: Option<u32> },
+    /// Data for the host.
+    Write { buf: Buf, len: u32, remote: KeyedSgl },
+    /// A read of the host's data into local memory.
+    Read { work: Work, at: u64, key: u32, len: u32, remote: KeyedSgl },
+}
+
+/// A command whose data is fetched before it runs.
+pub(super) struct Prefetched {
+    pub sqe: [u8; SQE_SIZE],
+    pub buf: Buf,
+    pub len: usize,
+}
+
+/// The RDMA side of a connection.
+pub(super) struct RdmaWire {
+    /// The queue pair and its identifier. First, so it is dropped first: once the queue
+    /// pair is gone the device touches none of the buffers below.
+    id: CmId,
+    /// Its completion queue's index in the reactor.
+    cq: usize,
+    /// Entries of that queue this connection reserved.
+    cq_entries: u32,
+    device: Arc<Device>,
+    /// The number connection manager events about it carry.
+    pub(super) serial: u64,
+    /// The host's address, for the log.
+    pub(super) peer: String,
+    /// The receive buffers, one capsule each; out of its place while a capsule is
+    /// handled.
+    capsules: Option<Buf>,
+    capsule_key: u32,
+    /// Receive buffers to post again at the end of the pass.
+    repost: Vec<u32>,
+    /// One response capsule per send slot.
+    responses: Buf,
+    response_key: u32,
+    /// Per send slot: the data a WRITE in flight sends from.
+    held: Vec<Option<Buf>>,
+    free_slots: Vec<u32>,
+    /// Send queue entries free.
+    send_room: u32,
+    queued: VecDeque<Outgoing>,
+    /// The keyed descriptor of each command under way, by command ID.
+    keys: HashMap<u16, KeyedSgl>,
+    /// Commands waiting for the data a READ fetches before they run.
+    prefetches: Vec<Option<Prefetched>>,
+    /// Scratch for building a chain of work requests.
+    wrs: Vec<ibv_send_wr>,
+    sges: Vec<ibv_sge>,
+    recv_wrs: Vec<ibv_recv_wr>,
+    recv_sges: Vec<ibv_sge>,
+}
+
+impl RdmaWire {
+    /// Makes the queue pair of a connect request on the reactor's completion queue,
+    /// posts its receives and accepts; returns the wire and the receives it posted. On
+    /// failure the request is rejected.
+    pub(super) fn accept(r: &mut Reactor, conn: u32, incoming: Incoming) -> Result<(RdmaWire, u32), String> {
+        let Incoming { mut id, device, request, initiator_depth, responder_resources, serial, .. } = incoming;
+        let entries = request.entries();
+        // Each command may need a READ, a WRITE and a SEND at once.
+        let send_wrs = (entries * 3 + 4).min(device.max_qp_wr);
+        let recv_wrs = entries.min(device.max_qp_wr);
+        let reject = |id: &CmId, e: String| {
+            id.reject(&nvpool_wire::rdma::RejectReason::NoResources.encode());
+            e
+        };
+        let cq = match ReactorRdma::reserve(r, &device, send_wrs + recv_wrs) {
+            Ok(cq) => cq,
+            Err(e) => return Err(reject(&id, e)),
+        };
+        let mut capsules = Buf::new((recv_wrs as usize * CAPSULE_SIZE).div_ceil(PAGE_SIZE));
+        let mut responses = Buf::new((send_wrs as usize * CQE_SIZE).div_ceil(PAGE_SIZE));
+        let made = capsules
+            .rdma_key(&device)
+            .and_then(|c| Ok((c, responses.rdma_key(&device)?)))
+            .and_then(|keys| id.create_qp(&device, &r.rdma.cqs[cq].cq, send_wrs, recv_wrs).map(|()| keys));
+        let (capsule_key, response_key) = match made {
+            Ok(keys) => keys,
+            Err(e) => {
+                r.rdma.cqs[cq].room += send_wrs + recv_wrs;
+                return Err(reject(&id, e.to_string()));
+            }
+        };
+        let peer = id.peer().map_or_else(|| format!("RDMA connection {serial:#x}"), |a| format!("rdma:{a}"));
+        let mut wire = RdmaWire {
+            id,
+            cq,
+            cq_entries: send_wrs + recv_wrs,
+            device: device.clone(),
+            serial,
+            peer,
+            capsules: Some(capsules),
+            capsule_key,
+            repost: (0..recv_wrs).collect(),
+            responses,
+            response_key,
+            held: (0..send_wrs).map(|_| None).collect(),
+            free_slots: (0..send_wrs).rev().collect(),
+            send_room: send_wrs,
+            queued: VecDeque::with_capacity(send_wrs as usize),
+            keys: HashMap::with_capacity(entries as usize),
+            prefetches: Vec::new(),
+            // SAFETY: work requests and scatter entries are plain C data; zeroed entries
+            // are filled in before each use. The same holds for the three below.
+            wrs: unsafe { zeroed_vec(send_wrs) },
+            // SAFETY: as above.
+            sges: unsafe { zeroed_vec(send_wrs) },
+            // SAFETY: as above.
+            recv_wrs: unsafe { zeroed_vec(recv_wrs) },
+            // SAFETY: as above.
+            recv_sges: unsafe { zeroed_vec(recv_wrs) },
+        };
+        // The receives are posted before the accept: the host sends Connect as soon as
+        // the connection is up.
+        let posted = wire.post_receives(conn);
+        let accept = encode_accept(recv_wrs as u16);
+        let depth = initiator_depth.min(device.max_qp_rd_atom);
+        if let Err(e) = posted.and_then(|()| wire.id.accept(&accept, responder_resources, depth)) {
+            wire.id.disconnect();
+            return Err(format!("cannot accept an RDMA connection: {e}"));
+        }
+        Ok((wire, recv_wrs))
+    }
+
+    /// Gives back the completion queue entries it reserved.
+    pub(super) fn release(&mut self, r: &mut Reactor) {
+        if let Some(c) = r.rdma.cqs.get_mut(self.cq) {
+            c.room += self.cq_entries;
+        }
+        for b in self.held.iter_mut().filter_map(Option::take) {
+            r.pool.put(b);
+        }
+    }
+
+    /// Starts tearing the connection down: everything posted completes, flushed.
+    pub(super) fn disconnect(&mut self) {
+        self.id.disconnect();
+    }
+
+    /// The command and in-capsule data of capsule buffer `i`, `len` bytes long, and
+    /// the command's keyed descriptor (remembered for its data and response). The
+    /// buffer is taken out while the caller works, and put back with `done_with`.
+    pub(super) fn take_capsules(&mut self) -> Option<Buf> {
+        self.capsules.take()
+    }
+
+    /// Puts the capsule buffers back, buffer `i` to be posted again.
+    pub(super) fn done_with(&mut self, capsules: Buf, i: u32) {
+        self.capsules = Some(capsules);
+        self.repost.push(i);
+    }
+
+    /// Capsule `i`'s bytes within the receive buffers.
+    pub(super) fn capsule(capsules: &Buf, i: u32, len: usize) -> &[u8] {
+        let at = i as usize * CAPSULE_SIZE;
+        &capsules.as_slice()[at..at + len.min(CAPSULE_SIZE)]
+    }
+
+    /// Remembers a command's keyed descriptor until it is answered.
+    pub(super) fn remember_key(&mut self, cid: u16, key: KeyedSgl) {
+        self.keys.insert(cid, key);
+    }
+
+    /// Queues the response to command `cid`, invalidating its key if the host asked.
+    pub(super) fn respond(&mut self, c: &Completion) {
+        let mut cqe = [0u8; CQE_SIZE];
+        c.encode(&mut cqe);
+        let invalidate = self.keys.remove(&c.cid).filter(|k| k.invalidate).map(|k| k.key);
+        self.queued.push_back(Outgoing::Response { cqe, invalidate });
+    }
+
+    /// Queues `len` bytes of `buf` for command `cid`'s buffer on the host; false if
+    /// the command gave no keyed descriptor to write to.
+    pub(super) fn send_data(&mut self, cid: u16, mut buf: Buf, len: usize) -> Result<(), Buf> {
+        let Some(&remote) = self.keys.get(&cid) else { return Err(buf) };
+        if buf.rdma_key(&self.device).is_err() {
+            return Err(buf);
+        }
+        let len = (len as u32).min(remote.length);
+        self.queued.push_back(Outgoing::Write { buf, len, remote });
+        Ok(())
+    }
+
+    /// Queues a READ of command `cid`'s data into `buf`, for `work`.
+    pub(super) fn fetch(&mut self, cid: u16, work: Work, buf: &mut Buf, len: usize) -> bool {
+        let Some(&remote) = self.keys.get(&cid) else { return false };
+        let Ok(key) = buf.rdma_key(&self.device) else { return false };
+        let at = buf.as_mut_ptr() as u64;
+        self.queued.push_back(Outgoing::Read { work, at, key, len: len as u32, remote });
+        true
+    }
+
+    /// Holds a command until the READ of its data, queued here, completes; gives the
+    /// buffer back if the READ cannot be made.
+    pub(super) fn prefetch(&mut self, cid: u16, mut p: Prefetched) -> Result<(), Buf> {
+        let i = self.prefetches.iter().position(Option::is_none).unwrap_or(self.prefetches.len());
+        let len = p.len;
+        if !self.fetch(cid, Work::Prefetch(i as u32), &mut p.buf, len) {
+            return Err(p.buf);
+        }
+        if i == self.prefetches.len() {
+            self.prefetches.push(None);
+        }
+        self.prefetches[i] = Some(p);
+        Ok(())
+    }
+
+    /// The command held for READ `i`, now that it completed.
+    pub(super) fn take_prefetched(&mut self, i: u32) -> Option<Prefetched> {
+        self.prefetches.get_mut(i as usize).and_then(Option::take)
+    }
+
+    /// Whether nothing waits to be posted or completes on the send queue.
+    pub(super) fn idle(&self) -> bool {
+        self.queued.is_empty() && self.free_slots.len() == self.held.len()
+    }
+
+    /// A send-side work request completed: its slot is free again, and the data a
+    /// WRITE sent from is returned.
+    pub(super) fn sent(&mut self, work: Work) -> Option<Buf> {
+        self.send_room += 1;
+        match work {
+            Work::Send(i) | Work::Write(i) => {
+                self.free_slots.push(i);
+                self.held.get_mut(i as usize).and_then(Option::take)
+            }
+            _ => None,
+        }
+    }
+
+    /// Posts what the pass queued: the receives to repost, then as many sends, reads
+    /// and writes as the send queue has room for. Returns how many were posted.
+    pub(super) fn flush(&mut self, conn: u32, closing: bool) -> Result<u32, String> {
+        let mut posted = 0;
+        if !closing && !self.repost.is_empty() {
+            posted += self.repost.len() as u32;
+            self.post_receives(conn).map_err(|e| e.to_string())?;
+        }
+        let mut n = 0;
+        while n < self.wrs.len() && self.send_room > 0 {
+            let Some(out) = self.queued.pop_front() else { break };
+            let Some(slot) = self.free_slots.pop() else {
+                self.queued.push_front(out);
+                break;
+            };
+            let wr = &mut self.wrs[n];
+            let sge = &mut self.sges[n];
+            wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+            wr.num_sge = 1;
+            wr.imm_data_invalidated_rkey_union = imm_data_invalidated_rkey_union_t { invalidated_rkey: 0 };
+            match out {
+                Outgoing::Response { cqe, invalidate } => {
+                    let at = slot as usize * CQE_SIZE;
+                    self.responses.as_mut_slice()[at..at + CQE_SIZE].copy_from_slice(&cqe);
+                    *sge = ibv_sge {
+                        addr: self.responses.as_mut_ptr() as u64 + at as u64,
+                        length: CQE_SIZE as u32,
+                        lkey: self.response_key,
+                    };
+                    wr.wr_id = Work::Send(slot).encode(conn);
+                    wr.opcode = match invalidate {
+                        Some(key) => {
+                            wr.imm_data_invalidated_rkey_union =
+                                imm_data_invalidated_rkey_union_t { invalidated_rkey: key };
+                            ibv_wr_opcode::IBV_WR_SEND_WITH_INV
+                        }
+                        None => ibv_wr_opcode::IBV_WR_SEND,
+                    };
+                }
+                Outgoing::Write { mut buf, len, remote } => {
+                    let key = buf.rdma_key(&self.device).unwrap_or_default();
+                    *sge = ibv_sge { addr: buf.as_mut_ptr() as u64, length: len, lkey: key };
+                    wr.wr_id = Work::Write(slot).encode(conn);
+                    wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+                    wr.wr.rdma = rdma_t { remote_addr: remote.address, rkey: remote.key };
+                    self.held[slot as usize] = Some(buf);
+                }
+                Outgoing::Read { work, at, key, len, remote } => {
+                    // A read needs no send slot: its completion names its command.
+                    self.free_slots.push(slot);
+                    *sge = ibv_sge { addr: at, length: len, lkey: key };
+                    wr.wr_id = work.encode(conn);
+                    wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_READ;
+                    wr.wr.rdma = rdma_t { remote_addr: remote.address, rkey: remote.key };
+                }
+            }
+            wr.sg_list = sge;
+            n += 1;
+            self.send_room -= 1;
+        }
+        if n > 0 {
+            for i in 0..n - 1 {
+                let next: *mut ibv_send_wr = &mut self.wrs[i + 1];
+                self.wrs[i].next = next;
+            }
+            self.wrs[n - 1].next = std::ptr::null_mut();
+            // SAFETY: the chain's scatter entries point at registered memory that lives
+            // until the requests complete: the response slots (this connection's own
+            // buffer), buffers held in `held` until their WRITE completes, and command
+            // buffers held by their slots (or prefetches) until their READ completes.
+            // The connection is freed only once everything posted completed.
+            unsafe { self.id.post_send(self.wrs.as_mut_ptr()) }
+                .map_err(|e| format!("cannot post to the queue pair: {e}"))?;
+            posted += n as u32;
+        }
+        Ok(posted)
+    }
+
+    /// Posts the receives in `repost`.
+    fn post_receives(&mut self, conn: u32) -> std::io::Result<()> {
+        let Some(capsules) = self.capsules.as_mut() else { return Ok(()) };
+        let base = capsules.as_mut_ptr() as u64;
+        let n = self.repost.len();
+        for (k, &i) in self.repost.iter().enumerate() {
+            self.recv_sges[k] = ibv_sge {
+                addr: base + i as u64 * CAPSULE_SIZE as u64,
+                length: CAPSULE_SIZE as u32,
+                lkey: self.capsule_key,
+            };
+            let wr = &mut self.recv_wrs[k];
+            wr.wr_id = Work::Recv(i).encode(conn);
+            wr.sg_list = &mut self.recv_sges[k];
+            wr.num_sge = 1;
+        }
+        for k in 0..n.saturating_sub(1) {
+            let next: *mut ibv_recv_wr = &mut self.recv_wrs[k + 1];
+            self.recv_wrs[k].next = next;
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        self.recv_wrs[n - 1].next = std::ptr::null_mut();
+        // SAFETY: each receive writes one capsule into the registered capsule buffer,
+        // which lives (and stays registered) until the connection is freed, after every
+        // posted receive completed.
+        unsafe { self.id.post_recv(self.recv_wrs.as_mut_ptr()) }?;
+        self.repost.clear();
+        Ok(())
+    }
+}
