@@ -25,8 +25,9 @@ pub struct Buf {
     pages: usize,
     registered: Option<u16>,
     /// Its registrations with RDMA devices, one per device it moved data for: kept for
-    /// the buffer's life, so it is registered once however often it is reused.
-    rdma: Vec<crate::rdma::verbs::Region>,
+    /// the buffer's life, so it is registered once however often it is reused. Boxed,
+    /// so a buffer that never meets RDMA stays small (buffers move on every I/O).
+    rdma: Option<Box<Vec<crate::rdma::verbs::Region>>>,
 }
 
 // SAFETY: a `Buf` owns its mapping exclusively; moving it to another thread moves that
@@ -54,7 +55,7 @@ impl Buf {
             std::alloc::handle_alloc_error(std::alloc::Layout::from_size_align(len, PAGE_SIZE).expect("a page layout"));
         }
         let ptr = NonNull::new(ptr.cast::<u8>()).expect("mmap returns no null mapping");
-        Buf { ptr, pages: pages.max(1), registered: None, rdma: Vec::new() }
+        Buf { ptr, pages: pages.max(1), registered: None, rdma: None }
     }
 
     /// The buffer's index in the io_uring registered-buffer table, if it has one.
@@ -70,13 +71,13 @@ impl Buf {
     /// The local key RDMA work requests name the buffer by on `device`, registering
     /// the whole buffer with it the first time.
     pub fn rdma_key(&mut self, device: &crate::rdma::verbs::Device) -> std::io::Result<u32> {
-        if let Some(r) = self.rdma.iter().find(|r| r.of(device)) {
+        if let Some(r) = self.rdma.iter().flat_map(|v| v.iter()).find(|r| r.of(device)) {
             return Ok(r.lkey());
         }
         // SAFETY: the region is dropped before the mapping is unmapped (see `drop`).
         let region = unsafe { device.register(self.ptr.as_ptr(), self.capacity())? };
         let key = region.lkey();
-        self.rdma.push(region);
+        self.rdma.get_or_insert_default().push(region);
         Ok(key)
     }
 
@@ -119,7 +120,7 @@ impl Buf {
 impl Drop for Buf {
     fn drop(&mut self) {
         // Deregistered first: the device lets go of the pages before they are unmapped.
-        self.rdma.clear();
+        self.rdma = None;
         // SAFETY: unmaps exactly the mapping `new` made; the buffer is gone after this.
         // A registered buffer is never dropped while its ring lives (see `BufPool`).
         unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.capacity()) };

@@ -707,28 +707,35 @@ impl Conn {
     pub(super) fn on_rdma(&mut self, r: &mut Reactor, idx: u32, done: Done) {
         self.ops_in_flight -= 1;
         let Wire::Rdma(w) = &mut self.wire else { return };
-        match done.work {
-            Work::Send(_) | Work::Write(_) => {
-                if let Some(b) = w.sent(done.work) {
-                    r.pool.put(b);
-                }
-                if done.ok && self.phase == Phase::Draining && w.idle() {
-                    self.begin_close();
-                }
-            }
+        if let Work::Recv(i) = done.work {
             // A failed or flushed receive brought nothing.
-            Work::Recv(i) if done.ok && self.phase == Phase::Ready => self.on_capsule(r, idx, i, done.bytes as usize),
-            Work::Recv(_) => {}
-            Work::Read(tag) if done.ok => self.on_data_read(r, idx, tag),
-            Work::Read(_) => {}
-            Work::Prefetch(i) => {
-                let held = w.take_prefetched(i);
-                if let Some(p) = held {
-                    if done.ok && self.phase == Phase::Ready {
-                        self.on_prefetched(r, idx, &p);
+            if done.ok && self.phase == Phase::Ready {
+                self.on_capsule(r, idx, i, done.bytes as usize);
+            }
+        } else {
+            // Every other kind held an entry of the send queue, free again.
+            if let Some(b) = w.sent(done.work) {
+                r.pool.put(b);
+            }
+            if w.waiting() {
+                // Work held back for a full send queue goes out now there is room.
+                r.mark_dirty(idx);
+            }
+            match done.work {
+                Work::Read(tag) if done.ok => self.on_data_read(r, idx, tag),
+                Work::Prefetch(i) => {
+                    let held = w.take_prefetched(i);
+                    if let Some(p) = held {
+                        if done.ok && self.phase == Phase::Ready {
+                            self.on_prefetched(r, idx, &p);
+                        }
+                        r.pool.put(p.buf);
                     }
-                    r.pool.put(p.buf);
                 }
+                Work::Send(_) | Work::Write(_) if done.ok && self.phase == Phase::Draining && w.idle() => {
+                    self.begin_close()
+                }
+                _ => {}
             }
         }
         // A failed work request leaves the queue pair in error: nothing more goes through.

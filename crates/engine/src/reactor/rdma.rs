@@ -387,13 +387,18 @@ impl RdmaWire {
         self.prefetches.get_mut(i as usize).and_then(Option::take)
     }
 
+    /// Whether work waits to be posted.
+    pub(super) fn waiting(&self) -> bool {
+        !self.queued.is_empty()
+    }
+
     /// Whether nothing waits to be posted or completes on the send queue.
     pub(super) fn idle(&self) -> bool {
         self.queued.is_empty() && self.free_slots.len() == self.held.len()
     }
 
-    /// A send-side work request completed: its slot is free again, and the data a
-    /// WRITE sent from is returned.
+    /// A send-side work request (a SEND, WRITE or READ) completed: its send queue
+    /// entry and slot are free again, and the data a WRITE sent from is returned.
     pub(super) fn sent(&mut self, work: Work) -> Option<Buf> {
         self.send_room += 1;
         match work {
@@ -513,5 +518,25 @@ impl RdmaWire {
         unsafe { self.id.post_recv(self.recv_wrs.as_mut_ptr()) }?;
         self.repost.clear();
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn work_request_ids_round_trip() {
+        for (conn, work) in [
+            (0, Work::Recv(0)),
+            (0xFF_FFFF, Work::Recv(u32::MAX)),
+            (7, Work::Read(0xFFFF)),
+            (1, Work::Prefetch(3)),
+            (2, Work::Send(4095)),
+            (3, Work::Write(12)),
+        ] {
+            assert_eq!(Work::decode(work.encode(conn)), Some((conn, work)));
+        }
+        assert_eq!(Work::decode(0), None);
     }
 }
