@@ -27,7 +27,7 @@ pub struct Buf {
     /// Its registrations with RDMA devices, one per device it moved data for: kept for
     /// the buffer's life, so it is registered once however often it is reused. Boxed,
     /// so a buffer that never meets RDMA stays small (buffers move on every I/O).
-    rdma: Option<Box<Vec<crate::rdma::verbs::Region>>>,
+    rdma: Option<Box<[crate::rdma::verbs::Region]>>,
 }
 
 // SAFETY: a `Buf` owns its mapping exclusively; moving it to another thread moves that
@@ -77,7 +77,9 @@ impl Buf {
         // SAFETY: the region is dropped before the mapping is unmapped (see `drop`).
         let region = unsafe { device.register(self.ptr.as_ptr(), self.capacity())? };
         let key = region.lkey();
-        self.rdma.get_or_insert_default().push(region);
+        let mut regions = self.rdma.take().map(Vec::from).unwrap_or_default();
+        regions.push(region);
+        self.rdma = Some(regions.into_boxed_slice());
         Ok(key)
     }
 
