@@ -507,7 +507,8 @@ fn usage(engine: &Path) -> Result<Usage, String> {
     Ok(Usage { version, pools, volumes, counters })
 }
 
-/// The address hosts use: the engine's first listener, unless one was given.
+/// The address hosts use: the engine's first listener (`rdma:IP:PORT` for an RDMA
+/// one), unless one was given.
 fn nvme_address(engine: &Path, given: &Option<String>) -> Result<String, String> {
     if let Some(a) = given {
         return Ok(a.clone());
@@ -520,7 +521,28 @@ fn nvme_address(engine: &Path, given: &Option<String>) -> Result<String, String>
             first.addr
         ));
     }
-    Ok(SocketAddr::new(first.addr, first.port).to_string())
+    let scheme = if first.transport == nvpool_api::Transport::Rdma { "rdma:" } else { "" };
+    Ok(format!("{scheme}{}", SocketAddr::new(first.addr, first.port)))
+}
+
+/// Where other engines reach this one: the given address, or for hosts on RDMA the
+/// engine's first TCP listener (engines forward over NVMe/TCP); empty: the host
+/// address.
+fn peer_address(engine: &Path, given: &Option<String>, nvme: &str) -> Result<String, String> {
+    if let Some(a) = given {
+        return Ok(a.clone());
+    }
+    if !nvme.starts_with("rdma:") {
+        return Ok(String::new());
+    }
+    let listeners = call(engine, ListListeners {})?;
+    listeners
+        .iter()
+        .find(|l| l.transport == nvpool_api::Transport::Tcp && !l.addr.is_unspecified())
+        .map(|l| SocketAddr::new(l.addr, l.port).to_string())
+        .ok_or_else(|| {
+            format!("hosts reach the engine over RDMA ({nvme}); other engines need NVMe/TCP: add a TCP listener, or pass --peer-address")
+        })
 }
 
 /// Gives the engine the controller IDs the controller chose for this node, unless it
@@ -572,16 +594,18 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
         if !registered {
             let engine2 = engine.clone();
             let given = args.nvme_address.clone();
+            let given_peer = args.peer_address.clone();
             let found = tokio::task::spawn_blocking(move || {
                 let nvme = nvme_address(&engine2, &given)?;
+                let peer = peer_address(&engine2, &given_peer, &nvme)?;
                 let host_nqn = call(&engine2, GetEngineInfo {})?.host_nqn;
-                usage(&engine2).map(|u| (nvme, host_nqn, u))
+                usage(&engine2).map(|u| (nvme, peer, host_nqn, u))
             })
             .await
             .map_err(|e| e.to_string())?;
             service.metrics.engine_up.set(i64::from(found.is_ok()));
             match found {
-                Ok((nvme, host_nqn, usage)) => {
+                Ok((nvme, peer_address, host_nqn, usage)) => {
                     let node = proto::Node {
                         name: args.name.clone(),
                         agent_address: advertise.clone(),
@@ -590,7 +614,7 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
                         pools: usage.pools,
                         engine_version: usage.version,
                         host_nqn,
-                        peer_address: args.peer_address.clone().unwrap_or_default(),
+                        peer_address,
                         local_host_nqn: args.local_host_nqn.clone(),
                         ..Default::default()
                     };

@@ -67,10 +67,27 @@ pub struct NodeRecord {
 }
 
 impl NodeRecord {
-    /// Where other engines reach this node's engine.
+    /// Where other engines reach this node's engine (always NVMe/TCP: registration
+    /// makes a node whose hosts use RDMA give a peer address).
     pub fn peer(&self) -> &str {
-        if self.peer_address.is_empty() { &self.nvme_address } else { &self.peer_address }
+        if self.peer_address.is_empty() {
+            self.nvme_address.strip_prefix("tcp:").unwrap_or(&self.nvme_address)
+        } else {
+            &self.peer_address
+        }
     }
+}
+
+/// Where hosts reach an engine, as a node registers it: `IP:PORT` (NVMe/TCP),
+/// `tcp:IP:PORT` or `rdma:IP:PORT`. Returns the transport as `nvme connect -t` names
+/// it, and the address.
+pub fn host_address(a: &str) -> Option<(&'static str, std::net::SocketAddr)> {
+    let (transport, rest) = match a.split_once(':') {
+        Some(("rdma", rest)) => ("rdma", rest),
+        Some(("tcp", rest)) => ("tcp", rest),
+        _ => ("tcp", a),
+    };
+    rest.parse().ok().map(|addr| (transport, addr))
 }
 
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -284,4 +301,34 @@ pub fn check_host_nqn(nqn: &str) -> Result<(), String> {
 
 pub fn to_json<T: Serialize>(v: &T) -> Vec<u8> {
     serde_json::to_vec(v).expect("records serialize")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_addresses_name_their_transport_and_peers_stay_on_tcp() {
+        let ip = |s: &str| s.parse::<std::net::SocketAddr>().unwrap();
+        assert_eq!(host_address("10.0.0.1:4420"), Some(("tcp", ip("10.0.0.1:4420"))));
+        assert_eq!(host_address("tcp:10.0.0.1:4420"), Some(("tcp", ip("10.0.0.1:4420"))));
+        assert_eq!(host_address("rdma:192.168.7.1:4420"), Some(("rdma", ip("192.168.7.1:4420"))));
+        assert_eq!(host_address("rdma:[fd00::1]:4420"), Some(("rdma", ip("[fd00::1]:4420"))));
+        assert_eq!(host_address("rdma:host:4420"), None);
+        assert_eq!(host_address("roce:10.0.0.1:4420"), None);
+        let node = |nvme: &str, peer: &str| NodeRecord {
+            name: "n".into(),
+            agent_address: String::new(),
+            nvme_address: nvme.into(),
+            labels: BTreeMap::new(),
+            pools: vec![],
+            host_nqn: String::new(),
+            peer_address: peer.into(),
+            local_host_nqn: String::new(),
+            cntlid_block: None,
+        };
+        assert_eq!(node("tcp:10.0.0.1:4420", "").peer(), "10.0.0.1:4420");
+        assert_eq!(node("10.0.0.1:4420", "").peer(), "10.0.0.1:4420");
+        assert_eq!(node("rdma:192.168.7.1:4420", "10.0.0.1:4420").peer(), "10.0.0.1:4420");
+    }
 }

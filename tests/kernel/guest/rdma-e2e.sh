@@ -141,8 +141,44 @@ wait $FIO || { cat /host/fio-paths.txt; fail "fio across the path changes"; }
 checked /host/fio-paths.txt 1
 grep -E "^ *(write|read):" /host/fio-paths.txt
 # The RDMA controller reconnects here, as it must; no command may time out.
-dmesg | tail -n +$(( $(cat /tmp/dmesg.seen) + 1 )) | grep -E 'nvme.*timeout' && fail "a command timed out while the paths changed"
+dmesg > /tmp/dmesg.now
+tail -n +$(( $(cat /tmp/dmesg.seen) + 1 )) /tmp/dmesg.now | grep -E 'nvme.*timeout' && fail "a command timed out while the paths changed"
+wc -l < /tmp/dmesg.now > /tmp/dmesg.seen
 nvme disconnect -n $NQN > /dev/null
+
+step "through the controller: the node registers its RDMA address, and attach gives the host an RDMA path"
+truncate -s 256M /tmp/pool.img
+cli pool create g /tmp/pool.img || fail "pool create"
+$BIN/nvpool controller --store redb:/tmp/controller.redb > /host/controller.log 2>&1 &
+CONTROLLER=$!
+# Hosts use RDMA; no peer address given: the agent gives other engines the engine's TCP
+# listener.
+$BIN/nvpool agent --name g1 --engine-socket $SOCK --nvme-address rdma:$IP:4420 > /host/agent.log 2>&1 &
+AGENT=$!
+wait_for 60 sh -c "$BIN/nvpool node list --json 2>/dev/null | grep -q '\"healthy\": true'" \
+    || { cat /host/agent.log; fail "the node did not register"; }
+$BIN/nvpool node list --json > /tmp/nodes.json
+grep -q "\"rdma:$IP:4420\"" /tmp/nodes.json || { cat /tmp/nodes.json; fail "the node's host address is not RDMA"; }
+$BIN/nvpool volume create rv 64MiB || fail "volume create"
+$BIN/nvpool attach rv $HOSTNQN > /tmp/attach.txt || { cat /tmp/attach.txt; fail "attach"; }
+cat /tmp/attach.txt
+grep "nvme connect -t rdma -a $IP -s 4420" /tmp/attach.txt | sed 's/#.*//' > /tmp/connect.sh
+[ -s /tmp/connect.sh ] || fail "attach gave no RDMA path"
+VNQN=$(grep -o 'nqn[^ ]*' /tmp/connect.sh | head -1)
+sh /tmp/connect.sh > /dev/null || fail "connect as attach says"
+volume_device() { for c in /sys/class/nvme/nvme*; do
+    [ "$(cat $c/subsysnqn 2>/dev/null)" = "$VNQN" ] && [ "$(cat $c/transport)" = rdma ] && ls /dev/${c##*/}n* 2>/dev/null | head -1 && return 0
+done; return 1; }
+wait_for 10 volume_device > /dev/null || fail "no device for the volume"
+VDEV=$(volume_device)
+fio --filename=$VDEV --ioengine=io_uring --direct=1 --rw=randwrite --bssplit=4k/50:64k/50 --iodepth=8 --size=32M \
+    --verify=crc32c --verify_fatal=1 --name=through-controller --output=/host/fio-controller.txt || fail "fio on $VDEV"
+checked /host/fio-controller.txt 1
+nvme disconnect -n $VNQN > /dev/null
+$BIN/nvpool detach rv $HOSTNQN && $BIN/nvpool volume delete rv || fail "detach and delete"
+kill $AGENT $CONTROLLER; wait $AGENT $CONTROLLER 2>/dev/null
+no_recovery "through the controller"
+echo "the volume's path was RDMA, fio verified through it"
 
 step "4 KiB random reads: the engine over RDMA and over TCP, the kernel's nvmet-rdma, the RAM disk itself"
 rm -f /host/figures.txt
@@ -155,6 +191,16 @@ connect tcp 4420
 wait_for 10 device > /dev/null || fail "no device"
 measure engine-tcp $(device) 1
 measure engine-tcp $(device) 32
+nvme disconnect -n $NQN > /dev/null
+kill $ENGINE; wait $ENGINE
+# The reactors above sleep when idle and the completion channel wakes them; polling
+# after the last completion (busy_poll_us) is the other way to take completions.
+sed -i 's/^busy_poll_us = 0/busy_poll_us = 50/' /tmp/engine.toml
+start_engine /tmp/engine.toml /host/engine-polling.log
+connect rdma 4420
+wait_for 10 device > /dev/null || fail "no device"
+measure engine-rdma-poll $(device) 1
+measure engine-rdma-poll $(device) 32
 nvme disconnect -n $NQN > /dev/null
 kill $ENGINE; wait $ENGINE
 K=/sys/kernel/config/nvmet

@@ -99,10 +99,11 @@ impl Cluster {
             .enumerate()
             .map(|(i, node)| {
                 let entry = st.nodes.get(node);
-                let (address, port) = entry.map(|n| split_address(&n.record.nvme_address)).unwrap_or_default();
+                let (transport, address, port) =
+                    entry.map(|n| split_address(&n.record.nvme_address)).unwrap_or(("tcp", String::new(), 0));
                 proto::Path {
                     node: node.clone(),
-                    transport: "tcp".into(),
+                    transport: transport.into(),
                     address,
                     port,
                     ana_state: match v.migration.as_ref() {
@@ -233,10 +234,11 @@ pub(super) fn pool_report(p: &PoolRecord) -> proto::PoolReport {
     }
 }
 
-pub(super) fn split_address(a: &str) -> (String, u32) {
-    match a.parse::<std::net::SocketAddr>() {
-        Ok(s) => (s.ip().to_string(), u32::from(s.port())),
-        Err(_) => (a.to_string(), 4420),
+/// A node's host address as a path names it: transport, IP and port.
+pub(super) fn split_address(a: &str) -> (&'static str, String, u32) {
+    match crate::model::host_address(a) {
+        Some((transport, s)) => (transport, s.ip().to_string(), u32::from(s.port())),
+        None => ("tcp", a.to_string(), 4420),
     }
 }
 

@@ -10,11 +10,21 @@ impl Cluster {
     /// Records a node; returns the controller IDs its engine is to hand out.
     pub async fn register_node(&self, node: proto::Node) -> Result<(u16, u16), Status> {
         check_name("node", &node.name).map_err(Status::invalid_argument)?;
-        if node.nvme_address.parse::<std::net::SocketAddr>().is_err() {
-            return Err(Status::invalid_argument(format!(
-                "node {}: NVMe/TCP address {:?} is not IP:PORT",
-                node.name, node.nvme_address
-            )));
+        match crate::model::host_address(&node.nvme_address) {
+            None => {
+                return Err(Status::invalid_argument(format!(
+                    "node {}: host address {:?} is not IP:PORT or rdma:IP:PORT",
+                    node.name, node.nvme_address
+                )));
+            }
+            Some(("rdma", _)) if node.peer_address.is_empty() => {
+                return Err(Status::invalid_argument(format!(
+                    "node {}: hosts reach it over RDMA ({}), and other engines forward over NVMe/TCP: give the \
+                     agent --peer-address IP:PORT (a TCP listener of its engine)",
+                    node.name, node.nvme_address
+                )));
+            }
+            Some(_) => {}
         }
         if !node.peer_address.is_empty() && node.peer_address.parse::<std::net::SocketAddr>().is_err() {
             return Err(Status::invalid_argument(format!(

@@ -229,11 +229,13 @@ pub struct AgentArgs {
     /// The engine's management socket.
     #[arg(long, default_value_os_t = nvpool_engine::config::default_socket())]
     engine_socket: PathBuf,
-    /// Where hosts reach the engine over NVMe/TCP (default: its first listener).
+    /// Where hosts reach the engine: IP:PORT over NVMe/TCP, rdma:IP:PORT over RDMA
+    /// (default: its first listener).
     #[arg(long)]
     nvme_address: Option<String>,
-    /// Where other engines reach this one when they forward to it (default: the
-    /// NVMe/TCP address), e.g. on a storage network apart from the hosts'.
+    /// Where other engines reach this one over NVMe/TCP when they forward to it
+    /// (default: the hosts' address, or the engine's first TCP listener when hosts use
+    /// RDMA), e.g. on a storage network apart from the hosts'.
     #[arg(long)]
     peer_address: Option<String>,
     /// The host NQN of this node's own NVMe host, which its CSI node plugin presents:
