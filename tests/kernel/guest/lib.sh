@@ -51,3 +51,47 @@ fio_verify() {   # fio_verify NAME DEVICE
     grep -q 'err= 0' /host/fio-$1.txt && ! grep -o 'err= *[0-9]*' /host/fio-$1.txt | grep -qv 'err= *0$' \
         || { cat /host/fio-$1.txt; fail "fio $1 reported errors"; }
 }
+# NVMe over RDMA inside the guest: soft-RoCE (rdma_rxe) on dummy0 at $RDMA_IP, the
+# modules of the kernel's RDMA host and target, and a 256 MiB RAM disk (/dev/ram0) for
+# the engine and the kernel's target to serve alike.
+RDMA_IP=192.168.77.1
+soft_roce() {
+    modprobe crc32_generic 2>/dev/null   # Linux 6.12's rdma_rxe needs it; later kernels build it in
+    modprobe -a rdma_rxe ib_uverbs rdma_ucm nvme-rdma nvmet-rdma dummy || fail "RDMA modules"
+    # Loading dummy makes dummy0.
+    [ -e /sys/class/net/dummy0 ] || ip link add dummy0 type dummy
+    ip addr add $RDMA_IP/24 dev dummy0 && ip link set dummy0 up || fail "dummy0"
+    rdma link add rxe0 type rxe netdev dummy0 || fail "rdma link add"
+    modprobe -r brd; modprobe brd rd_nr=1 rd_size=262144 || fail "brd"
+}
+# Writes an engine configuration that serves subsystem NQN on /dev/ram0 over NVMe/RDMA
+# and NVMe/TCP on port 4420 of $RDMA_IP, with two reactors that poll BUSY_POLL_US after
+# their last completion; its management socket is $SOCK.
+rdma_engine_config() {   # rdma_engine_config FILE NQN BUSY_POLL_US
+    cat > $1 <<TOML
+reactors = 2
+busy_poll_us = $3
+management_socket = "$SOCK"
+[[listener]]
+address = "$RDMA_IP:4420"
+transport = "rdma"
+[[listener]]
+address = "$RDMA_IP:4420"
+[[subsystem]]
+nqn = "$2"
+allow_any_host = true
+[[subsystem.namespace]]
+nsid = 1
+backend = "file:/dev/ram0"
+TOML
+}
+# Serves /dev/ram0 as subsystem NQN through the kernel's nvmet-rdma on PORT.
+nvmet_rdma() {   # nvmet_rdma NQN PORT
+    K=/sys/kernel/config/nvmet
+    mkdir $K/subsystems/$1 && echo 1 > $K/subsystems/$1/attr_allow_any_host || fail "nvmet subsystem"
+    mkdir $K/subsystems/$1/namespaces/1 && echo /dev/ram0 > $K/subsystems/$1/namespaces/1/device_path \
+        && echo 1 > $K/subsystems/$1/namespaces/1/enable || fail "nvmet namespace"
+    mkdir $K/ports/1 && echo rdma > $K/ports/1/addr_trtype && echo ipv4 > $K/ports/1/addr_adrfam \
+        && echo $RDMA_IP > $K/ports/1/addr_traddr && echo $2 > $K/ports/1/addr_trsvcid || fail "nvmet-rdma port"
+    ln -s $K/subsystems/$1 $K/ports/1/subsystems/ || fail "nvmet port link"
+}

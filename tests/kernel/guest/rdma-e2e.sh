@@ -4,7 +4,7 @@
 # Env: NQN.
 BIN=/host/bin
 SOCK=/tmp/engine.sock
-IP=192.168.77.1
+IP=$RDMA_IP
 HOSTNQN=$(cat /etc/nvme/hostnqn)
 cli() { timeout 120 $BIN/nvpool engine "$@" --socket $SOCK; }
 errors_in() { grep -o 'err= *[0-9]*' "$1" | grep -v 'err= *0$'; }
@@ -40,34 +40,13 @@ connect() {   # connect TRANSPORT PORT [nvme connect options]
 }
 
 step "soft-RoCE on dummy0 ($IP)"
-modprobe crc32_generic 2>/dev/null
-modprobe -a rdma_rxe ib_uverbs rdma_ucm nvme-rdma nvmet-rdma dummy brd || fail "RDMA modules"
-# Loading dummy makes dummy0.
-[ -e /sys/class/net/dummy0 ] || ip link add dummy0 type dummy
-ip addr add $IP/24 dev dummy0 && ip link set dummy0 up || fail "dummy0"
-rdma link add rxe0 type rxe netdev dummy0 || fail "rdma link add"
+soft_roce
 rdma link show
 uname -r
 
 step "an engine listening on NVMe/TCP and NVMe over RDMA, one subsystem on a RAM disk"
 # One RAM disk for the engine and, later, the kernel's target: the same device.
-modprobe -r brd; modprobe brd rd_nr=1 rd_size=262144 || fail "brd"
-cat > /tmp/engine.toml <<TOML
-reactors = 2
-busy_poll_us = 0
-management_socket = "$SOCK"
-[[listener]]
-address = "$IP:4420"
-transport = "rdma"
-[[listener]]
-address = "$IP:4420"
-[[subsystem]]
-nqn = "$NQN"
-allow_any_host = true
-[[subsystem.namespace]]
-nsid = 1
-backend = "file:/dev/ram0"
-TOML
+rdma_engine_config /tmp/engine.toml $NQN 0
 start_engine /tmp/engine.toml /host/engine.log
 cli listener list | tee /tmp/listeners.txt
 grep -q 'rdma *192.168.77.1 *4420' /tmp/listeners.txt || fail "no RDMA listener in the list"
@@ -203,13 +182,7 @@ measure engine-rdma-poll $(device) 1
 measure engine-rdma-poll $(device) 32
 nvme disconnect -n $NQN > /dev/null
 kill $ENGINE; wait $ENGINE
-K=/sys/kernel/config/nvmet
-S=$K/subsystems/$NQN.nvmet
-mkdir $S && echo 1 > $S/attr_allow_any_host
-mkdir $S/namespaces/1 && echo /dev/ram0 > $S/namespaces/1/device_path && echo 1 > $S/namespaces/1/enable
-mkdir $K/ports/1 && echo rdma > $K/ports/1/addr_trtype && echo ipv4 > $K/ports/1/addr_adrfam \
-    && echo $IP > $K/ports/1/addr_traddr && echo 4421 > $K/ports/1/addr_trsvcid || fail "nvmet-rdma port"
-ln -s $S $K/ports/1/subsystems/
+nvmet_rdma $NQN.nvmet 4421
 timeout 60 nvme connect -t rdma -a $IP -s 4421 -n $NQN.nvmet > /dev/null || fail "connect to nvmet-rdma"
 wait_for 10 sh -c 'ls /dev/nvme*n1 > /dev/null 2>&1' || fail "no nvmet device"
 NVMET=$(ls /dev/nvme*n1 | head -1)

@@ -302,27 +302,34 @@ impl CmId {
         unsafe { rdma_disconnect(self.id) };
     }
 
-    /// Posts a chain of receives.
+    /// Posts `chain`, whose requests are linked in order. On failure, says how many
+    /// of them were posted (and will complete) before the one that failed.
     ///
     /// # Safety
     /// Each request's memory must be registered and stay valid until it completes.
-    pub unsafe fn post_recv(&self, first: *mut ibv_recv_wr) -> io::Result<()> {
+    pub unsafe fn post_recv(&self, chain: &mut [ibv_recv_wr]) -> Result<(), (usize, io::Error)> {
         let mut bad = null_mut();
         // SAFETY: the queue pair exists; the caller answers for the memory.
-        let rc = unsafe { ibv_post_recv((*self.id).qp, first, &mut bad) };
-        if rc != 0 { Err(io::Error::from_raw_os_error(rc)) } else { Ok(()) }
+        let rc = unsafe { ibv_post_recv((*self.id).qp, chain.as_mut_ptr(), &mut bad) };
+        if rc == 0 { Ok(()) } else { Err((posted_before(chain, bad), io::Error::from_raw_os_error(rc))) }
     }
 
-    /// Posts a chain of sends, reads and writes.
+    /// Posts a chain of sends, reads and writes, as `post_recv` does receives.
     ///
     /// # Safety
     /// As for `post_recv`.
-    pub unsafe fn post_send(&self, first: *mut ibv_send_wr) -> io::Result<()> {
+    pub unsafe fn post_send(&self, chain: &mut [ibv_send_wr]) -> Result<(), (usize, io::Error)> {
         let mut bad = null_mut();
         // SAFETY: the queue pair exists; the caller answers for the memory.
-        let rc = unsafe { ibv_post_send((*self.id).qp, first, &mut bad) };
-        if rc != 0 { Err(io::Error::from_raw_os_error(rc)) } else { Ok(()) }
+        let rc = unsafe { ibv_post_send((*self.id).qp, chain.as_mut_ptr(), &mut bad) };
+        if rc == 0 { Ok(()) } else { Err((posted_before(chain, bad), io::Error::from_raw_os_error(rc))) }
     }
+}
+
+/// How many requests of `chain` precede `bad`, the one the library refused (none if it
+/// names no request of the chain).
+fn posted_before<T>(chain: &[T], bad: *mut T) -> usize {
+    chain.iter().position(|wr| std::ptr::eq(wr, bad)).unwrap_or(0)
 }
 
 impl Drop for CmId {

@@ -1326,12 +1326,11 @@ impl Conn {
         let s = match &mut self.wire {
             Wire::Tcp(s) => s,
             Wire::Rdma(w) => {
-                match w.flush(idx, false) {
-                    Ok(posted) => self.ops_in_flight += posted,
-                    Err(e) => {
-                        tracing::warn!(address = self.peer, "{e}");
-                        self.begin_close();
-                    }
+                let (posted, result) = w.flush(idx);
+                self.ops_in_flight += posted;
+                if let Err(e) = result {
+                    tracing::warn!(address = self.peer, "{e}");
+                    self.begin_close();
                 }
                 return;
             }

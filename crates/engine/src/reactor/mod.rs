@@ -869,8 +869,13 @@ impl Reactor {
             (self.conns.len() - 1) as u32
         });
         match RdmaWire::accept(self, idx, incoming) {
-            Ok((wire, posted)) => {
-                let conn = Conn::rdma(Box::new(wire), posted, self.target.now_ms(), port_id);
+            Ok((wire, posted, accepted)) => {
+                let mut conn = Conn::rdma(Box::new(wire), posted, self.target.now_ms(), port_id);
+                if let Err(e) = accepted {
+                    // Freed once its receives come back flushed (or at the next tick).
+                    tracing::warn!(reactor = self.id, port_id, "{e}");
+                    conn.begin_close();
+                }
                 self.target.connection_opened();
                 self.conns[idx as usize] = Some(Box::new(conn));
             }

@@ -229,9 +229,16 @@ pub(super) struct RdmaWire {
 
 impl RdmaWire {
     /// Makes the queue pair of a connect request on the reactor's completion queue,
-    /// posts its receives and accepts; returns the wire and the receives it posted. On
-    /// failure the request is rejected.
-    pub(super) fn accept(r: &mut Reactor, conn: u32, incoming: Incoming) -> Result<(RdmaWire, u32), String> {
+    /// posts its receives and accepts. Refused before anything was posted, the request
+    /// is rejected (`Err`). Otherwise returns the wire, the receives it posted (each
+    /// completes once, flushed if the connection ends) and whether the accept went
+    /// through: a wire whose accept failed is closed and freed like any other, once
+    /// its receives came back.
+    pub(super) fn accept(
+        r: &mut Reactor,
+        conn: u32,
+        incoming: Incoming,
+    ) -> Result<(RdmaWire, u32, Result<(), String>), String> {
         let Incoming { mut id, device, request, initiator_depth, responder_resources, serial, .. } = incoming;
         let entries = request.entries();
         // Each command may need a READ, a WRITE and a SEND at once.
@@ -289,14 +296,15 @@ impl RdmaWire {
         };
         // The receives are posted before the accept: the host sends Connect as soon as
         // the connection is up.
-        let posted = wire.post_receives(conn);
-        let accept = encode_accept(recv_wrs as u16);
-        let depth = initiator_depth.min(device.max_qp_rd_atom);
-        if let Err(e) = posted.and_then(|()| wire.id.accept(&accept, responder_resources, depth)) {
-            wire.id.disconnect();
-            return Err(format!("cannot accept an RDMA connection: {e}"));
-        }
-        Ok((wire, recv_wrs))
+        let (posted, accepted) = match wire.post_receives(conn) {
+            Ok(n) => {
+                let accept = encode_accept(recv_wrs as u16);
+                let depth = initiator_depth.min(device.max_qp_rd_atom);
+                (n, wire.id.accept(&accept, responder_resources, depth).map_err(|e| e.to_string()))
+            }
+            Err((n, e)) => (n, Err(format!("cannot post receives: {e}"))),
+        };
+        Ok((wire, posted, accepted.map_err(|e| format!("cannot accept an RDMA connection: {e}"))))
     }
 
     /// Gives back the completion queue entries it reserved.
@@ -411,12 +419,13 @@ impl RdmaWire {
     }
 
     /// Posts what the pass queued: the receives to repost, then as many sends, reads
-    /// and writes as the send queue has room for. Returns how many were posted.
-    pub(super) fn flush(&mut self, conn: u32, closing: bool) -> Result<u32, String> {
+    /// and writes as the send queue has room for. Returns how many were posted (each
+    /// completes once), and whether the queue pair refused one.
+    pub(super) fn flush(&mut self, conn: u32) -> (u32, Result<(), String>) {
         let mut posted = 0;
-        if !closing && !self.repost.is_empty() {
-            posted += self.repost.len() as u32;
-            self.post_receives(conn).map_err(|e| e.to_string())?;
+        match self.post_receives(conn) {
+            Ok(n) => posted += n,
+            Err((n, e)) => return (n, Err(format!("cannot post receives: {e}"))),
         }
         let mut n = 0;
         while n < self.wrs.len() && self.send_room > 0 {
@@ -481,16 +490,18 @@ impl RdmaWire {
             // buffer), buffers held in `held` until their WRITE completes, and command
             // buffers held by their slots (or prefetches) until their READ completes.
             // The connection is freed only once everything posted completed.
-            unsafe { self.id.post_send(self.wrs.as_mut_ptr()) }
-                .map_err(|e| format!("cannot post to the queue pair: {e}"))?;
+            if let Err((sent, e)) = unsafe { self.id.post_send(&mut self.wrs[..n]) } {
+                return (posted + sent as u32, Err(format!("cannot post to the queue pair: {e}")));
+            }
             posted += n as u32;
         }
-        Ok(posted)
+        (posted, Ok(()))
     }
 
-    /// Posts the receives in `repost`.
-    fn post_receives(&mut self, conn: u32) -> std::io::Result<()> {
-        let Some(capsules) = self.capsules.as_mut() else { return Ok(()) };
+    /// Posts the receives in `repost`; returns how many, or how many before the one
+    /// refused and why.
+    fn post_receives(&mut self, conn: u32) -> Result<u32, (u32, std::io::Error)> {
+        let Some(capsules) = self.capsules.as_mut() else { return Ok(0) };
         let base = capsules.as_mut_ptr() as u64;
         let n = self.repost.len();
         for (k, &i) in self.repost.iter().enumerate() {
@@ -509,15 +520,15 @@ impl RdmaWire {
             self.recv_wrs[k].next = next;
         }
         if n == 0 {
-            return Ok(());
+            return Ok(0);
         }
         self.recv_wrs[n - 1].next = std::ptr::null_mut();
         // SAFETY: each receive writes one capsule into the registered capsule buffer,
         // which lives (and stays registered) until the connection is freed, after every
         // posted receive completed.
-        unsafe { self.id.post_recv(self.recv_wrs.as_mut_ptr()) }?;
+        let posted = unsafe { self.id.post_recv(&mut self.recv_wrs[..n]) };
         self.repost.clear();
-        Ok(())
+        posted.map(|()| n as u32).map_err(|(k, e)| (k as u32, e))
     }
 }
 
