@@ -767,6 +767,7 @@ impl Conn {
                 let len = key.length as usize;
                 if len > ADMIN_IN_CAPSULE_DATA {
                     w.done_with(capsules, i);
+                    self.took_command();
                     return self.respond(r, idx, cmd.cid, Status::INVALID_FIELD.with_dnr(), 0);
                 }
                 let buf = r.io_buf(len);
@@ -774,6 +775,7 @@ impl Conn {
                 w.done_with(capsules, i);
                 if let Err(buf) = fetched {
                     r.pool.put(buf);
+                    self.took_command();
                     return self.respond(r, idx, cmd.cid, Status::TRANSIENT_TRANSPORT_ERROR, 0);
                 }
                 return r.mark_dirty(idx);
@@ -781,6 +783,7 @@ impl Conn {
         } else if cmd.dptr.id == sgl::TRANSPORT {
             // TCP's descriptor means nothing on RDMA.
             w.done_with(capsules, i);
+            self.took_command();
             return self.respond(r, idx, cmd.cid, Status::SGL_TYPE_INVALID.with_dnr(), 0);
         }
         self.on_command(r, idx, &cmd, data, true);
@@ -788,6 +791,13 @@ impl Conn {
             w.done_with(capsules, i);
         }
         r.mark_dirty(idx);
+    }
+
+    /// A command left the submission queue: its head moves on (the response says where).
+    fn took_command(&mut self) {
+        if let Some(q) = &mut self.queue {
+            q.sqhd = if q.sqhd >= q.sqsize { 0 } else { q.sqhd + 1 };
+        }
     }
 
     /// The data of a command that needs it to run arrived: the command runs as if
@@ -813,9 +823,7 @@ impl Conn {
             };
             return self.fatal(r, idx, e, &[]);
         }
-        if let Some(q) = &mut self.queue {
-            q.sqhd = if q.sqhd >= q.sqsize { 0 } else { q.sqhd + 1 };
-        }
+        self.took_command();
         if !digest_ok {
             return self.respond(r, idx, cmd.cid, Status::TRANSIENT_TRANSPORT_ERROR, 0);
         }

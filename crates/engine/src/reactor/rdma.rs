@@ -322,9 +322,8 @@ impl RdmaWire {
         self.id.disconnect();
     }
 
-    /// The command and in-capsule data of capsule buffer `i`, `len` bytes long, and
-    /// the command's keyed descriptor (remembered for its data and response). The
-    /// buffer is taken out while the caller works, and put back with `done_with`.
+    /// The receive buffers, taken out while a capsule in them is handled (the command
+    /// may queue work on the wire meanwhile); put back with `done_with`.
     pub(super) fn take_capsules(&mut self) -> Option<Buf> {
         self.capsules.take()
     }
