@@ -17,7 +17,7 @@ pub mod verbs;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -62,7 +62,7 @@ struct Events {
     links: Arc<Vec<ReactorLink>>,
     devices: Vec<Arc<Device>>,
     next_reactor: usize,
-    serial: AtomicU64,
+    next_serial: u64,
 }
 
 impl Rdma {
@@ -70,14 +70,8 @@ impl Rdma {
     pub fn start(target: Arc<Target>, links: Arc<Vec<ReactorLink>>) -> std::io::Result<Rdma> {
         let channel = Arc::new(EventChannel::new()?);
         let stop = Arc::new(AtomicBool::new(false));
-        let mut events = Events {
-            channel: channel.clone(),
-            target,
-            links,
-            devices: Vec::new(),
-            next_reactor: 0,
-            serial: AtomicU64::new(1),
-        };
+        let mut events =
+            Events { channel: channel.clone(), target, links, devices: Vec::new(), next_reactor: 0, next_serial: 1 };
         let stopping = stop.clone();
         let thread = std::thread::Builder::new().name("nvpool-rdma-cm".into()).spawn(move || {
             while !stopping.load(Ordering::Relaxed) {
@@ -172,7 +166,8 @@ impl Events {
         };
         let reactor = self.next_reactor % self.links.len();
         self.next_reactor += 1;
-        let serial = (reactor as u64) << 48 | (self.serial.fetch_add(1, Ordering::Relaxed) & 0xFFFF_FFFF_FFFF);
+        let serial = (reactor as u64) << 48 | (self.next_serial & 0xFFFF_FFFF_FFFF);
+        self.next_serial += 1;
         id.set_context(serial as usize);
         let incoming = Incoming { id, device, port_id, request, initiator_depth, responder_resources, serial };
         self.links[reactor].send(Msg::RdmaQueue(Box::new(incoming)));
