@@ -64,6 +64,22 @@ impl Etcd {
         }
     }
 
+    /// Freezes the server (SIGSTOP): it holds its connections and answers nothing, as a
+    /// store that hangs does, until `thaw`.
+    pub fn freeze(&self) {
+        self.signal("STOP");
+    }
+
+    pub fn thaw(&self) {
+        self.signal("CONT");
+    }
+
+    fn signal(&self, name: &str) {
+        let child = self.child.as_ref().expect("etcd is running");
+        let sent = Command::new("kill").arg(format!("-{name}")).arg(child.id().to_string()).status();
+        assert!(sent.is_ok_and(|s| s.success()), "kill -{name} etcd failed");
+    }
+
     /// Kills the server; its data stays.
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {

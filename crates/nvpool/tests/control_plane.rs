@@ -436,4 +436,21 @@ async fn bad_input_gets_clear_errors_and_leaves_nothing_behind() {
     let names: Vec<String> = volumes(&c).await.into_iter().map(|v| v.name).collect();
     assert_eq!(names, ["after", "dup"], "the failed call left no volume");
     assert_eq!(engine_volume_count(&n1), 2);
+
+    // The store hangs in the middle of a creation, long enough for the controller to
+    // lose its lease: whether or not the write landed, no node hears of a volume the
+    // store does not hold, and retrying ends with exactly one volume.
+    etcd.freeze();
+    let e = create(&c, &create_request("while-frozen", MIB)).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{}", e.message());
+    println!("store frozen: {}", e.message());
+    assert_eq!(engine_volume_count(&n1), 2, "no engine volume without a stored record");
+    etcd.thaw();
+    wait_for("the store to answer again", Duration::from_secs(30), async || {
+        create(&c, &create_request("while-frozen", MIB)).await.ok()
+    })
+    .await;
+    let names: Vec<String> = volumes(&c).await.into_iter().map(|v| v.name).collect();
+    assert_eq!(names, ["after", "dup", "while-frozen"]);
+    assert_eq!(engine_volume_count(&n1), 3, "one engine volume for the retried creation");
 }

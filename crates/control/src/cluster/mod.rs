@@ -106,6 +106,10 @@ struct State {
     cluster_id: String,
     nodes: BTreeMap<String, NodeEntry>,
     volumes: BTreeMap<String, VolumeRecord>,
+    /// Creations placed but not stored yet: they take their room from the scheduler's
+    /// view, and no agent hears of them before the store has them (a creation whose
+    /// store write fails must leave nothing on any node).
+    reserved: BTreeMap<String, VolumeRecord>,
     tombstones: BTreeMap<String, Tombstone>,
     /// Nodes with an Apply in flight, so the background loop does not pile them up.
     applying: HashSet<String>,
@@ -161,7 +165,11 @@ const EXPLAINED_NODES: usize = 32;
 type Results = HashMap<String, proto::VolumeResult>;
 
 fn store_status(e: impl std::fmt::Display) -> Status {
-    Status::unavailable(format!("the controller's store failed: {e}; nothing was changed, retry when it is back"))
+    // Not "nothing was changed": a write the store took before it stopped answering
+    // stands, and the retry finds it.
+    Status::unavailable(format!(
+        "the controller's store failed: {e}; retry when it is back (repeating the call is safe)"
+    ))
 }
 
 fn now_ms() -> u64 {
@@ -214,6 +222,7 @@ impl Cluster {
             cluster_id,
             nodes,
             volumes,
+            reserved: BTreeMap::new(),
             tombstones,
             applying: HashSet::new(),
             driving: HashSet::new(),

@@ -223,7 +223,8 @@ impl Cluster {
         let cluster_size = |node: &str, pool: &str| {
             st.nodes.get(node).and_then(|n| n.pools.iter().find(|p| p.name == pool)).map_or(1, |p| p.cluster_size)
         };
-        let live = st.volumes.values().map(|v| (&v.node, &v.pool, &v.engine_name, v.size, v.thin));
+        let live =
+            st.volumes.values().chain(st.reserved.values()).map(|v| (&v.node, &v.pool, &v.engine_name, v.size, v.thin));
         // A migration's target takes the volume's room on its node from the start.
         let moving = st.volumes.values().filter_map(|v| {
             v.migration

@@ -35,27 +35,7 @@ impl Cluster {
         let _guard = self.volume_locks.lock(&req.name).await;
         let existing = self.state.lock().unwrap().volumes.get(&req.name).cloned();
         if let Some(v) = existing {
-            if !same_request(&v, req, locality) {
-                return Err(Status::already_exists(format!(
-                    "volume {} exists with size {} bytes, {}, locality {} to {:?}, include {:?}, exclude {:?}; \
-                     delete it or use another name",
-                    v.name,
-                    v.size,
-                    if v.thin { "thin" } else { "thick" },
-                    v.locality,
-                    v.host_node,
-                    v.include,
-                    v.exclude
-                )));
-            }
-            if v.state == VolumeState::Creating {
-                return self.finish_create(&v, Vec::new()).await;
-            }
-            return Ok(proto::CreateVolumeResponse {
-                volume: Some(self.volume_proto(&v)),
-                scores: vec![],
-                existed: true,
-            });
+            return self.create_again(&v, req, locality).await;
         }
 
         let request = Request {
@@ -115,18 +95,60 @@ impl Cluster {
                     && views.iter().any(|n| n.name == req.host_node && !n.pools.is_empty()),
             };
             // Reserve the space now, so that concurrent creations see it taken.
-            st.volumes.insert(record.name.clone(), record.clone());
+            st.reserved.insert(record.name.clone(), record.clone());
             (record, scores)
         };
+        let _reservation = Reservation { state: &self.state, name: &record.name };
         let key = format!("{VOLUMES}{}", record.name);
         if let Err(e) =
-            self.commit(Txn::default().when(Condition::Absent(key.clone())).put(key, to_json(&record))).await
+            self.commit(Txn::default().when(Condition::Absent(key.clone())).put(key.clone(), to_json(&record))).await
         {
-            self.state.lock().unwrap().volumes.remove(&record.name);
-            return Err(e);
+            // An earlier call whose answer was lost (the store went away, or the
+            // caller gave up) may have stored this name: that record stands.
+            let Ok(Some(stored)) = self.store.get(&key).await else { return Err(e) };
+            let stored: VolumeRecord = serde_json::from_slice(&stored).map_err(corrupt)?;
+            {
+                let mut st = self.state.lock().unwrap();
+                st.reserved.remove(&record.name);
+                st.volumes.insert(stored.name.clone(), stored.clone());
+                st.touch(&stored.node);
+            }
+            return self.create_again(&stored, req, locality).await;
         }
-        self.state.lock().unwrap().touch(&record.node);
+        {
+            let mut st = self.state.lock().unwrap();
+            st.reserved.remove(&record.name);
+            st.volumes.insert(record.name.clone(), record.clone());
+            st.touch(&record.node);
+        }
         self.finish_create(&record, scores).await
+    }
+
+    /// A creation of a name that exists: the same request gets the volume (finished
+    /// if an earlier call left it half made), another one a clear refusal.
+    async fn create_again(
+        &self,
+        v: &VolumeRecord,
+        req: &proto::CreateVolumeRequest,
+        locality: Locality,
+    ) -> Result<proto::CreateVolumeResponse, Status> {
+        if !same_request(v, req, locality) {
+            return Err(Status::already_exists(format!(
+                "volume {} exists with size {} bytes, {}, locality {} to {:?}, include {:?}, exclude {:?}; \
+                 delete it or use another name",
+                v.name,
+                v.size,
+                if v.thin { "thin" } else { "thick" },
+                v.locality,
+                v.host_node,
+                v.include,
+                v.exclude
+            )));
+        }
+        if v.state == VolumeState::Creating {
+            return self.finish_create(v, Vec::new()).await;
+        }
+        Ok(proto::CreateVolumeResponse { volume: Some(self.volume_proto(v)), scores: vec![], existed: true })
     }
 
     /// Has the node's agent make a recorded volume, then reports the outcome.
@@ -647,5 +669,18 @@ impl Cluster {
             st.touch(&node);
         }
         Ok(())
+    }
+}
+
+/// A creation's place while its record is being stored; it is given back however the
+/// call ends (stored, refused, or dropped by a caller that went away).
+struct Reservation<'a> {
+    state: &'a Mutex<State>,
+    name: &'a str,
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        self.state.lock().unwrap().reserved.remove(self.name);
     }
 }
