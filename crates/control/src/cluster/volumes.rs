@@ -100,28 +100,27 @@ impl Cluster {
         };
         let _reservation = Reservation { state: &self.state, name: &record.name };
         let key = format!("{VOLUMES}{}", record.name);
-        if let Err(e) =
-            self.commit(Txn::default().when(Condition::Absent(key.clone())).put(key.clone(), to_json(&record))).await
-        {
-            // An earlier call whose answer was lost (the store went away, or the
-            // caller gave up) may have stored this name: that record stands.
-            let Ok(Some(stored)) = self.store.get(&key).await else { return Err(e) };
-            let stored: VolumeRecord = serde_json::from_slice(&stored).map_err(corrupt)?;
-            {
-                let mut st = self.state.lock().unwrap();
-                st.reserved.remove(&record.name);
-                st.volumes.insert(stored.name.clone(), stored.clone());
-                st.touch(&stored.node);
+        let txn = Txn::default().when(Condition::Absent(key.clone())).put(key.clone(), to_json(&record));
+        // An earlier call whose answer was lost (the store went away, or the caller
+        // gave up) may have stored this name: that record stands.
+        let earlier = match self.commit(txn).await {
+            Ok(()) => None,
+            Err(e) => {
+                let Ok(Some(stored)) = self.store.get(&key).await else { return Err(e) };
+                Some(serde_json::from_slice::<VolumeRecord>(&stored).map_err(corrupt)?)
             }
-            return self.create_again(&stored, req, locality).await;
-        }
+        };
+        let stored = earlier.as_ref().unwrap_or(&record);
         {
             let mut st = self.state.lock().unwrap();
             st.reserved.remove(&record.name);
-            st.volumes.insert(record.name.clone(), record.clone());
-            st.touch(&record.node);
+            st.volumes.insert(stored.name.clone(), stored.clone());
+            st.touch(&stored.node);
         }
-        self.finish_create(&record, scores).await
+        match &earlier {
+            Some(v) => self.create_again(v, req, locality).await,
+            None => self.finish_create(&record, scores).await,
+        }
     }
 
     /// A creation of a name that exists: the same request gets the volume (finished
