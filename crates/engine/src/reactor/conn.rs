@@ -767,30 +767,34 @@ impl Conn {
                 let len = key.length as usize;
                 if len > ADMIN_IN_CAPSULE_DATA {
                     w.done_with(capsules, i);
-                    self.took_command();
-                    return self.respond(r, idx, cmd.cid, Status::INVALID_FIELD.with_dnr(), 0);
+                    return self.refuse(r, idx, cmd.cid, Status::INVALID_FIELD.with_dnr());
                 }
                 let buf = r.io_buf(len);
                 let fetched = w.prefetch(cmd.cid, Prefetched { sqe, buf, len });
                 w.done_with(capsules, i);
                 if let Err(buf) = fetched {
                     r.pool.put(buf);
-                    self.took_command();
-                    return self.respond(r, idx, cmd.cid, Status::TRANSIENT_TRANSPORT_ERROR, 0);
+                    return self.refuse(r, idx, cmd.cid, Status::TRANSIENT_TRANSPORT_ERROR);
                 }
                 return r.mark_dirty(idx);
             }
         } else if cmd.dptr.id == sgl::TRANSPORT {
             // TCP's descriptor means nothing on RDMA.
             w.done_with(capsules, i);
-            self.took_command();
-            return self.respond(r, idx, cmd.cid, Status::SGL_TYPE_INVALID.with_dnr(), 0);
+            return self.refuse(r, idx, cmd.cid, Status::SGL_TYPE_INVALID.with_dnr());
         }
         self.on_command(r, idx, &cmd, data, true);
         if let Wire::Rdma(w) = &mut self.wire {
             w.done_with(capsules, i);
         }
         r.mark_dirty(idx);
+    }
+
+    /// Answers a command the transport refuses before it runs; it still left the
+    /// submission queue.
+    fn refuse(&mut self, r: &mut Reactor, idx: u32, cid: u16, status: Status) {
+        self.took_command();
+        self.respond(r, idx, cid, status, 0);
     }
 
     /// A command left the submission queue: its head moves on (the response says where).
