@@ -56,6 +56,7 @@ async fn a_volume_moves_under_a_writing_host_and_failed_moves_leave_it_in_place(
     let keep = std::env::var_os("NVPOOL_KEEP_TEST_DIR").is_some();
     let root = tempfile::Builder::new().disable_cleanup(keep).tempdir().unwrap();
     println!("logs in {}", root.path().display());
+    let _logs = LogsOnFailure(root.path());
     let store = format!("redb:{}", root.path().join("controller.redb").display());
     let controller = start_controller(root.path(), &store, free_port(), "1");
     let mut nodes_: Vec<Node> = ["n1", "n2", "n3"].iter().map(|n| Node::new(root.path(), n, 1 << 30)).collect();
