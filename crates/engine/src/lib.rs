@@ -39,13 +39,21 @@ use nvpool_api::Transport;
 pub use nvpool_api::{DhchapKeys, DirtyAction, DirtyReport, HostDhchap, NamespaceInfo, SubsystemInfo};
 use reactor::{Msg, ReactorLink};
 
-/// This build's version, as management, hot upgrades and Identify's firmware revision
-/// report it: the package version, or `NVPOOL_VERSION` when set at build time (the
-/// upgrade tests build a second binary that way, to tell the two apart).
-pub const VERSION: &str = match option_env!("NVPOOL_VERSION") {
-    Some(v) => v,
-    None => env!("CARGO_PKG_VERSION"),
-};
+static VERSION: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+
+/// The version this engine reports (management, hot upgrades, metrics and Identify's
+/// firmware revision): its binary's, which the binary sets once with [`set_version`]
+/// before it starts anything, else this library's package version. The binary owns it
+/// so that a build that differs only in its version (the upgrade tests' second build)
+/// recompiles the binary's crate alone.
+pub fn version() -> &'static str {
+    VERSION.get().copied().unwrap_or(env!("CARGO_PKG_VERSION"))
+}
+
+/// Sets what [`version`] reports; the first call wins.
+pub fn set_version(version: &'static str) {
+    let _ = VERSION.set(version);
+}
 
 /// A running engine.
 pub struct Engine {

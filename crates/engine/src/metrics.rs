@@ -200,7 +200,7 @@ impl prometheus_client::collector::Collector for SnapshotCollector {
         family(
             e,
             ("nvpool_engine_build", "The engine's version and process ID", None, MetricType::Info),
-            [(Labels::new(), crate::VERSION)],
+            [(Labels::new(), crate::version())],
             // The process, so that a scrape says which side of a hot upgrade answered.
             |m, version| m.encode_info(&[("version", version.to_string()), ("pid", std::process::id().to_string())]),
         )?;

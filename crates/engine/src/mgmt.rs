@@ -128,7 +128,7 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value> {
     match call.method.as_str() {
         GetEngineInfo::NAME => answer(p, |GetEngineInfo {}| {
             Ok(EngineInfo {
-                version: crate::VERSION.into(),
+                version: crate::version().into(),
                 pid: std::process::id(),
                 controllers: engine.target().controller_count(),
                 connections: engine.target().connection_count(),

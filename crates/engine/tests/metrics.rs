@@ -90,8 +90,11 @@ fn counts_agree_with_the_io_done() {
     assert_eq!(sample(&body, "nvpool_reactor_throttled_commands{reactor=\"0\"}"), 0.0);
     assert!(sample(&body, "nvpool_reactor_idle_seconds_total{reactor=\"1\"}") > 0.0);
     assert!(body.contains("# TYPE nvpool_namespace_latency_seconds histogram"), "{body}");
-    let build =
-        format!("nvpool_engine_build_info{{version=\"{}\",pid=\"{}\"}} 1", nvpool_engine::VERSION, std::process::id());
+    let build = format!(
+        "nvpool_engine_build_info{{version=\"{}\",pid=\"{}\"}} 1",
+        nvpool_engine::version(),
+        std::process::id()
+    );
     assert!(body.contains(&build), "{body}");
 
     let (head, _) = get(metrics, "GET / HTTP/1.1\r\n\r\n");

@@ -8,9 +8,16 @@ mod process;
 
 use clap::{Parser, Subcommand};
 
+/// This build's version: the package version, or `NVPOOL_VERSION` when set at build
+/// time (the upgrade tests build a second binary that way, to tell the two apart).
+pub const VERSION: &str = match option_env!("NVPOOL_VERSION") {
+    Some(v) => v,
+    None => env!("CARGO_PKG_VERSION"),
+};
+
 /// nvpool: pool every node's NVMe SSDs and serve volumes over NVMe/TCP.
 #[derive(Parser)]
-#[command(version = nvpool_engine::VERSION, about)]
+#[command(version = VERSION, about)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -54,6 +61,7 @@ fn init_logging() {
 }
 
 fn main() {
+    nvpool_engine::set_version(VERSION);
     init_logging();
     if let Err(e) = run(Cli::parse()) {
         eprintln!("nvpool: {e}");

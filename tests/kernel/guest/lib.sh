@@ -1,5 +1,5 @@
 # Helpers for the guest scripts; run-guest puts them in front of every script.
-step() { echo; echo "=== $*"; }
+step() { echo; echo "=== [$(date +%T)] $*"; }
 fail() { echo "FAIL: $*"; dmesg | tail -30; exit 1; }
 wait_for() {   # wait_for SECONDS TEST...
     n=$(( $1 * 10 )); shift

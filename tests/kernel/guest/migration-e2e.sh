@@ -51,14 +51,14 @@ nvme list-subsys $HEAD
 [ "$(ls /sys/block | grep -c '^nvme[0-9]*n[0-9]*$')" = 1 ] || fail "more than one NVMe block device"
 
 step "fio writes and verifies through $HEAD while the volume moves from A to B"
-# The rate keeps the write phase going well past the move, so fio's verify pass reads
-# everything back from B.
+# The writes' rate keeps the write phase going well past the move, so fio's verify
+# pass (at full speed) reads everything back from B.
 # Every write's latency is logged (ms since fio started, latency in ns), so the
 # latencies around the move can be told from the rest.
 uptime_ms() { awk '{printf "%d", $1 * 1000}' /proc/uptime; }
 T0=$(uptime_ms)
 fio_across_path_faults --name=mig --filename=$HEAD --rw=randwrite --bs=4k --ioengine=io_uring --direct=1 --iodepth=8 \
-    --size=96m --rate_iops=500 --verify=crc32c --do_verify=1 --verify_fatal=1 --randseed=11 \
+    --size=96m --rate_iops=,500 --verify=crc32c --do_verify=1 --verify_fatal=1 --randseed=11 \
     --write_lat_log=lat --log_avg_msec=0 --eta=never --output=fio.txt &
 FIO=$!
 sleep 8

@@ -102,9 +102,10 @@ echo "controllers: $(controllers)"
 DEV=$(device)
 grep -H . /sys/block/nvme*c*n1/ana_state || fail "no ANA state for the paths"
 no_recovery "joining the TCP path"
-# A rate cap keeps it writing across the listener's removal and return.
+# A cap on the writes' rate keeps them going across the listener's removal and return;
+# the verify pass after them reads at full speed.
 fio_across_path_faults --direct=1 --ioengine=io_uring --rw=randwrite --verify=crc32c --verify_fatal=1 \
-    --name=paths --filename=$DEV --iodepth=8 --bs=4k --size=48M --rate_iops=400 --randseed=5 --eta=never \
+    --name=paths --filename=$DEV --iodepth=8 --bs=4k --size=48M --rate_iops=,400 --randseed=5 --eta=never \
     --output=/host/fio-paths.txt &
 FIO=$!
 sleep 4

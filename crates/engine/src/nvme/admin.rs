@@ -21,7 +21,6 @@ use super::{
 
 /// Firmware revision reported in Identify and the firmware slot log (8 characters:
 /// longer versions are cut).
-pub const FIRMWARE_REVISION: &str = crate::VERSION;
 /// Error log entries the controller keeps, 0's based (one entry, always empty).
 const ERROR_LOG_ENTRIES: u8 = 0;
 
@@ -171,7 +170,7 @@ pub fn identify_controller(target: &Target, ctrl: &Controller) -> IdentifyContro
     let common = IdentifyController {
         sn: ascii(&s.serial),
         mn: ascii(&s.model),
-        fr: ascii(FIRMWARE_REVISION),
+        fr: ascii(crate::version()),
         mdts: MDTS,
         cntlid: ctrl.cntlid,
         ver: nvpool_wire::fabrics::VERSION_2_0,
@@ -249,7 +248,7 @@ fn get_log_page(target: &Target, ctrl: &Controller, cmd: &Command) -> AdminOutco
         _ if discovery => return done(Status::INVALID_LOG_PAGE.with_dnr()),
         lid::ERROR => vec![0; ErrorLogEntry::SIZE * (usize::from(ERROR_LOG_ENTRIES) + 1)],
         lid::SMART => smart_log(ctrl).to_vec(),
-        lid::FW_SLOT => FwSlotLog { afi: 1, frs1: ascii(FIRMWARE_REVISION) }.to_vec(),
+        lid::FW_SLOT => FwSlotLog { afi: 1, frs1: ascii(crate::version()) }.to_vec(),
         lid::CHANGED_NS => {
             let mut b = vec![0; log::CHANGED_NS_SIZE];
             log::encode_changed_ns(&ctrl.read_changed_namespaces(g.rae), &mut b);

@@ -197,7 +197,7 @@ impl Engine {
         );
         Ok(UpgradeReport {
             old_pid: std::process::id(),
-            old_version: crate::VERSION.to_string(),
+            old_version: crate::version().to_string(),
             new_pid: hello.pid,
             new_version: hello.version,
             connections,
@@ -330,7 +330,7 @@ impl Engine {
         let (cntlid_min, cntlid_max) = self.target.cntlid_range();
         Ok(EngineImage {
             format: FORMAT,
-            version: crate::VERSION.to_string(),
+            version: crate::version().to_string(),
             executable: lock(&self.executable).clone(),
             management_fd,
             pools,
@@ -387,7 +387,7 @@ impl Engine {
         let channel = Channel::new(socket);
         let fault = std::env::var(FAULT_ENV).unwrap_or_default();
         let reads = if fault == "reads-no-format" { Vec::new() } else { READS.to_vec() };
-        let hello = Hello { version: crate::VERSION.to_string(), pid: std::process::id(), reads };
+        let hello = Hello { version: crate::version().to_string(), pid: std::process::id(), reads };
         channel.send(&hello, &[]).map_err(|e| format!("cannot greet the running engine: {e}"))?;
         let lost = |e: std::io::Error| format!("the running engine went away during the handover: {e}");
         let failed = |why: String| {
