@@ -8,25 +8,35 @@
 pub mod backend;
 pub mod bufpool;
 pub mod config;
+pub mod cpu;
+pub mod disk;
 pub mod error;
+pub mod io;
+pub mod listen;
 pub mod local;
 pub mod metrics;
 pub mod mgmt;
 mod migration;
 pub mod nvme;
+pub mod plan;
 pub mod pool;
+pub mod pools;
 pub mod qos;
 pub mod rdma;
 pub mod reactor;
-mod storage;
+pub mod ring;
+pub mod sync;
 pub mod tls;
 pub mod upgrade;
+pub mod verbs;
+mod version;
 
-use std::collections::BTreeMap;
-use std::net::{SocketAddr, TcpListener};
+pub use version::{set_version, version};
+
+use std::net::SocketAddr;
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 
@@ -34,35 +44,20 @@ use config::{EngineConfig, NamespaceConfig, SubsystemConfig};
 use error::{Error, ErrorKind, Result};
 use nvme::auth::HostKeys;
 use nvme::subsystem::HostPolicy;
-use nvme::{ListenerInfo, Namespace, Subsystem, Target, lock};
+use nvme::{ListenerInfo, Namespace, Subsystem, Target};
 use nvpool_api::Transport;
 pub use nvpool_api::{DhchapKeys, DirtyAction, DirtyReport, HostDhchap, NamespaceInfo, SubsystemInfo};
-use reactor::{Msg, ReactorLink};
-
-static VERSION: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
-
-/// The version this engine reports (management, hot upgrades, metrics and Identify's
-/// firmware revision): its binary's, which the binary sets once with [`set_version`]
-/// before it starts anything, else this library's package version. The binary owns it
-/// so that a build that differs only in its version (the upgrade tests' second build)
-/// recompiles the binary's crate alone.
-pub fn version() -> &'static str {
-    VERSION.get().copied().unwrap_or(env!("CARGO_PKG_VERSION"))
-}
-
-/// Sets what [`version`] reports; the first call wins.
-pub fn set_version(version: &'static str) {
-    let _ = VERSION.set(version);
-}
+use reactor::ReactorLink;
+use sync::lock;
 
 /// A running engine.
 pub struct Engine {
     target: Arc<Target>,
     links: Arc<Vec<ReactorLink>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
-    listeners: Mutex<BTreeMap<u16, (SocketAddr, Transport)>>,
-    next_port_id: AtomicU16,
-    pools: Mutex<BTreeMap<String, Arc<pool::Pool>>>,
+    listeners: listen::Listeners,
+    /// Its pools and volumes.
+    pub pools: pools::Pools,
     /// The host NQN `remote:` namespaces present to their owners.
     host_nqn: String,
     /// Links to owners that `remote:` namespaces share.
@@ -79,8 +74,6 @@ pub struct Engine {
     upgrade_lock: RwLock<()>,
     /// Set once a hot upgrade handed everything to a new process.
     handed_over: AtomicBool,
-    /// The RDMA connection manager, started with the first RDMA listener.
-    rdma: Mutex<Option<Arc<rdma::Rdma>>>,
     /// Block devices of this node served from namespaces (ublk).
     local: local::LocalDevices,
     vhost: local::vhost::VhostDevices,
@@ -90,8 +83,14 @@ impl Engine {
     /// Starts reactors, listeners and everything the configuration describes.
     pub fn start(cfg: &EngineConfig) -> Result<Arc<Engine>> {
         cfg.validate()?;
+        // What only this machine can check: its CPUs, and the backends' kinds.
+        let cores = cpu::reactor_cpus(cfg)?;
+        for s in &cfg.subsystems {
+            for n in &s.namespaces {
+                backend::check(&n.backend).map_err(|e| format!("subsystem {} namespace.backend: {e}", s.nqn))?;
+            }
+        }
         let target = Target::new(cfg.limits.clone());
-        let cores = cfg.reactor_cores();
         nvme::stats::set_reactor_count(cores.len());
         let mut links = Vec::new();
         let mut ends = Vec::new();
@@ -109,12 +108,11 @@ impl Engine {
             threads.push(t);
         }
         let engine = Arc::new(Engine {
+            listeners: listen::Listeners::new(target.clone(), links.clone()),
+            pools: pools::Pools::new(target.clone(), links.clone()),
             target,
             links,
             threads: Mutex::new(threads),
-            listeners: Mutex::new(BTreeMap::new()),
-            next_port_id: AtomicU16::new(1),
-            pools: Mutex::new(BTreeMap::new()),
             host_nqn: cfg.host_nqn.clone().unwrap_or_else(backend::remote::default_host_nqn),
             remote_links: backend::remote::RemoteLinks::new(cfg.remote_queues),
             migrations: migration::Migrations::default(),
@@ -123,13 +121,12 @@ impl Engine {
             management: Mutex::new(None),
             upgrade_lock: RwLock::new(()),
             handed_over: AtomicBool::new(false),
-            rdma: Mutex::new(None),
             local: local::LocalDevices::default(),
             vhost: local::vhost::VhostDevices::default(),
         });
         let setup = || -> Result<()> {
             for p in &cfg.pools {
-                engine.import_pool(&p.disks)?;
+                engine.pools.import(&p.disks)?;
             }
             for s in &cfg.subsystems {
                 engine.add_subsystem(s)?;
@@ -190,6 +187,18 @@ impl Engine {
         &self.host_nqn
     }
 
+    /// Opens the backend a namespace spec names (`file:...`, `volume:POOL/NAME`, ...).
+    pub(crate) fn open_backend(&self, spec: &str) -> Result<backend::Opened> {
+        let own_listeners = self.listeners().iter().map(|l| SocketAddr::new(l.addr, l.port)).collect();
+        let env = backend::OpenEnv {
+            pool: &|name| self.pools.get(name),
+            own_listeners,
+            host_nqn: self.host_nqn(),
+            remote_links: &self.remote_links,
+        };
+        backend::open(spec, &env)
+    }
+
     /// The target state.
     pub fn target(&self) -> &Arc<Target> {
         &self.target
@@ -197,97 +206,26 @@ impl Engine {
 
     fn kick(&self) {
         for l in self.links.iter() {
-            l.send(Msg::Kick);
+            l.run(|r| r.kick());
         }
     }
 
     /// Binds and serves a listener; returns it with the port the system chose for 0.
     pub fn add_listener(&self, addr: SocketAddr, tls: tls::TlsMode, transport: Transport) -> Result<ListenerInfo> {
-        if transport == Transport::Rdma {
-            return self.add_rdma_listener(addr, tls);
-        }
-        let listener = TcpListener::bind(addr).map_err(|e| {
-            let message = format!(
-                "cannot listen on {addr}: {e} (is another engine or nvmet using the port? pick another with --listen)"
-            );
-            if e.kind() == std::io::ErrorKind::AddrInUse { Error::exists(message) } else { Error::invalid(message) }
-        })?;
-        let local = listener.local_addr().map_err(|e| Error::io(format!("listener {addr}"), e))?;
-        let port_id = self.next_port_id.fetch_add(1, Ordering::Relaxed);
-        lock(&self.listeners).insert(port_id, (local, Transport::Tcp));
-        let info = ListenerInfo { port_id, addr: local.ip(), port: local.port(), tls, transport };
-        self.target.add_listener_info(info.clone());
-        // Reactor 0 accepts and spreads connections over all reactors.
-        self.links[0].send(Msg::Listen { port_id, listener });
-        self.kick();
-        Ok(info)
-    }
-
-    /// Listens for NVMe over RDMA, starting the connection manager on first use. A
-    /// machine without the RDMA libraries or a device at `addr` fails here, for this
-    /// listener only.
-    fn add_rdma_listener(&self, addr: SocketAddr, tls: tls::TlsMode) -> Result<ListenerInfo> {
-        if tls != tls::TlsMode::Off {
-            return Err(Error::invalid(format!(
-                "rdma:{addr}: TLS is defined for NVMe/TCP only: drop the tls setting of this listener"
-            )));
-        }
-        let rdma = {
-            let mut slot = lock(&self.rdma);
-            match slot.as_ref() {
-                Some(r) => r.clone(),
-                None => {
-                    let r = Arc::new(
-                        rdma::Rdma::start(self.target.clone(), self.links.clone())
-                            .map_err(|e| Error::unavailable(format!("cannot listen on rdma:{addr}: {e}")))?,
-                    );
-                    *slot = Some(r.clone());
-                    r
-                }
-            }
-        };
-        if lock(&self.listeners).values().any(|&(a, t)| t == Transport::Rdma && a == addr) {
-            return Err(Error::exists(format!("the engine already listens on rdma:{addr}")));
-        }
-        let port_id = self.next_port_id.fetch_add(1, Ordering::Relaxed);
-        let local = rdma.listen(addr, port_id).map_err(|e| {
-            let message = format!("cannot listen on rdma:{addr}: {e}");
-            if e.kind() == std::io::ErrorKind::AddrInUse { Error::exists(message) } else { Error::unavailable(message) }
-        })?;
-        lock(&self.listeners).insert(port_id, (local, Transport::Rdma));
-        let info = ListenerInfo { port_id, addr: local.ip(), port: local.port(), tls, transport: Transport::Rdma };
-        self.target.add_listener_info(info.clone());
+        let info = self.listeners.add(addr, tls, transport)?;
         self.kick();
         Ok(info)
     }
 
     /// An address the engine listens on for NVMe over RDMA, if it does.
     pub(crate) fn rdma_listener(&self) -> Option<SocketAddr> {
-        lock(&self.listeners).values().find(|(_, t)| *t == Transport::Rdma).map(|(a, _)| *a)
+        self.listeners.rdma_listener()
     }
 
     /// Stops a listener and ends the connections it accepted; their hosts go over to
     /// their other paths.
     pub fn remove_listener(&self, addr: SocketAddr, transport: Transport) -> Result<()> {
-        let port_id = {
-            let mut map = lock(&self.listeners);
-            let id = map.iter().find(|(_, l)| **l == (addr, transport)).map(|(id, _)| *id);
-            let id = id.ok_or_else(|| {
-                let shown = if transport == Transport::Rdma { format!("rdma:{addr}") } else { addr.to_string() };
-                Error::not_found(format!("no listener on {shown}: `nvpool engine listener list` shows them"))
-            })?;
-            map.remove(&id);
-            id
-        };
-        self.target.remove_listener_info(port_id);
-        if transport == Transport::Rdma
-            && let Some(r) = lock(&self.rdma).as_ref()
-        {
-            r.unlisten(port_id);
-        }
-        for l in self.links.iter() {
-            l.send(Msg::Unlisten(port_id));
-        }
+        self.listeners.remove(addr, transport)?;
         self.kick();
         Ok(())
     }
@@ -499,20 +437,15 @@ impl Engine {
         // The connection manager's thread stops first (it hands connections to
         // reactors); its event channel goes last, after the reactors destroyed the
         // connections made on it.
-        let rdma = lock(&self.rdma).take();
-        if let Some(r) = &rdma {
-            r.stop();
-        }
+        let rdma = self.listeners.stop_rdma();
         for l in self.links.iter() {
-            l.send(Msg::Stop);
+            l.run(|r| r.stop());
         }
         for t in lock(&self.threads).drain(..) {
             let _ = t.join();
         }
         drop(rdma);
-        for p in lock(&self.pools).values() {
-            p.close();
-        }
+        self.pools.close_all();
     }
 }
 

@@ -128,7 +128,7 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value> {
     match call.method.as_str() {
         GetEngineInfo::NAME => answer(p, |GetEngineInfo {}| {
             Ok(EngineInfo {
-                version: crate::version().into(),
+                version: crate::version::version().into(),
                 pid: std::process::id(),
                 controllers: engine.target().controller_count(),
                 connections: engine.target().connection_count(),
@@ -171,19 +171,19 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value> {
         ListListeners::NAME => answer(p, |ListListeners {}| Ok(engine.listeners())),
         AddListener::NAME => answer(p, |r: AddListener| engine.add_listener(r.address, r.tls, r.transport)),
         RemoveListener::NAME => answer(p, |r: RemoveListener| ok(engine.remove_listener(r.address, r.transport))),
-        CreatePool::NAME => answer(p, |r: CreatePool| engine.create_pool(&r.name, &r.disks, r.cluster_size, r.force)),
-        ImportPool::NAME => answer(p, |r: ImportPool| engine.import_pool(&r.disks)),
-        ExportPool::NAME => answer(p, |r: ExportPool| ok(engine.export_pool(&r.name))),
-        CheckPool::NAME => answer(p, |r: CheckPool| ok(engine.check_pool(&r.name))),
-        ListPools::NAME => answer(p, |ListPools {}| Ok(engine.pools())),
-        CreateVolume::NAME => {
-            answer(p, |r: CreateVolume| engine.create_volume(&r.pool, &r.name, r.size, r.thin, r.identity.as_ref()))
-        }
-        DeleteVolume::NAME => answer(p, |r: DeleteVolume| ok(engine.delete_volume(&r.pool, &r.name))),
-        GetVolume::NAME => answer(p, |r: GetVolume| engine.volume(&r.pool, &r.name)),
-        ResizeVolume::NAME => answer(p, |r: ResizeVolume| engine.resize_volume(&r.pool, &r.name, r.size)),
-        ListVolumes::NAME => answer(p, |r: ListVolumes| engine.volumes(r.pool.as_deref())),
-        VolumeDirty::NAME => answer(p, |r: VolumeDirty| engine.volume_dirty(&r.pool, &r.name, r.action)),
+        CreatePool::NAME => answer(p, |r: CreatePool| engine.pools.create(&r.name, &r.disks, r.cluster_size, r.force)),
+        ImportPool::NAME => answer(p, |r: ImportPool| engine.pools.import(&r.disks)),
+        ExportPool::NAME => answer(p, |r: ExportPool| ok(engine.pools.export(&r.name))),
+        CheckPool::NAME => answer(p, |r: CheckPool| ok(engine.pools.check(&r.name))),
+        ListPools::NAME => answer(p, |ListPools {}| Ok(engine.pools.list())),
+        CreateVolume::NAME => answer(p, |r: CreateVolume| {
+            engine.pools.create_volume(&r.pool, &r.name, r.size, r.thin, r.identity.as_ref())
+        }),
+        DeleteVolume::NAME => answer(p, |r: DeleteVolume| ok(engine.pools.delete_volume(&r.pool, &r.name))),
+        GetVolume::NAME => answer(p, |r: GetVolume| engine.pools.volume(&r.pool, &r.name)),
+        ResizeVolume::NAME => answer(p, |r: ResizeVolume| engine.pools.resize_volume(&r.pool, &r.name, r.size)),
+        ListVolumes::NAME => answer(p, |r: ListVolumes| engine.pools.volumes(r.pool.as_deref())),
+        VolumeDirty::NAME => answer(p, |r: VolumeDirty| engine.pools.volume_dirty(&r.pool, &r.name, r.action)),
         StartMigration::NAME => {
             answer(p, |r: StartMigration| engine.start_migration(&r.pool, &r.name, &r.id, &r.target, r.rate))
         }

@@ -42,8 +42,9 @@ use crate::backend::gate::Gate;
 use crate::backend::{Backend, remote};
 use crate::bufpool::Buf;
 use crate::error::{Error, Result};
-use crate::nvme::{MAX_TRANSFER, Namespace, Subsystem, lock};
+use crate::nvme::{MAX_TRANSFER, Namespace, Subsystem};
 use crate::pool::{MAX_REACTORS, Pool, VolumeIo};
+use crate::sync::lock;
 
 /// The pool in-flight slot the copy counts its reads under (shared, atomically, with
 /// a reactor of that number, which is sound).
@@ -232,7 +233,7 @@ impl Engine {
     }
 
     fn volume_here(&self, pool: &str, name: &str) -> bool {
-        self.pool(pool).is_ok_and(|p| p.open_volume(name).is_ok())
+        self.pools.get(pool).is_ok_and(|p| p.open_volume(name).is_ok())
     }
 
     /// Starts moving volume `pool/name` to `target` (`HOST:PORT/NQN/NSID`); `id` is
@@ -251,9 +252,9 @@ impl Engine {
                 lock(&job.info).target
             )));
         }
-        let p = self.pool(pool)?;
+        let p = self.pools.get(pool)?;
         let (volume, meta) = p.open_volume(name)?;
-        let exports = self.exports(&p, Some(volume.id));
+        let exports = self.pools.exports(&p, Some(volume.id));
         if exports.len() > 1 {
             return Err(Error::precondition(format!(
                 "volume {pool}/{name} is exported {} times: remove all namespaces but one before moving it",

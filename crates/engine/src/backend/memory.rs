@@ -20,7 +20,7 @@ use super::{
     Backend, BackendType, BlockIo, DiskFd, DiskQueue, Handover, OpenEnv, Opened, deallocated_ranges, size_arg,
 };
 use crate::error::{Error, Result};
-use crate::nvme::nvm::IoPlan;
+use crate::plan::IoPlan;
 
 /// The registration of `memory:SIZE`.
 pub const TYPE: BackendType = BackendType {

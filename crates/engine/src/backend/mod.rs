@@ -28,11 +28,12 @@ use std::sync::Arc;
 
 use nvpool_wire::Status;
 
-use crate::nvme::nvm::{IoPlan, dsm_byte_ranges};
+use crate::plan::{IoPlan, dsm_byte_ranges};
 
+pub use crate::disk::DiskFd;
 use crate::error::Result;
+pub use crate::io::{BlockIo, DiskQueue};
 use crate::pool::Pool;
-pub use crate::reactor::{BlockIo, DiskFd, DiskQueue};
 
 /// Every kind of backend a namespace spec may name.
 pub const TYPES: &[BackendType] = &[null::TYPE, memory::TYPE, file::TYPE, volume::TYPE, remote::TYPE];

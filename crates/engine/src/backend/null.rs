@@ -48,7 +48,7 @@ impl Backend for Null {
     /// Nothing to do: a read with no buffer is sent as zeroes; a read that has one (a
     /// local device's) gets zeroes in it.
     fn start(&self, io: &mut BlockIo, _queue: &mut DiskQueue<'_>) {
-        if let crate::nvme::nvm::IoPlan::Read { len, .. } = io.plan {
+        if let crate::plan::IoPlan::Read { len, .. } = io.plan {
             io.zero(0, len as usize);
         }
     }

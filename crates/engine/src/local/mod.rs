@@ -15,7 +15,9 @@
 pub mod control;
 pub mod request;
 pub mod uapi;
+mod ublk_queue;
 pub mod vhost;
+mod vhost_queue;
 pub mod virtio_blk;
 
 use std::collections::BTreeMap;
@@ -28,10 +30,12 @@ use nvpool_api::{LocalDeviceConfig, LocalDeviceInfo};
 
 use crate::Engine;
 use crate::error::{Error, ErrorKind, Result};
-use crate::nvme::{MAX_TRANSFER, Namespace, Subsystem, lock};
-use crate::reactor::Msg;
+use crate::nvme::{MAX_TRANSFER, Namespace, Subsystem};
+use crate::ring::new_client_key;
+use crate::sync::lock;
 use control::Control;
 use uapi::{DevInfo, Params, attr, feature, state};
+use ublk_queue::UblkQueue;
 
 /// Requests in flight per queue unless configured.
 const DEFAULT_DEPTH: u16 = 128;
@@ -334,7 +338,13 @@ impl Engine {
     fn start_queues(&self, device: &Arc<LocalDevice>) -> Result<()> {
         let (tx, rx) = mpsc::channel();
         for q in 0..device.queues {
-            self.links[usize::from(q)].send(Msg::LocalQueue { device: device.clone(), queue: q, done: tx.clone() });
+            let (device, done) = (device.clone(), tx.clone());
+            self.links[usize::from(q)].run(move |r| {
+                let made = UblkQueue::new(&mut r.ring, device, q);
+                let _ = done.send(made.map(|queue| {
+                    r.ring.add_client(new_client_key(), Box::new(queue));
+                }));
+            });
         }
         for _ in 0..device.queues {
             match rx.recv_timeout(Duration::from_secs(10)) {

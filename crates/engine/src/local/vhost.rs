@@ -18,7 +18,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -34,11 +34,14 @@ use vhost::vhost_user::message::{
 use vhost::vhost_user::{BackendReqHandler, GpuBackend, VhostUserBackendReqHandlerMut};
 use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 
+use super::vhost_queue::{Stop, VhostQueue};
 use super::virtio_blk::{Geometry, feature};
 use crate::Engine;
 use crate::error::{Error, Result};
-use crate::nvme::{MAX_TRANSFER, Subsystem, lock};
-use crate::reactor::{Msg, ReactorLink};
+use crate::nvme::{MAX_TRANSFER, Subsystem};
+use crate::reactor::ReactorLink;
+use crate::ring::{Mail, new_client_key};
+use crate::sync::lock;
 
 type VhostResult<T> = vhost::vhost_user::Result<T>;
 
@@ -316,8 +319,6 @@ struct InflightRegion {
     len: u64,
 }
 
-static NEXT_RING: AtomicU64 = AtomicU64::new(1);
-
 fn refused(what: &'static str) -> vhost::vhost_user::Error {
     vhost::vhost_user::Error::InvalidOperation(what)
 }
@@ -364,7 +365,8 @@ impl Session {
         let v = &mut self.vrings[index];
         let kick = v.kick.as_ref().and_then(|k| k.try_clone().ok()).ok_or(refused("cannot duplicate the kick file"))?;
         let call = Arc::new(Call { fd: AtomicI32::new(v.call.as_ref().map_or(-1, |c| c.as_raw_fd())) });
-        let id = NEXT_RING.fetch_add(1, Ordering::Relaxed);
+        // Its run's key as a client of the reactor's ring.
+        let id = new_client_key();
         let reactor = index % self.links.len();
         let ring = Ring {
             id,
@@ -382,7 +384,12 @@ impl Session {
             geometry,
         };
         let (tx, rx) = mpsc::channel();
-        self.links[reactor].send(Msg::VhostRing { ring: Box::new(ring), done: tx });
+        self.links[reactor].run(move |r| {
+            let made = VhostQueue::new(Box::new(ring));
+            let _ = tx.send(made.map(|queue| {
+                r.ring.add_client(id, Box::new(queue));
+            }));
+        });
         match rx.recv_timeout(RING_PATIENCE) {
             Ok(Ok(())) => {
                 v.running = Some(Running { id, reactor, call, old_calls: Vec::new() });
@@ -403,7 +410,8 @@ impl Session {
         let v = &mut self.vrings[index];
         let Some(running) = v.running.take() else { return v.base };
         let (tx, rx) = mpsc::channel();
-        self.links[running.reactor].send(Msg::VhostStop { id: running.id, done: tx });
+        // A virtqueue that ended already is not there: the sender goes, and so does the wait.
+        self.links[running.reactor].mail(Mail::Client { key: running.id, message: Box::new(Stop(tx)) });
         match rx.recv_timeout(RING_PATIENCE) {
             Ok(next) => v.base = next,
             Err(mpsc::RecvTimeoutError::Timeout) => {

@@ -12,7 +12,7 @@ use super::format::Record;
 use super::shared::{Done, MetaRequest};
 use super::{Inner, Pool, io_err};
 use crate::error::{Error, Result};
-use crate::nvme::lock;
+use crate::sync::lock;
 
 impl Pool {
     pub(super) fn serve(self: Arc<Self>, rx: Receiver<MetaRequest>) {

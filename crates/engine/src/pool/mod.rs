@@ -33,10 +33,9 @@ use std::sync::{Arc, Mutex, mpsc};
 
 pub use nvpool_api::{PoolInfo, VolumeInfo};
 
-use crate::backend::Backend;
-use crate::backend::file::FileBackend;
+use crate::disk::Disk;
 use crate::error::{Error, Result};
-use crate::nvme::lock;
+use crate::sync::lock;
 use alloc::FreeClusters;
 use cluster_map::VolumeMap;
 use format::{BLOCK, Member, MetaLayout, PoolState, Record, Superblock, VolumeMeta};
@@ -171,7 +170,7 @@ impl Pool {
                     p.display()
                 )));
             }
-            let b = FileBackend::open(p, None)?;
+            let b = Disk::open(p, None)?;
             disks_opened.push(b);
         }
         let cs = o.cluster_size;
@@ -253,7 +252,7 @@ impl Pool {
                     p.display()
                 )));
             }
-            let file = FileBackend::open(p, None)?;
+            let file = Disk::open(p, None)?;
             disks.push(PoolDisk {
                 file: Arc::new(file),
                 path: p.clone(),

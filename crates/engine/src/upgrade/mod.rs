@@ -43,7 +43,7 @@ use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use channel::Channel;
-use image::*;
+use image::{Answer, EngineImage, FORMAT, Hello, ListenerImage, MemoryImage, Order, READS};
 use nvpool_api::UpgradeReport;
 
 use crate::Engine;
@@ -52,9 +52,10 @@ use crate::backend::memory::Memory;
 use crate::config::EngineConfig;
 use crate::error::{Error, Result};
 use crate::nvme::auth::HostKeys;
-use crate::nvme::subsystem::HostPolicy;
-use crate::nvme::{Controller, Namespace, Subsystem, lock};
-use crate::reactor::{Msg, Parked};
+use crate::nvme::subsystem::{BackendImage, HostPolicy, NamespaceImage, SubsystemImage};
+use crate::nvme::{Controller, Namespace, Subsystem};
+use crate::reactor::Parked;
+use crate::sync::lock;
 
 /// The environment variable naming the handover socket's descriptor in the new process.
 pub const TAKEOVER_FD_ENV: &str = "NVPOOL_TAKEOVER_FD";
@@ -197,7 +198,7 @@ impl Engine {
         );
         Ok(UpgradeReport {
             old_pid: std::process::id(),
-            old_version: crate::version().to_string(),
+            old_version: crate::version::version().to_string(),
             new_pid: hello.pid,
             new_version: hello.version,
             connections,
@@ -228,10 +229,14 @@ impl Engine {
                 )
             })?
         };
-        self.links[0].send(Msg::Park(tx.clone()));
+        let park = |link: &crate::reactor::ReactorLink| {
+            let tx = tx.clone();
+            link.run(move |r| r.park(tx));
+        };
+        park(&self.links[0]);
         let mut parked = vec![wait(&rx)?];
         for l in &self.links[1..] {
-            l.send(Msg::Park(tx.clone()));
+            park(l);
         }
         for _ in 1..self.links.len() {
             parked.push(wait(&rx)?);
@@ -241,16 +246,14 @@ impl Engine {
 
     fn resume_all(&self) {
         for l in self.links.iter() {
-            l.send(Msg::Resume);
+            l.run(|r| r.resume());
         }
     }
 
     /// Checkpoints the pools and sends the image and its descriptors. Returns the
     /// connections and controllers handed over.
     fn hand_over(&self, channel: &Channel, parked: Vec<Parked>) -> std::result::Result<(usize, usize), String> {
-        for p in lock(&self.pools).values() {
-            p.checkpoint().map_err(|e| format!("the pools could not be checkpointed: {e}"))?;
-        }
+        self.pools.checkpoint_all().map_err(|e| format!("the pools could not be checkpointed: {e}"))?;
         let mut fds = FdList::default();
         let image = self.image(parked, &mut fds)?;
         let counts = (image.connections.len(), image.controllers.len());
@@ -271,17 +274,14 @@ impl Engine {
             .try_clone()
             .map_err(|e| copy("management socket", e))?;
         let management_fd = fds.push(management);
-        let pools = lock(&self.pools).values().map(|p| p.disk_paths()).collect();
-        let addresses = lock(&self.listeners).clone();
+        let pools = self.pools.disk_paths();
         let mut listeners = Vec::new();
+        for (port_id, address, socket) in self.listeners.tcp_sockets().map_err(|e| copy("listener", e))? {
+            let tls = self.target.listener_tls(port_id);
+            listeners.push(ListenerImage { port_id, address, tls, fd: fds.push(socket) });
+        }
         let mut connections = Vec::new();
         for p in parked {
-            for (port_id, l) in p.listeners {
-                if let Some(&(address, _)) = addresses.get(&port_id) {
-                    let tls = self.target.listener_tls(port_id);
-                    listeners.push(ListenerImage { port_id, address, tls, fd: fds.push(l) });
-                }
-            }
             for (mut c, socket) in p.conns {
                 c.fd = fds.push(socket);
                 connections.push(c);
@@ -330,12 +330,12 @@ impl Engine {
         let (cntlid_min, cntlid_max) = self.target.cntlid_range();
         Ok(EngineImage {
             format: FORMAT,
-            version: crate::version().to_string(),
+            version: crate::version::version().to_string(),
             executable: lock(&self.executable).clone(),
             management_fd,
             pools,
             listeners,
-            next_port_id: self.next_port_id.load(Ordering::Relaxed),
+            next_port_id: self.listeners.next_port_id(),
             cntlid_min,
             cntlid_max,
             cntlid_cursor: self.target.cntlid_cursor(),
@@ -370,7 +370,7 @@ impl Engine {
             }
         }
         // A copy of every connection's socket, a listener's, the management socket's.
-        let descriptors = self.target.connection_count() + lock(&self.listeners).len() + 1;
+        let descriptors = self.target.connection_count() + self.listeners.count() + 1;
         process::reserve_descriptors(descriptors);
         channel
             .send(&Order::Prepare { config: Box::new(config), memory, descriptors }, &[])
@@ -387,7 +387,7 @@ impl Engine {
         let channel = Channel::new(socket);
         let fault = std::env::var(FAULT_ENV).unwrap_or_default();
         let reads = if fault == "reads-no-format" { Vec::new() } else { READS.to_vec() };
-        let hello = Hello { version: crate::version().to_string(), pid: std::process::id(), reads };
+        let hello = Hello { version: crate::version::version().to_string(), pid: std::process::id(), reads };
         channel.send(&hello, &[]).map_err(|e| format!("cannot greet the running engine: {e}"))?;
         let lost = |e: std::io::Error| format!("the running engine went away during the handover: {e}");
         let failed = |why: String| {
@@ -433,7 +433,7 @@ impl Engine {
             Err(e) => tracing::warn!("the running engine went away before it said go ({e}); serving on"),
         }
         for l in engine.links.iter() {
-            l.send(Msg::Resume);
+            l.run(|r| r.resume());
         }
         process::notify_service_manager(&format!("MAINPID={}\nREADY=1", std::process::id()));
         let _ = channel.send(&Answer::Serving, &[]);
@@ -470,7 +470,7 @@ fn rebuild(
     let mut conns: Vec<Vec<_>> = (0..reactors).map(|_| Vec::new()).collect();
     let mut listeners = Vec::new();
     for l in &image.listeners {
-        listeners.push((l.port_id, TcpListener::from(take(l.fd)?)));
+        listeners.push((l.port_id, TcpListener::from(take(l.fd)?), l.tls));
     }
     let mut sockets = Vec::new();
     for c in &image.connections {
@@ -478,11 +478,10 @@ fn rebuild(
     }
     let controllers = (|| -> Result<_> {
         *lock(&engine.executable) = image.executable.clone();
-        engine.next_port_id.store(image.next_port_id, Ordering::Relaxed);
         engine.target.set_cntlid_range(image.cntlid_min, image.cntlid_max)?;
         engine.target.continue_from(image.cntlid_cursor, image.discovery_generation);
         for disks in &image.pools {
-            engine.import_pool(disks)?;
+            engine.pools.import(disks)?;
         }
         for s in &image.subsystems {
             engine.restore_subsystem(s, &mut mapped)?;
@@ -501,28 +500,17 @@ fn rebuild(
         Ok(controllers)
     })()
     .map_err(|e| e.to_string())?;
-    for l in &image.listeners {
-        lock(&engine.listeners).insert(l.port_id, (l.address, nvpool_api::Transport::Tcp));
-        let info = nvpool_api::ListenerInfo {
-            port_id: l.port_id,
-            addr: l.address.ip(),
-            port: l.address.port(),
-            tls: l.tls,
-            transport: nvpool_api::Transport::Tcp,
-        };
-        engine.target.add_listener_info(info);
-    }
     for (stream, c) in sockets.into_iter().zip(image.connections) {
         let controller = c.queue.as_ref().and_then(|q| controllers.get(&q.cntlid).cloned());
         conns[c.reactor % reactors].push((stream, c, controller));
     }
     let (done, restored) = mpsc::channel();
-    // Reactor 0 accepts, and hands the connections it accepts to the others.
-    let mut listeners = Some(listeners);
     for (link, conns) in engine.links.iter().zip(conns) {
-        let listeners = listeners.take().unwrap_or_default();
-        link.send(Msg::Restore { conns, listeners, done: done.clone() });
+        let done = done.clone();
+        link.run(move |r| r.restore(conns, done));
     }
+    // After the reactors are held: the listeners accept once they resume.
+    engine.listeners.restore(image.next_port_id, listeners).map_err(|e| e.to_string())?;
     let deadline = Instant::now() + READY_TIMEOUT;
     for _ in 0..reactors {
         restored
