@@ -19,7 +19,7 @@ use prometheus_client::encoding::{DescriptorEncoder, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::Engine;
+use crate::engine::Engine;
 use crate::nvme::stats::{DetailedStats, ERROR_CLASSES, LATENCY_BOUNDS_NS, Op};
 use crate::reactor::ReactorTime;
 use crate::upgrade::process::wait_readable;

@@ -9,11 +9,18 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use nvpool_api::*;
+use nvpool_api::{
+    AddHost, AddListener, AddLocalDevice, AddNamespace, AddSubsystem, AllowAnyHost, CancelMigration, CheckPool,
+    CreatePool, CreateVolume, DeleteVolume, Empty, EngineInfo, ErrorReply, ExportPool, GetEngineInfo, GetMigration,
+    GetVolume, ImportPool, ListAnaGroups, ListListeners, ListLocalDevices, ListPools, ListSubsystems, ListVolumes,
+    LocalDeviceAdded, METHODS, Method, NamespaceAdded, RemoveHost, RemoveListener, RemoveLocalDevice, RemoveNamespace,
+    RemoveSubsystem, ResizeVolume, SetAnaState, SetControllerIdRange, SetNamespaceQos, StartMigration, SwapNamespace,
+    SwitchMigration, UpgradeEngine, VolumeDirty,
+};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::Engine;
+use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::upgrade::process::wait_readable;
 
@@ -151,14 +158,14 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value> {
         SwapNamespace::NAME => answer(p, |r: SwapNamespace| ok(engine.swap_namespace(&r.nqn, r.nsid, &r.backend))),
         RemoveNamespace::NAME => answer(p, |r: RemoveNamespace| ok(engine.remove_namespace(&r.nqn, r.nsid))),
         AddLocalDevice::NAME => {
-            answer(p, |r: AddLocalDevice| engine.add_local(&r.device).map(|device| LocalDeviceAdded { device }))
+            answer(p, |r: AddLocalDevice| engine.local.add(&r.device).map(|device| LocalDeviceAdded { device }))
         }
         RemoveLocalDevice::NAME => answer(p, |r: RemoveLocalDevice| match (r.ublk_id, r.socket) {
-            (Some(id), None) => ok(engine.remove_local(id)),
-            (None, Some(socket)) => ok(engine.remove_vhost(&socket)),
+            (Some(id), None) => ok(engine.local.remove(id)),
+            (None, Some(socket)) => ok(engine.local.remove_vhost(&socket)),
             _ => Err(Error::invalid("name one local device: its ublk_id or its vhost-user-blk socket")),
         }),
-        ListLocalDevices::NAME => answer(p, |ListLocalDevices {}| Ok(engine.local_devices())),
+        ListLocalDevices::NAME => answer(p, |ListLocalDevices {}| Ok(engine.local.list())),
         AddHost::NAME => {
             answer(p, |r: AddHost| ok(engine.add_host(&r.nqn, &r.host, r.dhchap.as_ref(), r.tls_psk.as_ref())))
         }
@@ -187,12 +194,14 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value> {
         StartMigration::NAME => {
             answer(p, |r: StartMigration| engine.start_migration(&r.pool, &r.name, &r.id, &r.target, r.rate))
         }
-        GetMigration::NAME => answer(p, |r: GetMigration| Ok(engine.migration(&r.pool, &r.name))),
+        GetMigration::NAME => answer(p, |r: GetMigration| Ok(engine.migrations.info(&engine.pools, &r.pool, &r.name))),
         SwitchMigration::NAME => answer(p, |r: SwitchMigration| {
             let pause = r.pause_ms.map(|ms| std::time::Duration::from_millis(u64::from(ms)));
-            engine.switch_migration(&r.pool, &r.name, pause)
+            engine.migrations.switch(&engine.pools, &r.pool, &r.name, pause)
         }),
-        CancelMigration::NAME => answer(p, |r: CancelMigration| engine.cancel_migration(&r.pool, &r.name)),
+        CancelMigration::NAME => {
+            answer(p, |r: CancelMigration| engine.migrations.cancel(&engine.pools, &r.pool, &r.name))
+        }
         other => Err(Error::invalid(format!("unknown method {other:?}: use {}", METHODS.join(", ")))),
     }
 }

@@ -8,6 +8,7 @@ use nvpool_wire::Status;
 
 use super::{Backend, BackendType, BlockIo, DiskQueue, Handover, OpenEnv, Opened, deallocated_ranges, size_arg};
 use crate::disk::{Disk, PUNCH_HOLE, ZERO_RANGE};
+use crate::error::Error;
 use crate::plan::IoPlan;
 
 /// The registration of `file:PATH[:SIZE]`.
@@ -16,7 +17,7 @@ pub const TYPE: BackendType = BackendType {
     usage: "file:PATH, file:PATH:SIZE",
     check: |arg| parse(arg).map(drop),
     open: |arg, _: &OpenEnv<'_>| {
-        let (path, size) = parse(arg)?;
+        let (path, size) = parse(arg).map_err(Error::invalid)?;
         Opened::plain(FileBackend(Disk::open(&path, size)?))
     },
 };

@@ -27,7 +27,7 @@ pub const TYPE: BackendType = BackendType {
     name: "memory",
     usage: "memory:SIZE",
     check: |arg| size_arg(arg).map(drop),
-    open: |arg, _: &OpenEnv<'_>| Opened::plain(Memory::new(size_arg(arg)?)?),
+    open: |arg, _: &OpenEnv<'_>| Opened::plain(Memory::new(size_arg(arg).map_err(Error::invalid)?)?),
 };
 
 /// Holes punched in shmem read back as zeroes (it cannot zero in place).

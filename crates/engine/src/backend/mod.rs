@@ -31,7 +31,7 @@ use nvpool_wire::Status;
 use crate::plan::{IoPlan, dsm_byte_ranges};
 
 pub use crate::disk::DiskFd;
-use crate::error::Result;
+use crate::error::{Error, Result};
 pub use crate::io::{BlockIo, DiskQueue};
 use crate::pool::Pool;
 
@@ -186,8 +186,8 @@ pub fn check(spec: &str) -> std::result::Result<(), String> {
 
 /// Opens the backend a spec names.
 pub fn open(spec: &str, env: &OpenEnv<'_>) -> Result<Opened> {
-    check(spec)?;
-    let (t, arg) = find(spec)?;
+    check(spec).map_err(Error::invalid)?;
+    let (t, arg) = find(spec).map_err(Error::invalid)?;
     (t.open)(arg, env)
 }
 

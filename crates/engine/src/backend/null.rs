@@ -2,13 +2,14 @@
 //! the fastest a namespace can be, for measuring everything around the storage.
 
 use super::{Backend, BackendType, BlockIo, DiskQueue, Handover, OpenEnv, Opened, size_arg};
+use crate::error::Error;
 
 /// The registration of `null:SIZE`.
 pub const TYPE: BackendType = BackendType {
     name: "null",
     usage: "null:SIZE",
     check: |arg| size_arg(arg).map(drop),
-    open: |arg, _: &OpenEnv<'_>| Opened::plain(Null { size: size_arg(arg)? }),
+    open: |arg, _: &OpenEnv<'_>| Opened::plain(Null { size: size_arg(arg).map_err(Error::invalid)? }),
 };
 
 /// A namespace with no storage.

@@ -94,6 +94,24 @@ impl Target {
         read(&self.subsystems).get(nqn).cloned()
     }
 
+    /// The NVM subsystem with this NQN, or an error that says how to find the NQNs.
+    pub fn nvm_subsystem(&self, nqn: &str) -> crate::error::Result<Arc<Subsystem>> {
+        self.subsystem(nqn).filter(|s| !s.is_discovery()).ok_or_else(|| {
+            crate::error::Error::not_found(format!("no subsystem {nqn}: `nvpool engine subsystem list` shows the NQNs"))
+        })
+    }
+
+    /// Namespace `nsid` of NVM subsystem `nqn`.
+    pub fn namespace(&self, nqn: &str, nsid: u32) -> crate::error::Result<(Arc<Subsystem>, Arc<Namespace>)> {
+        let s = self.nvm_subsystem(nqn)?;
+        let ns = s.namespaces().get(&nsid).cloned().ok_or_else(|| {
+            crate::error::Error::not_found(format!(
+                "no namespace {nsid} in {nqn}: `nvpool engine subsystem list` shows them"
+            ))
+        })?;
+        Ok((s, ns))
+    }
+
     /// Every subsystem, the discovery subsystem included.
     pub fn subsystems(&self) -> Vec<Arc<Subsystem>> {
         read(&self.subsystems).values().cloned().collect()

@@ -13,7 +13,7 @@ use super::ana::{self, AnaImage, AnaTable};
 use super::auth::HostKeys;
 use super::stats::NamespaceStats;
 use super::{Controller, MAX_NSID};
-use crate::backend::Backend;
+use crate::backend::{Backend, Handover};
 use crate::error::{Error, Result};
 use crate::io::{BlockIo, DiskQueue};
 use crate::qos::Qos;
@@ -149,7 +149,7 @@ impl std::fmt::Debug for Subsystem {
 impl Subsystem {
     /// A new NVM subsystem with no namespaces.
     pub fn new(nqn: &str, serial: &str, model: &str, hosts: HostPolicy) -> Result<Arc<Subsystem>> {
-        validate_nqn(nqn)?;
+        validate_nqn(nqn).map_err(Error::invalid)?;
         if nqn == DISCOVERY_NQN {
             return Err(Error::invalid("the discovery NQN is reserved: pick another subsystem NQN"));
         }
@@ -214,7 +214,7 @@ impl Subsystem {
     /// Gives an allowed host a TLS pre-shared key (replacing any it had: its next
     /// handshake uses it).
     pub fn set_host_psk(&self, hostnqn: &str, psk: HostPsk) -> Result<()> {
-        validate_nqn(hostnqn)?;
+        validate_nqn(hostnqn).map_err(Error::invalid)?;
         let mut p = write(&self.hosts);
         p.hosts.insert(hostnqn.into());
         p.psks.insert(hostnqn.into(), Arc::new(psk));
@@ -225,7 +225,7 @@ impl Subsystem {
     /// any it had: its queues use them from their next authentication). Existing
     /// connections are unaffected.
     pub fn add_host(&self, hostnqn: &str, keys: Option<HostKeys>) -> Result<()> {
-        validate_nqn(hostnqn)?;
+        validate_nqn(hostnqn).map_err(Error::invalid)?;
         let mut p = write(&self.hosts);
         p.hosts.insert(hostnqn.into());
         if let Some(k) = keys {
@@ -391,6 +391,48 @@ impl Subsystem {
             }
         }
         Ok(())
+    }
+
+    /// What a hot upgrade's new process rebuilds this subsystem from: its identity,
+    /// hosts and their secrets, namespaces (by backend spec, or the memfd that comes
+    /// with the image) and ANA table.
+    pub fn image(&self) -> SubsystemImage {
+        let policy = self.host_policy();
+        let namespaces = self
+            .namespaces()
+            .values()
+            .map(|ns| NamespaceImage {
+                nsid: ns.nsid,
+                backend: match ns.backend.handover() {
+                    Handover::Spec(spec) => BackendImage::Spec(spec),
+                    Handover::Memfd { .. } => BackendImage::Memory,
+                },
+                block_size: ns.block_size(),
+                uuid: ns.uuid,
+                nguid: ns.nguid,
+                ana_group: ns.ana_group,
+                qos: ns.qos.limits(),
+            })
+            .collect();
+        SubsystemImage {
+            nqn: self.nqn.clone(),
+            serial: self.serial.clone(),
+            model: self.model.clone(),
+            allow_any_host: policy.allow_any,
+            hosts: policy.hosts.into_iter().collect(),
+            dhchap: policy
+                .keys
+                .iter()
+                .map(|(host, k)| nvpool_api::HostDhchap { host: host.clone(), keys: k.to_config() })
+                .collect(),
+            tls_psk: policy
+                .psks
+                .iter()
+                .map(|(host, p)| nvpool_api::HostTlsPsk { host: host.clone(), psk: p.to_config() })
+                .collect(),
+            namespaces,
+            ana: self.ana_image(),
+        }
     }
 
     /// The ANA table, for a new engine process.
