@@ -3,8 +3,8 @@
 //! could not have reached a leader are retried; every API call is idempotent, so a
 //! retry after a connection broke mid-call is safe too.
 
+use crate::metadata::{FROM_CONTROLLER, TRY_ANOTHER};
 use crate::proto::controller_client::ControllerClient;
-use crate::server::{FROM_CONTROLLER, TRY_ANOTHER};
 use crate::tls::Tls;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};

@@ -3,6 +3,7 @@
 //! "standby" and the leader's address, and the clients move on to the next controller.
 
 use crate::cluster::{Cluster, ClusterConfig};
+use crate::metadata::{FROM_CONTROLLER, TRY_ANOTHER};
 use crate::model::{LEADER_KEY, LeaderRecord, to_json};
 use crate::proto::{self, controller_server::ControllerServer};
 use crate::store::{self, Condition, EtcdStore, Store};
@@ -10,12 +11,6 @@ use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 use tonic::{Request, Response, Status};
-
-/// Metadata on every error the controller itself returns, so that clients can tell
-/// them from transport failures.
-pub const FROM_CONTROLLER: &str = "nvpool-controller";
-/// Metadata on errors meaning "ask another controller".
-pub const TRY_ANOTHER: &str = "nvpool-try-another";
 
 pub struct ControllerArgs {
     pub listen: SocketAddr,

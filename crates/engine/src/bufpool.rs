@@ -27,7 +27,7 @@ pub struct Buf {
     /// Its registrations with RDMA devices, one per device it moved data for: kept for
     /// the buffer's life, so it is registered once however often it is reused. Boxed,
     /// so a buffer that never meets RDMA stays small (buffers move on every I/O).
-    rdma: Option<Box<[crate::rdma::verbs::Region]>>,
+    rdma: Option<Box<[crate::verbs::Region]>>,
 }
 
 // SAFETY: a `Buf` owns its mapping exclusively; moving it to another thread moves that
@@ -70,7 +70,7 @@ impl Buf {
 
     /// The local key RDMA work requests name the buffer by on `device`, registering
     /// the whole buffer with it the first time.
-    pub fn rdma_key(&mut self, device: &crate::rdma::verbs::Device) -> std::io::Result<u32> {
+    pub fn rdma_key(&mut self, device: &crate::verbs::Device) -> std::io::Result<u32> {
         if let Some(r) = self.rdma.iter().flat_map(|v| v.iter()).find(|r| r.of(device)) {
             return Ok(r.lkey());
         }

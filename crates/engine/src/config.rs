@@ -66,6 +66,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use nvpool_wire::fabrics::validate_nqn;
 use serde::{Deserialize, Serialize};
 
 pub use nvpool_api::{LocalDeviceConfig, NamespaceConfig, SubsystemConfig};
@@ -153,7 +154,7 @@ pub struct EngineConfig {
     /// Whether `remote:` namespaces of one owner subsystem share one controller (and
     /// one queue per reactor) or each have their own.
     #[serde(default)]
-    pub remote_queues: crate::backend::remote::RemoteQueues,
+    pub remote_queues: RemoteQueues,
     /// Limits.
     #[serde(default)]
     pub limits: Limits,
@@ -172,6 +173,17 @@ pub struct EngineConfig {
     /// Local devices (ublk), made or taken back at start, after the subsystems.
     #[serde(default, rename = "local")]
     pub local: Vec<LocalDeviceConfig>,
+}
+
+/// How remote namespaces reach their owners.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RemoteQueues {
+    /// A controller (admin queue and a queue per reactor) per remote namespace.
+    #[default]
+    PerNamespace,
+    /// One controller per owner subsystem, shared by its namespaces.
+    PerOwner,
 }
 
 /// A pool to import: all of its disks.
@@ -221,47 +233,26 @@ impl EngineConfig {
     }
 
     /// Checks what parsing cannot.
+    /// Checks what can be checked from the configuration alone; what needs the
+    /// machine (its CPUs) or the backends' kinds is checked when the engine starts.
     pub fn validate(&self) -> Result<(), String> {
         self.limits.validate()?;
         if self.reactors == Some(0) {
             return Err("reactors = 0: at least one reactor is needed".into());
         }
         if let Some(q) = &self.host_nqn {
-            crate::nvme::subsystem::validate_nqn(q).map_err(|e| format!("host_nqn: {e}"))?;
+            validate_nqn(q).map_err(|e| format!("host_nqn: {e}"))?;
         }
         if self.cores.as_ref().is_some_and(Vec::is_empty) {
             return Err("cores = []: list at least one CPU".into());
         }
-        if let Some(cores) = &self.cores {
-            let allowed = crate::reactor::allowed_cpus();
-            if let Some(bad) = cores.iter().find(|c| !allowed.contains(c)) {
-                return Err(format!(
-                    "cores: CPU {bad} is not one this process may run on; use some of {}",
-                    allowed.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")
-                ));
-            }
-        }
         for s in &self.subsystems {
-            crate::nvme::subsystem::validate_nqn(&s.nqn).map_err(|e| format!("subsystem.nqn: {e}"))?;
+            validate_nqn(&s.nqn).map_err(|e| format!("subsystem.nqn: {e}"))?;
             for h in &s.hosts {
-                crate::nvme::subsystem::validate_nqn(h).map_err(|e| format!("subsystem {} hosts: {e}", s.nqn))?;
-            }
-            for n in &s.namespaces {
-                crate::backend::check(&n.backend).map_err(|e| format!("subsystem {} namespace.backend: {e}", s.nqn))?;
+                validate_nqn(h).map_err(|e| format!("subsystem {} hosts: {e}", s.nqn))?;
             }
         }
         Ok(())
-    }
-
-    /// The CPUs reactors run on: `cores`, or the first `reactors` CPUs this process
-    /// may use (one reactor when neither is set).
-    pub fn reactor_cores(&self) -> Vec<Option<usize>> {
-        if let Some(c) = &self.cores {
-            return c.iter().map(|&x| Some(x)).collect();
-        }
-        let n = self.reactors.unwrap_or(1);
-        let allowed = crate::reactor::allowed_cpus();
-        (0..n).map(|i| allowed.get(i).copied()).collect()
     }
 }
 
@@ -330,15 +321,6 @@ mod tests {
         assert!(e.contains("max_queue_depth"), "{e}");
         let e = EngineConfig::from_toml("[[subsystem]]\nnqn = \"x\"").unwrap_err();
         assert!(e.contains("subsystem.nqn"), "{e}");
-    }
-
-    #[test]
-    fn reactor_cpus_must_exist() {
-        let e = EngineConfig::from_toml("cores = [5000]").unwrap_err();
-        assert!(e.contains("CPU 5000") && e.contains("use some of"), "{e}");
-        let first = crate::reactor::allowed_cpus()[0];
-        assert!(EngineConfig::from_toml(&format!("cores = [{first}]")).is_ok());
-        assert!(crate::reactor::pin_current_thread(100_000).is_err(), "an error, not a panic");
     }
 
     #[test]

@@ -57,20 +57,6 @@ impl Error {
     }
 }
 
-/// Validation helpers (names, sizes, specs, configuration) say what is wrong with an
-/// input as a plain message: such an error is an invalid argument.
-impl From<String> for Error {
-    fn from(message: String) -> Error {
-        Error::invalid(message)
-    }
-}
-
-impl From<&str> for Error {
-    fn from(message: &str) -> Error {
-        Error::invalid(message)
-    }
-}
-
 impl From<Error> for String {
     fn from(e: Error) -> String {
         e.message

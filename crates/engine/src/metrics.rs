@@ -19,7 +19,7 @@ use prometheus_client::encoding::{DescriptorEncoder, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::Engine;
+use crate::engine::Engine;
 use crate::nvme::stats::{DetailedStats, ERROR_CLASSES, LATENCY_BOUNDS_NS, Op};
 use crate::reactor::ReactorTime;
 use crate::upgrade::process::wait_readable;
@@ -137,7 +137,7 @@ impl Snapshot {
             controllers,
             connections: target.connection_count(),
             reactors: engine.reactor_times(),
-            pools: engine.pools(),
+            pools: engine.pools.list(),
         }
     }
 }
@@ -200,7 +200,7 @@ impl prometheus_client::collector::Collector for SnapshotCollector {
         family(
             e,
             ("nvpool_engine_build", "The engine's version and process ID", None, MetricType::Info),
-            [(Labels::new(), crate::version())],
+            [(Labels::new(), crate::version::version())],
             // The process, so that a scrape says which side of a hot upgrade answered.
             |m, version| m.encode_info(&[("version", version.to_string()), ("pid", std::process::id().to_string())]),
         )?;

@@ -9,11 +9,18 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use nvpool_api::*;
+use nvpool_api::{
+    AddHost, AddListener, AddLocalDevice, AddNamespace, AddSubsystem, AllowAnyHost, CancelMigration, CheckPool,
+    CreatePool, CreateVolume, DeleteVolume, Empty, EngineInfo, ErrorReply, ExportPool, GetEngineInfo, GetMigration,
+    GetVolume, ImportPool, ListAnaGroups, ListListeners, ListLocalDevices, ListPools, ListSubsystems, ListVolumes,
+    LocalDeviceAdded, METHODS, Method, NamespaceAdded, RemoveHost, RemoveListener, RemoveLocalDevice, RemoveNamespace,
+    RemoveSubsystem, ResizeVolume, SetAnaState, SetControllerIdRange, SetNamespaceQos, StartMigration, SwapNamespace,
+    SwitchMigration, UpgradeEngine, VolumeDirty,
+};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::Engine;
+use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::upgrade::process::wait_readable;
 
@@ -128,7 +135,7 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value> {
     match call.method.as_str() {
         GetEngineInfo::NAME => answer(p, |GetEngineInfo {}| {
             Ok(EngineInfo {
-                version: crate::version().into(),
+                version: crate::version::version().into(),
                 pid: std::process::id(),
                 controllers: engine.target().controller_count(),
                 connections: engine.target().connection_count(),
@@ -151,14 +158,14 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value> {
         SwapNamespace::NAME => answer(p, |r: SwapNamespace| ok(engine.swap_namespace(&r.nqn, r.nsid, &r.backend))),
         RemoveNamespace::NAME => answer(p, |r: RemoveNamespace| ok(engine.remove_namespace(&r.nqn, r.nsid))),
         AddLocalDevice::NAME => {
-            answer(p, |r: AddLocalDevice| engine.add_local(&r.device).map(|device| LocalDeviceAdded { device }))
+            answer(p, |r: AddLocalDevice| engine.local.add(&r.device).map(|device| LocalDeviceAdded { device }))
         }
         RemoveLocalDevice::NAME => answer(p, |r: RemoveLocalDevice| match (r.ublk_id, r.socket) {
-            (Some(id), None) => ok(engine.remove_local(id)),
-            (None, Some(socket)) => ok(engine.remove_vhost(&socket)),
+            (Some(id), None) => ok(engine.local.remove(id)),
+            (None, Some(socket)) => ok(engine.local.remove_vhost(&socket)),
             _ => Err(Error::invalid("name one local device: its ublk_id or its vhost-user-blk socket")),
         }),
-        ListLocalDevices::NAME => answer(p, |ListLocalDevices {}| Ok(engine.local_devices())),
+        ListLocalDevices::NAME => answer(p, |ListLocalDevices {}| Ok(engine.local.list())),
         AddHost::NAME => {
             answer(p, |r: AddHost| ok(engine.add_host(&r.nqn, &r.host, r.dhchap.as_ref(), r.tls_psk.as_ref())))
         }
@@ -171,28 +178,30 @@ pub fn handle(engine: &Engine, line: &str) -> Result<Value> {
         ListListeners::NAME => answer(p, |ListListeners {}| Ok(engine.listeners())),
         AddListener::NAME => answer(p, |r: AddListener| engine.add_listener(r.address, r.tls, r.transport)),
         RemoveListener::NAME => answer(p, |r: RemoveListener| ok(engine.remove_listener(r.address, r.transport))),
-        CreatePool::NAME => answer(p, |r: CreatePool| engine.create_pool(&r.name, &r.disks, r.cluster_size, r.force)),
-        ImportPool::NAME => answer(p, |r: ImportPool| engine.import_pool(&r.disks)),
-        ExportPool::NAME => answer(p, |r: ExportPool| ok(engine.export_pool(&r.name))),
-        CheckPool::NAME => answer(p, |r: CheckPool| ok(engine.check_pool(&r.name))),
-        ListPools::NAME => answer(p, |ListPools {}| Ok(engine.pools())),
-        CreateVolume::NAME => {
-            answer(p, |r: CreateVolume| engine.create_volume(&r.pool, &r.name, r.size, r.thin, r.identity.as_ref()))
-        }
-        DeleteVolume::NAME => answer(p, |r: DeleteVolume| ok(engine.delete_volume(&r.pool, &r.name))),
-        GetVolume::NAME => answer(p, |r: GetVolume| engine.volume(&r.pool, &r.name)),
-        ResizeVolume::NAME => answer(p, |r: ResizeVolume| engine.resize_volume(&r.pool, &r.name, r.size)),
-        ListVolumes::NAME => answer(p, |r: ListVolumes| engine.volumes(r.pool.as_deref())),
-        VolumeDirty::NAME => answer(p, |r: VolumeDirty| engine.volume_dirty(&r.pool, &r.name, r.action)),
+        CreatePool::NAME => answer(p, |r: CreatePool| engine.pools.create(&r.name, &r.disks, r.cluster_size, r.force)),
+        ImportPool::NAME => answer(p, |r: ImportPool| engine.pools.import(&r.disks)),
+        ExportPool::NAME => answer(p, |r: ExportPool| ok(engine.pools.export(&r.name))),
+        CheckPool::NAME => answer(p, |r: CheckPool| ok(engine.pools.check(&r.name))),
+        ListPools::NAME => answer(p, |ListPools {}| Ok(engine.pools.list())),
+        CreateVolume::NAME => answer(p, |r: CreateVolume| {
+            engine.pools.create_volume(&r.pool, &r.name, r.size, r.thin, r.identity.as_ref())
+        }),
+        DeleteVolume::NAME => answer(p, |r: DeleteVolume| ok(engine.pools.delete_volume(&r.pool, &r.name))),
+        GetVolume::NAME => answer(p, |r: GetVolume| engine.pools.volume(&r.pool, &r.name)),
+        ResizeVolume::NAME => answer(p, |r: ResizeVolume| engine.pools.resize_volume(&r.pool, &r.name, r.size)),
+        ListVolumes::NAME => answer(p, |r: ListVolumes| engine.pools.volumes(r.pool.as_deref())),
+        VolumeDirty::NAME => answer(p, |r: VolumeDirty| engine.pools.volume_dirty(&r.pool, &r.name, r.action)),
         StartMigration::NAME => {
             answer(p, |r: StartMigration| engine.start_migration(&r.pool, &r.name, &r.id, &r.target, r.rate))
         }
-        GetMigration::NAME => answer(p, |r: GetMigration| Ok(engine.migration(&r.pool, &r.name))),
+        GetMigration::NAME => answer(p, |r: GetMigration| Ok(engine.migrations.info(&engine.pools, &r.pool, &r.name))),
         SwitchMigration::NAME => answer(p, |r: SwitchMigration| {
             let pause = r.pause_ms.map(|ms| std::time::Duration::from_millis(u64::from(ms)));
-            engine.switch_migration(&r.pool, &r.name, pause)
+            engine.migrations.switch(&engine.pools, &r.pool, &r.name, pause)
         }),
-        CancelMigration::NAME => answer(p, |r: CancelMigration| engine.cancel_migration(&r.pool, &r.name)),
+        CancelMigration::NAME => {
+            answer(p, |r: CancelMigration| engine.migrations.cancel(&engine.pools, &r.pool, &r.name))
+        }
         other => Err(Error::invalid(format!("unknown method {other:?}: use {}", METHODS.join(", ")))),
     }
 }

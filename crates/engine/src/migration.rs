@@ -37,13 +37,14 @@ use nvpool_wire::Status;
 use nvpool_wire::command::{Command, io_opcode};
 use nvpool_wire::identify;
 
-use crate::Engine;
 use crate::backend::gate::Gate;
-use crate::backend::{Backend, remote};
+use crate::backend::{Backend, OpenEnv, remote};
 use crate::bufpool::Buf;
 use crate::error::{Error, Result};
-use crate::nvme::{MAX_TRANSFER, Namespace, Subsystem, lock};
+use crate::nvme::{MAX_TRANSFER, Namespace, Subsystem};
 use crate::pool::{MAX_REACTORS, Pool, VolumeIo};
+use crate::pools::Pools;
+use crate::sync::lock;
 
 /// The pool in-flight slot the copy counts its reads under (shared, atomically, with
 /// a reactor of that number, which is sound).
@@ -226,34 +227,38 @@ fn none_info(volume_here: bool) -> MigrationInfo {
     }
 }
 
-impl Engine {
-    fn migration_job(&self, pool: &str, name: &str) -> Option<Arc<Job>> {
-        lock(&self.migrations.jobs).get(&(pool.to_string(), name.to_string())).cloned()
+impl Migrations {
+    fn job(&self, pool: &str, name: &str) -> Option<Arc<Job>> {
+        lock(&self.jobs).get(&(pool.to_string(), name.to_string())).cloned()
     }
 
-    fn volume_here(&self, pool: &str, name: &str) -> bool {
-        self.pool(pool).is_ok_and(|p| p.open_volume(name).is_ok())
+    fn volume_here(pools: &Pools, pool: &str, name: &str) -> bool {
+        pools.get(pool).is_ok_and(|p| p.open_volume(name).is_ok())
     }
 
-    /// Starts moving volume `pool/name` to `target` (`HOST:PORT/NQN/NSID`); `id` is
-    /// the caller's name for this migration. An ended migration's record gives way.
-    pub fn start_migration(
+    /// Starts moving volume `pool/name` of `pools` to `target` (`HOST:PORT/NQN/NSID`),
+    /// which opens as a remote backend through `env`; `id` is the caller's name for
+    /// this migration. An ended migration's record gives way.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start(
         &self,
+        pools: &Pools,
+        env: &OpenEnv,
         pool: &str,
         name: &str,
         id: &str,
         target: &str,
         rate: Option<u64>,
     ) -> Result<MigrationInfo> {
-        if let Some(job) = self.migration_job(pool, name).filter(|j| j.running()) {
+        if let Some(job) = self.job(pool, name).filter(|j| j.running()) {
             return Err(Error::exists(format!(
                 "volume {pool}/{name} is already moving to {}: `migration_status` shows how far it is",
                 lock(&job.info).target
             )));
         }
-        let p = self.pool(pool)?;
+        let p = pools.get(pool)?;
         let (volume, meta) = p.open_volume(name)?;
-        let exports = self.exports(&p, Some(volume.id));
+        let exports = pools.exports(&p, Some(volume.id));
         if exports.len() > 1 {
             return Err(Error::precondition(format!(
                 "volume {pool}/{name} is exported {} times: remove all namespaces but one before moving it",
@@ -261,7 +266,7 @@ impl Engine {
             )));
         }
         let (addr, nqn, nsid) = remote::parse(target).map_err(|e| Error::invalid(format!("target {target:?}: {e}")))?;
-        let opened = self.open_backend(&format!("remote:{target}"))?;
+        let opened = crate::backend::open(&format!("remote:{target}"), env)?;
         if opened.identity != Some((meta.uuid, meta.nguid)) {
             return Err(Error::precondition(format!(
                 "the target {target} is another namespace (its UUID or NGUID differ): create it with the volume's \
@@ -277,7 +282,7 @@ impl Engine {
                 meta.size
             )));
         }
-        let target_queue = TargetQueue::connect(remote::resolve(&addr)?, &nqn, nsid, self.host_nqn())
+        let target_queue = TargetQueue::connect(remote::resolve(&addr)?, &nqn, nsid, env.host_nqn)
             .map_err(|e| Error::unavailable(format!("cannot reach the target {target}: {e}")))?;
         let mut info = none_info(true);
         info.id = id.to_string();
@@ -315,64 +320,65 @@ impl Engine {
             .spawn(move || mover.run())
             .map_err(|e| Error::io("cannot start the migration thread", e))?;
         *lock(&job.thread) = Some(thread);
-        lock(&self.migrations.jobs).insert((pool.to_string(), name.to_string()), job);
+        lock(&self.jobs).insert((pool.to_string(), name.to_string()), job);
         tracing::info!(pool, volume = name, target, "migration started");
         Ok(info)
     }
 
-    /// A migration's progress; `none` (and whether the volume is here) without one.
-    pub fn migration(&self, pool: &str, name: &str) -> MigrationInfo {
-        let mut info = match self.migration_job(pool, name) {
+    /// A migration's progress; `none` (and whether the volume is in `pools`) without
+    /// one.
+    pub fn info(&self, pools: &Pools, pool: &str, name: &str) -> MigrationInfo {
+        let mut info = match self.job(pool, name) {
             Some(job) => lock(&job.info).clone(),
             None => none_info(false),
         };
-        info.volume_here = self.volume_here(pool, name);
+        info.volume_here = Self::volume_here(pools, pool, name);
         info
     }
 
     /// Lets a migration switch once a round leaves little to copy.
-    pub fn switch_migration(&self, pool: &str, name: &str, pause: Option<Duration>) -> Result<MigrationInfo> {
+    pub fn switch(&self, pools: &Pools, pool: &str, name: &str, pause: Option<Duration>) -> Result<MigrationInfo> {
         let job = self.running_job(pool, name)?;
         *lock(&job.switch) = Some(pause.unwrap_or(DEFAULT_PAUSE));
         job.update(|i| i.switch_requested = true);
-        Ok(self.migration(pool, name))
+        Ok(self.info(pools, pool, name))
     }
 
     /// Stops a migration that has not switched; waits for its thread.
-    pub fn cancel_migration(&self, pool: &str, name: &str) -> Result<MigrationInfo> {
-        let job = match self.migration_job(pool, name) {
+    pub fn cancel(&self, pools: &Pools, pool: &str, name: &str) -> Result<MigrationInfo> {
+        let job = match self.job(pool, name) {
             Some(job) if lock(&job.info).state == MigrationState::Switched => {
                 return Err(Error::precondition(format!(
                     "volume {pool}/{name} has moved already: the switch cannot be undone"
                 )));
             }
             Some(job) => job,
-            None => return Ok(self.migration(pool, name)),
+            None => return Ok(self.info(pools, pool, name)),
         };
         job.cancel.store(true, Ordering::SeqCst);
         if let Some(t) = lock(&job.thread).take() {
             let _ = t.join();
         }
-        Ok(self.migration(pool, name))
+        Ok(self.info(pools, pool, name))
     }
 
     fn running_job(&self, pool: &str, name: &str) -> Result<Arc<Job>> {
-        self.migration_job(pool, name).filter(|j| j.running()).ok_or_else(|| {
+        self.job(pool, name).filter(|j| j.running()).ok_or_else(|| {
             Error::not_found(format!("volume {pool}/{name} is not moving: start a migration with `migration_start`"))
         })
     }
 
     /// A volume whose migration is under way, as `POOL/NAME`, if any.
-    pub(crate) fn migration_running(&self) -> Option<String> {
-        lock(&self.migrations.jobs)
+    pub fn running(&self) -> Option<String> {
+        lock(&self.jobs)
             .iter()
             .find(|(_, job)| lock(&job.thread).as_ref().is_some_and(|t| !t.is_finished()))
             .map(|((pool, name), _)| format!("{pool}/{name}"))
     }
 
     /// Cancels every running migration (the engine stops).
-    pub(crate) fn stop_migrations(&self) {
-        let jobs: Vec<Arc<Job>> = lock(&self.migrations.jobs).values().cloned().collect();
+    pub fn stop_all(&self) {
+        let jobs: Vec<Arc<Job>> = lock(&self.jobs).values().cloned().collect();
         for job in &jobs {
             job.cancel.store(true, Ordering::SeqCst);
         }

@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use nvpool_engine::backend::remote::RemoteQueues;
+use nvpool_engine::config::RemoteQueues;
 use nvpool_engine::config::{EngineConfig, ListenerConfig, NamespaceConfig, SubsystemConfig};
 use nvpool_engine::error::ErrorKind;
 use nvpool_initiator::{ConnectOptions, Error, Queue, connect_admin, pattern};

@@ -29,6 +29,19 @@ pub const DISCOVERY_NQN: &str = "nqn.2014-08.org.nvmexpress.discovery";
 /// Maximum length of an NQN in bytes (NVMe Base 2.0 §4.5).
 pub const NQN_MAX_LEN: usize = 223;
 
+/// Checks an NQN's form: 1 to 223 bytes of printable ASCII with the `nqn.` prefix.
+pub fn validate_nqn(nqn: &str) -> Result<(), String> {
+    if nqn.is_empty() || nqn.len() > NQN_MAX_LEN {
+        return Err(format!("NQN {nqn:?} must be 1 to 223 bytes long"));
+    }
+    if !nqn.starts_with("nqn.") || !nqn.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(format!(
+            "NQN {nqn:?} is malformed: it must start with \"nqn.\" and contain no spaces, e.g. nqn.2024-01.io.nvpool:vol1"
+        ));
+    }
+    Ok(())
+}
+
 /// The SQE fields of a Connect command (NVMe-oF 1.1 Figure 20).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ConnectCommand {

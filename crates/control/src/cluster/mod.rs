@@ -133,14 +133,40 @@ impl State {
     }
 }
 
-/// Serialises work per key (a volume name, a node name) across awaits.
+/// Serialises work per key (a volume name, a node name) across awaits. A key's lock
+/// lives while someone holds or waits for it: names come and go (a deleted volume's
+/// name is never locked again), so the table holds only the keys in use.
 #[derive(Default)]
-struct KeyedLocks(Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>);
+struct KeyedLocks(Arc<Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>>);
+
+/// A key's lock, held; dropping it lets the next waiter in, or forgets the key.
+struct KeyGuard {
+    key: String,
+    table: Arc<Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>>,
+    held: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
 
 impl KeyedLocks {
-    async fn lock(&self, key: &str) -> tokio::sync::OwnedMutexGuard<()> {
+    async fn lock(&self, key: &str) -> KeyGuard {
         let m = self.0.lock().unwrap().entry(key.to_string()).or_default().clone();
-        m.lock_owned().await
+        KeyGuard { key: key.to_string(), table: self.0.clone(), held: Some(m.lock_owned().await) }
+    }
+
+    #[cfg(test)]
+    fn keys(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+}
+
+impl Drop for KeyGuard {
+    fn drop(&mut self) {
+        drop(self.held.take());
+        // The table's reference is the last one when nobody else holds or waits for
+        // this key (waiters clone it under the table's lock, which this holds).
+        let mut table = self.table.lock().unwrap_or_else(|e| e.into_inner());
+        if table.get(&self.key).is_some_and(|m| Arc::strong_count(m) == 1) {
+            table.remove(&self.key);
+        }
     }
 }
 
@@ -270,5 +296,35 @@ impl Cluster {
                 "this controller is no longer the leader; nothing was changed, retry against the new leader",
             ))
         }
+    }
+}
+
+#[cfg(test)]
+mod keyed_lock_tests {
+    use super::KeyedLocks;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn a_key_is_forgotten_once_nobody_holds_or_waits_for_it() {
+        let locks = Arc::new(KeyedLocks::default());
+        for i in 0..100 {
+            let _held = locks.lock(&format!("volume-{i}")).await;
+        }
+        assert_eq!(locks.keys(), 0, "names no longer in use stay in the table");
+
+        // A waiter keeps the key alive until it had its turn.
+        let first = locks.lock("v").await;
+        let waiter = {
+            let locks = locks.clone();
+            tokio::spawn(async move {
+                let _second = locks.lock("v").await;
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        drop(first);
+        assert!(locks.keys() <= 1);
+        waiter.await.unwrap();
+        assert_eq!(locks.keys(), 0);
     }
 }

@@ -88,7 +88,9 @@ pub async fn open(address: &str) -> Result<std::sync::Arc<dyn Store>, StoreError
     }
 }
 
-/// The behaviour every backend must show; run by the tests against both.
+/// The behaviour every backend must show; run by the tests against both (only with
+/// the `testkit` feature, so the library itself carries no test code).
+#[cfg(feature = "testkit")]
 #[doc(hidden)]
 pub mod conformance {
     use super::*;

@@ -1,20 +1,15 @@
-//! `file:PATH[:SIZE]`: a regular file or a block device, opened with `O_DIRECT` where
-//! the filesystem supports it. Flush is `fdatasync`; FUA writes use `RWF_DSYNC`. Pools
-//! open their member disks the same way.
-#![allow(unsafe_code)]
+//! `file:PATH[:SIZE]`: a regular file or a block device (a [`Disk`]), opened with
+//! `O_DIRECT` where the filesystem supports it. Flush is `fdatasync`; FUA writes use
+//! `RWF_DSYNC`; Write Zeroes zeroes in place and deallocation punches holes.
 
-use std::fs::{File, OpenOptions};
-use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use nvpool_wire::Status;
 
-use super::{
-    Backend, BackendType, BlockIo, DiskFd, DiskQueue, Handover, OpenEnv, Opened, deallocated_ranges, size_arg,
-};
-use crate::error::{Error, Result};
-use crate::nvme::nvm::IoPlan;
+use super::{Backend, BackendType, BlockIo, DiskQueue, Handover, OpenEnv, Opened, deallocated_ranges, size_arg};
+use crate::disk::{Disk, PUNCH_HOLE, ZERO_RANGE};
+use crate::error::Error;
+use crate::plan::IoPlan;
 
 /// The registration of `file:PATH[:SIZE]`.
 pub const TYPE: BackendType = BackendType {
@@ -22,8 +17,8 @@ pub const TYPE: BackendType = BackendType {
     usage: "file:PATH, file:PATH:SIZE",
     check: |arg| parse(arg).map(drop),
     open: |arg, _: &OpenEnv<'_>| {
-        let (path, size) = parse(arg)?;
-        Opened::plain(FileBackend::open(&path, size)?)
+        let (path, size) = parse(arg).map_err(Error::invalid)?;
+        Opened::plain(FileBackend(Disk::open(&path, size)?))
     },
 };
 
@@ -38,147 +33,9 @@ fn parse(arg: &str) -> std::result::Result<(PathBuf, Option<u64>), String> {
     })
 }
 
-const ZERO_RANGE: i32 = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
-const PUNCH_HOLE: i32 = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
-
-/// An open file or block device.
+/// A namespace on a file or block device.
 #[derive(Debug)]
-pub struct FileBackend {
-    fd: OwnedFd,
-    path: PathBuf,
-    size: u64,
-    block_device: bool,
-    direct: bool,
-    on_device: bool,
-    /// See `Backend::power_fail_atomic_bytes`.
-    atomic_bytes: u32,
-}
-
-impl FileBackend {
-    /// Opens a file or block device. A regular file that does not exist (or is empty)
-    /// is created with `create_size` bytes; an existing one keeps its size.
-    pub fn open(path: &Path, create_size: Option<u64>) -> Result<FileBackend> {
-        let cannot = |e: std::io::Error| Error::io(format!("cannot open {}", path.display()), e);
-        let open = |direct: bool| {
-            let mut o = OpenOptions::new();
-            o.read(true).write(true);
-            if create_size.is_some() {
-                o.create(true);
-            }
-            if direct {
-                o.custom_flags(libc::O_DIRECT);
-            }
-            o.open(path)
-        };
-        // Filesystems without O_DIRECT (tmpfs) refuse it with EINVAL: fall back to
-        // buffered I/O, which still honours fdatasync and RWF_DSYNC.
-        let (file, direct) = match open(true) {
-            Ok(f) => (f, true),
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (open(false).map_err(cannot)?, false),
-            Err(e) => return Err(cannot(e)),
-        };
-        let meta = file.metadata().map_err(cannot)?;
-        let block_device = meta.file_type().is_block_device();
-        // Filesystems without a device (tmpfs) have major number 0; their direct I/O
-        // still copies from memory.
-        let on_device = block_device || (direct && libc::major(meta.dev()) != 0);
-        let mut size = if block_device { block_device_size(&file).map_err(cannot)? } else { meta.len() };
-        if let (0, false, Some(want)) = (size, block_device, create_size) {
-            file.set_len(want).map_err(|e| Error::io(format!("cannot size {} to {want} bytes", path.display()), e))?;
-            size = want;
-        }
-        if size == 0 {
-            return Err(Error::invalid(format!(
-                "{} is empty: give a size (file:PATH:SIZE) to create it",
-                path.display()
-            )));
-        }
-        let atomic_bytes = if block_device {
-            physical_block_size(&file).map_err(cannot)?
-        } else if libc::major(meta.dev()) == 0 {
-            // A filesystem without a device (tmpfs) keeps nothing across a power loss.
-            u32::MAX
-        } else {
-            device_physical_block(meta.dev())
-        };
-        Ok(FileBackend { fd: file.into(), path: path.into(), size, block_device, direct, on_device, atomic_bytes })
-    }
-
-    /// Where disk operations on it go.
-    pub fn disk_fd(&self) -> DiskFd {
-        DiskFd::new(self.fd.as_raw_fd(), self.on_device)
-    }
-
-    /// Whether I/O goes to a device and completes later (a block device, or a file with
-    /// direct I/O on a filesystem that has one), rather than copying from memory inside
-    /// the submitting call.
-    pub fn on_device(&self) -> bool {
-        self.on_device
-    }
-
-    /// Zeroes `len` bytes at `offset` now, blocking: in place for files and block
-    /// devices (no data is written where the system can avoid it), by writing zeroes
-    /// otherwise. Not durable until [`FileBackend::sync_now`].
-    pub fn zero_now(&self, offset: u64, len: u64) -> std::io::Result<()> {
-        let fd = self.fd.as_raw_fd();
-        if self.block_device {
-            let range: [u64; 2] = [offset, len];
-            // SAFETY: BLKZEROOUT reads two u64 (start, length) through the pointer, which
-            // points at `range`.
-            if unsafe { libc::ioctl(fd, BLKZEROOUT, range.as_ptr()) } == 0 {
-                return Ok(());
-            }
-        } else {
-            // SAFETY: fallocate takes plain integers; fd is open for writing.
-            let rc = unsafe { libc::fallocate(fd, ZERO_RANGE, offset as i64, len as i64) };
-            if rc == 0 {
-                return Ok(());
-            }
-        }
-        // Writing zeroes works everywhere. The write goes through a buffered descriptor,
-        // which the direct I/O of the reactors sees once it is synced.
-        let file = OpenOptions::new().write(true).open(format!("/proc/self/fd/{fd}"))?;
-        let zeroes = vec![0u8; 1 << 20];
-        let mut done = 0;
-        while done < len {
-            let n = (len - done).min(zeroes.len() as u64) as usize;
-            std::os::unix::fs::FileExt::write_all_at(&file, &zeroes[..n], offset + done)?;
-            done += n as u64;
-        }
-        file.sync_data()
-    }
-
-    /// Reads `buf.len()` bytes at `offset` now, blocking. With direct I/O, `buf` and
-    /// `offset` must be aligned to the device's logical block.
-    pub fn read_now(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        let mut done = 0;
-        while done < buf.len() {
-            let rest = &mut buf[done..];
-            // SAFETY: pread writes at most `rest.len()` bytes into `rest`, which is valid
-            // for writes; fd is a descriptor we own.
-            let n = unsafe {
-                libc::pread(self.fd.as_raw_fd(), rest.as_mut_ptr().cast(), rest.len(), (offset + done as u64) as i64)
-            };
-            match n {
-                0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                n if n < 0 => {
-                    let e = std::io::Error::last_os_error();
-                    if e.kind() != std::io::ErrorKind::Interrupted {
-                        return Err(e);
-                    }
-                }
-                n => done += n as usize,
-            }
-        }
-        Ok(())
-    }
-
-    /// Makes every completed write durable, blocking (`fdatasync`).
-    pub fn sync_now(&self) -> std::io::Result<()> {
-        // SAFETY: fdatasync takes a descriptor we own.
-        if unsafe { libc::fdatasync(self.fd.as_raw_fd()) } == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
-    }
-}
+pub struct FileBackend(Disk);
 
 impl Backend for FileBackend {
     fn kind(&self) -> &'static str {
@@ -186,32 +43,32 @@ impl Backend for FileBackend {
     }
 
     fn size(&self) -> u64 {
-        self.size
+        self.0.size()
     }
 
     fn description(&self) -> String {
-        self.path.display().to_string()
+        self.0.path().display().to_string()
     }
 
     fn handover(&self) -> Handover<'_> {
-        Handover::Spec(format!("file:{}", self.path.display()))
+        Handover::Spec(format!("file:{}", self.0.path().display()))
     }
 
     fn direct_io(&self) -> bool {
-        self.direct
+        self.0.direct_io()
     }
 
     fn power_fail_atomic_bytes(&self) -> u32 {
-        self.atomic_bytes
+        self.0.power_fail_atomic_bytes()
     }
 
     /// Block devices may ignore a discard, so there deallocation is only advisory.
     fn deallocated_reads_zeroes(&self) -> bool {
-        !self.block_device
+        !self.0.is_block_device()
     }
 
     fn start(&self, io: &mut BlockIo, queue: &mut DiskQueue<'_>) {
-        let disk = self.disk_fd();
+        let disk = self.0.disk_fd();
         match io.plan {
             IoPlan::Read { offset, len } => {
                 queue.give_buf(io, len as usize);
@@ -237,76 +94,9 @@ impl Backend for FileBackend {
     }
 }
 
-/// `BLKZEROOUT`: `_IO(0x12, 127)`; the libc crate does not export it.
-const BLKZEROOUT: libc::c_ulong = 0x127F;
-
-/// `BLKGETSIZE64`: `_IOR(0x12, 114, size_t)`; the libc crate does not export it.
-const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
-
-/// `BLKPBSZGET`: `_IO(0x12, 123)`; the libc crate does not export it.
-const BLKPBSZGET: libc::c_ulong = 0x127B;
-
-/// The physical block size of a block device: the unit it writes whole.
-fn physical_block_size(file: &File) -> std::io::Result<u32> {
-    let mut size: libc::c_uint = 0;
-    // SAFETY: BLKPBSZGET writes one unsigned int through the pointer, which points at `size`.
-    let rc = unsafe { libc::ioctl(file.as_raw_fd(), BLKPBSZGET, &mut size as *mut libc::c_uint) };
-    if rc < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(size.max(512))
-}
-
-/// The physical block size of the device a file's filesystem lives on, from sysfs (a
-/// partition's is its disk's); 512, the smallest, when it cannot be told.
-fn device_physical_block(dev: u64) -> u32 {
-    let dir = PathBuf::from(format!("/sys/dev/block/{}:{}", libc::major(dev), libc::minor(dev)));
-    ["queue/physical_block_size", "../queue/physical_block_size"]
-        .iter()
-        .find_map(|f| std::fs::read_to_string(dir.join(f)).ok()?.trim().parse::<u32>().ok())
-        .unwrap_or(512)
-        .max(512)
-}
-
-fn block_device_size(file: &File) -> std::io::Result<u64> {
-    let mut size: u64 = 0;
-    // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which points at `size`.
-    let rc = unsafe { libc::ioctl(file.as_raw_fd(), BLKGETSIZE64, &mut size as *mut u64) };
-    if rc < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(size)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn file_backend_creates_and_reopens() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("disk");
-        let b = FileBackend::open(&p, Some(1 << 20)).unwrap();
-        assert_eq!(b.size(), 1 << 20);
-        drop(b);
-        assert_eq!(FileBackend::open(&p, None).unwrap().size(), 1 << 20);
-        assert!(FileBackend::open(&dir.path().join("missing"), None).is_err());
-    }
-
-    #[test]
-    fn only_storage_with_a_device_counts_as_on_device() {
-        // tmpfs has no device (major number 0), even where it accepts O_DIRECT.
-        let shm = Path::new("/dev/shm");
-        if shm.is_dir() {
-            let dir = tempfile::tempdir_in(shm).unwrap();
-            assert!(!FileBackend::open(&dir.path().join("disk"), Some(1 << 20)).unwrap().on_device());
-        }
-        // A filesystem on a block device: I/O there completes later, from the device.
-        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
-        let b = FileBackend::open(&dir.path().join("disk"), Some(1 << 20)).unwrap();
-        let dev = std::fs::metadata(dir.path()).unwrap().dev();
-        assert_eq!(b.on_device(), b.direct_io() && libc::major(dev) != 0);
-    }
 
     #[test]
     fn a_trailing_size_is_a_size_only_if_it_parses() {

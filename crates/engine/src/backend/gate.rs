@@ -19,9 +19,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use nvpool_wire::Status;
 
 use super::{Backend, BlockIo, DiskQueue, deallocated_ranges};
-use crate::nvme::lock;
-use crate::nvme::nvm::IoPlan;
+use crate::plan::IoPlan;
 use crate::pool::Done;
+use crate::sync::lock;
 
 /// Counters per reactor; reactors past this many share them (atomically, so soundly).
 const COUNTERS: usize = 64;

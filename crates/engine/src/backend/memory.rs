@@ -20,14 +20,14 @@ use super::{
     Backend, BackendType, BlockIo, DiskFd, DiskQueue, Handover, OpenEnv, Opened, deallocated_ranges, size_arg,
 };
 use crate::error::{Error, Result};
-use crate::nvme::nvm::IoPlan;
+use crate::plan::IoPlan;
 
 /// The registration of `memory:SIZE`.
 pub const TYPE: BackendType = BackendType {
     name: "memory",
     usage: "memory:SIZE",
     check: |arg| size_arg(arg).map(drop),
-    open: |arg, _: &OpenEnv<'_>| Opened::plain(Memory::new(size_arg(arg)?)?),
+    open: |arg, _: &OpenEnv<'_>| Opened::plain(Memory::new(size_arg(arg).map_err(Error::invalid)?)?),
 };
 
 /// Holes punched in shmem read back as zeroes (it cannot zero in place).

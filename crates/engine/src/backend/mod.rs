@@ -28,11 +28,12 @@ use std::sync::Arc;
 
 use nvpool_wire::Status;
 
-use crate::nvme::nvm::{IoPlan, dsm_byte_ranges};
+use crate::plan::{IoPlan, dsm_byte_ranges};
 
-use crate::error::Result;
+pub use crate::disk::DiskFd;
+use crate::error::{Error, Result};
+pub use crate::io::{BlockIo, DiskQueue};
 use crate::pool::Pool;
-pub use crate::reactor::{BlockIo, DiskFd, DiskQueue};
 
 /// Every kind of backend a namespace spec may name.
 pub const TYPES: &[BackendType] = &[null::TYPE, memory::TYPE, file::TYPE, volume::TYPE, remote::TYPE];
@@ -185,8 +186,8 @@ pub fn check(spec: &str) -> std::result::Result<(), String> {
 
 /// Opens the backend a spec names.
 pub fn open(spec: &str, env: &OpenEnv<'_>) -> Result<Opened> {
-    check(spec)?;
-    let (t, arg) = find(spec)?;
+    check(spec).map_err(Error::invalid)?;
+    let (t, arg) = find(spec).map_err(Error::invalid)?;
     (t.open)(arg, env)
 }
 

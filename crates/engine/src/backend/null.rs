@@ -2,13 +2,14 @@
 //! the fastest a namespace can be, for measuring everything around the storage.
 
 use super::{Backend, BackendType, BlockIo, DiskQueue, Handover, OpenEnv, Opened, size_arg};
+use crate::error::Error;
 
 /// The registration of `null:SIZE`.
 pub const TYPE: BackendType = BackendType {
     name: "null",
     usage: "null:SIZE",
     check: |arg| size_arg(arg).map(drop),
-    open: |arg, _: &OpenEnv<'_>| Opened::plain(Null { size: size_arg(arg)? }),
+    open: |arg, _: &OpenEnv<'_>| Opened::plain(Null { size: size_arg(arg).map_err(Error::invalid)? }),
 };
 
 /// A namespace with no storage.
@@ -48,7 +49,7 @@ impl Backend for Null {
     /// Nothing to do: a read with no buffer is sent as zeroes; a read that has one (a
     /// local device's) gets zeroes in it.
     fn start(&self, io: &mut BlockIo, _queue: &mut DiskQueue<'_>) {
-        if let crate::nvme::nvm::IoPlan::Read { len, .. } = io.plan {
+        if let crate::plan::IoPlan::Read { len, .. } = io.plan {
             io.zero(0, len as usize);
         }
     }

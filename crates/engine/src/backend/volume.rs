@@ -14,8 +14,9 @@ use nvpool_wire::Status;
 
 use super::gate::{Admitted, Gate, ROUTE_HERE};
 use super::{Backend, BackendType, BlockIo, DiskQueue, Handover, OpenEnv, Opened, deallocated_ranges};
-use crate::nvme::nvm::IoPlan;
-use crate::pool::{MetaRequest, VolumeIo};
+use crate::error::Result;
+use crate::plan::IoPlan;
+use crate::pool::{MetaRequest, Pool, VolumeIo};
 
 /// The registration of `volume:POOL/NAME`.
 pub const TYPE: BackendType = BackendType {
@@ -23,17 +24,23 @@ pub const TYPE: BackendType = BackendType {
     usage: "volume:POOL/NAME",
     check: |arg| parse(arg).map(drop),
     open: |arg, env: &OpenEnv<'_>| {
-        let (pool, name) = parse(arg)?;
-        let (volume, meta) = (env.pool)(pool)?.open_volume(name)?;
-        let backend = VolumeBackend {
-            volume,
-            size: meta.size,
-            description: format!("volume:{pool}/{name}"),
-            gate: Gate::new(meta.size),
-        };
-        Ok(Opened { backend: Arc::new(backend), identity: Some((meta.uuid, meta.nguid)) })
+        let (pool, name) = parse(arg).map_err(crate::error::Error::invalid)?;
+        let pool = (env.pool)(pool)?;
+        open(&pool, name)
     },
 };
+
+/// Opens volume `name` of `pool` as a backend, with the identity stored with it.
+pub fn open(pool: &Pool, name: &str) -> Result<Opened> {
+    let (volume, meta) = pool.open_volume(name)?;
+    let backend = VolumeBackend {
+        volume,
+        size: meta.size,
+        description: format!("volume:{}/{name}", pool.name),
+        gate: Gate::new(meta.size),
+    };
+    Ok(Opened { backend: Arc::new(backend), identity: Some((meta.uuid, meta.nguid)) })
+}
 
 fn parse(arg: &str) -> std::result::Result<(&str, &str), String> {
     match arg.split_once('/') {

@@ -15,7 +15,9 @@
 pub mod control;
 pub mod request;
 pub mod uapi;
+mod ublk_queue;
 pub mod vhost;
+mod vhost_queue;
 pub mod virtio_blk;
 
 use std::collections::BTreeMap;
@@ -26,12 +28,14 @@ use std::time::{Duration, Instant};
 
 use nvpool_api::{LocalDeviceConfig, LocalDeviceInfo};
 
-use crate::Engine;
 use crate::error::{Error, ErrorKind, Result};
-use crate::nvme::{MAX_TRANSFER, Namespace, Subsystem, lock};
-use crate::reactor::Msg;
+use crate::nvme::{MAX_TRANSFER, Namespace, Subsystem, Target};
+use crate::reactor::Links;
+use crate::ring::new_client_key;
+use crate::sync::lock;
 use control::Control;
 use uapi::{DevInfo, Params, attr, feature, state};
+use ublk_queue::UblkQueue;
 
 /// Requests in flight per queue unless configured.
 const DEFAULT_DEPTH: u16 = 128;
@@ -115,11 +119,14 @@ impl std::fmt::Debug for LocalDevice {
     }
 }
 
-/// The engine's local devices.
-#[derive(Default)]
+/// The engine's local devices: ublk block devices and vhost-user-blk sockets, each
+/// serving a namespace of the target through queues on the reactors.
 pub struct LocalDevices {
+    target: Arc<Target>,
+    links: Links,
     control: Mutex<Option<Arc<Control>>>,
     devices: Mutex<BTreeMap<u32, Arc<LocalDevice>>>,
+    vhost: vhost::VhostDevices,
 }
 
 /// How data moves for a device made with `flags` on a driver offering `features`.
@@ -147,9 +154,20 @@ fn zero_copy_for(features: u64, backend: &str) -> bool {
     features & feature::AUTO_BUF_REG != 0 && backend == "file"
 }
 
-impl Engine {
+impl LocalDevices {
+    /// No device yet.
+    pub fn new(target: Arc<Target>, links: Links) -> LocalDevices {
+        LocalDevices {
+            vhost: vhost::VhostDevices::new(links.clone()),
+            target,
+            links,
+            control: Mutex::new(None),
+            devices: Mutex::new(BTreeMap::new()),
+        }
+    }
+
     fn ublk_control(&self) -> Result<Arc<Control>> {
-        let mut c = lock(&self.local.control);
+        let mut c = lock(&self.control);
         if let Some(c) = c.as_ref() {
             return Ok(c.clone());
         }
@@ -176,16 +194,12 @@ impl Engine {
             target.rsplit_once('/').and_then(|(nqn, nsid)| Some((nqn, nsid.parse::<u32>().ok()?))).ok_or_else(
                 || Error::invalid(format!("{target:?} names no namespace: use NQN/NSID or volume:POOL/NAME")),
             )?;
-        let s = self.subsystem(nqn)?;
-        let ns = s.namespaces().get(&nsid).cloned().ok_or_else(|| {
-            Error::not_found(format!("no namespace {nsid} in {nqn}: `nvpool engine subsystem list` shows them"))
-        })?;
-        Ok((s, ns))
+        self.target.namespace(nqn, nsid)
     }
 
     /// Serves a namespace as `/dev/ublkbN`, or takes back the device of that number an
     /// engine that exited left (with the I/O it held).
-    pub fn add_local(&self, cfg: &LocalDeviceConfig) -> Result<LocalDeviceInfo> {
+    pub fn add(&self, cfg: &LocalDeviceConfig) -> Result<LocalDeviceInfo> {
         let (subsystem, ns) = self.local_target(&cfg.target)?;
         if ns.backend.kind() == "remote" {
             return Err(Error::invalid(format!(
@@ -194,10 +208,10 @@ impl Engine {
             )));
         }
         if let Some(socket) = &cfg.vhost_user_blk {
-            return self.add_vhost(cfg, socket, subsystem, ns.nsid);
+            return self.vhost.add(cfg, socket, subsystem, ns.nsid);
         }
         if let Some(id) = cfg.ublk_id
-            && lock(&self.local.devices).contains_key(&id)
+            && lock(&self.devices).contains_key(&id)
         {
             return Err(Error::exists(format!("this engine already serves /dev/ublkb{id}")));
         }
@@ -278,7 +292,7 @@ impl Engine {
         }
         tracing::info!(device = ?device, recovered = recovering, "local device serving");
         let info = device.info();
-        lock(&self.local.devices).insert(device.dev_id, device);
+        lock(&self.devices).insert(device.dev_id, device);
         Ok(info)
     }
 
@@ -334,7 +348,13 @@ impl Engine {
     fn start_queues(&self, device: &Arc<LocalDevice>) -> Result<()> {
         let (tx, rx) = mpsc::channel();
         for q in 0..device.queues {
-            self.links[usize::from(q)].send(Msg::LocalQueue { device: device.clone(), queue: q, done: tx.clone() });
+            let (device, done) = (device.clone(), tx.clone());
+            self.links[usize::from(q)].run(move |r| {
+                let made = UblkQueue::new(&mut r.ring, device, q);
+                let _ = done.send(made.map(|queue| {
+                    r.ring.add_client(new_client_key(), Box::new(queue));
+                }));
+            });
         }
         for _ in 0..device.queues {
             match rx.recv_timeout(Duration::from_secs(10)) {
@@ -380,9 +400,9 @@ impl Engine {
 
     /// Removes a local device. A device an engine that exited left, and nobody took
     /// back, is removed too.
-    pub fn remove_local(&self, ublk_id: u32) -> Result<()> {
+    pub fn remove(&self, ublk_id: u32) -> Result<()> {
         let control = self.ublk_control()?;
-        let Some(device) = lock(&self.local.devices).remove(&ublk_id) else {
+        let Some(device) = lock(&self.devices).remove(&ublk_id) else {
             return match control.info(ublk_id) {
                 Ok(info) if info.state == state::QUIESCED || info.state == state::DEAD => {
                     let _ = control.stop(ublk_id);
@@ -396,40 +416,45 @@ impl Engine {
         self.end_device(&control, device, true)
     }
 
+    /// Removes the vhost-user-blk device at `socket`.
+    pub fn remove_vhost(&self, socket: &str) -> Result<()> {
+        self.vhost.remove(socket)
+    }
+
     /// Every local device.
-    pub fn local_devices(&self) -> Vec<LocalDeviceInfo> {
-        let mut all: Vec<_> = lock(&self.local.devices).values().map(|d| d.info()).collect();
-        all.extend(self.vhost_infos());
+    pub fn list(&self) -> Vec<LocalDeviceInfo> {
+        let mut all: Vec<_> = lock(&self.devices).values().map(|d| d.info()).collect();
+        all.extend(self.vhost.infos());
         all
     }
 
     /// The local devices as configuration, for a hot upgrade's new process to take
     /// them back.
-    pub(crate) fn local_configs(&self) -> Vec<LocalDeviceConfig> {
-        let mut all: Vec<_> = lock(&self.local.devices).values().map(|d| d.config.clone()).collect();
-        all.extend(self.vhost_configs());
+    pub fn configs(&self) -> Vec<LocalDeviceConfig> {
+        let mut all: Vec<_> = lock(&self.devices).values().map(|d| d.config.clone()).collect();
+        all.extend(self.vhost.configs());
         all
     }
 
     /// The local device that serves a namespace of `nqn` (namespace `nsid` only, if
     /// given), and how to remove it.
-    pub(crate) fn local_device_of(&self, nqn: &str, nsid: Option<u32>) -> Option<String> {
-        let ublk = lock(&self.local.devices)
+    pub fn device_of(&self, nqn: &str, nsid: Option<u32>) -> Option<String> {
+        let ublk = lock(&self.devices)
             .values()
             .find(|d| d.subsystem.nqn == nqn && nsid.is_none_or(|n| n == d.nsid))
             .map(|d| d.dev_id);
         match ublk {
             Some(id) => Some(format!("/dev/ublkb{id}: remove that first (`nvpool engine local remove {id}`)")),
-            None => self.vhost_device_of(nqn, nsid).map(|socket| {
+            None => self.vhost.device_of(nqn, nsid).map(|socket| {
                 format!("the vhost-user-blk device {socket}: remove that first (`nvpool engine local remove {socket}`)")
             }),
         }
     }
 
     /// Removes every local device (the engine is stopping for good).
-    pub(crate) fn remove_all_local(&self) {
-        self.remove_all_vhost();
-        let devices: Vec<_> = std::mem::take(&mut *lock(&self.local.devices)).into_values().collect();
+    pub fn remove_all(&self) {
+        self.vhost.remove_all();
+        let devices: Vec<_> = std::mem::take(&mut *lock(&self.devices)).into_values().collect();
         if devices.is_empty() {
             return;
         }
@@ -442,16 +467,16 @@ impl Engine {
 
     /// Takes back, on a thread of its own, the local devices of the process this one
     /// took over from, once that process has let go of them.
-    pub(crate) fn recover_local(self: &Arc<Engine>, devices: Vec<LocalDeviceConfig>) {
+    pub fn recover(self: &Arc<LocalDevices>, devices: Vec<LocalDeviceConfig>) {
         if devices.is_empty() {
             return;
         }
-        let engine = self.clone();
+        let local = self.clone();
         let _ = std::thread::Builder::new().name("nvpool-local-recovery".into()).spawn(move || {
             for d in devices {
                 let mut tries = 0;
                 loop {
-                    match engine.add_local(&d) {
+                    match local.add(&d) {
                         Ok(info) => {
                             tracing::info!(device = info.device, "took the local device back");
                             break;

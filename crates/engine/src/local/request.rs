@@ -4,7 +4,7 @@
 use nvpool_wire::command::{DSM_RANGE_SIZE, DsmRange};
 
 use super::uapi::{IO_F_FUA, IoDesc, op};
-use crate::nvme::nvm::IoPlan;
+use crate::plan::IoPlan;
 
 /// Why a request is refused, as the errno the block layer gets.
 pub type Refusal = i32;
@@ -64,7 +64,7 @@ pub fn result(plan: &IoPlan, ok: bool) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nvme::nvm::dsm_byte_ranges;
+    use crate::plan::dsm_byte_ranges;
 
     fn desc(op: u8, start_sector: u64, sectors: u32) -> IoDesc {
         IoDesc { op, flags: 0, sectors, start_sector }

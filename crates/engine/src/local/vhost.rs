@@ -18,7 +18,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -34,11 +34,13 @@ use vhost::vhost_user::message::{
 use vhost::vhost_user::{BackendReqHandler, GpuBackend, VhostUserBackendReqHandlerMut};
 use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 
+use super::vhost_queue::{Stop, VhostQueue};
 use super::virtio_blk::{Geometry, feature};
-use crate::Engine;
 use crate::error::{Error, Result};
-use crate::nvme::{MAX_TRANSFER, Subsystem, lock};
-use crate::reactor::{Msg, ReactorLink};
+use crate::nvme::{MAX_TRANSFER, Subsystem};
+use crate::reactor::{Links, ReactorLink};
+use crate::ring::{Mail, new_client_key};
+use crate::sync::lock;
 
 type VhostResult<T> = vhost::vhost_user::Result<T>;
 
@@ -114,8 +116,8 @@ impl std::fmt::Debug for VhostDevice {
 }
 
 /// The engine's vhost-user-blk devices, by socket path.
-#[derive(Default)]
 pub struct VhostDevices {
+    links: Links,
     devices: Mutex<BTreeMap<PathBuf, Arc<VhostDevice>>>,
 }
 
@@ -316,8 +318,6 @@ struct InflightRegion {
     len: u64,
 }
 
-static NEXT_RING: AtomicU64 = AtomicU64::new(1);
-
 fn refused(what: &'static str) -> vhost::vhost_user::Error {
     vhost::vhost_user::Error::InvalidOperation(what)
 }
@@ -364,7 +364,8 @@ impl Session {
         let v = &mut self.vrings[index];
         let kick = v.kick.as_ref().and_then(|k| k.try_clone().ok()).ok_or(refused("cannot duplicate the kick file"))?;
         let call = Arc::new(Call { fd: AtomicI32::new(v.call.as_ref().map_or(-1, |c| c.as_raw_fd())) });
-        let id = NEXT_RING.fetch_add(1, Ordering::Relaxed);
+        // Its run's key as a client of the reactor's ring.
+        let id = new_client_key();
         let reactor = index % self.links.len();
         let ring = Ring {
             id,
@@ -382,7 +383,12 @@ impl Session {
             geometry,
         };
         let (tx, rx) = mpsc::channel();
-        self.links[reactor].send(Msg::VhostRing { ring: Box::new(ring), done: tx });
+        self.links[reactor].run(move |r| {
+            let made = VhostQueue::new(Box::new(ring));
+            let _ = tx.send(made.map(|queue| {
+                r.ring.add_client(id, Box::new(queue));
+            }));
+        });
         match rx.recv_timeout(RING_PATIENCE) {
             Ok(Ok(())) => {
                 v.running = Some(Running { id, reactor, call, old_calls: Vec::new() });
@@ -403,7 +409,8 @@ impl Session {
         let v = &mut self.vrings[index];
         let Some(running) = v.running.take() else { return v.base };
         let (tx, rx) = mpsc::channel();
-        self.links[running.reactor].send(Msg::VhostStop { id: running.id, done: tx });
+        // A virtqueue that ended already is not there: the sender goes, and so does the wait.
+        self.links[running.reactor].mail(Mail::Client { key: running.id, message: Box::new(Stop(tx)) });
         match rx.recv_timeout(RING_PATIENCE) {
             Ok(next) => v.base = next,
             Err(mpsc::RecvTimeoutError::Timeout) => {
@@ -698,9 +705,14 @@ fn serve(device: Arc<VhostDevice>, links: Arc<Vec<ReactorLink>>, listener: UnixL
     let _ = std::fs::remove_file(&device.socket);
 }
 
-impl Engine {
+impl VhostDevices {
+    /// No device yet; the devices' queues go to the reactors of `links`.
+    pub fn new(links: Links) -> VhostDevices {
+        VhostDevices { links, devices: Mutex::new(BTreeMap::new()) }
+    }
+
     /// Serves a namespace to virtual machines at a vhost-user-blk socket.
-    pub(super) fn add_vhost(
+    pub(super) fn add(
         &self,
         cfg: &LocalDeviceConfig,
         socket: &str,
@@ -713,7 +725,7 @@ impl Engine {
             ));
         }
         let path = PathBuf::from(socket);
-        if lock(&self.vhost.devices).contains_key(&path) {
+        if lock(&self.devices).contains_key(&path) {
             return Err(Error::exists(format!("this engine already serves {socket}")));
         }
         // A socket left by an engine that exited (or by the process a hot upgrade
@@ -749,39 +761,39 @@ impl Engine {
         *lock(&device.thread) = Some(thread);
         tracing::info!(device = ?device, "local device serving");
         let info = device.info();
-        lock(&self.vhost.devices).insert(path, device);
+        lock(&self.devices).insert(path, device);
         Ok(info)
     }
 
     /// Removes a vhost-user-blk device: the frontend's session ends once the requests
     /// it has under way are complete, and the socket goes away.
-    pub fn remove_vhost(&self, socket: &str) -> Result<()> {
-        let device = lock(&self.vhost.devices).remove(Path::new(socket)).ok_or_else(|| {
+    pub fn remove(&self, socket: &str) -> Result<()> {
+        let device = lock(&self.devices).remove(Path::new(socket)).ok_or_else(|| {
             Error::not_found(format!("this engine serves no {socket}: `nvpool engine local list` shows its devices"))
         })?;
         end_vhost(&device);
         Ok(())
     }
 
-    pub(super) fn vhost_infos(&self) -> Vec<LocalDeviceInfo> {
-        lock(&self.vhost.devices).values().map(|d| d.info()).collect()
+    pub(super) fn infos(&self) -> Vec<LocalDeviceInfo> {
+        lock(&self.devices).values().map(|d| d.info()).collect()
     }
 
-    pub(super) fn vhost_configs(&self) -> Vec<LocalDeviceConfig> {
-        lock(&self.vhost.devices).values().map(|d| d.config.clone()).collect()
+    pub(super) fn configs(&self) -> Vec<LocalDeviceConfig> {
+        lock(&self.devices).values().map(|d| d.config.clone()).collect()
     }
 
     /// The socket of a vhost-user-blk device serving a namespace of `nqn` (namespace
     /// `nsid` only, if given).
-    pub(super) fn vhost_device_of(&self, nqn: &str, nsid: Option<u32>) -> Option<String> {
-        lock(&self.vhost.devices)
+    pub(super) fn device_of(&self, nqn: &str, nsid: Option<u32>) -> Option<String> {
+        lock(&self.devices)
             .values()
             .find(|d| d.subsystem.nqn == nqn && nsid.is_none_or(|n| n == d.nsid))
             .map(|d| d.socket.display().to_string())
     }
 
-    pub(super) fn remove_all_vhost(&self) {
-        let devices: Vec<_> = std::mem::take(&mut *lock(&self.vhost.devices)).into_values().collect();
+    pub(super) fn remove_all(&self) {
+        let devices: Vec<_> = std::mem::take(&mut *lock(&self.devices)).into_values().collect();
         for d in devices {
             end_vhost(&d);
         }

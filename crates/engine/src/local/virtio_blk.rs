@@ -4,7 +4,7 @@
 
 use nvpool_wire::command::{DSM_RANGE_SIZE, DsmRange};
 
-use crate::nvme::nvm::IoPlan;
+use crate::plan::IoPlan;
 
 /// Device feature bits (virtio 1.2 §5.2.3) and the transport bits the engine offers.
 pub mod feature {
@@ -231,7 +231,7 @@ pub fn serial(target: &str) -> [u8; ID_BYTES] {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nvme::nvm::dsm_byte_ranges;
+    use crate::plan::dsm_byte_ranges;
 
     const G: Geometry =
         Geometry { size: 1 << 20, block_shift: 12, max_request: 128 * 1024, queues: 2, read_only: false };

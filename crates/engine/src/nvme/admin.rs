@@ -170,7 +170,7 @@ pub fn identify_controller(target: &Target, ctrl: &Controller) -> IdentifyContro
     let common = IdentifyController {
         sn: ascii(&s.serial),
         mn: ascii(&s.model),
-        fr: ascii(crate::version()),
+        fr: ascii(crate::version::version()),
         mdts: MDTS,
         cntlid: ctrl.cntlid,
         ver: nvpool_wire::fabrics::VERSION_2_0,
@@ -248,7 +248,7 @@ fn get_log_page(target: &Target, ctrl: &Controller, cmd: &Command) -> AdminOutco
         _ if discovery => return done(Status::INVALID_LOG_PAGE.with_dnr()),
         lid::ERROR => vec![0; ErrorLogEntry::SIZE * (usize::from(ERROR_LOG_ENTRIES) + 1)],
         lid::SMART => smart_log(ctrl).to_vec(),
-        lid::FW_SLOT => FwSlotLog { afi: 1, frs1: ascii(crate::version()) }.to_vec(),
+        lid::FW_SLOT => FwSlotLog { afi: 1, frs1: ascii(crate::version::version()) }.to_vec(),
         lid::CHANGED_NS => {
             let mut b = vec![0; log::CHANGED_NS_SIZE];
             log::encode_changed_ns(&ctrl.read_changed_namespaces(g.rae), &mut b);

@@ -14,7 +14,7 @@ use nvpool_wire::log::{self, AnaGroup, ana_state};
 
 use super::MAX_NSID;
 use super::subsystem::NamespaceMap;
-use crate::upgrade::image::AnaImage;
+use serde::{Deserialize, Serialize};
 
 /// Highest ANA group ID (ANAGRPMAX, and NANAGRPID): a group per namespace at most.
 pub const MAX_ANA_GROUP: u32 = MAX_NSID;
@@ -167,6 +167,17 @@ pub fn log_page(
 /// advertised maxima (it disables ANA if this is over MDTS).
 pub const MAX_LOG_PAGE: usize = 16 + MAX_ANA_GROUP as usize * 32 + MAX_NSID as usize * 4;
 const _: () = assert!(MAX_LOG_PAGE <= super::MAX_TRANSFER, "the largest ANA log must fit one transfer (MDTS)");
+
+/// A subsystem's ANA table.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct AnaImage {
+    /// Group states for hosts without their own.
+    pub groups: Vec<(u32, AnaState)>,
+    /// Per-host states.
+    pub hosts: Vec<(String, u32, AnaState)>,
+    /// The change count the ANA log reports.
+    pub change_count: u64,
+}
 
 #[cfg(test)]
 mod tests {

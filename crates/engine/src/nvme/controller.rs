@@ -10,9 +10,10 @@ use nvpool_api::AnaState;
 use nvpool_wire::fabrics::{cc, csts};
 use nvpool_wire::log::{async_event, lid};
 
+use super::Subsystem;
 use super::ana::{self, MAX_ANA_GROUP};
-use super::{Subsystem, lock};
-use crate::upgrade::image::ControllerImage;
+use crate::sync::lock;
+use serde::{Deserialize, Serialize};
 
 /// Async Event Configuration bit 8: namespace attribute notices.
 const AEC_NS_ATTRIBUTE: u32 = 1 << 8;
@@ -349,6 +350,39 @@ impl Controller {
             lock(&self.events).masked &= !AEC_DISCOVERY_CHANGE;
         }
     }
+}
+
+/// A controller.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ControllerImage {
+    /// Controller ID.
+    pub cntlid: u16,
+    /// Its subsystem's NQN.
+    pub subsystem: String,
+    /// Host NQN.
+    pub hostnqn: String,
+    /// Host ID.
+    pub hostid: [u8; 16],
+    /// Keep Alive Timeout (ms); the timer starts again in the new process.
+    pub kato_ms: u32,
+    /// Controller Configuration.
+    pub cc: u32,
+    /// Controller Status.
+    pub csts: u32,
+    /// I/O queues granted.
+    pub io_queues_granted: u32,
+    /// Queue slots (the most I/O queues it may have, plus the admin queue).
+    pub queue_slots: u32,
+    /// Async Event Configuration.
+    pub async_event_config: u32,
+    /// Events waiting for an Asynchronous Event Request.
+    pub pending_events: Vec<u32>,
+    /// Event types reported and not yet cleared.
+    pub masked_events: u32,
+    /// The Changed Namespace List.
+    pub changed_namespaces: Vec<u32>,
+    /// The ANA state of each group as its host sees it (state codes by group ID).
+    pub ana: Vec<u8>,
 }
 
 #[cfg(test)]

@@ -26,10 +26,9 @@ pub use subsystem::{Namespace, Subsystem};
 
 use crate::config::Limits;
 use crate::error::{Error, Result};
+use crate::sync::{lock, read, write};
 
-/// Largest data transfer of one command (MDTS): 128 KiB, as SPDK's default I/O unit.
-/// Larger host I/Os are split by the host.
-pub const MAX_TRANSFER: usize = 128 * 1024;
+pub use crate::plan::MAX_TRANSFER;
 /// MDTS as Identify reports it: log2 of the transfer in 4 KiB pages.
 pub const MDTS: u8 = (MAX_TRANSFER / 4096).trailing_zeros() as u8;
 /// In-capsule data accepted on I/O queues. Writes up to this size need no R2T round
@@ -93,6 +92,24 @@ impl Target {
     /// The subsystem with this NQN.
     pub fn subsystem(&self, nqn: &str) -> Option<Arc<Subsystem>> {
         read(&self.subsystems).get(nqn).cloned()
+    }
+
+    /// The NVM subsystem with this NQN, or an error that says how to find the NQNs.
+    pub fn nvm_subsystem(&self, nqn: &str) -> crate::error::Result<Arc<Subsystem>> {
+        self.subsystem(nqn).filter(|s| !s.is_discovery()).ok_or_else(|| {
+            crate::error::Error::not_found(format!("no subsystem {nqn}: `nvpool engine subsystem list` shows the NQNs"))
+        })
+    }
+
+    /// Namespace `nsid` of NVM subsystem `nqn`.
+    pub fn namespace(&self, nqn: &str, nsid: u32) -> crate::error::Result<(Arc<Subsystem>, Arc<Namespace>)> {
+        let s = self.nvm_subsystem(nqn)?;
+        let ns = s.namespaces().get(&nsid).cloned().ok_or_else(|| {
+            crate::error::Error::not_found(format!(
+                "no namespace {nsid} in {nqn}: `nvpool engine subsystem list` shows them"
+            ))
+        })?;
+        Ok((s, ns))
     }
 
     /// Every subsystem, the discovery subsystem included.
@@ -265,15 +282,4 @@ impl Target {
             }
         }
     }
-}
-
-/// Poison-tolerant lock helpers: a panic elsewhere must not take the target down.
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-pub(crate) fn read<T>(m: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
-    m.read().unwrap_or_else(|e| e.into_inner())
-}
-pub(crate) fn write<T>(m: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
-    m.write().unwrap_or_else(|e| e.into_inner())
 }

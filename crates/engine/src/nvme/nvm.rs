@@ -5,56 +5,7 @@ use nvpool_wire::command::{Command, DSM_ATTR_DEALLOCATE, DSM_RANGE_SIZE, io_opco
 
 use super::Namespace;
 use super::data_pointer::{self, Direction, Length, Source};
-
-/// The disk work one NVM command needs, in bytes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum IoPlan {
-    /// Read `len` bytes at `offset` and send them.
-    Read {
-        /// Byte offset.
-        offset: u64,
-        /// Byte length.
-        len: u32,
-    },
-    /// Receive `len` bytes and write them at `offset`, durably if `fua`.
-    Write {
-        /// Byte offset.
-        offset: u64,
-        /// Byte length.
-        len: u32,
-        /// Force Unit Access: durable before completion.
-        fua: bool,
-    },
-    /// Make every completed write durable.
-    Flush,
-    /// Zero `len` bytes at `offset`.
-    WriteZeroes {
-        /// Byte offset.
-        offset: u64,
-        /// Byte length.
-        len: u64,
-    },
-    /// Receive `ranges` Dataset Management ranges; deallocate them if `deallocate`.
-    DatasetManagement {
-        /// Number of ranges.
-        ranges: u32,
-        /// Whether the host asked to deallocate.
-        deallocate: bool,
-        /// log2 of the namespace's block size, to turn the ranges into bytes.
-        block_shift: u32,
-    },
-}
-
-impl IoPlan {
-    /// Bytes the host sends with this command.
-    pub fn host_data_len(&self) -> u32 {
-        match *self {
-            IoPlan::Write { len, .. } => len,
-            IoPlan::DatasetManagement { ranges, .. } => ranges * DSM_RANGE_SIZE as u32,
-            _ => 0,
-        }
-    }
-}
+use crate::plan::IoPlan;
 
 fn range(ns: &Namespace, slba: u64, nlb: u64) -> Result<(u64, u64), Status> {
     match slba.checked_add(nlb) {
@@ -111,20 +62,11 @@ pub fn check_dsm_ranges(ns: &Namespace, data: &[u8], ranges: u32) -> Result<(), 
         .try_for_each(|r| range(ns, r.slba, u64::from(r.nlb)).map(drop))
 }
 
-/// The non-empty Dataset Management ranges in a command's data, as (offset, length)
-/// in bytes; checked beforehand with [`check_dsm_ranges`].
-pub fn dsm_byte_ranges(data: &[u8], ranges: u32, block_shift: u32) -> impl Iterator<Item = (u64, u64)> + '_ {
-    data.chunks_exact(DSM_RANGE_SIZE)
-        .take(ranges as usize)
-        .map(nvpool_wire::command::DsmRange::decode)
-        .filter(|r| r.nlb > 0)
-        .map(move |r| (r.slba << block_shift, u64::from(r.nlb) << block_shift))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::backend::null::Null;
+    use crate::plan::dsm_byte_ranges;
     use nvpool_wire::command::{DsmRange, SglDescriptor, sgl};
     use std::sync::Arc;
 

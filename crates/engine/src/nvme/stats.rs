@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use nvpool_wire::Status;
 
-use crate::nvme::nvm::IoPlan;
+use crate::plan::IoPlan;
 pub use nvpool_api::StatsSnapshot;
 
 /// Reactors with their own counter shard at most; any further reactors share one more.

@@ -4,19 +4,22 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 
-use nvpool_wire::fabrics::DISCOVERY_NQN;
+use nvpool_wire::Status;
+use nvpool_wire::fabrics::{DISCOVERY_NQN, validate_nqn};
 
 use nvpool_api::{AnaGroupInfo, AnaState};
 
-use super::ana::{self, AnaTable};
+use super::ana::{self, AnaImage, AnaTable};
 use super::auth::HostKeys;
 use super::stats::NamespaceStats;
-use super::{Controller, MAX_NSID, lock, read, write};
-use crate::backend::Backend;
+use super::{Controller, MAX_NSID};
+use crate::backend::{Backend, Handover};
 use crate::error::{Error, Result};
+use crate::io::{BlockIo, DiskQueue};
 use crate::qos::Qos;
+use crate::sync::{lock, read, write};
 use crate::tls::HostPsk;
-use crate::upgrade::image::AnaImage;
+use serde::{Deserialize, Serialize};
 
 /// A namespace: a backend exported under an NSID with stable identifiers.
 #[derive(Debug)]
@@ -42,6 +45,27 @@ pub struct Namespace {
 }
 
 impl Namespace {
+    /// Starts a command of this namespace: its backend takes it, unless the
+    /// namespace's I/O limits hold it back; then it waits on the reactor (deferred)
+    /// until its budget lets it through, and [`Namespace::resume`] starts it.
+    pub fn start(&self, io: &mut BlockIo, queue: &mut DiskQueue<'_>) {
+        if self.qos.limited() && !queue.admit(&self.qos, io) {
+            self.stats.throttled(queue.reactor_id());
+            return;
+        }
+        self.backend.start(io, queue);
+    }
+
+    /// Continues a deferred command with the answer `status`: a command that waited for
+    /// its budget starts now; one the backend handed away goes back to it.
+    pub fn resume(&self, io: &mut BlockIo, status: Status, queue: &mut DiskQueue<'_>) {
+        if io.take_throttled() {
+            self.backend.start(io, queue);
+        } else {
+            self.backend.resume(io, status, queue);
+        }
+    }
+
     /// A namespace over `backend` with `block_size`-byte blocks (512 or 4096).
     pub fn new(
         nsid: u32,
@@ -125,7 +149,7 @@ impl std::fmt::Debug for Subsystem {
 impl Subsystem {
     /// A new NVM subsystem with no namespaces.
     pub fn new(nqn: &str, serial: &str, model: &str, hosts: HostPolicy) -> Result<Arc<Subsystem>> {
-        validate_nqn(nqn)?;
+        validate_nqn(nqn).map_err(Error::invalid)?;
         if nqn == DISCOVERY_NQN {
             return Err(Error::invalid("the discovery NQN is reserved: pick another subsystem NQN"));
         }
@@ -190,7 +214,7 @@ impl Subsystem {
     /// Gives an allowed host a TLS pre-shared key (replacing any it had: its next
     /// handshake uses it).
     pub fn set_host_psk(&self, hostnqn: &str, psk: HostPsk) -> Result<()> {
-        validate_nqn(hostnqn)?;
+        validate_nqn(hostnqn).map_err(Error::invalid)?;
         let mut p = write(&self.hosts);
         p.hosts.insert(hostnqn.into());
         p.psks.insert(hostnqn.into(), Arc::new(psk));
@@ -201,7 +225,7 @@ impl Subsystem {
     /// any it had: its queues use them from their next authentication). Existing
     /// connections are unaffected.
     pub fn add_host(&self, hostnqn: &str, keys: Option<HostKeys>) -> Result<()> {
-        validate_nqn(hostnqn)?;
+        validate_nqn(hostnqn).map_err(Error::invalid)?;
         let mut p = write(&self.hosts);
         p.hosts.insert(hostnqn.into());
         if let Some(k) = keys {
@@ -369,6 +393,48 @@ impl Subsystem {
         Ok(())
     }
 
+    /// What a hot upgrade's new process rebuilds this subsystem from: its identity,
+    /// hosts and their secrets, namespaces (by backend spec, or the memfd that comes
+    /// with the image) and ANA table.
+    pub fn image(&self) -> SubsystemImage {
+        let policy = self.host_policy();
+        let namespaces = self
+            .namespaces()
+            .values()
+            .map(|ns| NamespaceImage {
+                nsid: ns.nsid,
+                backend: match ns.backend.handover() {
+                    Handover::Spec(spec) => BackendImage::Spec(spec),
+                    Handover::Memfd { .. } => BackendImage::Memory,
+                },
+                block_size: ns.block_size(),
+                uuid: ns.uuid,
+                nguid: ns.nguid,
+                ana_group: ns.ana_group,
+                qos: ns.qos.limits(),
+            })
+            .collect();
+        SubsystemImage {
+            nqn: self.nqn.clone(),
+            serial: self.serial.clone(),
+            model: self.model.clone(),
+            allow_any_host: policy.allow_any,
+            hosts: policy.hosts.into_iter().collect(),
+            dhchap: policy
+                .keys
+                .iter()
+                .map(|(host, k)| nvpool_api::HostDhchap { host: host.clone(), keys: k.to_config() })
+                .collect(),
+            tls_psk: policy
+                .psks
+                .iter()
+                .map(|(host, p)| nvpool_api::HostTlsPsk { host: host.clone(), psk: p.to_config() })
+                .collect(),
+            namespaces,
+            ana: self.ana_image(),
+        }
+    }
+
     /// The ANA table, for a new engine process.
     pub fn ana_image(&self) -> AnaImage {
         lock(&self.ana).image()
@@ -403,17 +469,59 @@ impl Subsystem {
     }
 }
 
-/// Checks an NQN's form: 1 to 223 bytes of printable ASCII, `nqn.` prefix.
-pub fn validate_nqn(nqn: &str) -> std::result::Result<(), String> {
-    if nqn.is_empty() || nqn.len() > nvpool_wire::fabrics::NQN_MAX_LEN {
-        return Err(format!("NQN {nqn:?} must be 1 to 223 bytes long"));
-    }
-    if !nqn.starts_with("nqn.") || !nqn.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err(format!(
-            "NQN {nqn:?} is malformed: it must start with \"nqn.\" and contain no spaces, e.g. nqn.2024-01.io.nvpool:vol1"
-        ));
-    }
-    Ok(())
+/// A subsystem with its namespaces, hosts and ANA states.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct SubsystemImage {
+    /// NQN.
+    pub nqn: String,
+    /// Serial number.
+    pub serial: String,
+    /// Model number.
+    pub model: String,
+    /// Whether any host may connect.
+    pub allow_any_host: bool,
+    /// Allowed hosts.
+    pub hosts: Vec<String>,
+    /// Hosts that must authenticate, with their secrets (the image travels over a
+    /// socket pair between the two processes only).
+    #[serde(default)]
+    pub dhchap: Vec<nvpool_api::HostDhchap>,
+    /// Hosts' TLS pre-shared keys.
+    #[serde(default)]
+    pub tls_psk: Vec<nvpool_api::HostTlsPsk>,
+    /// Namespaces.
+    pub namespaces: Vec<NamespaceImage>,
+    /// ANA states.
+    pub ana: AnaImage,
+}
+
+/// A namespace.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct NamespaceImage {
+    /// NSID.
+    pub nsid: u32,
+    /// How its backend opens again.
+    pub backend: BackendImage,
+    /// Block size.
+    pub block_size: u32,
+    /// UUID.
+    pub uuid: [u8; 16],
+    /// NGUID.
+    pub nguid: [u8; 16],
+    /// ANA group.
+    pub ana_group: u32,
+    /// I/O limits (none from an engine that had none).
+    #[serde(default)]
+    pub qos: nvpool_api::QosLimits,
+}
+
+/// How a backend opens in the new process.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum BackendImage {
+    /// From its spec, as management adds one (files, volumes, remote namespaces).
+    Spec(String),
+    /// RAM: the memfd sent and mapped before the pause, so the data stays.
+    Memory,
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@ use super::format::Record;
 use super::shared::{Done, MetaRequest};
 use super::{Inner, Pool, io_err};
 use crate::error::{Error, Result};
-use crate::nvme::lock;
+use crate::sync::lock;
 
 impl Pool {
     pub(super) fn serve(self: Arc<Self>, rx: Receiver<MetaRequest>) {
@@ -86,7 +86,7 @@ impl Pool {
     pub(super) fn map_durably(&self, inner: &mut Inner, new: &[(u32, u64, u32)], before: Vec<Record>) -> Result<()> {
         let mut touched = vec![false; self.shared.disks.len()];
         for &(_, _, pc) in new {
-            let (disk, off) = self.shared.locate(pc, 0).ok_or("cluster outside the pool")?;
+            let (disk, off) = self.shared.locate(pc, 0).ok_or_else(|| Error::internal("cluster outside the pool"))?;
             disk.zero_now(off, self.cluster_size).map_err(io_err("zeroing a new cluster"))?;
             if let Some(i) = self.shared.disks.iter().position(|d| std::ptr::eq(&*d.file, disk)) {
                 touched[i] = true;
@@ -125,7 +125,7 @@ impl Pool {
             return Err(Error::precondition(format!("pool {} refuses changes: {f}", self.name)));
         }
         for r in records {
-            inner.state.apply(r, self.cluster_size)?;
+            inner.state.apply(r, self.cluster_size).map_err(Error::internal)?;
         }
         let Inner { store, state, .. } = inner;
         if let Err(e) = store.commit(records, state) {

@@ -33,10 +33,9 @@ use std::sync::{Arc, Mutex, mpsc};
 
 pub use nvpool_api::{PoolInfo, VolumeInfo};
 
-use crate::backend::Backend;
-use crate::backend::file::FileBackend;
+use crate::disk::Disk;
 use crate::error::{Error, Result};
-use crate::nvme::lock;
+use crate::sync::lock;
 use alloc::FreeClusters;
 use cluster_map::VolumeMap;
 use format::{BLOCK, Member, MetaLayout, PoolState, Record, Superblock, VolumeMeta};
@@ -141,7 +140,7 @@ fn io_err(what: &str) -> impl Fn(std::io::Error) -> Error + '_ {
 impl Pool {
     /// Claims `paths` as a new pool named `name`.
     pub fn create(name: &str, paths: &[PathBuf], o: &CreateOptions) -> Result<Arc<Pool>> {
-        format::check_name("pool", name)?;
+        format::check_name("pool", name).map_err(Error::invalid)?;
         if paths.is_empty() || paths.len() > format::MAX_DISKS {
             return Err(Error::invalid(format!("a pool needs 1 to {} disks", format::MAX_DISKS)));
         }
@@ -171,7 +170,7 @@ impl Pool {
                     p.display()
                 )));
             }
-            let b = FileBackend::open(p, None)?;
+            let b = Disk::open(p, None)?;
             disks_opened.push(b);
         }
         let cs = o.cluster_size;
@@ -193,7 +192,7 @@ impl Pool {
             members.push(Member { uuid: *uuid::Uuid::new_v4().as_bytes(), clusters: clusters as u32, data_offset });
         }
         if total >= u64::from(u32::MAX) {
-            return Err("the pool would have more than 2^32 clusters: use a larger cluster size".into());
+            return Err(Error::invalid("the pool would have more than 2^32 clusters: use a larger cluster size"));
         }
         let pool_uuid = *uuid::Uuid::new_v4().as_bytes();
         let meta = open_meta(&paths[0])?;
@@ -218,12 +217,12 @@ impl Pool {
     /// Opens the pool on `paths` (all of its disks, in any order).
     pub fn import(paths: &[PathBuf]) -> Result<Arc<Pool>> {
         if paths.is_empty() {
-            return Err("importing a pool needs its disks".into());
+            return Err(Error::invalid("importing a pool needs its disks"));
         }
         let mut found: Vec<(Superblock, PathBuf)> = Vec::new();
         for p in paths {
             let head = read_head(p)?;
-            let sb = Superblock::decode(&head).map_err(|e| format!("{}: {e}", p.display()))?;
+            let sb = Superblock::decode(&head).map_err(|e| Error::invalid(format!("{}: {e}", p.display())))?;
             found.push((sb, p.clone()));
         }
         let first = found[0].0.clone();
@@ -253,7 +252,7 @@ impl Pool {
                     p.display()
                 )));
             }
-            let file = FileBackend::open(p, None)?;
+            let file = Disk::open(p, None)?;
             disks.push(PoolDisk {
                 file: Arc::new(file),
                 path: p.clone(),
@@ -354,9 +353,9 @@ impl Pool {
         thin: bool,
         identity: Option<([u8; 16], [u8; 16])>,
     ) -> Result<VolumeInfo> {
-        format::check_name("volume", name)?;
+        format::check_name("volume", name).map_err(Error::invalid)?;
         if size == 0 {
-            return Err("a volume needs a size above zero".into());
+            return Err(Error::invalid("a volume needs a size above zero"));
         }
         let size = size.div_ceil(4096) * 4096;
         let mut inner = lock(&self.inner);
@@ -372,7 +371,7 @@ impl Pool {
         }
         let clusters = size.div_ceil(self.cluster_size);
         if clusters > u64::from(u32::MAX) {
-            return Err("the volume is too large for this cluster size".into());
+            return Err(Error::invalid("the volume is too large for this cluster size"));
         }
         let id = inner.state.next_id;
         let (uuid, nguid) =

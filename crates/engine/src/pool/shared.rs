@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use nvpool_wire::Status;
 
 use super::cluster_map::VolumeMap;
-use crate::backend::file::FileBackend;
-use crate::nvme::lock;
+use crate::disk::Disk;
+use crate::sync::lock;
 
 /// Most reactors whose in-flight I/O a pool tracks.
 pub const MAX_REACTORS: usize = 256;
@@ -47,7 +47,7 @@ pub enum MetaRequest {
 /// One member disk, open.
 pub struct PoolDisk {
     /// The disk as the reactors address it (direct I/O where possible).
-    pub file: Arc<FileBackend>,
+    pub file: Arc<Disk>,
     /// Path it was opened by.
     pub path: PathBuf,
     /// First global cluster number on this disk.
@@ -94,7 +94,7 @@ impl PoolShared {
     }
 
     /// The disk and byte offset of `within` bytes into physical cluster `pc`.
-    pub fn locate(&self, pc: u32, within: u64) -> Option<(&FileBackend, u64)> {
+    pub fn locate(&self, pc: u32, within: u64) -> Option<(&Disk, u64)> {
         let d = self.disks.iter().find(|d| pc >= d.first && pc < d.first + d.clusters)?;
         Some((&d.file, d.data_offset + (u64::from(pc - d.first) << self.cluster_shift) + within))
     }

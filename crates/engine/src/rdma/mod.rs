@@ -5,15 +5,13 @@
 //! channel. A connect request's private data (queue ID and sizes) is checked here and
 //! refused with its reason, or the request is handed to a reactor, round robin, which
 //! makes the queue pair on its own completion queue, posts its receives and accepts
-//! (see `reactor/conn.rs`, the RDMA wire). Disconnects are passed on to the reactor
+//! (see `reactor/rdma.rs`, the RDMA wire). Disconnects are passed on to the reactor
 //! that serves the connection. Nothing on the I/O path runs on this thread.
 //!
-//! The libraries are loaded at first use (see `verbs`): an engine on a machine without
+//! The libraries are loaded at first use (see `crate::verbs`): an engine on a machine without
 //! rdma-core or without an RDMA device runs, and only its RDMA listeners fail, each
 //! with the reason.
 #![allow(unsafe_code)]
-
-pub mod verbs;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -24,28 +22,10 @@ use std::thread::JoinHandle;
 use nvpool_wire::rdma::{ConnectRequest, RejectReason};
 use rdma_mummy_sys::rdma_cm_event_type as event;
 
-use crate::nvme::{Target, lock};
-use crate::reactor::{Msg, ReactorLink};
-use verbs::{CmId, Device, EventChannel};
-
-/// A connect request handed to a reactor.
-pub struct Incoming {
-    /// The connection's identifier.
-    pub id: CmId,
-    /// Its device.
-    pub device: Arc<Device>,
-    /// The listener it came to.
-    pub port_id: u16,
-    /// What the host asked for.
-    pub request: ConnectRequest,
-    /// RDMA READs the host lets us have outstanding on the connection.
-    pub initiator_depth: u8,
-    /// RDMA READs the host wants to have outstanding on us (NVMe hosts make none).
-    pub responder_resources: u8,
-    /// The number its connection manager events carry: the reactor's index in the
-    /// high 16 bits.
-    pub serial: u64,
-}
+use crate::nvme::Target;
+use crate::reactor::{Incoming, ReactorLink};
+use crate::sync::lock;
+use crate::verbs::{self, CmId, Device, EventChannel};
 
 /// The engine's RDMA side: the event channel, its thread and the listeners.
 pub struct Rdma {
@@ -132,7 +112,7 @@ impl Events {
                 if serial != 0
                     && let Some(link) = self.links.get(reactor)
                 {
-                    link.send(Msg::RdmaDisconnected(serial));
+                    link.run(move |r| r.rdma_disconnected(serial));
                 }
             }
             _ => {}
@@ -170,7 +150,7 @@ impl Events {
         self.next_serial += 1;
         id.set_context(serial as usize);
         let incoming = Incoming { id, device, port_id, request, initiator_depth, responder_resources, serial };
-        self.links[reactor].send(Msg::RdmaQueue(Box::new(incoming)));
+        self.links[reactor].run(move |r| r.add_rdma_conn(incoming));
     }
 
     /// The device of a context, opened on first use.

@@ -20,19 +20,21 @@ use nvpool_wire::fabrics::fctype;
 use nvpool_wire::rdma::KeyedSgl;
 use nvpool_wire::tcp::{self, DataHeader, Digests, FatalError, IcResp, Pdu, data_field, fes};
 
-use super::block_io::{BlockIo, DiskQueue, Queued};
+use super::Reactor;
 use super::rdma::{Done, Prefetched, RdmaWire, Work};
-use super::{Msg, Op, Reactor};
 use crate::bufpool::{Buf, PAGE_SIZE};
+use crate::io::{BlockIo, DiskQueue, Queued};
 use crate::nvme::admin::{self, AdminOutcome};
 use crate::nvme::ana;
 use crate::nvme::auth::{self, Handled, Outcome, Transaction};
 use crate::nvme::data_pointer::Source;
-use crate::nvme::nvm::{self, IoPlan};
+use crate::nvme::nvm;
 use crate::nvme::subsystem::NamespaceMap;
 use crate::nvme::{ADMIN_IN_CAPSULE_DATA, Controller, IO_IN_CAPSULE_DATA, MAX_H2C_DATA, Namespace, Transport, fabrics};
+use crate::plan::IoPlan;
+use crate::ring::Op;
 use crate::tls::TlsPeer;
-use crate::upgrade::image::{ConnImage, QueueImage};
+use serde::{Deserialize, Serialize};
 
 /// Controller PDU data alignment asked of hosts: 0, dword-aligned data, which every
 /// host's plain layout (data right after the header and its digest) already has.
@@ -373,7 +375,7 @@ impl Conn {
                 s.recv_cancelled = true;
                 let sqe = opcode::AsyncCancel::new(Op::Recv(idx).encode()).build().user_data(0);
                 // SAFETY: a cancellation points at no memory.
-                unsafe { r.push(sqe) };
+                unsafe { r.ring.push(sqe) };
             }
             return false;
         }
@@ -432,7 +434,7 @@ impl Conn {
             if !std::mem::replace(&mut s.recv_cancelled, true) {
                 let sqe = opcode::AsyncCancel::new(Op::Recv(idx).encode()).build().user_data(0);
                 // SAFETY: a cancellation points at no memory.
-                unsafe { r.push(sqe) };
+                unsafe { r.ring.push(sqe) };
             }
             return;
         }
@@ -524,14 +526,14 @@ impl Conn {
         let target = r.target.clone();
         for s in &mut self.slots {
             if let Some(b) = s.io.take_buf() {
-                r.pool.put(b);
+                r.ring.pool.put(b);
             }
         }
         match &mut self.wire {
             Wire::Tcp(s) => {
                 for item in s.out.drain(..) {
                     if let Payload::Pool(b, _) = item.payload {
-                        r.pool.put(b);
+                        r.ring.pool.put(b);
                     }
                 }
             }
@@ -585,7 +587,7 @@ impl Conn {
         // The mapping never moves or shrinks, and is taken out (not freed) while PDUs are parsed;
         // the connection is freed only once this operation has completed (see
         // `can_free`), and a receive is posted only when none is.
-        unsafe { r.push(sqe) };
+        unsafe { r.ring.push(sqe) };
         s.recv_posted = true;
         self.ops_in_flight += 1;
     }
@@ -715,7 +717,7 @@ impl Conn {
         } else {
             // Every other kind held an entry of the send queue, free again.
             if let Some(b) = w.sent(done.work) {
-                r.pool.put(b);
+                r.ring.pool.put(b);
             }
             if w.waiting() {
                 // Work held back for a full send queue goes out now there is room.
@@ -729,7 +731,7 @@ impl Conn {
                         if done.ok && self.phase == Phase::Ready {
                             self.on_prefetched(r, idx, &p);
                         }
-                        r.pool.put(p.buf);
+                        r.ring.pool.put(p.buf);
                     }
                 }
                 Work::Send(_) | Work::Write(_) if done.ok && self.phase == Phase::Draining && w.idle() => {
@@ -769,11 +771,11 @@ impl Conn {
                     w.done_with(capsules, i);
                     return self.refuse(r, idx, cmd.cid, Status::INVALID_FIELD.with_dnr());
                 }
-                let buf = r.io_buf(len);
+                let buf = r.ring.io_buf(len);
                 let fetched = w.prefetch(cmd.cid, Prefetched { sqe, buf, len });
                 w.done_with(capsules, i);
                 if let Err(buf) = fetched {
-                    r.pool.put(buf);
+                    r.ring.pool.put(buf);
                     return self.refuse(r, idx, cmd.cid, Status::TRANSIENT_TRANSPORT_ERROR);
                 }
                 return r.mark_dirty(idx);
@@ -923,10 +925,10 @@ impl Conn {
             Handled::Later(job) => {
                 // Held like a deferred disk command: the connection outlives the job.
                 self.ops_in_flight += 1;
-                let (links, reactor, cid) = (r.links.clone(), r.id, cmd.cid);
+                let (links, reactor, cid) = (r.links.clone(), r.ring.id, cmd.cid);
                 auth::run_off_reactor(move || {
                     let checked = job.run();
-                    links[reactor].send(Msg::AuthChecked { conn: idx, cid, checked });
+                    links[reactor].run(move |r| r.with_conn(idx, |r, c| c.on_auth_checked(r, idx, cid, checked)));
                 });
             }
         }
@@ -1031,7 +1033,7 @@ impl Conn {
         let (plan, source) = match nvm::plan(ns, cmd, data.len()) {
             Ok(p) => p,
             Err(s) => {
-                ns.stats.rejected(r.id, s);
+                ns.stats.rejected(r.ring.id, s);
                 return self.respond(r, idx, cmd.cid, s, 0);
             }
         };
@@ -1049,8 +1051,8 @@ impl Conn {
             slot.ns = Some(ns.clone());
         }
         slot.cid = cmd.cid;
-        slot.io.reset(plan, r.pass_ns);
-        ns.stats.started(r.id);
+        slot.io.reset(plan, r.ring.pass_ns);
+        ns.stats.started(r.ring.id);
         slot.received = 0;
         if host_len == 0 {
             return self.start_io(r, idx, tag);
@@ -1060,7 +1062,7 @@ impl Conn {
             _ => None,
         };
         if keep_data {
-            let mut buf = r.io_buf(host_len);
+            let mut buf = r.ring.io_buf(host_len);
             if let Some(d) = in_capsule {
                 buf.as_mut_slice()[..host_len].copy_from_slice(d);
             }
@@ -1150,8 +1152,8 @@ impl Conn {
             return self.finish(r, idx, tag);
         }
         slot.state = SlotState::Backend;
-        let mut queue = DiskQueue::new(r, idx, tag, self.wire.data_digest());
-        queue.start(ns, &mut slot.io);
+        let mut queue = DiskQueue::new(&mut r.ring, idx, tag, self.wire.data_digest());
+        ns.start(&mut slot.io, &mut queue);
         let queued = queue.queued();
         self.queued(r, idx, tag, queued);
     }
@@ -1160,7 +1162,7 @@ impl Conn {
     /// nothing in flight the command is done now.
     fn queued(&mut self, r: &mut Reactor, idx: u32, tag: u16, queued: Queued) {
         self.ops_in_flight += queued.ops + u32::from(queued.deferred);
-        r.disk_ops_queued(&queued);
+        r.ring.disk_ops_queued(queued.ops, queued.on_device);
         if self.slots[usize::from(tag)].io.is_idle() {
             self.backend_done(r, idx, tag);
         }
@@ -1180,19 +1182,19 @@ impl Conn {
         if self.phase == Phase::Closed {
             // Nobody waits for the answer, but the backend lets go of the command.
             if slot.io.is_idle() {
-                ns.backend.finished(&mut slot.io, r.id);
+                ns.backend.finished(&mut slot.io, r.ring.id);
             }
             return;
         }
-        let mut queue = DiskQueue::new(r, idx, tag, self.wire.data_digest());
-        queue.resume(ns, &mut slot.io, status);
+        let mut queue = DiskQueue::new(&mut r.ring, idx, tag, self.wire.data_digest());
+        ns.resume(&mut slot.io, status, &mut queue);
         let queued = queue.queued();
         self.queued(r, idx, tag, queued);
     }
 
     pub(super) fn on_disk(&mut self, r: &mut Reactor, idx: u32, tag: u16, res: i32) {
         self.ops_in_flight -= 1;
-        r.disk_in_flight -= 1;
+        r.ring.disk_in_flight -= 1;
         let Some(slot) = self.slots.get_mut(usize::from(tag)) else {
             return;
         };
@@ -1206,7 +1208,7 @@ impl Conn {
     fn backend_done(&mut self, r: &mut Reactor, idx: u32, tag: u16) {
         let slot = &mut self.slots[usize::from(tag)];
         if let Some(ns) = slot.ns.as_ref() {
-            ns.backend.finished(&mut slot.io, r.id);
+            ns.backend.finished(&mut slot.io, r.ring.id);
         }
         if self.phase != Phase::Closed {
             self.finish(r, idx, tag);
@@ -1223,7 +1225,7 @@ impl Conn {
         // send is done.
         let mut mapped = None;
         if let Some(ns) = &slot.ns {
-            ns.stats.completed(r.id, &plan, status, r.pass_ns.saturating_sub(slot.io.started_ns));
+            ns.stats.completed(r.ring.id, &plan, status, r.ring.pass_ns.saturating_sub(slot.io.started_ns));
             if let (IoPlan::Read { offset, len }, true, None) = (plan, status.is_success(), &buf)
                 && let Some(at) = ns.backend.mapped(offset, len as usize)
             {
@@ -1248,7 +1250,7 @@ impl Conn {
             }
             _ => {
                 if let Some(b) = buf {
-                    r.pool.put(b);
+                    r.ring.pool.put(b);
                 }
                 self.respond(r, idx, cid, status, 0);
             }
@@ -1294,7 +1296,7 @@ impl Conn {
                 let h = DataHeader { cccid: cid, ttag: 0, offset: 0, length: item.payload.len() as u32 };
                 item.header_len = tcp::encode_c2h_data(&h, true, success, s.digests, &mut item.header);
                 if s.digests.data {
-                    item.digest = tcp::crc32c(payload_bytes(&item.payload, &r.zeroes)).to_le_bytes();
+                    item.digest = tcp::crc32c(payload_bytes(&item.payload, &r.ring.zeroes)).to_le_bytes();
                     item.digest_len = 4;
                 }
                 success
@@ -1306,7 +1308,7 @@ impl Conn {
                 let buf = match payload {
                     Payload::Pool(b, _) => b,
                     other => {
-                        let mut b = r.io_buf(len.max(1));
+                        let mut b = r.ring.io_buf(len.max(1));
                         let bytes = &mut b.as_mut_slice()[..len];
                         match &other {
                             Payload::Mapped { at, .. } => {
@@ -1315,7 +1317,7 @@ impl Conn {
                                 bytes.copy_from_slice(unsafe { std::slice::from_raw_parts(*at, len) })
                             }
                             Payload::Zeroes(_) => bytes.fill(0),
-                            p => bytes.copy_from_slice(payload_bytes(p, &r.zeroes)),
+                            p => bytes.copy_from_slice(payload_bytes(p, &r.ring.zeroes)),
                         }
                         b
                     }
@@ -1323,7 +1325,7 @@ impl Conn {
                 if let Err(b) = w.send_data(cid, buf, len) {
                     // No key to write with, or memory the device cannot register: the
                     // connection cannot go on.
-                    r.pool.put(b);
+                    r.ring.pool.put(b);
                     self.begin_close();
                 }
                 false
@@ -1371,7 +1373,7 @@ impl Conn {
             let payload = match &item.payload {
                 Payload::Mapped { at, len, .. } => (*at, *len),
                 p => {
-                    let bytes = payload_bytes(p, &r.zeroes);
+                    let bytes = payload_bytes(p, &r.ring.zeroes);
                     (bytes.as_ptr(), bytes.len())
                 }
             };
@@ -1403,7 +1405,7 @@ impl Conn {
         // queue moves its items. None of them is changed or freed before this send
         // completes (`on_send` drains only sent items, and copies into `send_area` only
         // when no send is posted), and the connection outlives it (see `can_free`).
-        unsafe { r.push(sqe) };
+        unsafe { r.ring.push(sqe) };
         s.send_posted = true;
         self.ops_in_flight += 1;
     }
@@ -1437,7 +1439,7 @@ impl Conn {
         }
         for item in s.out.drain(..done) {
             if let Payload::Pool(b, _) = item.payload {
-                r.pool.put(b);
+                r.ring.pool.put(b);
             }
         }
         self.post_send(r, idx);
@@ -1504,4 +1506,55 @@ fn payload_bytes<'a>(p: &'a Payload, zeroes: &'a [u8]) -> &'a [u8] {
         Payload::Owned(v) => v,
         Payload::Zeroes(n) => &zeroes[..*n],
     }
+}
+
+/// A connection (one queue).
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ConnImage {
+    /// The reactor that served it.
+    pub reactor: usize,
+    /// Index of its socket.
+    pub fd: usize,
+    /// The listener that accepted it.
+    pub port_id: Option<u16>,
+    /// Who its TLS session proved the host to be (the kernel keeps the session itself
+    /// with the socket).
+    #[serde(default)]
+    pub tls: Option<crate::tls::TlsPeer>,
+    /// Whether ICReq was answered.
+    pub ready: bool,
+    /// Header digests.
+    pub header_digest: bool,
+    /// Data digests.
+    pub data_digest: bool,
+    /// Bytes read from the socket and not yet acted on: whole commands that arrived
+    /// while the old engine stopped taking new ones, then the start of the next PDU.
+    pub input: Vec<u8>,
+    /// The queue, once Connect succeeded.
+    pub queue: Option<QueueImage>,
+    /// Command IDs of outstanding Asynchronous Event Requests (admin queue).
+    pub aers: Vec<u16>,
+}
+
+/// A connection's queue.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct QueueImage {
+    /// Controller ID.
+    pub cntlid: u16,
+    /// Queue ID.
+    pub qid: u16,
+    /// Size (0's based).
+    pub sqsize: u16,
+    /// Submission queue head reported in completions.
+    pub sqhd: u16,
+    /// Whether the host disabled SQ flow control.
+    pub flow_control_disabled: bool,
+    /// Whether the queue may take commands other than authentication (an image from
+    /// a build without authentication has every queue so).
+    #[serde(default = "yes")]
+    pub authenticated: bool,
+}
+
+fn yes() -> bool {
+    true
 }

@@ -16,7 +16,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use nvpool_wire::command::{CQE_SIZE, Completion, SQE_SIZE};
-use nvpool_wire::rdma::{KeyedSgl, encode_accept};
+use nvpool_wire::rdma::{ConnectRequest, KeyedSgl, encode_accept};
 use rdma_mummy_sys::{
     ibv_recv_wr, ibv_send_flags, ibv_send_wr, ibv_sge, ibv_wc, ibv_wc_status, ibv_wr_opcode,
     imm_data_invalidated_rkey_union_t, rdma_t,
@@ -25,8 +25,7 @@ use rdma_mummy_sys::{
 use super::Reactor;
 use crate::bufpool::{Buf, PAGE_SIZE};
 use crate::nvme::IO_IN_CAPSULE_DATA;
-use crate::rdma::Incoming;
-use crate::rdma::verbs::{CmId, CompletionQueue, Device};
+use crate::verbs::{CmId, CompletionQueue, Device};
 
 /// A command capsule: the command and the largest in-capsule data (IOCCSZ).
 const CAPSULE_SIZE: usize = SQE_SIZE + IO_IN_CAPSULE_DATA;
@@ -187,6 +186,25 @@ pub(super) struct Prefetched {
     pub len: usize,
 }
 
+/// A connect request handed to a reactor.
+pub struct Incoming {
+    /// The connection's identifier.
+    pub id: CmId,
+    /// Its device.
+    pub device: Arc<Device>,
+    /// The listener it came to.
+    pub port_id: u16,
+    /// What the host asked for.
+    pub request: ConnectRequest,
+    /// RDMA READs the host lets us have outstanding on the connection.
+    pub initiator_depth: u8,
+    /// RDMA READs the host wants to have outstanding on us (NVMe hosts make none).
+    pub responder_resources: u8,
+    /// The number its connection manager events carry: the reactor's index in the
+    /// high 16 bits.
+    pub serial: u64,
+}
+
 /// The RDMA side of a connection.
 pub(super) struct RdmaWire {
     /// The queue pair and its identifier. First, so it is dropped first: once the queue
@@ -313,7 +331,7 @@ impl RdmaWire {
             c.room += self.cq_entries;
         }
         for b in self.held.iter_mut().filter_map(Option::take) {
-            r.pool.put(b);
+            r.ring.pool.put(b);
         }
     }
 

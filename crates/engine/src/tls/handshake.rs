@@ -17,7 +17,7 @@ use openssl::ssl::{HandshakeError, Ssl, SslContext, SslMethod, SslRef, SslVersio
 use openssl_sys as ffi;
 
 use super::ktls::{SessionKeys, Suite};
-use crate::nvme::lock;
+use crate::sync::lock;
 
 /// Finds the TLS PSK for an identity, or `None` when no host may use it.
 pub type KeyLookup = dyn Fn(&Identity) -> Option<Vec<u8>> + Send + Sync;

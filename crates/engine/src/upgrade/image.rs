@@ -1,14 +1,19 @@
 //! The state image one engine process hands the next: everything a host would notice
 //! if it were lost. Plain data, encoded as JSON; descriptors travel beside it and are
-//! named here by their index in the order they were sent.
+//! named here by their index in the order they were sent. Each part is defined beside
+//! the state it saves (a subsystem's in `nvme::subsystem`, a controller's in
+//! `nvme::controller`, a connection's in `reactor`); this file composes them, with the
+//! messages of the handover.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use nvpool_api::AnaState;
 use serde::{Deserialize, Serialize};
 
 use crate::config::EngineConfig;
+use crate::nvme::controller::ControllerImage;
+use crate::nvme::subsystem::SubsystemImage;
+use crate::reactor::ConnImage;
 
 /// The format this build writes. A new engine lists the formats it reads in its
 /// hello; the old one refuses to hand over to a binary that cannot read its own.
@@ -127,154 +132,4 @@ pub struct ListenerImage {
     pub tls: nvpool_api::TlsMode,
     /// Index of its descriptor.
     pub fd: usize,
-}
-
-/// A subsystem with its namespaces, hosts and ANA states.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct SubsystemImage {
-    /// NQN.
-    pub nqn: String,
-    /// Serial number.
-    pub serial: String,
-    /// Model number.
-    pub model: String,
-    /// Whether any host may connect.
-    pub allow_any_host: bool,
-    /// Allowed hosts.
-    pub hosts: Vec<String>,
-    /// Hosts that must authenticate, with their secrets (the image travels over a
-    /// socket pair between the two processes only).
-    #[serde(default)]
-    pub dhchap: Vec<nvpool_api::HostDhchap>,
-    /// Hosts' TLS pre-shared keys.
-    #[serde(default)]
-    pub tls_psk: Vec<nvpool_api::HostTlsPsk>,
-    /// Namespaces.
-    pub namespaces: Vec<NamespaceImage>,
-    /// ANA states.
-    pub ana: AnaImage,
-}
-
-/// A namespace.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct NamespaceImage {
-    /// NSID.
-    pub nsid: u32,
-    /// How its backend opens again.
-    pub backend: BackendImage,
-    /// Block size.
-    pub block_size: u32,
-    /// UUID.
-    pub uuid: [u8; 16],
-    /// NGUID.
-    pub nguid: [u8; 16],
-    /// ANA group.
-    pub ana_group: u32,
-    /// I/O limits (none from an engine that had none).
-    #[serde(default)]
-    pub qos: nvpool_api::QosLimits,
-}
-
-/// How a backend opens in the new process.
-#[derive(Debug, Serialize, Deserialize)]
-pub enum BackendImage {
-    /// From its spec, as management adds one (files, volumes, remote namespaces).
-    Spec(String),
-    /// RAM: the memfd sent and mapped before the pause, so the data stays.
-    Memory,
-}
-
-/// A subsystem's ANA table.
-#[derive(Debug, Default, Serialize, Deserialize)]
-pub struct AnaImage {
-    /// Group states for hosts without their own.
-    pub groups: Vec<(u32, AnaState)>,
-    /// Per-host states.
-    pub hosts: Vec<(String, u32, AnaState)>,
-    /// The change count the ANA log reports.
-    pub change_count: u64,
-}
-
-/// A controller.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct ControllerImage {
-    /// Controller ID.
-    pub cntlid: u16,
-    /// Its subsystem's NQN.
-    pub subsystem: String,
-    /// Host NQN.
-    pub hostnqn: String,
-    /// Host ID.
-    pub hostid: [u8; 16],
-    /// Keep Alive Timeout (ms); the timer starts again in the new process.
-    pub kato_ms: u32,
-    /// Controller Configuration.
-    pub cc: u32,
-    /// Controller Status.
-    pub csts: u32,
-    /// I/O queues granted.
-    pub io_queues_granted: u32,
-    /// Queue slots (the most I/O queues it may have, plus the admin queue).
-    pub queue_slots: u32,
-    /// Async Event Configuration.
-    pub async_event_config: u32,
-    /// Events waiting for an Asynchronous Event Request.
-    pub pending_events: Vec<u32>,
-    /// Event types reported and not yet cleared.
-    pub masked_events: u32,
-    /// The Changed Namespace List.
-    pub changed_namespaces: Vec<u32>,
-    /// The ANA state of each group as its host sees it (state codes by group ID).
-    pub ana: Vec<u8>,
-}
-
-/// A connection (one queue).
-#[derive(Debug, Serialize, Deserialize)]
-pub struct ConnImage {
-    /// The reactor that served it.
-    pub reactor: usize,
-    /// Index of its socket.
-    pub fd: usize,
-    /// The listener that accepted it.
-    pub port_id: Option<u16>,
-    /// Who its TLS session proved the host to be (the kernel keeps the session itself
-    /// with the socket).
-    #[serde(default)]
-    pub tls: Option<crate::tls::TlsPeer>,
-    /// Whether ICReq was answered.
-    pub ready: bool,
-    /// Header digests.
-    pub header_digest: bool,
-    /// Data digests.
-    pub data_digest: bool,
-    /// Bytes read from the socket and not yet acted on: whole commands that arrived
-    /// while the old engine stopped taking new ones, then the start of the next PDU.
-    pub input: Vec<u8>,
-    /// The queue, once Connect succeeded.
-    pub queue: Option<QueueImage>,
-    /// Command IDs of outstanding Asynchronous Event Requests (admin queue).
-    pub aers: Vec<u16>,
-}
-
-/// A connection's queue.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct QueueImage {
-    /// Controller ID.
-    pub cntlid: u16,
-    /// Queue ID.
-    pub qid: u16,
-    /// Size (0's based).
-    pub sqsize: u16,
-    /// Submission queue head reported in completions.
-    pub sqhd: u16,
-    /// Whether the host disabled SQ flow control.
-    pub flow_control_disabled: bool,
-    /// Whether the queue may take commands other than authentication (an image from
-    /// a build without authentication has every queue so).
-    #[serde(default = "yes")]
-    pub authenticated: bool,
-}
-
-fn yes() -> bool {
-    true
 }

@@ -27,34 +27,28 @@
 //! was given when it gives up, since stopping would shut down sockets the old engine
 //! serves: it exits, which only closes its copies. Management calls wait while an
 //! upgrade runs; one is refused while a volume migrates.
+//!
+//! This module holds the formats, the channel, the process handling and the state
+//! kept between upgrades; `engine/handover.rs` runs the steps above with the engine's
+//! services, each of which images its own state.
 
 pub mod channel;
 pub mod image;
 pub mod process;
 
-use std::collections::BTreeMap;
-use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, mpsc};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::Duration;
 
 use channel::Channel;
-use image::*;
-use nvpool_api::UpgradeReport;
+use image::Order;
 
-use crate::Engine;
-use crate::backend::Handover;
-use crate::backend::memory::Memory;
-use crate::config::EngineConfig;
 use crate::error::{Error, Result};
-use crate::nvme::auth::HostKeys;
-use crate::nvme::subsystem::HostPolicy;
-use crate::nvme::{Controller, Namespace, Subsystem, lock};
-use crate::reactor::{Msg, Parked};
+use crate::sync::lock;
 
 /// The environment variable naming the handover socket's descriptor in the new process.
 pub const TAKEOVER_FD_ENV: &str = "NVPOOL_TAKEOVER_FD";
@@ -63,508 +57,115 @@ pub const TAKEOVER_FD_ENV: &str = "NVPOOL_TAKEOVER_FD";
 /// makes it say it reads no state format (the old engine refuses to hand over).
 pub const FAULT_ENV: &str = "NVPOOL_FAULT_TAKEOVER";
 /// How long the new binary may take to start, say hello and start its reactors.
-const START_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const START_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the connections may take to finish the commands they took.
-const PARK_TIMEOUT: Duration = Duration::from_secs(3);
+pub(crate) const PARK_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long the new process may take to rebuild the engine from the image.
-const READY_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const READY_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long the old process waits, after Go, for the new one to say it serves.
-const SERVING_TIMEOUT: Duration = Duration::from_secs(2);
+pub(crate) const SERVING_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// What a new engine process took over: the engine and its management socket.
-pub struct TakenOver {
-    /// The engine, serving.
-    pub engine: Arc<Engine>,
-    /// Its configuration (the lists of listeners, pools and subsystems empty: they
-    /// were the old engine's start, and are its state now).
-    pub config: EngineConfig,
-    /// The management socket, listening.
-    pub management: UnixListener,
+/// What the engine keeps for hot upgrades while it runs.
+pub struct UpgradeState {
+    /// The binary a hot upgrade starts unless told another.
+    executable: Mutex<PathBuf>,
+    /// The management socket's listener, for a hot upgrade to hand on.
+    management: Mutex<Option<UnixListener>>,
+    /// Management calls hold it shared; a hot upgrade holds it alone.
+    lock: RwLock<()>,
+    /// Set once a hot upgrade handed everything to a new process.
+    handed_over: AtomicBool,
 }
 
-/// The descriptors that go with an image, in index order, kept open until sent.
-#[derive(Default)]
-struct FdList {
-    owned: Vec<OwnedFd>,
-}
-
-impl FdList {
-    fn push(&mut self, fd: impl Into<OwnedFd>) -> usize {
-        self.owned.push(fd.into());
-        self.owned.len() - 1
+impl UpgradeState {
+    /// Nothing handed over; the next upgrade starts this process's own executable.
+    pub fn new() -> UpgradeState {
+        UpgradeState {
+            executable: Mutex::new(own_executable()),
+            management: Mutex::new(None),
+            lock: RwLock::new(()),
+            handed_over: AtomicBool::new(false),
+        }
     }
 
-    fn raw(&self) -> Vec<RawFd> {
-        self.owned.iter().map(|f| f.as_raw_fd()).collect()
-    }
-}
-
-impl Engine {
-    /// Hands this engine over to a new process running `binary` (the engine's own
-    /// executable if `None`). On success the caller answers its client and exits the
-    /// process; on failure this engine goes on serving, and the error says why.
-    pub fn upgrade(&self, binary: Option<&Path>) -> Result<UpgradeReport> {
-        let _exclusive = self.upgrade_lock.write().unwrap_or_else(|e| e.into_inner());
-        if self.handed_over.load(Ordering::SeqCst) {
-            return Err(Error::precondition("this engine already handed over to a new process"));
-        }
-        if let Some(volume) = self.migration_running() {
-            return Err(Error::precondition(format!(
-                "volume {volume} is moving to another engine: upgrade once its migration ends, or cancel it"
-            )));
-        }
-        if let Some(address) = self.rdma_listener() {
-            return Err(Error::precondition(format!(
-                "the engine listens for NVMe over RDMA on {address}, and RDMA queue pairs cannot be handed to another \
-                 process: remove the RDMA listeners (their hosts go over to their other paths), upgrade, then add \
-                 them again"
-            )));
-        }
-        let binary = binary.map(Path::to_path_buf).unwrap_or_else(|| lock(&self.executable).clone());
-        let called = Instant::now();
-        let (channel, mut child) = start_new_engine(&binary)?;
-        let hello = match channel.recv::<Hello>() {
-            Ok((h, _)) => h,
-            Err(e) => return Err(abandon(&channel, &mut child, &binary, &format!("it did not say hello ({e})"))),
-        };
-        if !hello.reads.contains(&FORMAT) {
-            let why = format!(
-                "it (version {}) reads state formats {:?} and this engine writes format {FORMAT}: upgrade through a \
-                 version that reads both",
-                hello.version, hello.reads
-            );
-            return Err(abandon(&channel, &mut child, &binary, &why));
-        }
-        let prepared = self.prepare(&channel).and_then(|()| match channel.recv::<Answer>() {
-            Ok((Answer::Prepared, _)) => Ok(()),
-            Ok((Answer::Failed(why), _)) => Err(format!("it could not start its reactors: {why}")),
-            Ok((other, _)) => Err(format!("it answered {other:?} to the configuration")),
-            Err(e) => Err(format!("it did not start its reactors ({e})")),
-        });
-        if let Err(why) = prepared {
-            return Err(abandon(&channel, &mut child, &binary, &why));
-        }
-
-        // From here until Go, no command is read.
-        let paused = Instant::now();
-        let start = paused - called;
-        let parked = match self.park_all() {
-            Ok(p) => p,
-            Err(e) => {
-                self.resume_all();
-                return Err(abandon(&channel, &mut child, &binary, &e));
-            }
-        };
-        let park = paused.elapsed();
-        let handed = self.hand_over(&channel, parked);
-        let transfer = paused.elapsed() - park;
-        let ready = handed.and_then(|counts| {
-            channel.set_timeout(Some(READY_TIMEOUT)).map_err(|e| e.to_string())?;
-            match channel.recv::<Answer>() {
-                Ok((Answer::Ready, _)) => Ok(counts),
-                Ok((Answer::Failed(why), _)) => Err(format!("it could not take over: {why}")),
-                Ok((other, _)) => Err(format!("it answered {other:?} to the state")),
-                Err(e) => Err(format!("it did not confirm the takeover ({e})")),
-            }
-        });
-        let (connections, controllers) = match ready.and_then(|c| {
-            channel.send(&Order::Go, &[]).map_err(|e| format!("it went away before it was told to go on ({e})"))?;
-            Ok(c)
-        }) {
-            Ok(c) => c,
-            Err(why) => {
-                let e = abandon(&channel, &mut child, &binary, &why);
-                self.resume_all();
-                return Err(e);
-            }
-        };
-        let pause = paused.elapsed();
-        self.handed_over.store(true, Ordering::SeqCst);
-        // The new process serves now. It names itself the service's main process
-        // before it says so; this one exits only then, so a service manager never
-        // sees the main process gone. Past Go nothing is taken back: a new process
-        // that does not answer is waited for a moment only.
-        let _ = channel.set_timeout(Some(SERVING_TIMEOUT));
-        if !matches!(channel.recv::<Answer>(), Ok((Answer::Serving, _))) {
-            tracing::warn!(new_pid = hello.pid, "the new engine did not confirm that it serves");
-        }
-        tracing::info!(
-            new_pid = hello.pid,
-            version = %hello.version,
-            connections,
-            pause_us = pause.as_micros() as u64,
-            "handed over to the new engine; exiting"
-        );
-        Ok(UpgradeReport {
-            old_pid: std::process::id(),
-            old_version: crate::version().to_string(),
-            new_pid: hello.pid,
-            new_version: hello.version,
-            connections,
-            controllers,
-            start_us: start.as_micros() as u64,
-            pause_us: pause.as_micros() as u64,
-            park_us: park.as_micros() as u64,
-            transfer_us: transfer.as_micros() as u64,
-            rebuild_us: (pause - park - transfer).as_micros() as u64,
-        })
+    /// Held shared by every management call, so none runs during a hot upgrade.
+    pub fn shared(&self) -> RwLockReadGuard<'_, ()> {
+        self.lock.read().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Whether this engine handed over to a new process (and must exit).
+    /// Held by a hot upgrade from start to end.
+    pub fn exclusive(&self) -> RwLockWriteGuard<'_, ()> {
+        self.lock.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether a hot upgrade handed everything to a new process (which serves now).
     pub fn handed_over(&self) -> bool {
         self.handed_over.load(Ordering::SeqCst)
     }
 
-    /// Parks reactor 0 first (it accepts, and hands accepted connections to the
-    /// others), then the rest.
-    fn park_all(&self) -> std::result::Result<Vec<Parked>, String> {
-        let deadline = Instant::now() + PARK_TIMEOUT;
-        let (tx, rx) = mpsc::channel();
-        let wait = |rx: &mpsc::Receiver<std::result::Result<Parked, String>>| {
-            rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).map_err(|_| {
-                format!(
-                    "the connections did not finish their commands within {PARK_TIMEOUT:?} (a host that does not \
-                     send the data it was asked for, or a backend that does not answer)"
-                )
-            })?
-        };
-        self.links[0].send(Msg::Park(tx.clone()));
-        let mut parked = vec![wait(&rx)?];
-        for l in &self.links[1..] {
-            l.send(Msg::Park(tx.clone()));
-        }
-        for _ in 1..self.links.len() {
-            parked.push(wait(&rx)?);
-        }
-        Ok(parked)
+    /// Records that the new process took over.
+    pub fn set_handed_over(&self) {
+        self.handed_over.store(true, Ordering::SeqCst);
     }
 
-    fn resume_all(&self) {
-        for l in self.links.iter() {
-            l.send(Msg::Resume);
-        }
+    /// The binary the next upgrade starts unless told another.
+    pub fn executable(&self) -> PathBuf {
+        lock(&self.executable).clone()
     }
 
-    /// Checkpoints the pools and sends the image and its descriptors. Returns the
-    /// connections and controllers handed over.
-    fn hand_over(&self, channel: &Channel, parked: Vec<Parked>) -> std::result::Result<(usize, usize), String> {
-        for p in lock(&self.pools).values() {
-            p.checkpoint().map_err(|e| format!("the pools could not be checkpointed: {e}"))?;
-        }
-        let mut fds = FdList::default();
-        let image = self.image(parked, &mut fds)?;
-        let counts = (image.connections.len(), image.controllers.len());
-        let raw = fds.raw();
-        let sent = channel
-            .send(&Order::Image { descriptors: raw.len() }, &[])
-            .and_then(|()| channel.send(&image, &[]))
-            .and_then(|()| channel.send_fds(&raw));
-        sent.map_err(|e| format!("the state could not be sent ({e})"))?;
-        Ok(counts)
+    /// Sets the binary the next upgrade starts (the one the process before ran).
+    pub fn set_executable(&self, path: PathBuf) {
+        *lock(&self.executable) = path;
     }
 
-    fn image(&self, parked: Vec<Parked>, fds: &mut FdList) -> std::result::Result<EngineImage, String> {
-        let copy = |what: &str, e: std::io::Error| format!("cannot copy the {what} descriptor: {e}");
-        let management = lock(&self.management)
+    /// Keeps a copy of the management socket's listener.
+    pub fn set_management(&self, listener: &UnixListener) {
+        *lock(&self.management) = listener.try_clone().ok();
+    }
+
+    /// A copy of the management socket's listener, to hand on.
+    pub fn management(&self) -> std::result::Result<UnixListener, String> {
+        lock(&self.management)
             .as_ref()
             .ok_or("the engine has no management socket")?
             .try_clone()
-            .map_err(|e| copy("management socket", e))?;
-        let management_fd = fds.push(management);
-        let pools = lock(&self.pools).values().map(|p| p.disk_paths()).collect();
-        let addresses = lock(&self.listeners).clone();
-        let mut listeners = Vec::new();
-        let mut connections = Vec::new();
-        for p in parked {
-            for (port_id, l) in p.listeners {
-                if let Some(&(address, _)) = addresses.get(&port_id) {
-                    let tls = self.target.listener_tls(port_id);
-                    listeners.push(ListenerImage { port_id, address, tls, fd: fds.push(l) });
-                }
-            }
-            for (mut c, socket) in p.conns {
-                c.fd = fds.push(socket);
-                connections.push(c);
-            }
-        }
-        let mut subsystems = Vec::new();
-        for s in self.target.subsystems().into_iter().filter(|s| !s.is_discovery()) {
-            let policy = s.host_policy();
-            let mut namespaces = Vec::new();
-            for ns in s.namespaces().values() {
-                let backend = match ns.backend.handover() {
-                    Handover::Spec(spec) => BackendImage::Spec(spec),
-                    Handover::Memfd { .. } => BackendImage::Memory,
-                };
-                namespaces.push(NamespaceImage {
-                    nsid: ns.nsid,
-                    backend,
-                    block_size: ns.block_size(),
-                    uuid: ns.uuid,
-                    nguid: ns.nguid,
-                    ana_group: ns.ana_group,
-                    qos: ns.qos.limits(),
-                });
-            }
-            subsystems.push(SubsystemImage {
-                nqn: s.nqn.clone(),
-                serial: s.serial.clone(),
-                model: s.model.clone(),
-                allow_any_host: policy.allow_any,
-                hosts: policy.hosts.into_iter().collect(),
-                dhchap: policy
-                    .keys
-                    .iter()
-                    .map(|(host, k)| nvpool_api::HostDhchap { host: host.clone(), keys: k.to_config() })
-                    .collect(),
-                tls_psk: policy
-                    .psks
-                    .iter()
-                    .map(|(host, p)| nvpool_api::HostTlsPsk { host: host.clone(), psk: p.to_config() })
-                    .collect(),
-                namespaces,
-                ana: s.ana_image(),
-            });
-        }
-        let controllers = self.target.controllers().iter().filter(|c| !c.is_dead()).map(|c| c.image()).collect();
-        let (cntlid_min, cntlid_max) = self.target.cntlid_range();
-        Ok(EngineImage {
-            format: FORMAT,
-            version: crate::version().to_string(),
-            executable: lock(&self.executable).clone(),
-            management_fd,
-            pools,
-            listeners,
-            next_port_id: self.next_port_id.load(Ordering::Relaxed),
-            cntlid_min,
-            cntlid_max,
-            cntlid_cursor: self.target.cntlid_cursor(),
-            discovery_generation: self.target.discovery_generation(),
-            subsystems,
-            controllers,
-            connections,
-            local: self.local_configs(),
-        })
+            .map_err(|e| format!("cannot copy the management socket descriptor: {e}"))
+    }
+}
+
+impl Default for UpgradeState {
+    fn default() -> Self {
+        UpgradeState::new()
+    }
+}
+
+/// The descriptors that go with an image, in index order, kept open until sent.
+#[derive(Default)]
+pub(crate) struct FdList {
+    owned: Vec<OwnedFd>,
+}
+
+impl FdList {
+    pub(crate) fn push(&mut self, fd: impl Into<OwnedFd>) -> usize {
+        self.owned.push(fd.into());
+        self.owned.len() - 1
     }
 
-    /// Sends what a new process can set up while this one still serves: the
-    /// configuration to start its reactors with (without the listeners, pools and
-    /// subsystems this one started with: the image carries what there is now), and
-    /// the memory namespaces with their memfds. Nothing changes them until the image
-    /// is sent: management calls wait.
-    fn prepare(&self, channel: &Channel) -> std::result::Result<(), String> {
-        let mut config = lock(&self.config).clone();
-        config.listeners.clear();
-        config.pools.clear();
-        config.subsystems.clear();
-        config.local.clear();
-        let mut memory = Vec::new();
-        let mut fds = FdList::default();
-        for s in self.target.subsystems() {
-            for ns in s.namespaces().values() {
-                if let Handover::Memfd { fd, size } = ns.backend.handover() {
-                    let fd = fd.try_clone_to_owned().map_err(|e| format!("cannot copy a memfd: {e}"))?;
-                    fds.push(fd);
-                    memory.push(MemoryImage { nqn: s.nqn.clone(), nsid: ns.nsid, size });
-                }
-            }
-        }
-        // A copy of every connection's socket, a listener's, the management socket's.
-        let descriptors = self.target.connection_count() + lock(&self.listeners).len() + 1;
-        process::reserve_descriptors(descriptors);
-        channel
-            .send(&Order::Prepare { config: Box::new(config), memory, descriptors }, &[])
-            .and_then(|()| channel.send_fds(&fds.raw()))
-            .map_err(|e| format!("it went away before it got the configuration ({e})"))
-    }
-
-    /// The new process's side: says hello on the inherited channel `fd`, starts its
-    /// reactors, rebuilds the engine from the image it gets with every connection
-    /// parked, says it is ready, and on Go lets the connections run. Errors are told
-    /// to the old process too, which goes on serving.
-    pub fn take_over(fd: RawFd) -> std::result::Result<TakenOver, String> {
-        let socket = process::adopt_inherited(fd).map_err(|e| format!("no handover socket at descriptor {fd}: {e}"))?;
-        let channel = Channel::new(socket);
-        let fault = std::env::var(FAULT_ENV).unwrap_or_default();
-        let reads = if fault == "reads-no-format" { Vec::new() } else { READS.to_vec() };
-        let hello = Hello { version: crate::version().to_string(), pid: std::process::id(), reads };
-        channel.send(&hello, &[]).map_err(|e| format!("cannot greet the running engine: {e}"))?;
-        let lost = |e: std::io::Error| format!("the running engine went away during the handover: {e}");
-        let failed = |why: String| {
-            let _ = channel.send(&Answer::Failed(why.clone()), &[]);
-            why
-        };
-        let (config, memory) = match channel.recv::<Order>().map_err(lost)?.0 {
-            Order::Prepare { config, memory, descriptors } => {
-                process::reserve_descriptors(descriptors);
-                (*config, memory)
-            }
-            other => return Err(unexpected(other, "its configuration")),
-        };
-        let memfds = channel.recv_fds(memory.len()).map_err(lost)?;
-        let mut mapped = BTreeMap::new();
-        for (m, fd) in memory.into_iter().zip(memfds) {
-            let ram = Memory::from_memfd(fd, m.size).map_err(|e| failed(e.to_string()))?;
-            mapped.insert((m.nqn, m.nsid), Arc::new(ram));
-        }
-        let engine = Engine::start(&config).map_err(|e| failed(e.to_string()))?;
-        channel.send(&Answer::Prepared, &[]).map_err(lost)?;
-
-        let descriptors = match channel.recv::<Order>().map_err(lost)?.0 {
-            Order::Image { descriptors } => descriptors,
-            other => return Err(unexpected(other, "its state")),
-        };
-        let (mut image, _) = channel.recv::<EngineImage>().map_err(lost)?;
-        let local = std::mem::take(&mut image.local);
-        let fds = channel.recv_fds(descriptors).map_err(lost)?.into_iter().map(Some).collect();
-        if fault == "abort-after-state" {
-            // Tests: a binary that crashes in the middle of a handover.
-            std::process::abort();
-        }
-        if !READS.contains(&image.format) {
-            return Err(failed(format!("state format {} is not one this build reads ({READS:?})", image.format)));
-        }
-        let management = rebuild(&engine, image, fds, mapped).map_err(failed)?;
-        channel.send(&Answer::Ready, &[]).map_err(lost)?;
-        match channel.recv::<Order>() {
-            Ok((Order::Go, _)) => {}
-            Ok((other, _)) => return Err(unexpected(other, "go")),
-            // The old process is gone: nobody else serves these connections now.
-            Err(e) => tracing::warn!("the running engine went away before it said go ({e}); serving on"),
-        }
-        for l in engine.links.iter() {
-            l.send(Msg::Resume);
-        }
-        process::notify_service_manager(&format!("MAINPID={}\nREADY=1", std::process::id()));
-        let _ = channel.send(&Answer::Serving, &[]);
-        // The old process exits now; the driver lets its local devices go once its
-        // rings are torn down, and they are taken back with the I/O they held.
-        engine.recover_local(local);
-        *lock(&engine.management) = management.try_clone().ok();
-        Ok(TakenOver { engine, config, management })
+    pub(crate) fn raw(&self) -> Vec<RawFd> {
+        self.owned.iter().map(|f| f.as_raw_fd()).collect()
     }
 }
 
 /// The new process's error for an order out of turn.
-fn unexpected(order: Order, waited_for: &str) -> String {
+pub(crate) fn unexpected(order: Order, waited_for: &str) -> String {
     match order {
         Order::Abort(why) => format!("the running engine called the upgrade off: {why}"),
         other => format!("the running engine sent {other:?} where it was to send {waited_for}"),
     }
 }
 
-/// Memory namespaces mapped before the pause, by subsystem and NSID.
-type Mapped = BTreeMap<(String, u32), Arc<Memory>>;
-
-/// Rebuilds the image's state in `engine` (whose reactors run) and puts every
-/// listener and connection parked on its reactor. Returns the management socket.
-fn rebuild(
-    engine: &Arc<Engine>,
-    image: EngineImage,
-    mut fds: Vec<Option<OwnedFd>>,
-    mut mapped: Mapped,
-) -> std::result::Result<UnixListener, String> {
-    let mut take = |i: usize| fds.get_mut(i).and_then(Option::take).ok_or(format!("descriptor {i} is missing"));
-    let management = UnixListener::from(take(image.management_fd)?);
-    let reactors = engine.links.len();
-    let mut conns: Vec<Vec<_>> = (0..reactors).map(|_| Vec::new()).collect();
-    let mut listeners = Vec::new();
-    for l in &image.listeners {
-        listeners.push((l.port_id, TcpListener::from(take(l.fd)?)));
-    }
-    let mut sockets = Vec::new();
-    for c in &image.connections {
-        sockets.push(TcpStream::from(take(c.fd)?));
-    }
-    let controllers = (|| -> Result<_> {
-        *lock(&engine.executable) = image.executable.clone();
-        engine.next_port_id.store(image.next_port_id, Ordering::Relaxed);
-        engine.target.set_cntlid_range(image.cntlid_min, image.cntlid_max)?;
-        engine.target.continue_from(image.cntlid_cursor, image.discovery_generation);
-        for disks in &image.pools {
-            engine.import_pool(disks)?;
-        }
-        for s in &image.subsystems {
-            engine.restore_subsystem(s, &mut mapped)?;
-        }
-        let now = engine.target.now_ms();
-        let mut controllers = BTreeMap::new();
-        for c in &image.controllers {
-            let subsystem = engine.target.subsystem(&c.subsystem).ok_or_else(|| {
-                Error::internal(format!("controller {} belongs to the unknown subsystem {}", c.cntlid, c.subsystem))
-            })?;
-            let controller = Arc::new(Controller::restore(c, subsystem.clone(), now));
-            engine.target.adopt_controller(controller.clone());
-            subsystem.adopt_controller(&controller);
-            controllers.insert(c.cntlid, controller);
-        }
-        Ok(controllers)
-    })()
-    .map_err(|e| e.to_string())?;
-    for l in &image.listeners {
-        lock(&engine.listeners).insert(l.port_id, (l.address, nvpool_api::Transport::Tcp));
-        let info = nvpool_api::ListenerInfo {
-            port_id: l.port_id,
-            addr: l.address.ip(),
-            port: l.address.port(),
-            tls: l.tls,
-            transport: nvpool_api::Transport::Tcp,
-        };
-        engine.target.add_listener_info(info);
-    }
-    for (stream, c) in sockets.into_iter().zip(image.connections) {
-        let controller = c.queue.as_ref().and_then(|q| controllers.get(&q.cntlid).cloned());
-        conns[c.reactor % reactors].push((stream, c, controller));
-    }
-    let (done, restored) = mpsc::channel();
-    // Reactor 0 accepts, and hands the connections it accepts to the others.
-    let mut listeners = Some(listeners);
-    for (link, conns) in engine.links.iter().zip(conns) {
-        let listeners = listeners.take().unwrap_or_default();
-        link.send(Msg::Restore { conns, listeners, done: done.clone() });
-    }
-    let deadline = Instant::now() + READY_TIMEOUT;
-    for _ in 0..reactors {
-        restored
-            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-            .map_err(|_| "a reactor did not take its connections in time".to_string())??;
-    }
-    Ok(management)
-}
-
-impl Engine {
-    fn restore_subsystem(&self, i: &SubsystemImage, mapped: &mut Mapped) -> Result<()> {
-        let mut keys = BTreeMap::new();
-        for d in &i.dhchap {
-            keys.insert(d.host.clone(), Arc::new(HostKeys::from_config(&d.keys)?));
-        }
-        let mut psks = BTreeMap::new();
-        for p in &i.tls_psk {
-            let psk = crate::tls::HostPsk::from_config(&p.psk)
-                .map_err(|e| Error::internal(format!("host {} of {}: {e}", p.host, i.nqn)))?;
-            psks.insert(p.host.clone(), Arc::new(psk));
-        }
-        let policy = HostPolicy { allow_any: i.allow_any_host, hosts: i.hosts.iter().cloned().collect(), keys, psks };
-        let s = Subsystem::new(&i.nqn, &i.serial, &i.model, policy)?;
-        for n in &i.namespaces {
-            let backend = match &n.backend {
-                BackendImage::Spec(spec) => self.open_backend(spec)?.backend,
-                BackendImage::Memory => mapped.remove(&(i.nqn.clone(), n.nsid)).ok_or_else(|| {
-                    Error::internal(format!("memory namespace {} of {} was not sent before the pause", n.nsid, i.nqn))
-                })?,
-            };
-            let mut ns = Namespace::new(n.nsid, backend, n.block_size, n.uuid, n.nguid)?;
-            ns.ana_group = n.ana_group;
-            ns.qos.set(n.qos);
-            s.add_namespace(ns)?;
-        }
-        s.restore_ana(&i.ana);
-        self.target.add_subsystem(s)
-    }
-}
-
 /// Starts `binary` as a new engine that takes over through the returned channel.
-fn start_new_engine(binary: &Path) -> Result<(Channel, Child)> {
+pub(crate) fn start_new_engine(binary: &Path) -> Result<(Channel, Child)> {
     let (channel, child_end) = Channel::pair().map_err(|e| Error::io("cannot create the handover socket pair", e))?;
     process::inherit(child_end.as_raw_fd()).map_err(|e| Error::io("cannot pass the handover socket on", e))?;
     let child = Command::new(binary)
@@ -582,7 +183,7 @@ fn start_new_engine(binary: &Path) -> Result<(Channel, Child)> {
 
 /// Calls the upgrade off: tells the new process, kills it and reaps it. Returns the
 /// error the caller reports, with how the new process ended.
-fn abandon(channel: &Channel, child: &mut Child, binary: &Path, why: &str) -> Error {
+pub(crate) fn abandon(channel: &Channel, child: &mut Child, binary: &Path, why: &str) -> Error {
     let _ = channel.send(&Order::Abort(why.to_string()), &[]);
     let ended = match child.try_wait() {
         Ok(Some(status)) => format!("; it exited with {status}"),

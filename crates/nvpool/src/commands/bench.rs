@@ -104,7 +104,7 @@ fn parse_io_size(s: &str) -> Result<u32, String> {
 
 fn pin(core: Option<usize>) -> Result<(), String> {
     match core {
-        Some(c) => nvpool_engine::reactor::pin_current_thread(c).map_err(|e| format!("cannot pin to CPU {c}: {e}")),
+        Some(c) => nvpool_engine::cpu::pin_current_thread(c).map_err(|e| format!("cannot pin to CPU {c}: {e}")),
         None => Ok(()),
     }
 }

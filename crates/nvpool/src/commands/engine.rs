@@ -866,8 +866,8 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
         cfg.host_nqn = Some(q.clone());
     }
     match a.remote_queues.as_deref() {
-        Some("per-owner") => cfg.remote_queues = nvpool_engine::backend::remote::RemoteQueues::PerOwner,
-        Some(_) => cfg.remote_queues = nvpool_engine::backend::remote::RemoteQueues::PerNamespace,
+        Some("per-owner") => cfg.remote_queues = nvpool_engine::config::RemoteQueues::PerOwner,
+        Some(_) => cfg.remote_queues = nvpool_engine::config::RemoteQueues::PerNamespace,
         None => {}
     }
     if let Some(s) = &a.mgmt_socket {

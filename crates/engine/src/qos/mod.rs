@@ -20,8 +20,12 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 
 use nvpool_api::QosLimits;
 
-use crate::nvme::lock;
-use crate::nvme::nvm::IoPlan;
+mod throttle;
+
+pub use throttle::Throttle;
+
+use crate::plan::IoPlan;
+use crate::sync::lock;
 
 /// How much of a limit's rate a bucket holds at most: the burst an idle namespace may
 /// send at once before it is held to the rate.

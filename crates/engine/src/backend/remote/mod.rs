@@ -1,9 +1,8 @@
 //! `remote:HOST:PORT/NQN/NSID`: a namespace whose data another engine (its owner)
-//! serves. This engine becomes one more access point to it: each command is forwarded
-//! to the owner over NVMe/TCP by the reactor that received it, on that reactor's own
-//! queue to the owner (io_uring, the same thread, no hand-off; see
-//! `reactor::remote`), and the owner's answer, path errors included, goes back to the
-//! host as it came.
+//! serves. This engine becomes one more access point to it: each command is handed to
+//! the reactor's own queue to the owner (`queue.rs`, a ring client: io_uring, the same
+//! thread), forwarded over NVMe/TCP, and the owner's answer, path errors included, goes
+//! back to the host as it came.
 //!
 //! Connections are set up off the I/O path: a thread per link holds the admin queue
 //! (Connect, enable, Number of Queues) and connects one I/O queue per reactor when
@@ -19,7 +18,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -30,10 +29,14 @@ use nvpool_wire::command::{Command, admin_opcode};
 use nvpool_wire::identify::{self, cns, nidt};
 use nvpool_wire::tcp::Digests;
 
+mod queue;
+
 use super::{Backend, BackendType, BlockIo, DiskQueue, Handover, OpenEnv, Opened};
+use crate::config::RemoteQueues;
 use crate::error::{Error, Result};
-use crate::nvme::nvm::IoPlan;
-use crate::reactor::{Msg, ReactorLink};
+use crate::plan::IoPlan;
+use crate::ring::{Mail, Mailer};
+use queue::HostQueue;
 
 /// The kind.
 pub const TYPE: BackendType =
@@ -56,22 +59,11 @@ pub fn parse(arg: &str) -> std::result::Result<(String, String, u32), String> {
     if nsid == 0 {
         return Err("NSID 0 is not a namespace".into());
     }
-    crate::nvme::subsystem::validate_nqn(nqn)?;
+    nvpool_wire::fabrics::validate_nqn(nqn)?;
     if !addr.contains(':') {
         return Err(format!("owner address {addr:?} has no port"));
     }
     Ok((addr.to_string(), nqn.to_string(), nsid))
-}
-
-/// How remote namespaces reach their owners.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum RemoteQueues {
-    /// A controller (admin queue and a queue per reactor) per remote namespace.
-    #[default]
-    PerNamespace,
-    /// One controller per owner subsystem, shared by its namespaces.
-    PerOwner,
 }
 
 /// The engine's links in `per-owner` mode, by owner address and subsystem NQN.
@@ -90,7 +82,7 @@ impl RemoteLinks {
 /// What a reactor needs to reach one owner controller: shared by every reactor that
 /// forwards to it, and by the thread that connects their queues.
 pub struct RemoteLink {
-    /// Tells apart the links of a reactor.
+    /// Its queues' key as ring clients (unique in the process).
     pub id: u64,
     /// Largest write data sent inside the command capsule, as the owner allows.
     pub in_capsule: u32,
@@ -112,7 +104,7 @@ impl Drop for LinkHandle {
 }
 
 /// Which owner namespace a forwarded command is for.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RemoteNamespace {
     /// The owner's namespace ID.
     pub nsid: u32,
@@ -120,18 +112,28 @@ pub struct RemoteNamespace {
     pub block_shift: u32,
 }
 
+impl RemoteNamespace {
+    /// As a handed command's route (see `DiskQueue::hand_to`).
+    fn route(self) -> u64 {
+        u64::from(self.nsid) << 32 | u64::from(self.block_shift)
+    }
+
+    /// From a handed command's route.
+    fn from_route(route: u64) -> RemoteNamespace {
+        RemoteNamespace { nsid: (route >> 32) as u32, block_shift: route as u32 }
+    }
+}
+
 /// What the connection thread is asked.
 enum Request {
-    /// A queue to the owner for reactor `reactor`.
-    Queue { reactor: usize, links: Arc<Vec<ReactorLink>> },
+    /// A queue to the owner for reactor `reactor`, whose ring gets it by mail.
+    Queue { reactor: usize, mailer: Mailer },
     /// The namespace is gone: let go of the owner.
     Stop,
 }
 
 /// A connected I/O queue, handed to the reactor that asked for it.
 pub struct RemoteSocket {
-    /// The link it serves.
-    pub link: u64,
     /// The queue's socket, after ICReq and Connect.
     pub stream: TcpStream,
     /// Digests negotiated.
@@ -141,11 +143,11 @@ pub struct RemoteSocket {
 }
 
 impl RemoteLink {
-    /// Asks for a (new) queue to the owner for reactor `reactor`; it arrives in the
-    /// reactor's mailbox as [`Msg::RemoteSocket`].
-    pub fn request_queue(&self, reactor: usize, links: Arc<Vec<ReactorLink>>) {
+    /// Asks for a (new) queue to the owner for reactor `reactor`; it arrives as mail
+    /// for the reactor's queue to the owner (the ring client keyed by the link's ID).
+    pub fn request_queue(&self, reactor: usize, mailer: Mailer) {
         let tx = self.requests.lock().unwrap_or_else(|e| e.into_inner());
-        let _ = tx.send(Request::Queue { reactor, links });
+        let _ = tx.send(Request::Queue { reactor, mailer });
     }
 
     /// Whether the namespace is gone.
@@ -298,9 +300,8 @@ fn open(arg: &str, env: &OpenEnv<'_>) -> Result<Opened> {
 /// A new link to an owner controller, whose thread takes over the admin queue.
 fn start_link(addr: SocketAddr, options: ConnectOptions, admin: Queue, in_capsule: u32) -> Result<Arc<LinkHandle>> {
     let (requests, inbox) = mpsc::channel();
-    static NEXT_LINK: AtomicU64 = AtomicU64::new(1);
     let link = Arc::new(RemoteLink {
-        id: NEXT_LINK.fetch_add(1, Ordering::Relaxed),
+        id: crate::ring::new_client_key(),
         in_capsule,
         requests: Mutex::new(requests),
         closed: AtomicBool::new(false),
@@ -324,24 +325,24 @@ struct Connector {
 impl Connector {
     /// Serves requests until the backend is dropped (the channel closes).
     fn run(mut self, inbox: Receiver<Request>) {
-        let mut pending: VecDeque<(usize, Arc<Vec<ReactorLink>>)> = VecDeque::new();
+        let mut pending: VecDeque<(usize, Mailer)> = VecDeque::new();
         let mut backoff = Duration::from_millis(50);
         loop {
             // Wait for work when there is none; take whatever else came meanwhile.
             let next = if pending.is_empty() { inbox.recv().ok() } else { inbox.try_recv().ok() };
             match next {
                 Some(Request::Stop) => return,
-                Some(Request::Queue { reactor, links }) => {
-                    pending.push_back((reactor, links));
+                Some(Request::Queue { reactor, mailer }) => {
+                    pending.push_back((reactor, mailer));
                     continue;
                 }
                 None if pending.is_empty() => return,
                 None => {}
             }
-            let Some((reactor, links)) = pending.front().cloned() else { continue };
+            let Some((reactor, mailer)) = pending.front().cloned() else { continue };
             match self.connect_io(reactor) {
                 Ok(socket) => {
-                    links[reactor].send(Msg::RemoteSocket(socket));
+                    mailer.send(Mail::Client { key: self.link, message: Box::new(socket) });
                     pending.pop_front();
                     backoff = Duration::from_millis(50);
                 }
@@ -351,7 +352,7 @@ impl Connector {
                     // A Stop while the owner is away ends the retries.
                     match inbox.recv_timeout(backoff) {
                         Ok(Request::Stop) | Err(mpsc::RecvTimeoutError::Disconnected) => return,
-                        Ok(Request::Queue { reactor, links }) => pending.push_back((reactor, links)),
+                        Ok(Request::Queue { reactor, mailer }) => pending.push_back((reactor, mailer)),
                         Err(mpsc::RecvTimeoutError::Timeout) => {}
                     }
                     backoff = (backoff * 2).min(MAX_BACKOFF);
@@ -377,7 +378,7 @@ impl Connector {
         let q = Queue::connect(self.addr, &self.options.io(qid, cntlid, QUEUE_DEPTH - 1))?;
         let max_h2c_data = q.icresp.maxdata;
         let (stream, digests) = q.into_stream();
-        Ok(RemoteSocket { link: self.link, stream, digests, max_h2c_data })
+        Ok(RemoteSocket { stream, digests, max_h2c_data })
     }
 }
 
@@ -415,7 +416,8 @@ impl Backend for RemoteBackend {
         if let IoPlan::Read { len, .. } = io.plan {
             queue.give_buf(io, len as usize);
         }
-        queue.forward(io, &self.link.0, self.namespace);
+        let link = &self.link.0;
+        queue.hand_to(io, link.id, self.namespace.route(), || Box::new(HostQueue::new(link.clone())));
     }
 
     fn resume(&self, io: &mut BlockIo, status: Status, _queue: &mut DiskQueue<'_>) {

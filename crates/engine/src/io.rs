@@ -1,5 +1,6 @@
-//! The seam between a connection and the backends: one command's I/O state
-//! ([`BlockIo`]) and the queue its disk operations go on ([`DiskQueue`]).
+//! The seam between whoever issues a block command (a connection, a local device's
+//! queue) and the backends: one command's I/O state ([`BlockIo`]) and the queue its disk
+//! operations go on ([`DiskQueue`]), on the reactor's ring.
 //!
 //! This is the only place disk submission entries are built. Each one points into the
 //! command's own buffer, so the rule that makes them sound lives here too: a
@@ -10,31 +11,16 @@
 //! mutably while the kernel writes other parts of it would alias.
 #![allow(unsafe_code)]
 
-use std::os::fd::RawFd;
-
 use io_uring::{opcode, types};
 use nvpool_wire::Status;
 
-use super::{Msg, Op, Reactor};
+use std::sync::Arc;
+
 use crate::bufpool::Buf;
-use crate::nvme::Namespace;
-use crate::nvme::nvm::IoPlan;
-
-/// A descriptor disk operations go to, and how its operations complete.
-#[derive(Clone, Copy, Debug)]
-pub struct DiskFd {
-    fd: RawFd,
-    on_device: bool,
-}
-
-impl DiskFd {
-    /// `fd`; `on_device`: whether its I/O goes to a device and completes later (and so
-    /// is handed to the kernel at once) rather than copying memory inside the
-    /// submitting call (and so waits for the end of the reactor's pass).
-    pub fn new(fd: RawFd, on_device: bool) -> DiskFd {
-        DiskFd { fd, on_device }
-    }
-}
+use crate::disk::DiskFd;
+use crate::plan::IoPlan;
+use crate::qos::Qos;
+use crate::ring::{Handed, Mail, Op, Ring, RingClient};
 
 /// One command's I/O as a backend sees it: what to do, its data buffer, how it ends.
 pub struct BlockIo {
@@ -63,7 +49,7 @@ pub struct BlockIo {
     /// Bytes of queued reads and writes not yet reported done: a transfer split over
     /// several operations completes in pieces, and one that ends short is an error.
     transfer_left: u64,
-    /// The reactor pass clock when the command started (see `Reactor::pass_ns`).
+    /// The reactor pass clock when the command started (see `Ring::pass_ns`).
     pub started_ns: u64,
 }
 
@@ -86,7 +72,7 @@ impl BlockIo {
     }
 
     /// Starts a new command at `now_ns` on the reactor's pass clock.
-    pub(super) fn reset(&mut self, plan: IoPlan, now_ns: u64) {
+    pub fn reset(&mut self, plan: IoPlan, now_ns: u64) {
         debug_assert!(self.is_idle() && self.buf.is_none());
         self.plan = plan;
         self.started_ns = now_ns;
@@ -158,7 +144,7 @@ impl BlockIo {
 
     /// Records one completed disk operation; returns whether the command's disk work
     /// is all done.
-    pub(super) fn op_done(&mut self, res: i32) -> bool {
+    pub fn op_done(&mut self, res: i32) -> bool {
         self.pending = self.pending.saturating_sub(1);
         let transfer = matches!(self.plan, IoPlan::Read { .. } | IoPlan::Write { .. });
         // Deallocation is advisory: storage that cannot punch holes may decline it.
@@ -179,8 +165,14 @@ impl BlockIo {
     }
 
     /// Records the answer of the thread the command was deferred to.
-    pub(super) fn deferred_done(&mut self) {
+    pub fn deferred_done(&mut self) {
         self.deferred = false;
+    }
+
+    /// Whether the command waited for its I/O budget and has not reached the backend
+    /// yet; the answer that lets it through clears it.
+    pub fn take_throttled(&mut self) -> bool {
+        std::mem::take(&mut self.throttled)
     }
 }
 
@@ -198,8 +190,8 @@ impl Drop for BlockIo {
 /// Where one command's disk operations go: the reactor's ring, with the completion
 /// routed back to the command. Handed to a backend for the length of one call.
 pub struct DiskQueue<'a> {
-    reactor: &'a mut Reactor,
-    conn: u32,
+    ring: &'a mut Ring,
+    owner: u32,
     tag: u16,
     /// Whether reads must land in a buffer because the transport needs their bytes
     /// (data digests), rather than being sent straight from where they are.
@@ -213,60 +205,55 @@ pub struct DiskQueue<'a> {
 }
 
 /// What a [`DiskQueue`] saw during one backend call.
-pub(super) struct Queued {
+pub struct Queued {
+    /// Disk operations queued.
     pub ops: u32,
+    /// Whether the command left for another thread, a client or its I/O budget.
     pub deferred: bool,
+    /// Whether an operation goes to a device.
     pub on_device: bool,
 }
 
 impl<'a> DiskQueue<'a> {
-    pub(super) fn new(reactor: &'a mut Reactor, conn: u32, tag: u16, needs_bytes: bool) -> DiskQueue<'a> {
-        DiskQueue { reactor, conn, tag, needs_bytes, queued: 0, deferred: false, on_device: false }
+    /// The queue of command `tag` of `owner` (a connection slot, or a ring client's
+    /// slot with `CLIENT_OWNER`).
+    pub fn new(ring: &'a mut Ring, owner: u32, tag: u16, needs_bytes: bool) -> DiskQueue<'a> {
+        DiskQueue { ring, owner, tag, needs_bytes, queued: 0, deferred: false, on_device: false }
     }
 
-    pub(super) fn queued(&self) -> Queued {
+    /// What this call queued; the issuer tells the ring (`Ring::disk_ops_queued`).
+    pub fn queued(&self) -> Queued {
         Queued { ops: self.queued, deferred: self.deferred, on_device: self.on_device }
     }
 
     /// The reactor this runs on.
     pub fn reactor_id(&self) -> usize {
-        self.reactor.id
+        self.ring.id
     }
 
-    /// Starts `io`'s command on namespace `ns`: the backend takes it, unless the
-    /// namespace's I/O limits hold it back, and then it waits on this reactor (as a
-    /// deferred command) until [`DiskQueue::resume`] starts it.
-    pub(super) fn start(&mut self, ns: &Namespace, io: &mut BlockIo) {
-        if ns.qos.limited() && !self.reactor.throttle.admit(&ns.qos, &io.plan, self.reactor.pass_ns) {
-            io.deferred = true;
-            io.throttled = true;
-            self.deferred = true;
-            self.reactor.throttle.wait(&ns.qos, self.conn, self.tag, io.plan);
-            ns.stats.throttled(self.reactor.id);
-            return;
+    /// Whether `io`'s command may start now under its namespace's I/O limits. If not,
+    /// it waits on this reactor as a deferred command until its budget lets it through
+    /// (an answer with success), and then starts.
+    pub fn admit(&mut self, qos: &Arc<Qos>, io: &mut BlockIo) -> bool {
+        if self.ring.throttle.admit(qos, &io.plan, self.ring.pass_ns) {
+            return true;
         }
-        ns.backend.start(io, self);
-    }
-
-    /// Continues a deferred command with the answer `status`: a command that waited for
-    /// its budget starts now; one the backend handed away goes back to it.
-    pub(super) fn resume(&mut self, ns: &Namespace, io: &mut BlockIo, status: Status) {
-        if std::mem::take(&mut io.throttled) {
-            ns.backend.start(io, self);
-        } else {
-            ns.backend.resume(io, status, self);
-        }
+        io.deferred = true;
+        io.throttled = true;
+        self.deferred = true;
+        self.ring.throttle.wait(qos, self.owner, self.tag, io.plan);
+        false
     }
 
     /// Gives `io` a data buffer of `len` bytes if it has none.
     pub fn give_buf(&mut self, io: &mut BlockIo, len: usize) {
         if io.buf.is_none() && io.kernel_buf.is_none() {
-            io.buf = Some(self.reactor.io_buf(len));
+            io.buf = Some(self.ring.io_buf(len));
         }
     }
 
     fn push(&mut self, io: &mut BlockIo, disk: DiskFd, sqe: io_uring::squeue::Entry) {
-        let sqe = sqe.user_data(Op::Disk(self.conn, self.tag).encode());
+        let sqe = sqe.user_data(Op::Disk(self.owner, self.tag).encode());
         // SAFETY: the entry points either at nothing, into `io`'s buffer at a range
         // checked against its capacity by the caller, or at a range of a buffer-table
         // slot the kernel filled with a ublk request's pages (checked against their
@@ -275,10 +262,10 @@ impl<'a> DiskQueue<'a> {
         // `io.pending` keeps that buffer allocated and out of Rust's hands until the
         // completion is reaped (see `BlockIo`), and the ring is dropped before any
         // buffer (see `Reactor`).
-        unsafe { self.reactor.push(sqe) };
+        unsafe { self.ring.push(sqe) };
         io.pending += 1;
         self.queued += 1;
-        self.on_device |= disk.on_device;
+        self.on_device |= disk.on_device();
     }
 
     /// The address of `len` bytes at `at` in `io`'s buffer, checked against its size.
@@ -299,7 +286,7 @@ impl<'a> DiskQueue<'a> {
     /// range is not inside the buffer.
     pub fn read(&mut self, io: &mut BlockIo, disk: DiskFd, at: usize, len: u32, pos: u64) -> bool {
         let Some((ptr, registered)) = Self::buf_range(io, at, len) else { return false };
-        let fd = types::Fd(disk.fd);
+        let fd = types::Fd(disk.fd());
         let sqe = match registered {
             Some(i) => opcode::ReadFixed::new(fd, ptr, len, i).offset(pos).build(),
             None => opcode::Read::new(fd, ptr, len).offset(pos).build(),
@@ -313,7 +300,7 @@ impl<'a> DiskQueue<'a> {
     /// it completes if `fua`. False if the range is not inside the buffer.
     pub fn write(&mut self, io: &mut BlockIo, disk: DiskFd, at: usize, len: u32, pos: u64, fua: bool) -> bool {
         let Some((ptr, registered)) = Self::buf_range(io, at, len) else { return false };
-        let fd = types::Fd(disk.fd);
+        let fd = types::Fd(disk.fd());
         let flags = if fua { libc::RWF_DSYNC } else { 0 };
         let sqe = match registered {
             Some(i) => opcode::WriteFixed::new(fd, ptr, len, i).offset(pos).rw_flags(flags).build(),
@@ -326,31 +313,37 @@ impl<'a> DiskQueue<'a> {
 
     /// Makes every completed write to `disk` durable (`fdatasync`).
     pub fn sync(&mut self, io: &mut BlockIo, disk: DiskFd) {
-        let sqe = opcode::Fsync::new(types::Fd(disk.fd)).flags(types::FsyncFlags::DATASYNC).build();
+        let sqe = opcode::Fsync::new(types::Fd(disk.fd())).flags(types::FsyncFlags::DATASYNC).build();
         self.push(io, disk, sqe);
     }
 
     /// `fallocate(mode)` on `len` bytes at `pos` of `disk` (zeroing, deallocation).
     pub fn fallocate(&mut self, io: &mut BlockIo, disk: DiskFd, mode: i32, pos: u64, len: u64) {
-        let sqe = opcode::Fallocate::new(types::Fd(disk.fd), len).offset(pos).mode(mode).build();
+        let sqe = opcode::Fallocate::new(types::Fd(disk.fd()), len).offset(pos).mode(mode).build();
         self.push(io, disk, sqe);
     }
 
-    /// Forwards the command to the owner of a remote namespace, on this reactor's
-    /// queue to it; the command's buffer goes along and comes back with the owner's
-    /// answer, which the backend's `resume` takes.
-    pub fn forward(
-        &mut self,
-        io: &mut BlockIo,
-        link: &std::sync::Arc<crate::backend::remote::RemoteLink>,
-        namespace: crate::backend::remote::RemoteNamespace,
-    ) {
+    /// Hands the command, with its buffer, to the ring client registered under `key`
+    /// (made by `make` on first use): a queue to the engine that owns the data. The
+    /// client answers it with `Ring::answer`, and the backend's `resume` continues it.
+    /// `route` says where it goes, in the client's terms.
+    pub fn hand_to(&mut self, io: &mut BlockIo, key: u64, route: u64, make: impl FnOnce() -> Box<dyn RingClient>) {
         io.deferred = true;
         self.deferred = true;
-        let since_ms = self.reactor.target.now_ms();
-        let (conn, tag, plan, buf) = (self.conn, self.tag, io.plan, io.buf.take());
-        let f = super::remote::Forwarded { conn, tag, namespace, plan, buf, since_ms };
-        self.reactor.forward(link, f);
+        let slot = match self.ring.client_slot(key) {
+            Some(slot) => slot,
+            None => self.ring.add_client(key, make()),
+        };
+        let cmd = Handed {
+            owner: self.owner,
+            tag: self.tag,
+            plan: io.plan,
+            buf: io.buf.take(),
+            since_ms: self.ring.now_ms(),
+            route,
+        };
+        self.ring.handed_out += 1;
+        self.ring.with_client(slot, |ring, client| client.take(ring, slot, cmd));
     }
 
     /// Hands the command to another thread: the returned callback, called once with
@@ -359,8 +352,8 @@ impl<'a> DiskQueue<'a> {
     pub fn defer(&mut self, io: &mut BlockIo) -> Box<dyn FnOnce(Status) + Send> {
         io.deferred = true;
         self.deferred = true;
-        let (links, reactor, conn, tag) = (self.reactor.links.clone(), self.reactor.id, self.conn, self.tag);
-        Box::new(move |status| links[reactor].send(Msg::Deferred { conn, tag, status }))
+        let (mailer, owner, tag) = (self.ring.mailer(), self.owner, self.tag);
+        Box::new(move |status| mailer.send(Mail::Answer { owner, tag, status }))
     }
 }
 

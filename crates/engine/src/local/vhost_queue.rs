@@ -1,5 +1,5 @@
-//! A vhost-user-blk virtqueue on a reactor. The reactor reads the guest's kicks on
-//! its own ring, takes each request the guest made available, serves it from the
+//! A vhost-user-blk virtqueue on a reactor, a client of its ring
+//! (`crate::ring::RingClient`). It reads the guest's kicks on the reactor's ring, takes each request the guest made available, serves it from the
 //! namespace's backend (the same `BlockIo` and `DiskQueue` an NVMe command uses) and
 //! puts it in the used ring, then signals the guest.
 //!
@@ -19,13 +19,16 @@ use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemory};
 
-use super::block_io::{BlockIo, DiskQueue};
-use super::{LOCAL_OWNER, Op, Reactor};
+use super::vhost::Ring as VirtQueue;
+use super::virtio_blk::{self, HEADER_SIZE, Header, ID_BYTES, SEGMENT_SIZE, Segment, request_type, status};
 use crate::bufpool::Buf;
-use crate::local::vhost::Ring;
-use crate::local::virtio_blk::{self, HEADER_SIZE, Header, ID_BYTES, SEGMENT_SIZE, Segment, request_type, status};
+use crate::io::{BlockIo, DiskQueue};
 use crate::nvme::Namespace;
-use crate::nvme::nvm::IoPlan;
+use crate::plan::IoPlan;
+use crate::ring::{CLIENT_OWNER, Op, Ring, RingClient};
+
+/// The kick read's tag (`Op::Client`); disk operations use the request's head.
+const KICK: u32 = u32::MAX;
 
 /// One request the guest made available, from the descriptor chain at its head.
 struct Request {
@@ -48,9 +51,11 @@ enum Parsed {
 }
 
 /// One virtqueue's run on this reactor.
-pub(super) struct VhostQueue {
-    ring: Box<Ring>,
+pub struct VhostQueue {
+    vq: Box<VirtQueue>,
     queue: Queue,
+    /// The requests the last process left inflight, served first.
+    pending: Vec<u16>,
     requests: Box<[Request]>,
     /// Where the kick eventfd's counter is read to.
     kick_buf: Box<[u8; 8]>,
@@ -67,7 +72,7 @@ pub(super) struct VhostQueue {
 impl VhostQueue {
     /// Sets up the virtqueue `ring` describes; the requests the inflight region shows
     /// as taken and not completed come first, in the order they were taken.
-    pub(super) fn new(ring: Box<Ring>) -> Result<(VhostQueue, Vec<u16>), String> {
+    pub fn new(ring: Box<VirtQueue>) -> Result<VhostQueue, String> {
         let mut queue = Queue::new(ring.size).map_err(|e| format!("bad queue size {}: {e:?}", ring.size))?;
         queue.try_set_desc_table_address(GuestAddress(ring.desc)).map_err(|e| format!("descriptor table: {e:?}"))?;
         queue.try_set_avail_ring_address(GuestAddress(ring.avail)).map_err(|e| format!("available ring: {e:?}"))?;
@@ -91,9 +96,10 @@ impl VhostQueue {
                 status: GuestAddress(0),
             })
             .collect();
-        let q = VhostQueue {
-            ring,
+        Ok(VhostQueue {
+            vq: ring,
             queue,
+            pending,
             requests,
             kick_buf: Box::new([0; 8]),
             kick_armed: false,
@@ -101,54 +107,39 @@ impl VhostQueue {
             stopping: None,
             ns: None,
             generation: u64::MAX,
-        };
-        Ok((q, pending))
+        })
     }
 
     /// Serves the requests left inflight by the last process, then what the guest
     /// made available, and waits for kicks.
-    pub(super) fn begin(&mut self, r: &mut Reactor, slot: u32, pending: Vec<u16>) {
+    fn serve(&mut self, ring: &mut Ring, me: u32) {
+        let pending = std::mem::take(&mut self.pending);
         if !pending.is_empty() {
-            tracing::info!(device = ?self.ring.device, queue = self.ring.index, requests = pending.len(),
+            tracing::info!(device = ?self.vq.device, queue = self.vq.index, requests = pending.len(),
                 "serving again the requests the last engine process left inflight");
         }
         for head in pending {
-            self.start(r, slot, head);
+            self.start(ring, me, head);
         }
-        self.arm_kick(r, slot);
-        self.drain(r, slot);
-    }
-
-    /// Whether a request of this queue is with the backend.
-    pub(super) fn serving(&self) -> bool {
-        self.serving > 0
-    }
-
-    /// Whether the queue was stopped and nothing of it is left on the ring.
-    pub(super) fn ended(&self) -> bool {
-        self.stopping.is_some() && !self.kick_armed && self.serving == 0
-    }
-
-    /// Whether this is run `id`.
-    pub(super) fn is(&self, id: u64) -> bool {
-        self.ring.id == id
+        self.arm_kick(ring, me);
+        self.drain(ring, me);
     }
 
     /// Stops taking requests; the queue ends once those under way are complete.
-    pub(super) fn stop(&mut self, r: &mut Reactor, slot: u32, done: Sender<u16>) {
+    fn stop_taking(&mut self, ring: &mut Ring, me: u32, done: Sender<u16>) {
         self.stopping = Some(done);
         if self.kick_armed {
-            let sqe = opcode::AsyncCancel::new(Op::Kick(slot).encode()).build().user_data(0);
+            let sqe = opcode::AsyncCancel::new(Op::Client(me, KICK).encode()).build().user_data(0);
             // SAFETY: a cancellation points at no memory.
-            unsafe { r.push(sqe) };
+            unsafe { ring.push(sqe) };
         }
     }
 
     /// Reports where the queue stopped and gives its buffers back.
-    pub(super) fn finish(mut self, r: &mut Reactor) {
+    fn release(&mut self, ring: &mut Ring) {
         for req in self.requests.iter_mut() {
             if let Some(b) = req.io.take_buf() {
-                r.pool.put(b);
+                ring.pool.put(b);
             }
         }
         if let Some(done) = self.stopping.take() {
@@ -156,59 +147,59 @@ impl VhostQueue {
         }
     }
 
-    fn arm_kick(&mut self, r: &mut Reactor, slot: u32) {
-        let sqe = opcode::Read::new(types::Fd(self.ring.kick.as_raw_fd()), self.kick_buf.as_mut_ptr(), 8)
+    fn arm_kick(&mut self, ring: &mut Ring, me: u32) {
+        let sqe = opcode::Read::new(types::Fd(self.vq.kick.as_raw_fd()), self.kick_buf.as_mut_ptr(), 8)
             .build()
-            .user_data(Op::Kick(slot).encode());
+            .user_data(Op::Client(me, KICK).encode());
         // SAFETY: the read lands in `kick_buf`, a box this queue owns; the queue is
         // dropped only once the read completed (`ended` waits for it), and the ring is
         // dropped before the queues.
-        unsafe { r.push(sqe) };
+        unsafe { ring.push(sqe) };
         self.kick_armed = true;
     }
 
     /// The guest kicked (or the read was cancelled).
-    pub(super) fn on_kick(&mut self, r: &mut Reactor, slot: u32, res: i32) {
+    fn on_kick(&mut self, ring: &mut Ring, me: u32, res: i32) {
         self.kick_armed = false;
         if self.stopping.is_some() {
             return;
         }
         if res < 0 && res != -libc::EINTR {
             let e = std::io::Error::from_raw_os_error(-res);
-            tracing::warn!(device = ?self.ring.device, queue = self.ring.index, "cannot read a kick: {e}");
+            tracing::warn!(device = ?self.vq.device, queue = self.vq.index, "cannot read a kick: {e}");
             return;
         }
-        self.arm_kick(r, slot);
-        self.drain(r, slot);
+        self.arm_kick(ring, me);
+        self.drain(ring, me);
     }
 
     /// Takes every request the guest made available, unless a hot upgrade holds the
     /// reactor (the requests stay in the ring for the next process).
-    pub(super) fn drain(&mut self, r: &mut Reactor, slot: u32) {
-        if r.held() || self.stopping.is_some() {
+    fn drain(&mut self, ring: &mut Ring, me: u32) {
+        if ring.held || self.stopping.is_some() {
             return;
         }
-        let memory = self.ring.memory.clone();
+        let memory = self.vq.memory.clone();
         while let Some(chain) = self.queue.pop_descriptor_chain(&*memory) {
             let head = chain.head_index();
-            if let Some(inflight) = self.ring.inflight.as_mut() {
+            if let Some(inflight) = self.vq.inflight.as_mut() {
                 inflight.taken(head);
             }
-            self.start(r, slot, head);
+            self.start(ring, me, head);
         }
     }
 
     /// Walks the chain at `head` into `req` and says what it asks.
     fn parse(&mut self, head: u16) -> Parsed {
-        let memory = &*self.ring.memory;
-        let size = self.ring.size;
+        let memory = &*self.vq.memory;
+        let size = self.vq.size;
         let req = &mut self.requests[usize::from(head)];
         req.data.clear();
         let mut header = None;
         let mut last: Option<Descriptor> = None;
         let mut index = head;
         for n in 0..size {
-            let at = GuestAddress(self.ring.desc).checked_add(16 * u64::from(index));
+            let at = GuestAddress(self.vq.desc).checked_add(16 * u64::from(index));
             let Some(d) = at.and_then(|a| memory.read_obj::<Descriptor>(a).ok()) else { return Parsed::Broken };
             if d.refers_to_indirect_table() {
                 // Not offered, so a guest that sends one is broken.
@@ -249,7 +240,7 @@ impl VhostQueue {
 
     /// The namespace now, looked up again only when the subsystem changed.
     fn namespace(&mut self) -> Option<Arc<Namespace>> {
-        let device = &self.ring.device;
+        let device = &self.vq.device;
         let g = device.subsystem.generation();
         if g != self.generation {
             self.generation = g;
@@ -259,10 +250,10 @@ impl VhostQueue {
     }
 
     /// Serves the request at `head`.
-    fn start(&mut self, r: &mut Reactor, slot: u32, head: u16) {
+    fn start(&mut self, ring: &mut Ring, me: u32, head: u16) {
         let Some(req) = self.requests.get(usize::from(head)) else { return };
         if req.active {
-            tracing::warn!(device = ?self.ring.device, head, "the guest made a request available twice");
+            tracing::warn!(device = ?self.vq.device, head, "the guest made a request available twice");
             return;
         }
         self.serving += 1;
@@ -272,12 +263,12 @@ impl VhostQueue {
             Parsed::Unsupported => return self.complete(head, status::UNSUPP, 0),
             Parsed::Broken => return self.complete_broken(head),
         };
-        let memory = self.ring.memory.clone();
-        let geometry = self.ring.geometry;
+        let memory = self.vq.memory.clone();
+        let geometry = self.vq.geometry;
         let ns = self.namespace();
         let req = &mut self.requests[usize::from(head)];
         if header.kind == request_type::GET_ID {
-            let id = virtio_blk::serial(&self.ring.device.target());
+            let id = virtio_blk::serial(&self.vq.device.target());
             let ok = req
                 .data
                 .first()
@@ -297,22 +288,22 @@ impl VhostQueue {
             _ => None,
         };
         let Some(plan) = virtio_blk::plan(&geometry, header.kind, header.sector, data_len, segment) else {
-            ns.stats.rejected(r.id, Status::INVALID_FIELD);
+            ns.stats.rejected(ring.id, Status::INVALID_FIELD);
             return self.complete(head, status::UNSUPP, 0);
         };
-        req.io.reset(plan, r.pass_ns);
-        ns.stats.started(r.id);
+        req.io.reset(plan, ring.pass_ns);
+        ns.stats.started(ring.id);
         match plan {
             IoPlan::Write { len, .. } => {
-                let mut buf = r.io_buf(len as usize);
+                let mut buf = ring.io_buf(len as usize);
                 if gather(&*memory, &req.data, &mut buf).is_err() {
-                    r.pool.put(buf);
+                    ring.pool.put(buf);
                     return self.complete(head, status::IOERR, 0);
                 }
                 req.io.set_buf(buf);
             }
             IoPlan::DatasetManagement { .. } => {
-                let mut buf = r.io_buf(SEGMENT_SIZE);
+                let mut buf = ring.io_buf(SEGMENT_SIZE);
                 if let Some(s) = segment {
                     virtio_blk::discard_range(&s, geometry.block_shift, buf.as_mut_slice());
                 }
@@ -321,26 +312,25 @@ impl VhostQueue {
             _ => {}
         }
         // Reads land in the request's buffer, where they are copied to the guest from.
-        let mut queue = DiskQueue::new(r, slot | LOCAL_OWNER, head, true);
-        queue.start(&ns, &mut req.io);
+        let mut queue = DiskQueue::new(ring, me | CLIENT_OWNER, head, true);
+        ns.start(&mut req.io, &mut queue);
         let queued = queue.queued();
-        r.disk_ops_queued(&queued);
+        ring.disk_ops_queued(queued.ops, queued.on_device);
         if req.io.is_idle() {
-            self.backend_done(r, head);
+            self.backend_done(ring, head);
         }
     }
 
     /// A disk operation of the request at `head` completed.
-    pub(super) fn on_disk(&mut self, r: &mut Reactor, head: u16, res: i32) {
-        r.disk_in_flight -= 1;
+    fn disk_done(&mut self, ring: &mut Ring, head: u16, res: i32) {
         let Some(req) = self.requests.get_mut(usize::from(head)) else { return };
         if req.io.op_done(res) && req.io.is_idle() {
-            self.backend_done(r, head);
+            self.backend_done(ring, head);
         }
     }
 
     /// The thread or owner the request at `head` was handed to answered.
-    pub(super) fn on_resumed(&mut self, r: &mut Reactor, slot: u32, head: u16, status: Status, buf: Option<Buf>) {
+    fn answered(&mut self, ring: &mut Ring, me: u32, head: u16, status: Status, buf: Option<Buf>) {
         let ns = self.ns.clone();
         let Some(req) = self.requests.get_mut(usize::from(head)) else { return };
         if let Some(b) = buf {
@@ -348,24 +338,24 @@ impl VhostQueue {
         }
         req.io.deferred_done();
         let Some(ns) = ns else { return };
-        let mut queue = DiskQueue::new(r, slot | LOCAL_OWNER, head, true);
-        queue.resume(&ns, &mut req.io, status);
+        let mut queue = DiskQueue::new(ring, me | CLIENT_OWNER, head, true);
+        ns.resume(&mut req.io, status, &mut queue);
         let queued = queue.queued();
-        r.disk_ops_queued(&queued);
+        ring.disk_ops_queued(queued.ops, queued.on_device);
         if req.io.is_idle() {
-            self.backend_done(r, head);
+            self.backend_done(ring, head);
         }
     }
 
     /// The request at `head` has nothing in flight: the backend lets go, a read's data
     /// goes to the guest, and the request completes.
-    fn backend_done(&mut self, r: &mut Reactor, head: u16) {
-        let memory = self.ring.memory.clone();
+    fn backend_done(&mut self, ring: &mut Ring, head: u16) {
+        let memory = self.vq.memory.clone();
         let req = &mut self.requests[usize::from(head)];
         let (plan, ok) = (req.io.plan, req.io.status.is_success());
         if let Some(ns) = &self.ns {
-            ns.backend.finished(&mut req.io, r.id);
-            ns.stats.completed(r.id, &plan, req.io.status, r.pass_ns.saturating_sub(req.io.started_ns));
+            ns.backend.finished(&mut req.io, ring.id);
+            ns.stats.completed(ring.id, &plan, req.io.status, ring.pass_ns.saturating_sub(req.io.started_ns));
         }
         let buf = req.io.take_buf();
         let mut written = 0;
@@ -377,7 +367,7 @@ impl VhostQueue {
             }
         }
         if let Some(b) = buf {
-            r.pool.put(b);
+            ring.pool.put(b);
         }
         self.complete(head, outcome, written);
     }
@@ -387,37 +377,83 @@ impl VhostQueue {
     fn complete(&mut self, head: u16, outcome: u8, written: u32) {
         let status_at = self.requests[usize::from(head)].status;
         // A status the guest's memory cannot take is the guest's own loss.
-        let _ = self.ring.memory.write_obj(outcome, status_at);
+        let _ = self.vq.memory.write_obj(outcome, status_at);
         self.publish(head, written + 1);
     }
 
     /// Completes a chain that has nowhere to put a status.
     fn complete_broken(&mut self, head: u16) {
-        tracing::warn!(device = ?self.ring.device, head, "a malformed request: completed without a status");
+        tracing::warn!(device = ?self.vq.device, head, "a malformed request: completed without a status");
         self.publish(head, 0);
     }
 
     fn publish(&mut self, head: u16, used_len: u32) {
-        let memory = self.ring.memory.clone();
+        let memory = self.vq.memory.clone();
         self.requests[usize::from(head)].active = false;
         self.serving -= 1;
-        if let Some(i) = self.ring.inflight.as_ref() {
+        if let Some(i) = self.vq.inflight.as_ref() {
             i.completing(head);
         }
         if self.queue.add_used(&*memory, head, used_len).is_err() {
-            tracing::warn!(device = ?self.ring.device, head, "cannot write the used ring");
+            tracing::warn!(device = ?self.vq.device, head, "cannot write the used ring");
             return;
         }
-        if let Some(i) = self.ring.inflight.as_ref() {
+        if let Some(i) = self.vq.inflight.as_ref() {
             i.completed(head, self.queue.next_used());
         }
-        let fd = self.ring.call.fd();
+        let fd = self.vq.call.fd();
         if fd >= 0 {
             let one: u64 = 1;
             // SAFETY: writes 8 bytes from a local u64 to the call eventfd; the session
             // keeps every call file of a running queue open (see `Call`).
             unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
         }
+    }
+}
+
+/// What the session asks of a running virtqueue (mail to its ring client): stop taking
+/// requests, finish those under way, then report the next available index.
+pub struct Stop(pub Sender<u16>);
+
+impl RingClient for VhostQueue {
+    fn begin(&mut self, ring: &mut Ring, me: u32) {
+        self.serve(ring, me);
+    }
+
+    fn on_complete(&mut self, ring: &mut Ring, me: u32, _tag: u32, res: i32, _flags: u32) {
+        self.on_kick(ring, me, res);
+    }
+
+    fn on_disk(&mut self, ring: &mut Ring, _me: u32, tag: u16, res: i32) {
+        self.disk_done(ring, tag, res);
+    }
+
+    fn on_answer(&mut self, ring: &mut Ring, me: u32, tag: u16, status: Status, buf: Option<Buf>) {
+        self.answered(ring, me, tag, status, buf);
+    }
+
+    fn on_mail(&mut self, ring: &mut Ring, me: u32, message: Box<dyn std::any::Any + Send>) {
+        if let Ok(stop) = message.downcast::<Stop>() {
+            self.stop_taking(ring, me, stop.0);
+        }
+    }
+
+    /// While held, `drain` takes no request: those with the backend finish.
+    fn parked(&self) -> bool {
+        self.serving == 0
+    }
+
+    fn resume(&mut self, ring: &mut Ring, me: u32) {
+        self.drain(ring, me);
+    }
+
+    /// Stopped, and nothing of it left on the ring.
+    fn ended(&self) -> bool {
+        self.stopping.is_some() && !self.kick_armed && self.serving == 0
+    }
+
+    fn finish(mut self: Box<Self>, ring: &mut Ring) {
+        self.release(ring);
     }
 }
 

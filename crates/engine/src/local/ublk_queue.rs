@@ -1,5 +1,6 @@
-//! A ublk device's queue on a reactor: the reactor fetches every tag of its ublk
-//! queue with `URING_CMD`s on its own ring, serves each request the driver delivers
+//! A ublk device's queue on a reactor, a client of its ring
+//! (`crate::ring::RingClient`): it fetches every tag of its ublk queue with
+//! `URING_CMD`s on the reactor's ring, serves each request the driver delivers
 //! from the namespace's backend (the same `BlockIo` and `DiskQueue` an NVMe command
 //! uses), and commits the result with the command that fetches the tag again.
 //!
@@ -20,14 +21,14 @@ use std::sync::Arc;
 use io_uring::{opcode, types};
 use nvpool_wire::Status;
 
-use super::block_io::{BlockIo, DiskQueue};
-use super::{LOCAL_OWNER, Op, Reactor};
+use super::LocalDevice;
+use super::request;
+use super::uapi::{self, IO_DESC_SIZE, IoCmd, IoDesc, op};
 use crate::bufpool::{Buf, PAGE_SIZE};
-use crate::local::LocalDevice;
-use crate::local::request;
-use crate::local::uapi::{self, IO_DESC_SIZE, IoCmd, IoDesc, op};
+use crate::io::{BlockIo, DiskQueue};
 use crate::nvme::Namespace;
-use crate::nvme::nvm::IoPlan;
+use crate::plan::IoPlan;
+use crate::ring::{CLIENT_OWNER, Op, Ring, RingClient};
 
 /// Where a tag stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,7 +52,7 @@ struct Tag {
 }
 
 /// One device's queue on this reactor.
-pub(super) struct UblkQueue {
+pub struct UblkQueue {
     device: Arc<LocalDevice>,
     queue: u16,
     /// The driver's descriptors of this queue's requests, mapped read-only.
@@ -71,7 +72,7 @@ pub(super) struct UblkQueue {
 
 impl UblkQueue {
     /// Maps queue `queue`'s descriptors of `device` and gives each tag a buffer.
-    pub(super) fn new(r: &mut Reactor, device: Arc<LocalDevice>, queue: u16) -> Result<UblkQueue, String> {
+    pub fn new(ring: &mut Ring, device: Arc<LocalDevice>, queue: u16) -> Result<UblkQueue, String> {
         let len = uapi::descriptors_len(device.depth, PAGE_SIZE);
         let offset = uapi::descriptors_offset(queue, PAGE_SIZE);
         // SAFETY: maps `len` bytes of the char device read-only and shared at the offset
@@ -91,7 +92,7 @@ impl UblkQueue {
             return Err(format!("cannot map the descriptors of queue {queue} of /dev/ublkc{}: {e}", device.dev_id));
         }
         let zero_copy_slots = if device.zero_copy {
-            let Some(first) = r.reserve_zero_copy_slots(u32::from(device.depth)) else {
+            let Some(first) = ring.reserve_zero_copy_slots(u32::from(device.depth)) else {
                 // SAFETY: unmaps the mapping made above, which nothing else uses.
                 unsafe { libc::munmap(ptr, len) };
                 return Err(format!("no room in the reactor's buffer table for {} zero-copy tags", device.depth));
@@ -104,7 +105,7 @@ impl UblkQueue {
         // carries a discard's range.
         let buf_len = if device.zero_copy { PAGE_SIZE } else { device.max_io_bytes as usize };
         let tags = (0..device.depth)
-            .map(|_| Tag { io: BlockIo::idle(), buf: Some(r.io_buf(buf_len)), state: TagState::Ended })
+            .map(|_| Tag { io: BlockIo::idle(), buf: Some(ring.io_buf(buf_len)), state: TagState::Ended })
             .collect();
         Ok(UblkQueue {
             device,
@@ -120,30 +121,8 @@ impl UblkQueue {
         })
     }
 
-    /// Whether a request of this queue is with the backend.
-    pub(super) fn serving(&self) -> bool {
-        self.serving > 0
-    }
-
-    /// Whether the driver ended every tag (the device stopped).
-    pub(super) fn ended(&self) -> bool {
-        self.with_driver == 0 && self.serving == 0 && self.tags.iter().all(|t| t.state == TagState::Ended)
-    }
-
-    /// The device, to tell it this queue ended.
-    pub(super) fn device(&self) -> &Arc<LocalDevice> {
-        &self.device
-    }
-
-    /// Gives every tag to the driver.
-    pub(super) fn fetch_all(&mut self, r: &mut Reactor, slot: u32) {
-        for tag in 0..self.device.depth {
-            self.send(r, slot, tag, uapi::io::FETCH_REQ, 0);
-        }
-    }
-
     /// Sends tag `tag`'s command with its buffer: a fetch, or a commit of `result`.
-    fn send(&mut self, r: &mut Reactor, slot: u32, tag: u16, cmd_op: u32, result: i32) {
+    fn send(&mut self, ring: &mut Ring, me: u32, tag: u16, cmd_op: u32, result: i32) {
         let zero_copy_slot = self.zero_copy_slots.map(|first| first + tag);
         let t = &mut self.tags[usize::from(tag)];
         let Some(buf) = t.buf.as_mut() else { return };
@@ -156,18 +135,18 @@ impl UblkQueue {
         if let Some(s) = zero_copy_slot {
             command = command.addr(Some(uapi::auto_buf_reg(s)));
         }
-        let sqe = command.build().user_data(Op::Local(slot, tag).encode());
+        let sqe = command.build().user_data(Op::Client(me, u32::from(tag)).encode());
         // SAFETY: the command points at the tag's buffer (or, under zero copy, at no
         // memory of ours), which stays in `t.buf` (Rust leaves it alone) until the
         // command's completion is reaped, and which is never freed while a command
         // may be with the driver (see `Drop`). The ring is dropped before the queues.
-        unsafe { r.push(sqe) };
+        unsafe { ring.push(sqe) };
         t.state = TagState::Fetching;
         self.with_driver += 1;
     }
 
     /// Tag `tag`'s command completed: a request arrived, or the device is stopping.
-    pub(super) fn on_command(&mut self, r: &mut Reactor, slot: u32, tag: u16, res: i32) {
+    fn command_done(&mut self, ring: &mut Ring, me: u32, tag: u16, res: i32) {
         let Some(t) = self.tags.get_mut(usize::from(tag)) else { return };
         self.with_driver = self.with_driver.saturating_sub(1);
         if res != 0 {
@@ -178,18 +157,18 @@ impl UblkQueue {
             t.state = TagState::Ended;
             return;
         }
-        if r.held() {
+        if ring.held {
             t.state = TagState::Held;
         } else {
-            self.start(r, slot, tag);
+            self.start(ring, me, tag);
         }
     }
 
     /// Starts the requests held during a hot upgrade that was called off.
-    pub(super) fn start_held(&mut self, r: &mut Reactor, slot: u32) {
+    fn start_held(&mut self, ring: &mut Ring, me: u32) {
         for tag in 0..self.device.depth {
             if self.tags[usize::from(tag)].state == TagState::Held {
-                self.start(r, slot, tag);
+                self.start(ring, me, tag);
             }
         }
     }
@@ -214,24 +193,24 @@ impl UblkQueue {
     }
 
     /// Hands tag `tag`'s request to the namespace's backend.
-    fn start(&mut self, r: &mut Reactor, slot: u32, tag: u16) {
+    fn start(&mut self, ring: &mut Ring, me: u32, tag: u16) {
         let desc = self.descriptor(tag);
         let ns = self.namespace();
         let t = &mut self.tags[usize::from(tag)];
         t.state = TagState::Serving;
         self.serving += 1;
         let Some(ns) = ns else {
-            return self.commit(r, slot, tag, -libc::EIO);
+            return self.commit(ring, me, tag, -libc::EIO);
         };
         let plan = match request::plan(&desc, ns.block_shift, ns.blocks << ns.block_shift, self.device.read_only) {
             Ok(p) => p,
             Err(errno) => {
-                ns.stats.rejected(r.id, Status::INVALID_FIELD);
-                return self.commit(r, slot, tag, -errno);
+                ns.stats.rejected(ring.id, Status::INVALID_FIELD);
+                return self.commit(ring, me, tag, -errno);
             }
         };
-        t.io.reset(plan, r.pass_ns);
-        ns.stats.started(r.id);
+        t.io.reset(plan, ring.pass_ns);
+        ns.stats.started(ring.id);
         match (self.zero_copy_slots, plan) {
             (Some(first), IoPlan::Read { len, .. } | IoPlan::Write { len, .. }) => {
                 t.io.set_kernel_buf(first + tag, len)
@@ -246,26 +225,25 @@ impl UblkQueue {
             }
         }
         // Reads land in the tag's buffer, where the driver takes them from.
-        let mut queue = DiskQueue::new(r, slot | LOCAL_OWNER, tag, true);
-        queue.start(&ns, &mut t.io);
+        let mut queue = DiskQueue::new(ring, me | CLIENT_OWNER, tag, true);
+        ns.start(&mut t.io, &mut queue);
         let queued = queue.queued();
-        r.disk_ops_queued(&queued);
+        ring.disk_ops_queued(queued.ops, queued.on_device);
         if t.io.is_idle() {
-            self.backend_done(r, slot, tag);
+            self.backend_done(ring, me, tag);
         }
     }
 
     /// A disk operation of tag `tag`'s request completed.
-    pub(super) fn on_disk(&mut self, r: &mut Reactor, slot: u32, tag: u16, res: i32) {
-        r.disk_in_flight -= 1;
+    fn disk_done(&mut self, ring: &mut Ring, me: u32, tag: u16, res: i32) {
         let Some(t) = self.tags.get_mut(usize::from(tag)) else { return };
         if t.io.op_done(res) && t.io.is_idle() {
-            self.backend_done(r, slot, tag);
+            self.backend_done(ring, me, tag);
         }
     }
 
     /// The thread or owner tag `tag`'s request was handed to answered.
-    pub(super) fn on_resumed(&mut self, r: &mut Reactor, slot: u32, tag: u16, status: Status, buf: Option<Buf>) {
+    fn answered(&mut self, ring: &mut Ring, me: u32, tag: u16, status: Status, buf: Option<Buf>) {
         let ns = self.ns.clone();
         let Some(t) = self.tags.get_mut(usize::from(tag)) else { return };
         if let Some(b) = buf {
@@ -273,47 +251,89 @@ impl UblkQueue {
         }
         t.io.deferred_done();
         let Some(ns) = ns else { return };
-        let mut queue = DiskQueue::new(r, slot | LOCAL_OWNER, tag, true);
-        queue.resume(&ns, &mut t.io, status);
+        let mut queue = DiskQueue::new(ring, me | CLIENT_OWNER, tag, true);
+        ns.resume(&mut t.io, status, &mut queue);
         let queued = queue.queued();
-        r.disk_ops_queued(&queued);
+        ring.disk_ops_queued(queued.ops, queued.on_device);
         if t.io.is_idle() {
-            self.backend_done(r, slot, tag);
+            self.backend_done(ring, me, tag);
         }
     }
 
     /// Tag `tag`'s request has nothing in flight: the backend lets go, and the result
     /// goes to the driver.
-    fn backend_done(&mut self, r: &mut Reactor, slot: u32, tag: u16) {
+    fn backend_done(&mut self, ring: &mut Ring, me: u32, tag: u16) {
         let t = &mut self.tags[usize::from(tag)];
         let (plan, status) = (t.io.plan, t.io.status);
         if let Some(ns) = &self.ns {
-            ns.backend.finished(&mut t.io, r.id);
-            ns.stats.completed(r.id, &plan, status, r.pass_ns.saturating_sub(t.io.started_ns));
+            ns.backend.finished(&mut t.io, ring.id);
+            ns.stats.completed(ring.id, &plan, status, ring.pass_ns.saturating_sub(t.io.started_ns));
         }
-        self.commit(r, slot, tag, request::result(&plan, status.is_success()));
+        self.commit(ring, me, tag, request::result(&plan, status.is_success()));
     }
 
     /// Commits `result` for tag `tag` and fetches it again.
-    fn commit(&mut self, r: &mut Reactor, slot: u32, tag: u16, result: i32) {
+    fn commit(&mut self, ring: &mut Ring, me: u32, tag: u16, result: i32) {
         let t = &mut self.tags[usize::from(tag)];
         if let Some(b) = t.io.take_buf() {
             t.buf = Some(b);
         }
         self.serving -= 1;
-        self.send(r, slot, tag, uapi::io::COMMIT_AND_FETCH_REQ, result);
+        self.send(ring, me, tag, uapi::io::COMMIT_AND_FETCH_REQ, result);
     }
 
     /// Gives the tags' buffers back to the reactor's pool once the driver has none.
-    pub(super) fn release(mut self, r: &mut Reactor) {
+    fn release(&mut self, ring: &mut Ring) {
         if let Some(first) = self.zero_copy_slots.take() {
-            r.release_zero_copy_slots(first);
+            ring.release_zero_copy_slots(first);
         }
         for t in self.tags.iter_mut() {
             if let Some(b) = t.buf.take().or_else(|| t.io.take_buf()) {
-                r.pool.put(b);
+                ring.pool.put(b);
             }
         }
+    }
+}
+
+impl RingClient for UblkQueue {
+    /// Gives every tag to the driver.
+    fn begin(&mut self, ring: &mut Ring, me: u32) {
+        for tag in 0..self.device.depth {
+            self.send(ring, me, tag, uapi::io::FETCH_REQ, 0);
+        }
+    }
+
+    fn on_complete(&mut self, ring: &mut Ring, me: u32, tag: u32, res: i32, _flags: u32) {
+        self.command_done(ring, me, tag as u16, res);
+    }
+
+    fn on_disk(&mut self, ring: &mut Ring, me: u32, tag: u16, res: i32) {
+        self.disk_done(ring, me, tag, res);
+    }
+
+    fn on_answer(&mut self, ring: &mut Ring, me: u32, tag: u16, status: Status, buf: Option<Buf>) {
+        self.answered(ring, me, tag, status, buf);
+    }
+
+    /// Requests that arrive while the reactor is held stay unstarted (`command_done`);
+    /// those with the backend finish.
+    fn parked(&self) -> bool {
+        self.serving == 0
+    }
+
+    fn resume(&mut self, ring: &mut Ring, me: u32) {
+        self.start_held(ring, me);
+    }
+
+    /// The driver ended every tag (the device stopped).
+    fn ended(&self) -> bool {
+        self.with_driver == 0 && self.serving == 0 && self.tags.iter().all(|t| t.state == TagState::Ended)
+    }
+
+    fn finish(mut self: Box<Self>, ring: &mut Ring) {
+        let device = self.device.clone();
+        self.release(ring);
+        device.queue_ended();
     }
 }
 

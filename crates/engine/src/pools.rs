@@ -4,12 +4,17 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::backend::{self, OpenEnv, Opened};
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use nvpool_api::{DirtyAction, DirtyReport, VolumeIdentity};
+
+use crate::backend::volume;
 use crate::error::{Error, Result};
-use crate::nvme::{Namespace, Subsystem, lock};
+use crate::nvme::{Namespace, Subsystem, Target};
 use crate::pool::{CreateOptions, DEFAULT_CLUSTER_SIZE, Pool, PoolInfo, VolumeInfo};
-use crate::{DirtyAction, DirtyReport, Engine, Msg};
-use nvpool_api::VolumeIdentity;
+use crate::reactor::Links;
+use crate::sync::lock;
 
 /// A volume identity's UUID and NGUID as bytes.
 fn parse_identity(id: &VolumeIdentity) -> Result<([u8; 16], [u8; 16])> {
@@ -28,8 +33,21 @@ fn canonical(p: &Path) -> PathBuf {
     p.canonicalize().unwrap_or_else(|_| p.to_path_buf())
 }
 
-impl Engine {
-    pub(crate) fn pool(&self, name: &str) -> Result<Arc<Pool>> {
+/// The engine's open pools.
+pub struct Pools {
+    pools: Mutex<BTreeMap<String, Arc<Pool>>>,
+    target: Arc<Target>,
+    links: Links,
+}
+
+impl Pools {
+    /// No pool open yet.
+    pub fn new(target: Arc<Target>, links: Links) -> Pools {
+        Pools { pools: Mutex::new(BTreeMap::new()), target, links }
+    }
+
+    /// The open pool named `name`.
+    pub fn get(&self, name: &str) -> Result<Arc<Pool>> {
         lock(&self.pools).get(name).cloned().ok_or_else(|| {
             Error::not_found(format!(
                 "no pool {name}: `nvpool engine pool list` shows the pools, `nvpool engine pool import` opens one"
@@ -60,13 +78,7 @@ impl Engine {
     }
 
     /// Claims disks as a new pool.
-    pub fn create_pool(
-        &self,
-        name: &str,
-        disks: &[PathBuf],
-        cluster_size: Option<u64>,
-        force: bool,
-    ) -> Result<PoolInfo> {
+    pub fn create(&self, name: &str, disks: &[PathBuf], cluster_size: Option<u64>, force: bool) -> Result<PoolInfo> {
         if lock(&self.pools).contains_key(name) {
             return Err(Error::exists(format!("a pool named {name} already exists: pick another name")));
         }
@@ -76,14 +88,14 @@ impl Engine {
     }
 
     /// Opens an existing pool from its disks.
-    pub fn import_pool(&self, disks: &[PathBuf]) -> Result<PoolInfo> {
+    pub fn import(&self, disks: &[PathBuf]) -> Result<PoolInfo> {
         self.check_disks_free(disks)?;
         self.add_pool(Pool::import(disks)?)
     }
 
     /// Closes a pool; its disks keep everything. Refused while a volume is exported.
-    pub fn export_pool(&self, name: &str) -> Result<()> {
-        let pool = self.pool(name)?;
+    pub fn export(&self, name: &str) -> Result<()> {
+        let pool = self.get(name)?;
         if let Some((s, ns)) = self.exports(&pool, None).first() {
             return Err(Error::precondition(format!(
                 "pool {name} has a volume exported as namespace {} of {}: remove the namespace first",
@@ -96,12 +108,12 @@ impl Engine {
     }
 
     /// Every open pool.
-    pub fn pools(&self) -> Vec<PoolInfo> {
+    pub fn list(&self) -> Vec<PoolInfo> {
         lock(&self.pools).values().map(|p| p.info()).collect()
     }
 
     /// Namespaces serving volumes of `pool` (all, or volume `id`'s).
-    pub(crate) fn exports(&self, pool: &Arc<Pool>, id: Option<u32>) -> Vec<(Arc<Subsystem>, Arc<Namespace>)> {
+    pub fn exports(&self, pool: &Arc<Pool>, id: Option<u32>) -> Vec<(Arc<Subsystem>, Arc<Namespace>)> {
         let mut out = Vec::new();
         for s in self.target.subsystems() {
             for ns in s.namespaces().values() {
@@ -126,12 +138,12 @@ impl Engine {
         identity: Option<&VolumeIdentity>,
     ) -> Result<VolumeInfo> {
         let identity = identity.map(parse_identity).transpose()?;
-        self.pool(pool)?.create_volume(name, size, thin, identity)
+        self.get(pool)?.create_volume(name, size, thin, identity)
     }
 
     /// Deletes a volume. Refused while it is exported.
     pub fn delete_volume(&self, pool: &str, name: &str) -> Result<()> {
-        let p = self.pool(pool)?;
+        let p = self.get(pool)?;
         let (io, _) = p.open_volume(name)?;
         if let Some((s, ns)) = self.exports(&p, Some(io.id)).first() {
             return Err(Error::precondition(format!(
@@ -144,7 +156,7 @@ impl Engine {
 
     /// Grows a volume; namespaces serving it take the new size and hosts are told.
     pub fn resize_volume(&self, pool: &str, name: &str, size: u64) -> Result<VolumeInfo> {
-        let p = self.pool(pool)?;
+        let p = self.get(pool)?;
         let info = p.resize_volume(name, size)?;
         let (io, _) = p.open_volume(name)?;
         for (s, ns) in self.exports(&p, Some(io.id)) {
@@ -162,19 +174,19 @@ impl Engine {
     /// Volumes of one pool, or of all.
     pub fn volumes(&self, pool: Option<&str>) -> Result<Vec<VolumeInfo>> {
         match pool {
-            Some(p) => Ok(self.pool(p)?.volumes()),
+            Some(p) => Ok(self.get(p)?.volumes()),
             None => Ok(lock(&self.pools).values().flat_map(|p| p.volumes()).collect()),
         }
     }
 
     /// One volume.
     pub fn volume(&self, pool: &str, name: &str) -> Result<VolumeInfo> {
-        self.pool(pool)?.volume(name)
+        self.get(pool)?.volume(name)
     }
 
     /// Starts, stops, reports or resets a volume's dirty-cluster tracking.
     pub fn volume_dirty(&self, pool: &str, name: &str, action: DirtyAction) -> Result<DirtyReport> {
-        let p = self.pool(pool)?;
+        let p = self.get(pool)?;
         match action {
             DirtyAction::Start => p.set_dirty_tracking(name, true)?,
             DirtyAction::Stop => p.set_dirty_tracking(name, false)?,
@@ -190,32 +202,41 @@ impl Engine {
     }
 
     /// Checks a pool's metadata and space accounting.
-    pub fn check_pool(&self, pool: &str) -> Result<()> {
-        self.pool(pool)?.check()
+    pub fn check(&self, pool: &str) -> Result<()> {
+        self.get(pool)?.check()
     }
 
     /// A namespace serving volume `pool/name` with the identity stored with it.
-    pub(crate) fn volume_namespace(&self, pool: &str, name: &str, nsid: u32, block_size: u32) -> Result<Namespace> {
-        let opened = self.open_backend(&format!("volume:{pool}/{name}"))?;
+    pub fn volume_namespace(&self, pool: &str, name: &str, nsid: u32, block_size: u32) -> Result<Namespace> {
+        let pool = self.get(pool)?;
+        let opened = volume::open(&pool, name)?;
         let (uuid, nguid) = opened.identity.ok_or_else(|| Error::internal("a volume backend without its identity"))?;
         Namespace::new(nsid, opened.backend, block_size, uuid, nguid)
     }
 
-    /// Opens the backend a namespace spec names (`file:...`, `volume:POOL/NAME`, ...).
-    pub(crate) fn open_backend(&self, spec: &str) -> Result<Opened> {
-        let own_listeners = self.listeners().iter().map(|l| std::net::SocketAddr::new(l.addr, l.port)).collect();
-        let env = OpenEnv {
-            pool: &|name| self.pool(name),
-            own_listeners,
-            host_nqn: self.host_nqn(),
-            remote_links: &self.remote_links,
-        };
-        backend::open(spec, &env)
+    /// The disks of every pool, by pool (a hot upgrade's image).
+    pub fn disk_paths(&self) -> Vec<Vec<PathBuf>> {
+        lock(&self.pools).values().map(|p| p.disk_paths()).collect()
+    }
+
+    /// Checkpoints every pool (a hot upgrade's new process replays no journal).
+    pub fn checkpoint_all(&self) -> Result<()> {
+        for p in lock(&self.pools).values() {
+            p.checkpoint()?;
+        }
+        Ok(())
+    }
+
+    /// Closes every pool (the engine stops).
+    pub fn close_all(&self) {
+        for p in lock(&self.pools).values() {
+            p.close();
+        }
     }
 
     fn kick_all(&self) {
         for l in self.links.iter() {
-            l.send(Msg::Kick);
+            l.run(|r| r.kick());
         }
     }
 }

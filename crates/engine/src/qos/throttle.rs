@@ -10,8 +10,8 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use crate::nvme::nvm::IoPlan;
-use crate::qos::{LocalBudget, Qos, costs};
+use super::{LocalBudget, Qos, costs};
+use crate::plan::IoPlan;
 
 /// Waiters a namespace's queue has room for before it grows.
 const WAITERS: usize = 256;
@@ -32,7 +32,7 @@ struct Limited {
 
 /// The limited namespaces a reactor serves and their waiting commands.
 #[derive(Default)]
-pub(super) struct Throttle {
+pub struct Throttle {
     limited: Vec<Limited>,
     waiting: usize,
 }
@@ -52,26 +52,26 @@ impl Throttle {
 
     /// Whether a new command of a limited namespace may start now (and then takes its
     /// cost): only if none of the namespace's commands waits before it.
-    pub(super) fn admit(&mut self, qos: &Arc<Qos>, plan: &IoPlan, now_ns: u64) -> bool {
+    pub fn admit(&mut self, qos: &Arc<Qos>, plan: &IoPlan, now_ns: u64) -> bool {
         let l = self.limited(qos);
         l.waiters.is_empty() && l.budget.admit(qos, &costs(plan), now_ns)
     }
 
     /// Queues a command that was not let through.
-    pub(super) fn wait(&mut self, qos: &Arc<Qos>, owner: u32, tag: u16, plan: IoPlan) {
+    pub fn wait(&mut self, qos: &Arc<Qos>, owner: u32, tag: u16, plan: IoPlan) {
         self.limited(qos).waiters.push_back(Waiter { owner, tag, plan });
         self.waiting += 1;
     }
 
     /// Commands waiting, over every namespace.
-    pub(super) fn waiting(&self) -> usize {
+    pub fn waiting(&self) -> usize {
         self.waiting
     }
 
     /// Moves to `due` the commands their budgets now let through, oldest first per
     /// namespace: all of them if `everything` (a hot upgrade parks the reactor, and
     /// nothing may wait then).
-    pub(super) fn due(&mut self, now_ns: u64, everything: bool, due: &mut Vec<(u32, u16)>) {
+    pub fn due(&mut self, now_ns: u64, everything: bool, due: &mut Vec<(u32, u16)>) {
         for l in &mut self.limited {
             while let Some(w) = l.waiters.front() {
                 if !everything && !l.budget.admit(&l.qos, &costs(&w.plan), now_ns) {
@@ -85,7 +85,7 @@ impl Throttle {
     }
 
     /// Forgets namespaces nothing else holds any more (they were removed).
-    pub(super) fn forget_removed(&mut self) {
+    pub fn forget_removed(&mut self) {
         self.limited.retain(|l| !l.waiters.is_empty() || Arc::strong_count(&l.qos) > 1);
     }
 }

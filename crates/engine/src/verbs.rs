@@ -4,6 +4,7 @@
 //!
 //! Verbs objects may be used from any thread (the libraries lock what they share), so
 //! the handles are `Send`; a device's protection domain is shared by every reactor.
+#![allow(unsafe_code)]
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};

@@ -1,14 +1,15 @@
-//! A reactor's I/O queue to the owner of a remote namespace (see
-//! `backend::remote`): the host side of NVMe/TCP, driven on the reactor's ring like
-//! its target connections. Forwarded commands take their command's buffer along
-//! (write data out, read data in) and give it back with the owner's status.
+//! A reactor's I/O queue to the owner of a remote namespace: the host side of
+//! NVMe/TCP, a client of the reactor's ring (`crate::ring::RingClient`). Commands are
+//! handed to it with their buffer (write data out, read data in) and answered with
+//! the owner's status and the buffer.
 //!
-//! The queue is connected by the link's connection thread and handed over as a socket
-//! ready for I/O. When it fails, the commands on it fail with ANA Inaccessible (no Do
-//! Not Retry), a new queue is asked for, and commands wait for it up to
-//! `backend::remote::HOLD_MS`.
+//! The queue is connected by the link's connection thread and arrives by mail as a
+//! socket ready for I/O. When it fails, the commands on it fail with ANA Inaccessible
+//! (no Do Not Retry), a new queue is asked for, and commands wait for it up to
+//! [`HOLD_MS`].
 #![allow(unsafe_code)]
 
+use std::any::Any;
 use std::collections::VecDeque;
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
@@ -20,37 +21,18 @@ use nvpool_wire::bytes::compact;
 use nvpool_wire::command::Completion;
 use nvpool_wire::tcp::{self, DataHeader, Digests, Pdu};
 
-use super::{Op, Reactor};
-use crate::backend::remote::{HOLD_MS, QUEUE_DEPTH, RemoteLink, RemoteNamespace, RemoteSocket};
-use crate::bufpool::Buf;
-use crate::nvme::nvm::IoPlan;
+use super::{HOLD_MS, QUEUE_DEPTH, RemoteLink, RemoteNamespace, RemoteSocket};
+use crate::plan::MAX_TRANSFER;
+use crate::ring::{Handed, Op, Ring, RingClient};
 
 /// Receive buffer: a whole C2HData of the largest transfer with its headers, and room
 /// to read ahead.
-const RECV_BUF: usize = crate::nvme::MAX_TRANSFER + 64 * 1024;
+const RECV_BUF: usize = MAX_TRANSFER + 64 * 1024;
+/// What the queue's operations are to it (`Op::Client`'s tag).
+const RECV: u32 = 0;
+const SEND: u32 = 1;
 
-/// A command on its way to the owner.
-pub(super) struct Forwarded {
-    /// The target connection and command slot it came from.
-    pub conn: u32,
-    pub tag: u16,
-    pub namespace: RemoteNamespace,
-    pub plan: IoPlan,
-    /// Its data: what a write sends, where a read lands.
-    pub buf: Option<Buf>,
-    /// When it was forwarded, for the hold limit.
-    pub since_ms: u64,
-}
-
-/// A command finished: where its answer goes.
-pub(super) struct Answer {
-    pub conn: u32,
-    pub tag: u16,
-    pub status: Status,
-    pub buf: Option<Buf>,
-}
-
-/// One reactor's I/O queue to one owner namespace.
+/// One reactor's I/O queue to one owner controller.
 pub(super) struct HostQueue {
     link: Arc<RemoteLink>,
     socket: Option<TcpStream>,
@@ -74,10 +56,10 @@ pub(super) struct HostQueue {
     send_posted: bool,
     ops_in_flight: u32,
     /// Sent commands by command ID.
-    inflight: Vec<Option<Forwarded>>,
+    inflight: Vec<Option<Handed>>,
     free_cids: Vec<u16>,
     /// Commands waiting for a queue, or for a free command ID.
-    waiting: VecDeque<Forwarded>,
+    waiting: VecDeque<Handed>,
 }
 
 impl HostQueue {
@@ -111,34 +93,25 @@ impl HostQueue {
         self.socket.is_some()
     }
 
-    /// Takes a command; sends it now if the queue is up.
-    pub(super) fn forward(&mut self, r: &mut Reactor, slot: u32, f: Forwarded) {
-        self.waiting.push_back(f);
-        if !self.connected() {
-            self.ask_for_queue(r);
-        }
-        self.send_waiting(r, slot);
-    }
-
-    fn ask_for_queue(&mut self, r: &Reactor) {
+    fn ask_for_queue(&mut self, ring: &Ring) {
         if !self.requested && !self.link.is_closed() {
             self.requested = true;
-            self.link.request_queue(r.id, r.links.clone());
+            self.link.request_queue(ring.id, ring.mailer());
         }
     }
 
     /// A new queue from the connection thread.
-    pub(super) fn on_socket(&mut self, r: &mut Reactor, slot: u32, s: RemoteSocket) {
+    fn on_socket(&mut self, ring: &mut Ring, me: u32, s: RemoteSocket) {
         self.requested = false;
         if self.ops_in_flight > 0 {
             // The old socket's operations still point at the buffers: wait for them.
             self.next = Some(s);
             return;
         }
-        self.install(r, slot, s);
+        self.install(ring, me, s);
     }
 
-    fn install(&mut self, r: &mut Reactor, slot: u32, s: RemoteSocket) {
+    fn install(&mut self, ring: &mut Ring, me: u32, s: RemoteSocket) {
         let _ = s.stream.set_nodelay(true);
         self.socket = Some(s.stream);
         self.digests = s.digests;
@@ -149,19 +122,19 @@ impl HostQueue {
         self.out.clear();
         self.sending.clear();
         self.sent = 0;
-        self.post_recv(r, slot);
-        self.send_waiting(r, slot);
+        self.post_recv(ring, me);
+        self.send_waiting(ring, me);
     }
 
     /// Sends waiting commands while command IDs are free.
-    fn send_waiting(&mut self, r: &mut Reactor, slot: u32) {
+    fn send_waiting(&mut self, ring: &mut Ring, me: u32) {
         if !self.connected() {
             return;
         }
         while !self.waiting.is_empty() {
             let Some(cid) = self.free_cids.pop() else { break };
             let Some(f) = self.waiting.pop_front() else { break };
-            let cmd = f.namespace.command(&f.plan, cid, self.link.in_capsule);
+            let cmd = RemoteNamespace::from_route(f.route).command(&f.plan, cid, self.link.in_capsule);
             let data_len = cmd.dptr.length as usize;
             let in_capsule = data_len > 0 && cmd.dptr.id == nvpool_wire::command::sgl::IN_CAPSULE;
             let mut hdr = [0u8; tcp::MAX_HEADER_SIZE];
@@ -173,10 +146,10 @@ impl HostQueue {
             }
             self.inflight[usize::from(cid)] = Some(f);
         }
-        self.post_send(r, slot);
+        self.post_send(ring, me);
     }
 
-    fn post_recv(&mut self, r: &mut Reactor, slot: u32) {
+    fn post_recv(&mut self, ring: &mut Ring, me: u32) {
         let Some(socket) = &self.socket else { return };
         if self.recv_posted {
             return;
@@ -187,17 +160,17 @@ impl HostQueue {
         let room = &mut self.recv_buf[self.recv_end..];
         let sqe = opcode::Recv::new(types::Fd(socket.as_raw_fd()), room.as_mut_ptr(), room.len() as u32)
             .build()
-            .user_data(Op::RemoteRecv(slot).encode());
+            .user_data(Op::Client(me, RECV).encode());
         // SAFETY: the receive writes into `recv_buf` past `recv_end`, inside its length;
-        // the vector is never resized, and the queue (boxed in the reactor, never
-        // freed while the reactor runs) keeps it until the completion is reaped: a
+        // the vector is never resized, and the queue (boxed in the ring's client table,
+        // never ended while the reactor runs) keeps it until the completion is reaped: a
         // new socket is installed only once `ops_in_flight` is zero.
-        unsafe { r.push(sqe) };
+        unsafe { ring.push(sqe) };
         self.recv_posted = true;
         self.ops_in_flight += 1;
     }
 
-    fn post_send(&mut self, r: &mut Reactor, slot: u32) {
+    fn post_send(&mut self, ring: &mut Ring, me: u32) {
         let Some(socket) = &self.socket else { return };
         if self.send_posted {
             return;
@@ -214,42 +187,42 @@ impl HostQueue {
         let sqe = opcode::Send::new(types::Fd(socket.as_raw_fd()), rest.as_ptr(), rest.len() as u32)
             .flags(libc::MSG_NOSIGNAL)
             .build()
-            .user_data(Op::RemoteSend(slot).encode());
+            .user_data(Op::Client(me, SEND).encode());
         // SAFETY: the send reads `sending` past `sent`; `sending` is neither written nor
         // resized while a send is posted (new bytes go to `out`), and it lives as long
         // as the queue, which outlives its operations (see `post_recv`).
-        unsafe { r.push(sqe) };
+        unsafe { ring.push(sqe) };
         self.send_posted = true;
         self.ops_in_flight += 1;
     }
 
-    pub(super) fn on_send(&mut self, r: &mut Reactor, slot: u32, res: i32, answers: &mut Vec<Answer>) {
+    fn on_send(&mut self, ring: &mut Ring, me: u32, res: i32) {
         self.ops_in_flight -= 1;
         self.send_posted = false;
         if res < 0 || self.socket.is_none() {
-            self.fail(r, slot, answers);
+            self.fail(ring, me);
             return;
         }
         self.sent += res as usize;
-        self.post_send(r, slot);
+        self.post_send(ring, me);
     }
 
-    pub(super) fn on_recv(&mut self, r: &mut Reactor, slot: u32, res: i32, answers: &mut Vec<Answer>) {
+    fn on_recv(&mut self, ring: &mut Ring, me: u32, res: i32) {
         self.ops_in_flight -= 1;
         self.recv_posted = false;
         if res <= 0 || self.socket.is_none() {
-            self.fail(r, slot, answers);
+            self.fail(ring, me);
             return;
         }
         self.recv_end += res as usize;
-        let limits = tcp::DataLimits::uniform(crate::nvme::MAX_TRANSFER as u32);
+        let limits = tcp::DataLimits::uniform(MAX_TRANSFER as u32);
         loop {
             let parsed = match tcp::parse(&self.recv_buf[self.recv_start..self.recv_end], self.digests, limits) {
                 Ok(Some(p)) => p,
                 Ok(None) => break,
                 Err(e) => {
                     tracing::warn!(link = self.link.id, "the owner sent a malformed PDU: {}", e.reason);
-                    self.fail(r, slot, answers);
+                    self.fail(ring, me);
                     return;
                 }
             };
@@ -284,22 +257,22 @@ impl HostQueue {
             self.recv_start += len;
             match event {
                 Event::Nothing => {}
-                Event::Done(c) => self.complete(r, slot, c, answers),
+                Event::Done(c) => self.complete(ring, me, c),
                 Event::Transfer(h) => {
                     if !self.send_requested(h) {
-                        self.fail(r, slot, answers);
+                        self.fail(ring, me);
                         return;
                     }
                 }
                 Event::Broken(why) => {
                     tracing::warn!(link = self.link.id, "{why}");
-                    self.fail(r, slot, answers);
+                    self.fail(ring, me);
                     return;
                 }
             }
         }
-        self.post_send(r, slot);
-        self.post_recv(r, slot);
+        self.post_send(ring, me);
+        self.post_recv(ring, me);
     }
 
     /// Queues the H2CData PDUs an R2T asks for; false if it names no write.
@@ -319,19 +292,19 @@ impl HostQueue {
         true
     }
 
-    fn complete(&mut self, r: &mut Reactor, slot: u32, c: Completion, answers: &mut Vec<Answer>) {
+    fn complete(&mut self, ring: &mut Ring, me: u32, c: Completion) {
         let cid = c.cid;
         let Some(f) = self.inflight.get_mut(usize::from(cid)).and_then(Option::take) else {
             return;
         };
         self.free_cids.push(cid);
-        answers.push(Answer { conn: f.conn, tag: f.tag, status: c.status, buf: f.buf });
-        self.send_waiting(r, slot);
+        ring.answer(f.owner, f.tag, c.status, f.buf);
+        self.send_waiting(ring, me);
     }
 
     /// The queue failed: its commands fail with a path error, and a new queue is asked
     /// for once the old socket's operations are done.
-    fn fail(&mut self, r: &mut Reactor, slot: u32, answers: &mut Vec<Answer>) {
+    fn fail(&mut self, ring: &mut Ring, me: u32) {
         if let Some(s) = self.socket.take() {
             let _ = s.shutdown(Shutdown::Both);
             // The descriptor closes when the operations using it are done.
@@ -340,24 +313,49 @@ impl HostQueue {
         for cid in 0..self.inflight.len() {
             if let Some(f) = self.inflight[cid].take() {
                 self.free_cids.push(cid as u16);
-                answers.push(Answer { conn: f.conn, tag: f.tag, status: Status::ANA_INACCESSIBLE, buf: f.buf });
+                ring.answer(f.owner, f.tag, Status::ANA_INACCESSIBLE, f.buf);
             }
         }
         if self.ops_in_flight == 0 {
             self.closing = None;
             if let Some(s) = self.next.take() {
-                self.install(r, slot, s);
+                self.install(ring, me, s);
                 return;
             }
         }
         if self.next.is_none() {
-            self.ask_for_queue(r);
+            self.ask_for_queue(ring);
+        }
+    }
+}
+
+impl RingClient for HostQueue {
+    fn on_complete(&mut self, ring: &mut Ring, me: u32, tag: u32, res: i32, _flags: u32) {
+        match tag {
+            RECV => self.on_recv(ring, me, res),
+            _ => self.on_send(ring, me, res),
         }
     }
 
-    /// Periodic work: fails commands that waited for a queue longer than the hold
-    /// limit, and closes an idle queue whose namespace is gone.
-    pub(super) fn tick(&mut self, now_ms: u64, answers: &mut Vec<Answer>) {
+    fn on_mail(&mut self, ring: &mut Ring, me: u32, message: Box<dyn Any + Send>) {
+        if let Ok(socket) = message.downcast::<RemoteSocket>() {
+            self.on_socket(ring, me, *socket);
+        }
+    }
+
+    /// Takes a command; sends it now if the queue is up.
+    fn take(&mut self, ring: &mut Ring, me: u32, cmd: Handed) {
+        self.waiting.push_back(cmd);
+        if !self.connected() {
+            self.ask_for_queue(ring);
+        }
+        self.send_waiting(ring, me);
+    }
+
+    /// Fails commands that waited for a queue longer than the hold limit, and closes
+    /// an idle queue whose namespace is gone.
+    fn tick(&mut self, ring: &mut Ring, _me: u32) {
+        let now_ms = ring.now_ms();
         if self.link.is_closed()
             && self.waiting.is_empty()
             && self.inflight.iter().all(Option::is_none)
@@ -368,7 +366,7 @@ impl HostQueue {
         }
         while self.waiting.front().is_some_and(|f| now_ms.saturating_sub(f.since_ms) > HOLD_MS) {
             if let Some(f) = self.waiting.pop_front() {
-                answers.push(Answer { conn: f.conn, tag: f.tag, status: Status::ANA_INACCESSIBLE, buf: f.buf });
+                ring.answer(f.owner, f.tag, Status::ANA_INACCESSIBLE, f.buf);
             }
         }
     }
