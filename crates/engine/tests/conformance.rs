@@ -807,6 +807,31 @@ fn admin_rules() -> Vec<Case> {
             status(Status::COMMAND_SEQUENCE_ERROR),
             |addr| Host::admin_to(addr, NQN, false).command(&identify(1, 0), &[]).answer(),
         ),
+        case(
+            a,
+            "host data with an admin command that takes none is an SGL length error",
+            status(Status::SGL_LENGTH_INVALID),
+            |addr| {
+                let c = with_sgl(command(admin_opcode::SET_FEATURES, 0, 0x0B, 0), sgl::IN_CAPSULE, 0, 8);
+                Host::admin(addr).command(&c, &[0; 8]).answer()
+            },
+        ),
+        case(
+            a,
+            "an admin command's host data outside the capsule is asked for with an R2T, as a write's, and the \
+             command runs once it is in",
+            status(Status::SGL_LENGTH_INVALID),
+            |addr| {
+                let c = with_sgl(command(admin_opcode::SET_FEATURES, 0, 0x0B, 0), sgl::TRANSPORT, 0, 8);
+                let mut h = Host::admin(addr);
+                h.command(&c, &[]);
+                match h.next_pdu() {
+                    Some(Got::R2T(r2t)) if r2t.length == 8 && r2t.offset == 0 => h.h2c(r2t, true).answer(),
+                    Some(Got::R2T(_)) => Answer::Closed,
+                    _ => Answer::Status(Status::SUCCESS),
+                }
+            },
+        ),
         case(a, "an unknown admin opcode is an invalid opcode", status(Status::INVALID_OPCODE), |addr| {
             Host::admin(addr).command(&command(0xC1, 0, 0, 0), &[]).answer()
         }),

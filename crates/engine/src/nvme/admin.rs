@@ -52,9 +52,11 @@ fn done_data(data: Vec<u8>) -> AdminOutcome {
     AdminOutcome::Complete { status: Status::SUCCESS, result: 0, data: Some(data) }
 }
 
-/// Handles one admin command for `ctrl`. `outstanding_aers` is how many Asynchronous
-/// Event Requests the queue already holds.
-pub fn handle(target: &Target, ctrl: &Controller, cmd: &Command, outstanding_aers: usize) -> AdminOutcome {
+/// Handles one admin command for `ctrl`, with the host data it carried: whatever the
+/// fabric, that data is all in before the command runs (in its capsule, or fetched
+/// the way a write's is). `outstanding_aers` is how many Asynchronous Event Requests
+/// the queue already holds.
+pub fn handle(target: &Target, ctrl: &Controller, cmd: &Command, data: &[u8], outstanding_aers: usize) -> AdminOutcome {
     if cmd.opcode == admin_opcode::FABRICS {
         return match cmd.fctype() {
             fctype::PROPERTY_GET => match fabrics::property_get(target, ctrl, cmd) {
@@ -77,6 +79,11 @@ pub fn handle(target: &Target, ctrl: &Controller, cmd: &Command, outstanding_aer
         && let Err(status) = data_pointer::check(&cmd.dptr, Direction::ToHost, Length::Exactly(len), 0)
     {
         return done(status);
+    }
+    // No admin command served here takes host data (a handler for one would read
+    // `data`); data sent with one that takes none is refused, as Linux nvmet does.
+    if !data.is_empty() {
+        return done(Status::SGL_LENGTH_INVALID.with_dnr());
     }
     let discovery = ctrl.subsystem.is_discovery();
     match cmd.opcode {
@@ -410,7 +417,7 @@ mod tests {
         if let Some(len) = data_to_host(&cmd) {
             cmd.dptr = SglDescriptor { address: 0, length: len as u32, id: sgl::TRANSPORT };
         }
-        handle(t, c, &cmd, aers)
+        handle(t, c, &cmd, &[], aers)
     }
 
     fn data(o: AdminOutcome) -> Vec<u8> {
@@ -486,7 +493,7 @@ mod tests {
         enable(&t, &c);
         let with = |mut cmd: Command, id, length| {
             cmd.dptr = SglDescriptor { address: 0, length, id };
-            status(handle(&t, &c, &cmd, 0))
+            status(handle(&t, &c, &cmd, &[], 0))
         };
         let identify = admin(admin_opcode::IDENTIFY, 0, 1, 0);
         assert_eq!(with(identify, sgl::TRANSPORT, 4096), Status::SUCCESS);

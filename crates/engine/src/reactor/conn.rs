@@ -1,28 +1,25 @@
-//! One NVMe/TCP connection (one queue): PDU framing, command dispatch, R2T data
-//! collection, command slots and the output queue. What a command does to storage is
+//! One queue of a host, whatever its fabric: the command lifecycle (Connect,
+//! authentication, admin and I/O commands, the slots of commands that wait for data or
+//! storage, completion) and what a hot upgrade parks and hands on. How bytes move is
+//! the fabric's: `tcp.rs` (PDUs on a byte stream) and `rdma.rs` (capsules by SEND and
+//! RECV, data by READ and WRITE), behind the small interface `Wire` dispatches to:
+//! fetch a command's data, send data, respond, fail. What a command does to storage is
 //! its namespace's backend's business (see [`crate::backend`]).
-//!
-//! Output is queued as items (a PDU header, optional data, optional data digest) and
-//! sent in batches with one `sendmsg` per batch, so many responses that became ready
-//! in one reactor pass leave in one system call.
 #![allow(unsafe_code)]
 
-use std::collections::VecDeque;
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 
-use io_uring::{opcode, types};
 use nvpool_wire::Status;
-use nvpool_wire::bytes::compact;
-use nvpool_wire::command::{Command, Completion, SQE_SIZE, SglDescriptor, admin_opcode, sgl};
+use nvpool_wire::command::{Command, Completion, SglDescriptor, admin_opcode, sgl};
 use nvpool_wire::fabrics::fctype;
-use nvpool_wire::rdma::KeyedSgl;
-use nvpool_wire::tcp::{self, DataHeader, Digests, FatalError, IcResp, Pdu, data_field, fes};
+use nvpool_wire::tcp::{FatalError, fes};
 
 use super::Reactor;
-use super::rdma::{Done, Prefetched, RdmaWire, Work};
-use crate::bufpool::{Buf, PAGE_SIZE};
+use super::rdma::RdmaWire;
+use super::tcp::{Sending, Stream};
+use crate::bufpool::Buf;
 use crate::io::{BlockIo, DiskQueue, Queued};
 use crate::nvme::admin::{self, AdminOutcome};
 use crate::nvme::ana;
@@ -30,46 +27,19 @@ use crate::nvme::auth::{self, Handled, Outcome, Transaction};
 use crate::nvme::data_pointer::Source;
 use crate::nvme::nvm;
 use crate::nvme::subsystem::NamespaceMap;
-use crate::nvme::{ADMIN_IN_CAPSULE_DATA, Controller, IO_IN_CAPSULE_DATA, MAX_H2C_DATA, Namespace, Transport, fabrics};
-use crate::plan::IoPlan;
-use crate::ring::Op;
-use crate::tls::TlsPeer;
+use crate::nvme::{ADMIN_IN_CAPSULE_DATA, Controller, IO_IN_CAPSULE_DATA, Namespace, Transport, fabrics};
+use crate::plan::{IoPlan, MAX_TRANSFER};
 use serde::{Deserialize, Serialize};
 
-/// Controller PDU data alignment asked of hosts: 0, dword-aligned data, which every
-/// host's plain layout (data right after the header and its digest) already has.
-const CPDA: u8 = 0;
-/// Receive buffer: one whole PDU of the largest kind (an H2CData of MAXH2CDATA) with
-/// headers and digests, plus room to read ahead.
-const RECV_BUF: usize = MAX_H2C_DATA as usize + 16 * 1024;
-/// What one PDU from a host may carry: a capsule with the largest in-capsule data, or
-/// one H2CData of MAXH2CDATA.
-const RECV_LIMITS: tcp::DataLimits = tcp::DataLimits {
-    capsule: if ADMIN_IN_CAPSULE_DATA > IO_IN_CAPSULE_DATA {
-        ADMIN_IN_CAPSULE_DATA as u32
-    } else {
-        IO_IN_CAPSULE_DATA as u32
-    },
-    data_pdu: MAX_H2C_DATA,
-    alignment: tcp::pdu_data_alignment(CPDA),
-};
-/// Most output items sent in one `sendmsg`.
-const MAX_SEND_ITEMS: usize = 256;
-/// Output items queued past which the connection stops receiving until sends drain:
-/// a host that sends commands but does not read its answers cannot grow the queue
-/// without bound. A full queue of commands needs at most three items each.
-const MAX_OUT_BACKLOG: usize = 1024;
-/// Header room inline in an output item: a data, R2T or response PDU header with its
-/// header digest (28 bytes). Every I/O builds and queues an item, so items stay small;
-/// the rare larger PDUs (ICResp, C2HTermReq) are sent as owned payloads instead.
-const MAX_OUT_HEADER: usize = 32;
-/// A connection must finish ICReq within this long, or it is closed.
+/// A connection must be connected (ICReq on TCP, then Connect) within this long, or it
+/// is closed.
 const HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
+
 /// Connect CATTR bit 2: the host disabled SQ flow control.
 const CATTR_DISABLE_SQ_FLOW_CONTROL: u8 = 1 << 2;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Phase {
+pub(super) enum Phase {
     /// Waiting for ICReq.
     Handshake,
     /// Serving commands.
@@ -81,8 +51,9 @@ enum Phase {
     Closed,
 }
 
-/// Data an output item sends after its header.
-enum Payload {
+/// Data for the host: what a TCP output item sends after its header, or what an RDMA
+/// WRITE carries.
+pub(super) enum Payload {
     None,
     Pool(Buf, usize),
     Owned(Vec<u8>),
@@ -97,16 +68,8 @@ enum Payload {
     },
 }
 
-struct OutItem {
-    header: [u8; MAX_OUT_HEADER],
-    header_len: usize,
-    payload: Payload,
-    digest: [u8; 4],
-    digest_len: usize,
-}
-
 impl Payload {
-    fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         match self {
             Payload::None => 0,
             Payload::Pool(_, n) | Payload::Zeroes(n) | Payload::Mapped { len: n, .. } => *n,
@@ -115,32 +78,37 @@ impl Payload {
     }
 }
 
-impl OutItem {
-    fn len(&self) -> usize {
-        self.header_len + self.payload.len() + self.digest_len
+/// The bytes of a payload Rust may read (for digests and sends); a mapped payload has
+/// none: it is made only when no digest needs them, and sent by address.
+pub(super) fn payload_bytes<'a>(p: &'a Payload, zeroes: &'a [u8]) -> &'a [u8] {
+    match p {
+        Payload::None | Payload::Mapped { .. } => &[],
+        Payload::Pool(b, n) => &b.as_slice()[..*n],
+        Payload::Owned(v) => v,
+        Payload::Zeroes(n) => &zeroes[..*n],
     }
 }
 
 /// The queue this connection serves, once Connect succeeded.
-struct Queue {
-    controller: Arc<Controller>,
-    qid: u16,
-    sqsize: u16,
-    sqhd: u16,
-    flow_control_disabled: bool,
-    namespaces: Arc<NamespaceMap>,
-    generation: u64,
+pub(super) struct Queue {
+    pub(super) controller: Arc<Controller>,
+    pub(super) qid: u16,
+    pub(super) sqsize: u16,
+    pub(super) sqhd: u16,
+    pub(super) flow_control_disabled: bool,
+    pub(super) namespaces: Arc<NamespaceMap>,
+    pub(super) generation: u64,
     /// Whether the queue takes commands other than authentication: set at Connect
     /// when the host has no secrets, or once it authenticated (DH-HMAC-CHAP).
-    authenticated: bool,
+    pub(super) authenticated: bool,
     /// The authentication transaction, from the host's first message.
-    auth: Option<Box<Transaction>>,
+    pub(super) auth: Option<Box<Transaction>>,
 }
 
 impl Queue {
     /// Takes the subsystem's current namespace map if it changed; returns whether it
     /// did. One atomic load: the map is re-read only after a change.
-    fn refresh(&mut self) -> bool {
+    pub(super) fn refresh(&mut self) -> bool {
         let subsystem = &self.controller.subsystem;
         let g = subsystem.generation();
         if g == self.generation {
@@ -153,7 +121,7 @@ impl Queue {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum SlotState {
+pub(super) enum SlotState {
     Free,
     /// Waiting for H2CData after an R2T.
     AwaitingData,
@@ -162,130 +130,56 @@ enum SlotState {
 }
 
 /// A command that outlives the PDU that carried it (R2T or backend work).
-struct Slot {
-    state: SlotState,
-    cid: u16,
-    ns: Option<Arc<Namespace>>,
-    io: BlockIo,
-    received: u32,
+pub(super) struct Slot {
+    pub(super) state: SlotState,
+    pub(super) cid: u16,
+    pub(super) ns: Option<Arc<Namespace>>,
+    pub(super) io: BlockIo,
+    /// Host data bytes the command takes, and how many arrived.
+    pub(super) expected: u32,
+    pub(super) received: u32,
+    /// An admin or fabrics command waiting for its host data: it runs once the data
+    /// is in, as an I/O command goes to its backend then.
+    pub(super) command: Option<Command>,
 }
 
 impl Slot {
-    fn free() -> Slot {
-        Slot { state: SlotState::Free, cid: 0, ns: None, io: BlockIo::idle(), received: 0 }
+    pub(super) fn free() -> Slot {
+        Slot { state: SlotState::Free, cid: 0, ns: None, io: BlockIo::idle(), expected: 0, received: 0, command: None }
     }
-}
-
-/// The bytes of a posted send that live in an output item itself (its PDU header and
-/// data digest), copied out when the send is posted: the output queue may grow, and
-/// so move its items, while the kernel still reads them.
-struct SendArea {
-    headers: [[u8; MAX_OUT_HEADER]; MAX_SEND_ITEMS],
-    digests: [[u8; 4]; MAX_SEND_ITEMS],
 }
 
 /// How a connection's bytes move. The TCP state is inline: every TCP connection is
 /// boxed already, and its hot path reads it on every PDU.
 #[allow(clippy::large_enum_variant)]
-enum Wire {
+pub(super) enum Wire {
     /// An NVMe/TCP stream: PDUs in a byte stream, sent in batches.
     Tcp(Stream),
     /// An RDMA queue pair: capsules by SEND and RECV, data by READ and WRITE.
     Rdma(Box<RdmaWire>),
 }
 
-/// The NVMe/TCP side of a connection.
-struct Stream {
-    socket: TcpStream,
-    /// Who the connection's TLS session proved the host to be: its Connect must name
-    /// that host and subsystem.
-    tls: Option<Box<TlsPeer>>,
-    /// The socket's slot in the ring's registered-file table, if it has one: operations
-    /// on a registered file skip the kernel's descriptor lookup and reference counting.
-    registered_file: Option<u32>,
-    digests: Digests,
-    /// Its own mapping, so a closed connection gives the memory back at once. Out of
-    /// its place only while `on_recv` parses it.
-    recv_buf: Option<Buf>,
-    recv_start: usize,
-    recv_end: usize,
-    recv_posted: bool,
-    /// Output in order; the first `sending` items belong to the posted send.
-    out: VecDeque<OutItem>,
-    sending: usize,
-    /// Bytes of those items the kernel has taken so far.
-    sent: usize,
-    iov: Vec<libc::iovec>,
-    /// Where the posted send's headers and digests are; boxed, so it never moves.
-    send_area: Box<SendArea>,
-    msg: libc::msghdr,
-    send_posted: bool,
-    /// Whole capsules that arrived while parking, not acted on.
-    held: Vec<u8>,
-    /// Whether parking asked the kernel to take the posted receive back.
-    recv_cancelled: bool,
-    /// Parking was called off while a receive was posted: resume once it is back.
-    resume_after_recv: bool,
-}
-
 /// One queue of a host: the commands it runs, on its wire.
 pub(super) struct Conn {
-    wire: Wire,
+    pub(super) wire: Wire,
     /// The host's address, for the log.
-    peer: String,
+    pub(super) peer: String,
     /// The listener that accepted it; `None` for a socket pair.
     pub(super) port_id: Option<u16>,
-    phase: Phase,
-    accepted_ms: u64,
-    ops_in_flight: u32,
-    queue: Option<Queue>,
-    slots: Vec<Slot>,
-    free_slots: Vec<u16>,
-    aers: Vec<u16>,
+    pub(super) phase: Phase,
+    pub(super) accepted_ms: u64,
+    pub(super) ops_in_flight: u32,
+    pub(super) queue: Option<Queue>,
+    pub(super) slots: Vec<Slot>,
+    pub(super) free_slots: Vec<u16>,
+    pub(super) aers: Vec<u16>,
     /// Set while a hot upgrade parks the connection: it finishes what it took and
     /// takes nothing new (see `park_step`).
-    parking: bool,
+    pub(super) parking: bool,
 }
 
 impl Conn {
-    pub(super) fn new(socket: TcpStream, now_ms: u64, port_id: Option<u16>, tls: Option<Box<TlsPeer>>) -> Conn {
-        let peer = socket.peer_addr().map_or_else(|_| "a socket pair".to_string(), |a| a.to_string());
-        let stream = Stream {
-            socket,
-            tls,
-            registered_file: None,
-            digests: Digests::default(),
-            recv_buf: Some(Buf::new(RECV_BUF.div_ceil(PAGE_SIZE))),
-            recv_start: 0,
-            recv_end: 0,
-            recv_posted: false,
-            out: VecDeque::with_capacity(256),
-            sending: 0,
-            sent: 0,
-            iov: Vec::with_capacity(MAX_SEND_ITEMS * 3),
-            send_area: Box::new(SendArea {
-                headers: [[0; MAX_OUT_HEADER]; MAX_SEND_ITEMS],
-                digests: [[0; 4]; MAX_SEND_ITEMS],
-            }),
-            // SAFETY: msghdr is plain data; all-zero is a valid empty header.
-            msg: unsafe { std::mem::zeroed() },
-            send_posted: false,
-            held: Vec::new(),
-            recv_cancelled: false,
-            resume_after_recv: false,
-        };
-        Conn::on_wire(Wire::Tcp(stream), peer, now_ms, port_id, Phase::Handshake)
-    }
-
-    /// A connection on an RDMA queue pair, accepted with `posted` receives.
-    pub(super) fn rdma(wire: Box<RdmaWire>, posted: u32, now_ms: u64, port_id: u16) -> Conn {
-        let peer = wire.peer.clone();
-        let mut c = Conn::on_wire(Wire::Rdma(wire), peer, now_ms, Some(port_id), Phase::Ready);
-        c.ops_in_flight = posted;
-        c
-    }
-
-    fn on_wire(wire: Wire, peer: String, now_ms: u64, port_id: Option<u16>, phase: Phase) -> Conn {
+    pub(super) fn on_wire(wire: Wire, peer: String, now_ms: u64, port_id: Option<u16>, phase: Phase) -> Conn {
         Conn {
             wire,
             peer,
@@ -301,166 +195,11 @@ impl Conn {
         }
     }
 
-    /// A connection as another engine process left it, on `socket`: its handshake,
-    /// digests, queue (claimed again in its controller), outstanding Asynchronous Event
-    /// Requests. Its unread input is fed in by `resume`.
-    pub(super) fn restore(
-        socket: TcpStream,
-        i: &ConnImage,
-        controller: Option<Arc<Controller>>,
-        now_ms: u64,
-    ) -> Result<Conn, String> {
-        let mut c = Conn::new(socket, now_ms, i.port_id, i.tls.clone().map(Box::new));
-        if let Wire::Tcp(s) = &mut c.wire {
-            s.digests = Digests { header: i.header_digest, data: i.data_digest };
-            s.held = i.input.clone();
-        }
-        if i.ready {
-            c.phase = Phase::Ready;
-        }
-        if let Some(q) = &i.queue {
-            let controller = controller.ok_or_else(|| format!("controller {} of a connection is missing", q.cntlid))?;
-            if !controller.claim_queue(q.qid) {
-                return Err(format!("queue {} of controller {} is taken twice", q.qid, q.cntlid));
-            }
-            let depth = usize::from(q.sqsize) + 1;
-            c.slots = (0..depth).map(|_| Slot::free()).collect();
-            c.free_slots = (0..depth as u16).rev().collect();
-            let namespaces = controller.subsystem.namespaces();
-            let generation = controller.subsystem.generation();
-            c.queue = Some(Queue {
-                controller,
-                qid: q.qid,
-                sqsize: q.sqsize,
-                sqhd: q.sqhd,
-                flow_control_disabled: q.flow_control_disabled,
-                namespaces,
-                generation,
-                authenticated: q.authenticated,
-                auth: None,
-            });
-        }
-        c.aers = i.aers.clone();
-        // Parked as the other process left it, until `resume`.
-        c.parking = true;
-        Ok(c)
-    }
-
     // ----- hot upgrade --------------------------------------------------------------
 
     /// Starts parking: commands already taken finish, new ones are held.
     pub(super) fn park(&mut self) {
         self.parking = true;
-    }
-
-    /// Whether nothing is in flight but, perhaps, the posted receive.
-    fn quiet(&self) -> bool {
-        let Wire::Tcp(s) = &self.wire else { return false };
-        matches!(self.phase, Phase::Handshake | Phase::Ready)
-            && s.out.is_empty()
-            && !s.send_posted
-            && self.ops_in_flight == u32::from(s.recv_posted)
-            && self.slots.iter().all(|s| s.state == SlotState::Free)
-    }
-
-    /// Moves parking on: once quiet, the posted receive is taken back. Returns whether
-    /// the connection is parked (quiet, nothing posted).
-    pub(super) fn park_step(&mut self, r: &mut Reactor, idx: u32) -> bool {
-        if !self.parking || !self.quiet() {
-            return false;
-        }
-        let Wire::Tcp(s) = &mut self.wire else { return false };
-        if s.recv_posted {
-            if !s.recv_cancelled {
-                s.recv_cancelled = true;
-                let sqe = opcode::AsyncCancel::new(Op::Recv(idx).encode()).build().user_data(0);
-                // SAFETY: a cancellation points at no memory.
-                unsafe { r.ring.push(sqe) };
-            }
-            return false;
-        }
-        true
-    }
-
-    /// The bytes read and not acted on, in order: the capsules held while parking,
-    /// then whatever the receive buffer has not parsed (the start of the next PDU).
-    fn unread_input(s: &Stream) -> Vec<u8> {
-        let mut input = s.held.clone();
-        if let Some(buf) = &s.recv_buf {
-            input.extend_from_slice(&buf.as_slice()[s.recv_start..s.recv_end]);
-        }
-        input
-    }
-
-    /// What a new engine process needs to serve this parked connection, its socket
-    /// being descriptor `fd`; `None` for an RDMA connection, which cannot be handed on.
-    pub(super) fn image(&self, reactor: usize, fd: usize) -> Option<ConnImage> {
-        let Wire::Tcp(s) = &self.wire else { return None };
-        Some(ConnImage {
-            reactor,
-            fd,
-            port_id: self.port_id,
-            tls: s.tls.as_deref().cloned(),
-            ready: self.phase == Phase::Ready,
-            header_digest: s.digests.header,
-            data_digest: s.digests.data,
-            input: Conn::unread_input(s),
-            queue: self.queue.as_ref().map(|q| QueueImage {
-                cntlid: q.controller.cntlid,
-                qid: q.qid,
-                sqsize: q.sqsize,
-                sqhd: q.sqhd,
-                flow_control_disabled: q.flow_control_disabled,
-                authenticated: q.authenticated,
-            }),
-            aers: self.aers.clone(),
-        })
-    }
-
-    /// Goes on serving after parking (or after a handover): the held commands and the
-    /// partial PDU behind them are acted on, in order, then receiving starts again.
-    pub(super) fn resume(&mut self, r: &mut Reactor, idx: u32) {
-        if !self.parking {
-            return;
-        }
-        let Wire::Tcp(s) = &mut self.wire else {
-            self.parking = false;
-            return;
-        };
-        if s.recv_posted {
-            // The kernel may still write into the buffer: resume once the receive
-            // is back (with data or cancelled).
-            s.resume_after_recv = true;
-            if !std::mem::replace(&mut s.recv_cancelled, true) {
-                let sqe = opcode::AsyncCancel::new(Op::Recv(idx).encode()).build().user_data(0);
-                // SAFETY: a cancellation points at no memory.
-                unsafe { r.ring.push(sqe) };
-            }
-            return;
-        }
-        self.parking = false;
-        s.recv_cancelled = false;
-        let input = Conn::unread_input(s);
-        s.held.clear();
-        s.recv_start = 0;
-        s.recv_end = 0;
-        let mut rest = &input[..];
-        while !rest.is_empty() && matches!(self.phase, Phase::Handshake | Phase::Ready) {
-            let Wire::Tcp(s) = &mut self.wire else { break };
-            let Some(buf) = s.recv_buf.as_mut() else { break };
-            compact(buf.as_mut_slice(), &mut s.recv_start, &mut s.recv_end);
-            let n = rest.len().min(buf.capacity() - s.recv_end);
-            if n == 0 {
-                // Cannot happen: the buffer holds the largest PDU, and whole PDUs are
-                // consumed before more is copied in.
-                break;
-            }
-            buf.as_mut_slice()[s.recv_end..s.recv_end + n].copy_from_slice(&rest[..n]);
-            s.recv_end += n;
-            rest = &rest[n..];
-            self.parse_input(r, idx);
-        }
-        r.mark_dirty(idx);
     }
 
     /// The socket's descriptor; `None` on RDMA.
@@ -530,13 +269,7 @@ impl Conn {
             }
         }
         match &mut self.wire {
-            Wire::Tcp(s) => {
-                for item in s.out.drain(..) {
-                    if let Payload::Pool(b, _) = item.payload {
-                        r.ring.pool.put(b);
-                    }
-                }
-            }
+            Wire::Tcp(s) => s.release(&mut r.ring),
             Wire::Rdma(w) => w.release(r),
         }
         if let Some(q) = self.queue.take() {
@@ -557,244 +290,27 @@ impl Conn {
             }
         }
     }
-
-    // ----- receive path -------------------------------------------------------------
-
-    pub(super) fn post_recv(&mut self, r: &mut Reactor, idx: u32) {
-        let Wire::Tcp(s) = &mut self.wire else { return };
-        if s.recv_posted
-            || !matches!(self.phase, Phase::Handshake | Phase::Ready)
-            || s.out.len() >= MAX_OUT_BACKLOG
-            // Parking reads only the data of commands already taken.
-            || (self.parking && !self.slots.iter().any(|s| s.state == SlotState::AwaitingData))
-        {
-            return;
-        }
-        let Some(buf) = s.recv_buf.as_mut() else { return };
-        if s.recv_start > 0 {
-            // Keep the partial PDU at the front so the whole PDU always fits.
-            compact(buf.as_mut_slice(), &mut s.recv_start, &mut s.recv_end);
-        }
-        let room = buf.capacity() - s.recv_end;
-        let ptr = buf.as_mut_slice()[s.recv_end..].as_mut_ptr();
-        let len = room as u32;
-        let sqe = match s.registered_file {
-            Some(i) => opcode::Recv::new(types::Fixed(i), ptr, len).build(),
-            None => opcode::Recv::new(types::Fd(s.socket.as_raw_fd()), ptr, len).build(),
-        };
-        let sqe = sqe.user_data(Op::Recv(idx).encode());
-        // SAFETY: the receive writes into `recv_buf` past `recv_end`, inside its length.
-        // The mapping never moves or shrinks, and is taken out (not freed) while PDUs are parsed;
-        // the connection is freed only once this operation has completed (see
-        // `can_free`), and a receive is posted only when none is.
-        unsafe { r.ring.push(sqe) };
-        s.recv_posted = true;
-        self.ops_in_flight += 1;
-    }
-
-    pub(super) fn on_recv(&mut self, r: &mut Reactor, idx: u32, res: i32) {
-        let Wire::Tcp(s) = &mut self.wire else { return };
-        self.ops_in_flight -= 1;
-        s.recv_posted = false;
-        if res == -libc::ECANCELED && self.parking {
-            // Parking took the receive back before anything arrived.
-        } else if res <= 0 {
-            // 0: the host closed; negative: the socket failed or was shut down.
-            self.begin_close();
-            return;
-        } else {
-            s.recv_end += res as usize;
-            self.parse_input(r, idx);
-        }
-        if let Wire::Tcp(s) = &mut self.wire
-            && std::mem::take(&mut s.resume_after_recv)
-        {
-            self.resume(r, idx);
-        }
-    }
-
-    /// Acts on every whole PDU in the receive buffer; a partial one stays at the front.
-    fn parse_input(&mut self, r: &mut Reactor, idx: u32) {
-        // The buffer is taken out so PDUs can borrow it while the connection changes.
-        let Wire::Tcp(s) = &mut self.wire else { return };
-        let Some(buf) = s.recv_buf.take() else { return };
-        while matches!(self.phase, Phase::Handshake | Phase::Ready) {
-            let Wire::Tcp(s) = &mut self.wire else { break };
-            match tcp::parse(&buf.as_slice()[s.recv_start..s.recv_end], s.digests, RECV_LIMITS) {
-                Ok(None) => break,
-                Ok(Some(p)) if self.parking && matches!(p.pdu, Pdu::CapsuleCmd { .. } | Pdu::IcReq(_)) => {
-                    // A parking connection takes no new command: the bytes wait for
-                    // whichever process serves the connection next.
-                    s.held.extend_from_slice(&buf.as_slice()[s.recv_start..s.recv_start + p.len]);
-                    s.recv_start += p.len;
-                }
-                Ok(Some(p)) => {
-                    s.recv_start += p.len;
-                    self.on_pdu(r, idx, p.pdu, p.data_digest_ok);
-                }
-                Err(e) => {
-                    let (start, end) = (s.recv_start, s.recv_end);
-                    let bytes = buf.as_slice();
-                    let hdr_end = (start + usize::from(bytes.get(start + 2).copied().unwrap_or(8))).min(end);
-                    self.fatal(r, idx, e, &bytes[start..hdr_end.max(start)]);
-                }
+    /// Ends the connection for a transport error: a C2HTermReq goes out first on TCP
+    /// (RDMA has no such message and closes at once).
+    pub(super) fn fatal(&mut self, r: &mut Reactor, idx: u32, e: FatalError, offending: &[u8]) {
+        match &mut self.wire {
+            Wire::Tcp(s) => s.queue_term_req(&e, offending),
+            Wire::Rdma(_) => {
+                tracing::warn!(address = self.peer, "closing the connection: {}", e.reason);
+                return self.begin_close();
             }
         }
-        if let Wire::Tcp(s) = &mut self.wire {
-            s.recv_buf = Some(buf);
-        }
-        // The receive is posted again when the output is flushed, after the send, so
-        // responses leave before the kernel arms the socket for the next request.
-        r.mark_dirty(idx);
-    }
-
-    /// Sends a C2HTermReq and closes once it is out (on RDMA, which has no such
-    /// message, closes).
-    fn fatal(&mut self, r: &mut Reactor, idx: u32, e: FatalError, offending: &[u8]) {
-        if let Wire::Rdma(_) = self.wire {
-            tracing::warn!(address = self.peer, "closing the connection: {}", e.reason);
-            return self.begin_close();
-        }
-        let mut pdu = [0u8; tcp::TERM_REQ_MAX];
-        let len = tcp::encode_term_req(true, e.fes, e.fei, offending, &mut pdu);
-        self.queue_whole_pdu(&pdu[..len]);
         self.phase = Phase::Draining;
         r.mark_dirty(idx);
     }
 
-    fn sequence_error(&mut self, r: &mut Reactor, idx: u32, reason: &'static str) {
+    pub(super) fn sequence_error(&mut self, r: &mut Reactor, idx: u32, reason: &'static str) {
         self.fatal(r, idx, FatalError { fes: fes::PDU_SEQUENCE_ERROR, fei: 0, reason }, &[]);
-    }
-
-    fn on_pdu(&mut self, r: &mut Reactor, idx: u32, pdu: Pdu<'_>, digest_ok: bool) {
-        match (self.phase, pdu) {
-            (Phase::Handshake, Pdu::IcReq(req)) => {
-                if req.pfv != 0 {
-                    let e = FatalError {
-                        fes: fes::UNSUPPORTED_PARAMETER,
-                        fei: 8,
-                        reason: "unsupported PDU format version",
-                    };
-                    return self.fatal(r, idx, e, &[]);
-                }
-                if req.hpda > 31 {
-                    let e = FatalError { fes: fes::INVALID_HEADER_FIELD, fei: 10, reason: "HPDA out of range" };
-                    return self.fatal(r, idx, e, &[]);
-                }
-                // Echo the host's digest choice: the Linux host refuses anything else.
-                let resp = IcResp { pfv: 0, cpda: CPDA, digests: req.digests, maxdata: MAX_H2C_DATA };
-                let mut pdu = [0u8; tcp::IC_SIZE];
-                tcp::encode_ic_resp(&resp, &mut pdu);
-                self.queue_whole_pdu(&pdu);
-                if let Wire::Tcp(s) = &mut self.wire {
-                    s.digests = req.digests;
-                }
-                self.phase = Phase::Ready;
-            }
-            (Phase::Handshake, _) => self.sequence_error(r, idx, "PDU before ICReq"),
-            (_, Pdu::IcReq(_)) => self.sequence_error(r, idx, "second ICReq"),
-            (_, Pdu::CapsuleCmd { command, data }) => self.on_command(r, idx, &command, data, digest_ok),
-            (_, Pdu::H2CData { header, last, data }) => self.on_h2c_data(r, idx, header, last, data, digest_ok),
-            (_, Pdu::TermReq { from_controller: false, .. }) => self.begin_close(),
-            (_, _) => {
-                let e = FatalError { fes: fes::INVALID_HEADER_FIELD, fei: 0, reason: "PDU type not valid from a host" };
-                self.fatal(r, idx, e, &[]);
-            }
-        }
-    }
-
-    // ----- RDMA receive path --------------------------------------------------------
-
-    /// A work request of the connection's queue pair completed.
-    pub(super) fn on_rdma(&mut self, r: &mut Reactor, idx: u32, done: Done) {
-        self.ops_in_flight -= 1;
-        let Wire::Rdma(w) = &mut self.wire else { return };
-        if let Work::Recv(i) = done.work {
-            // A failed or flushed receive brought nothing.
-            if done.ok && self.phase == Phase::Ready {
-                self.on_capsule(r, idx, i, done.bytes as usize);
-            }
-        } else {
-            // Every other kind held an entry of the send queue, free again.
-            if let Some(b) = w.sent(done.work) {
-                r.ring.pool.put(b);
-            }
-            if w.waiting() {
-                // Work held back for a full send queue goes out now there is room.
-                r.mark_dirty(idx);
-            }
-            match done.work {
-                Work::Read(tag) if done.ok => self.on_data_read(r, idx, tag),
-                Work::Prefetch(i) => {
-                    let held = w.take_prefetched(i);
-                    if let Some(p) = held {
-                        if done.ok && self.phase == Phase::Ready {
-                            self.on_prefetched(r, idx, &p);
-                        }
-                        r.ring.pool.put(p.buf);
-                    }
-                }
-                Work::Send(_) | Work::Write(_) if done.ok && self.phase == Phase::Draining && w.idle() => {
-                    self.begin_close()
-                }
-                _ => {}
-            }
-        }
-        // A failed work request leaves the queue pair in error: nothing more goes through.
-        if !done.ok {
-            self.begin_close();
-        }
-    }
-
-    /// A command capsule arrived in receive buffer `i`.
-    fn on_capsule(&mut self, r: &mut Reactor, idx: u32, i: u32, len: usize) {
-        let Wire::Rdma(w) = &mut self.wire else { return };
-        let Some(capsules) = w.take_capsules() else { return };
-        let bytes = RdmaWire::capsule(&capsules, i, len);
-        let Some(sqe) = bytes.first_chunk::<SQE_SIZE>().copied() else {
-            w.done_with(capsules, i);
-            let e = FatalError { fes: 0, fei: 0, reason: "a capsule shorter than a command" };
-            return self.fatal(r, idx, e, &[]);
-        };
-        let data = &bytes[SQE_SIZE..];
-        let mut cmd = Command::decode(&sqe);
-        let keyed = sqe[24..40].first_chunk::<16>().and_then(KeyedSgl::decode);
-        if let Some(key) = keyed {
-            w.remember_key(cmd.cid, key);
-            // A keyed descriptor does on RDMA what a Transport Data Block does on TCP:
-            // the data moves outside the capsule. The command runs with one, so the
-            // checks see its length, and its data moves by READ or WRITE.
-            cmd.dptr = SglDescriptor { address: 0, length: key.length, id: sgl::TRANSPORT };
-            if data_before_running(&cmd) && key.length > 0 {
-                let len = key.length as usize;
-                if len > ADMIN_IN_CAPSULE_DATA {
-                    w.done_with(capsules, i);
-                    return self.refuse(r, idx, cmd.cid, Status::INVALID_FIELD.with_dnr());
-                }
-                let buf = r.ring.io_buf(len);
-                let fetched = w.prefetch(cmd.cid, Prefetched { sqe, buf, len });
-                w.done_with(capsules, i);
-                if let Err(buf) = fetched {
-                    r.ring.pool.put(buf);
-                    return self.refuse(r, idx, cmd.cid, Status::TRANSIENT_TRANSPORT_ERROR);
-                }
-                return r.mark_dirty(idx);
-            }
-        } else if cmd.dptr.id == sgl::TRANSPORT {
-            // TCP's descriptor means nothing on RDMA.
-            w.done_with(capsules, i);
-            return self.refuse(r, idx, cmd.cid, Status::SGL_TYPE_INVALID.with_dnr());
-        }
-        self.on_command(r, idx, &cmd, data, true);
-        if let Wire::Rdma(w) = &mut self.wire {
-            w.done_with(capsules, i);
-        }
-        r.mark_dirty(idx);
     }
 
     /// Answers a command the transport refuses before it runs; it still left the
     /// submission queue.
-    fn refuse(&mut self, r: &mut Reactor, idx: u32, cid: u16, status: Status) {
+    pub(super) fn refuse(&mut self, r: &mut Reactor, idx: u32, cid: u16, status: Status) {
         self.took_command();
         self.respond(r, idx, cid, status, 0);
     }
@@ -806,18 +322,9 @@ impl Conn {
         }
     }
 
-    /// The data of a command that needs it to run arrived: the command runs as if
-    /// the data had come in its capsule.
-    fn on_prefetched(&mut self, r: &mut Reactor, idx: u32, p: &Prefetched) {
-        let mut cmd = Command::decode(&p.sqe);
-        cmd.dptr = SglDescriptor { address: 0, length: p.len as u32, id: sgl::IN_CAPSULE };
-        self.on_command(r, idx, &cmd, &p.buf.as_slice()[..p.len], true);
-        r.mark_dirty(idx);
-    }
-
     // ----- commands -----------------------------------------------------------------
 
-    fn on_command(&mut self, r: &mut Reactor, idx: u32, cmd: &Command, data: &[u8], digest_ok: bool) {
+    pub(super) fn on_command(&mut self, r: &mut Reactor, idx: u32, cmd: &Command, data: &[u8], digest_ok: bool) {
         let fabrics = cmd.opcode == admin_opcode::FABRICS;
         let on_admin = self.queue.as_ref().is_none_or(|q| q.qid == 0);
         let limit = if fabrics || on_admin { ADMIN_IN_CAPSULE_DATA } else { IO_IN_CAPSULE_DATA };
@@ -850,15 +357,28 @@ impl Conn {
             // must not serve another command.
             return self.begin_close();
         }
-        if fabrics && matches!(cmd.fctype(), fctype::AUTH_SEND | fctype::AUTH_RECEIVE) {
-            return self.on_auth(r, idx, cmd, data);
-        }
-        if !authenticated {
+        let authenticating = fabrics && matches!(cmd.fctype(), fctype::AUTH_SEND | fctype::AUTH_RECEIVE);
+        if !authenticating && !authenticated {
             // Logged when the queue closes, with the host's address.
             return self.respond(r, idx, cmd.cid, Status::AUTH_REQUIRED.with_dnr(), 0);
         }
-        if qid == 0 {
-            self.on_admin(r, idx, cmd);
+        if (fabrics || qid == 0)
+            && let Some(len) = host_data_outside_capsule(cmd)
+        {
+            return self.fetch_then_run(r, idx, cmd, len);
+        }
+        self.run_command(r, idx, cmd, data);
+    }
+
+    /// Runs a command that has its host data (in `data`), past the checks every
+    /// command passes when it arrives.
+    fn run_command(&mut self, r: &mut Reactor, idx: u32, cmd: &Command, data: &[u8]) {
+        let fabrics = cmd.opcode == admin_opcode::FABRICS;
+        let qid = self.queue.as_ref().map_or(0, |q| q.qid);
+        if fabrics && matches!(cmd.fctype(), fctype::AUTH_SEND | fctype::AUTH_RECEIVE) {
+            self.on_auth(r, idx, cmd, data);
+        } else if qid == 0 {
+            self.on_admin(r, idx, cmd, data);
         } else if fabrics {
             match cmd.fctype() {
                 fctype::DISCONNECT => {
@@ -873,6 +393,55 @@ impl Conn {
         } else {
             self.on_io(r, idx, cmd, data);
         }
+    }
+
+    /// Holds an admin or fabrics command in a slot while the fabric fetches its `len`
+    /// bytes of host data (an R2T on TCP, an RDMA READ), as it does a write's.
+    fn fetch_then_run(&mut self, r: &mut Reactor, idx: u32, cmd: &Command, len: u32) {
+        if len as usize > MAX_TRANSFER {
+            return self.respond(r, idx, cmd.cid, Status::INVALID_FIELD.with_dnr(), 0);
+        }
+        let Some(tag) = self.free_slots.pop() else {
+            return self.respond(r, idx, cmd.cid, Status::COMMAND_ID_CONFLICT.with_dnr(), 0);
+        };
+        let slot = &mut self.slots[usize::from(tag)];
+        slot.cid = cmd.cid;
+        slot.command = Some(*cmd);
+        // The slot's block I/O holds only the data buffer and the transfer's status.
+        slot.io.reset(IoPlan::Flush, r.ring.pass_ns);
+        slot.io.set_buf(r.ring.io_buf(len as usize));
+        slot.expected = len;
+        slot.received = 0;
+        slot.state = SlotState::AwaitingData;
+        match &mut self.wire {
+            Wire::Tcp(s) => s.request_data(cmd.cid, tag, len),
+            Wire::Rdma(_) => self.fetch_by_rdma_read(r, idx, tag, cmd.cid, len as usize),
+        }
+        r.mark_dirty(idx);
+    }
+
+    /// Slot `tag`'s host data is all in (or its transfer failed): a held admin or
+    /// fabrics command runs, an I/O command goes to its backend.
+    pub(super) fn data_in(&mut self, r: &mut Reactor, idx: u32, tag: u16) {
+        let slot = &mut self.slots[usize::from(tag)];
+        let Some(mut cmd) = slot.command.take() else {
+            return if slot.io.status.is_success() { self.start_io(r, idx, tag) } else { self.finish(r, idx, tag) };
+        };
+        let (status, len, buf) = (slot.io.status, slot.expected as usize, slot.io.take_buf());
+        slot.state = SlotState::Free;
+        self.free_slots.push(tag);
+        match &buf {
+            Some(b) if status.is_success() => {
+                // It runs as if the data had come in its capsule.
+                cmd.dptr = SglDescriptor { address: 0, length: len as u32, id: sgl::IN_CAPSULE };
+                self.run_command(r, idx, &cmd, &b.as_slice()[..len]);
+            }
+            _ => self.respond(r, idx, cmd.cid, status, 0),
+        }
+        if let Some(b) = buf {
+            r.ring.pool.put(b);
+        }
+        r.mark_dirty(idx);
     }
 
     fn on_connect(&mut self, r: &mut Reactor, idx: u32, cmd: &Command, data: &[u8]) {
@@ -978,10 +547,10 @@ impl Conn {
         self.respond(r, idx, cid, answer.status, 0);
     }
 
-    fn on_admin(&mut self, r: &mut Reactor, idx: u32, cmd: &Command) {
+    fn on_admin(&mut self, r: &mut Reactor, idx: u32, cmd: &Command, data: &[u8]) {
         let Some(q) = &self.queue else { return };
         let controller = q.controller.clone();
-        match admin::handle(&r.target, &controller, cmd, self.aers.len()) {
+        match admin::handle(&r.target, &controller, cmd, data, self.aers.len()) {
             AdminOutcome::ParkAsyncEvent => {
                 self.aers.push(cmd.cid);
                 self.deliver_events(r, idx);
@@ -1053,6 +622,7 @@ impl Conn {
         slot.cid = cmd.cid;
         slot.io.reset(plan, r.ring.pass_ns);
         ns.stats.started(r.ring.id);
+        slot.expected = host_len as u32;
         slot.received = 0;
         if host_len == 0 {
             return self.start_io(r, idx, tag);
@@ -1074,75 +644,13 @@ impl Conn {
         }
         slot.state = SlotState::AwaitingData;
         match &mut self.wire {
-            Wire::Tcp(s) => {
-                let h = DataHeader { cccid: cmd.cid, ttag: tag, offset: 0, length: host_len as u32 };
-                let item = push_item(&mut s.out);
-                item.header_len = tcp::encode_r2t(&h, s.digests, &mut item.header);
-            }
-            Wire::Rdma(w) => {
-                // Data a backend drops is not fetched at all.
-                let Some(buf) = slot.io.buf_mut() else {
-                    slot.received = host_len as u32;
-                    return self.start_io(r, idx, tag);
-                };
-                if !w.fetch(cmd.cid, Work::Read(tag), buf, host_len) {
-                    slot.io.status = Status::SGL_TYPE_INVALID.with_dnr();
-                    return self.finish(r, idx, tag);
-                }
-                r.mark_dirty(idx);
-            }
-        }
-    }
-
-    /// An RDMA READ of slot `tag`'s data completed.
-    fn on_data_read(&mut self, r: &mut Reactor, idx: u32, tag: u16) {
-        let Some(slot) = self.slots.get_mut(usize::from(tag)).filter(|s| s.state == SlotState::AwaitingData) else {
-            return;
-        };
-        slot.received = slot.io.plan.host_data_len();
-        self.start_io(r, idx, tag);
-    }
-
-    fn on_h2c_data(&mut self, r: &mut Reactor, idx: u32, h: DataHeader, last: bool, data: &[u8], digest_ok: bool) {
-        // A wrong field is named by its offset in the header, as SPDK does; Linux nvmet
-        // drops the connection without a C2HTermReq.
-        let header_error = |fei, reason| FatalError { fes: fes::INVALID_HEADER_FIELD, fei, reason };
-        let Some(slot) = self.slots.get_mut(usize::from(h.ttag)).filter(|s| s.state == SlotState::AwaitingData) else {
-            return self.fatal(r, idx, header_error(data_field::TTAG, "H2CData for no outstanding R2T"), &[]);
-        };
-        if slot.cid != h.cccid {
-            return self.fatal(r, idx, header_error(data_field::CCCID, "H2CData CCCID is not the R2T's command"), &[]);
-        }
-        let total = slot.io.plan.host_data_len();
-        // FEI names a field only for header field and parameter errors; for the others
-        // it is reserved, so zero.
-        let out_of_range = |reason| FatalError { fes: fes::DATA_OUT_OF_RANGE, fei: 0, reason };
-        if h.offset != slot.received {
-            return self.fatal(r, idx, out_of_range("H2CData offset is not where the data stands"), &[]);
-        }
-        if h.offset.checked_add(h.length).is_none_or(|end| end > total) {
-            return self.fatal(r, idx, out_of_range("H2CData goes past the R2T"), &[]);
-        }
-        if let Some(b) = slot.io.data_mut() {
-            b[h.offset as usize..(h.offset + h.length) as usize].copy_from_slice(data);
-        }
-        slot.received += h.length;
-        if !digest_ok {
-            slot.io.status = Status::TRANSIENT_TRANSPORT_ERROR;
-        }
-        if slot.received == total {
-            if slot.io.status.is_success() {
-                self.start_io(r, idx, h.ttag);
-            } else {
-                self.finish(r, idx, h.ttag);
-            }
-        } else if last {
-            self.fatal(r, idx, out_of_range("last H2CData before the whole transfer"), &[]);
+            Wire::Tcp(s) => s.request_data(cmd.cid, tag, host_len as u32),
+            Wire::Rdma(_) => self.fetch_by_rdma_read(r, idx, tag, cmd.cid, host_len),
         }
     }
 
     /// Hands slot `tag`'s command, its data received, to the namespace's backend.
-    fn start_io(&mut self, r: &mut Reactor, idx: u32, tag: u16) {
+    pub(super) fn start_io(&mut self, r: &mut Reactor, idx: u32, tag: u16) {
         let slot = &mut self.slots[usize::from(tag)];
         let Some(ns) = slot.ns.as_ref() else { return };
         if let IoPlan::DatasetManagement { ranges, .. } = slot.io.plan
@@ -1216,7 +724,7 @@ impl Conn {
     }
 
     /// Completes slot `tag`: counts it, sends the data or the response, frees the slot.
-    fn finish(&mut self, r: &mut Reactor, idx: u32, tag: u16) {
+    pub(super) fn finish(&mut self, r: &mut Reactor, idx: u32, tag: u16) {
         let slot = &mut self.slots[usize::from(tag)];
         let (cid, status, plan) = (slot.cid, slot.io.status, slot.io.plan);
         let buf = slot.io.take_buf();
@@ -1257,88 +765,46 @@ impl Conn {
         }
         r.mark_dirty(idx);
     }
-
-    // ----- send path ----------------------------------------------------------------
+    // ----- to the host: the fabric's part -----------------------------------------------
 
     fn respond(&mut self, r: &mut Reactor, idx: u32, cid: u16, status: Status, result: u64) {
         let (sqhd, sqid) = self.queue.as_ref().map_or((0, 0), |q| (q.sqhd, q.qid));
         let c = Completion { result: result as u32, result_hi: (result >> 32) as u32, sqhd, sqid, cid, status };
         match &mut self.wire {
-            Wire::Tcp(s) => {
-                let item = push_item(&mut s.out);
-                item.header_len = tcp::encode_capsule_resp(&c, s.digests, &mut item.header);
-            }
+            Wire::Tcp(s) => s.respond(&c),
             Wire::Rdma(w) => w.respond(&c),
         }
         r.mark_dirty(idx);
     }
-
-    /// Queues a PDU larger than an item's inline header (ICResp, C2HTermReq) as an
-    /// owned payload; these are rare, so the allocation does not matter.
-    fn queue_whole_pdu(&mut self, pdu: &[u8]) {
-        if let Wire::Tcp(s) = &mut self.wire {
-            let mut item = new_item();
-            item.payload = Payload::Owned(pdu.to_vec());
-            s.out.push_back(item);
-        }
-    }
-
     /// Queues command `cid`'s data for the host: a C2HData PDU (whose SUCCESS flag,
     /// with `success`, stands for the response), or an RDMA WRITE. Returns whether the
-    /// response went with the data. Inlined so the payload is written straight into
-    /// the queued item (see `push_item`).
+    /// response went with the data.
     #[inline(always)]
     fn send_data(&mut self, r: &mut Reactor, cid: u16, payload: Payload, success: bool) -> bool {
         match &mut self.wire {
-            Wire::Tcp(s) => {
-                let item = push_item(&mut s.out);
-                item.payload = payload;
-                let h = DataHeader { cccid: cid, ttag: 0, offset: 0, length: item.payload.len() as u32 };
-                item.header_len = tcp::encode_c2h_data(&h, true, success, s.digests, &mut item.header);
-                if s.digests.data {
-                    item.digest = tcp::crc32c(payload_bytes(&item.payload, &r.ring.zeroes)).to_le_bytes();
-                    item.digest_len = 4;
-                }
-                success
-            }
+            Wire::Tcp(s) => s.send_data(cid, payload, success, &r.ring.zeroes),
             Wire::Rdma(w) => {
-                // A WRITE needs registered memory: data that is not in a pool buffer is
-                // copied into one.
-                let len = payload.len();
-                let buf = match payload {
-                    Payload::Pool(b, _) => b,
-                    other => {
-                        let mut b = r.ring.io_buf(len.max(1));
-                        let bytes = &mut b.as_mut_slice()[..len];
-                        match &other {
-                            Payload::Mapped { at, .. } => {
-                                // SAFETY: the namespace (held by the payload) maps `len`
-                                // bytes at `at` for as long as it lives.
-                                bytes.copy_from_slice(unsafe { std::slice::from_raw_parts(*at, len) })
-                            }
-                            Payload::Zeroes(_) => bytes.fill(0),
-                            p => bytes.copy_from_slice(payload_bytes(p, &r.ring.zeroes)),
-                        }
-                        b
-                    }
-                };
-                if let Err(b) = w.send_data(cid, buf, len) {
+                if !w.send_payload(&mut r.ring, cid, payload) {
                     // No key to write with, or memory the device cannot register: the
                     // connection cannot go on.
-                    r.ring.pool.put(b);
                     self.begin_close();
                 }
                 false
             }
         }
     }
-
+    /// Sends what the pass queued: one `sendmsg` on TCP, one chain of work requests
+    /// on RDMA.
     pub(super) fn post_send(&mut self, r: &mut Reactor, idx: u32) {
         if self.phase == Phase::Closed {
             return;
         }
-        let s = match &mut self.wire {
-            Wire::Tcp(s) => s,
+        match &mut self.wire {
+            Wire::Tcp(s) => match s.post_send(&mut r.ring, idx) {
+                Sending::Posted => self.ops_in_flight += 1,
+                Sending::Nothing if self.phase == Phase::Draining => self.begin_close(),
+                Sending::Nothing | Sending::Busy => {}
+            },
             Wire::Rdma(w) => {
                 let (posted, result) = w.flush(idx);
                 self.ops_in_flight += posted;
@@ -1346,105 +812,8 @@ impl Conn {
                     tracing::warn!(address = self.peer, "{e}");
                     self.begin_close();
                 }
-                return;
-            }
-        };
-        if s.send_posted {
-            return;
-        }
-        if s.sending == 0 {
-            if s.out.is_empty() {
-                if self.phase == Phase::Draining {
-                    self.begin_close();
-                }
-                return;
-            }
-            s.sending = s.out.len().min(MAX_SEND_ITEMS);
-            s.sent = 0;
-            let area = &mut *s.send_area;
-            for (i, item) in s.out.iter().take(s.sending).enumerate() {
-                area.headers[i][..item.header_len].copy_from_slice(&item.header[..item.header_len]);
-                area.digests[i] = item.digest;
             }
         }
-        s.iov.clear();
-        let mut skip = s.sent;
-        for (i, item) in s.out.iter().take(s.sending).enumerate() {
-            let payload = match &item.payload {
-                Payload::Mapped { at, len, .. } => (*at, *len),
-                p => {
-                    let bytes = payload_bytes(p, &r.ring.zeroes);
-                    (bytes.as_ptr(), bytes.len())
-                }
-            };
-            let header = (s.send_area.headers[i].as_ptr(), item.header_len);
-            let digest = (s.send_area.digests[i].as_ptr(), item.digest_len);
-            for (at, len) in [header, payload, digest] {
-                if skip >= len {
-                    skip -= len;
-                    continue;
-                }
-                // Pointer arithmetic only: the kernel reads the bytes, Rust never does.
-                let rest = at.wrapping_add(skip);
-                s.iov.push(libc::iovec { iov_base: rest as *mut libc::c_void, iov_len: len - skip });
-                skip = 0;
-            }
-        }
-        s.msg.msg_iov = s.iov.as_mut_ptr();
-        s.msg.msg_iovlen = s.iov.len();
-        let flags = libc::MSG_NOSIGNAL as u32;
-        let sqe = match s.registered_file {
-            Some(i) => opcode::SendMsg::new(types::Fixed(i), &s.msg).flags(flags).build(),
-            None => opcode::SendMsg::new(types::Fd(s.socket.as_raw_fd()), &s.msg).flags(flags).build(),
-        };
-        let sqe = sqe.user_data(Op::Send(idx).encode());
-        // SAFETY: the send reads `msg`, `iov` (never grown past its capacity), the
-        // headers and digests in the boxed `send_area`, and the payloads of the first
-        // `sending` items: pool buffers, owned vectors, the reactor's zeroes or a mapped
-        // backend held by the item, all heap memory that stays put when the output
-        // queue moves its items. None of them is changed or freed before this send
-        // completes (`on_send` drains only sent items, and copies into `send_area` only
-        // when no send is posted), and the connection outlives it (see `can_free`).
-        unsafe { r.ring.push(sqe) };
-        s.send_posted = true;
-        self.ops_in_flight += 1;
-    }
-
-    pub(super) fn on_send(&mut self, r: &mut Reactor, idx: u32, res: i32) {
-        let Wire::Tcp(s) = &mut self.wire else { return };
-        self.ops_in_flight -= 1;
-        s.send_posted = false;
-        if res < 0 {
-            self.begin_close();
-            return;
-        }
-        s.sent += res as usize;
-        let mut done = 0;
-        for item in s.out.iter().take(s.sending) {
-            if s.sent < item.len() {
-                break;
-            }
-            s.sent -= item.len();
-            done += 1;
-        }
-        s.sending -= done;
-        if done > 0 && s.sending > 0 {
-            // The batch goes on from its first unsent item, which is now the queue's
-            // front: the copies of the headers and digests move to the front with it
-            // (no send is posted now). Left in place, the rest of the batch would go
-            // out under the headers of items already sent: other commands' IDs.
-            let area = &mut *s.send_area;
-            area.headers.copy_within(done..done + s.sending, 0);
-            area.digests.copy_within(done..done + s.sending, 0);
-        }
-        for item in s.out.drain(..done) {
-            if let Payload::Pool(b, _) = item.payload {
-                r.ring.pool.put(b);
-            }
-        }
-        self.post_send(r, idx);
-        // Receiving may have stopped for a full output queue (see `MAX_OUT_BACKLOG`).
-        self.post_recv(r, idx);
     }
 
     /// Periodic and on-demand checks: keep-alive, ended associations, handshakes that
@@ -1472,39 +841,19 @@ impl Conn {
     }
 }
 
+/// The bytes of host data an admin or fabrics command carries outside its capsule (a
+/// Transport SGL Data Block: fetched by R2T on TCP, or by RDMA READ for a keyed
+/// descriptor), if it carries any. The direction is the opcode's (a fabrics command's
+/// function type's) low two bits: 01b is host to controller.
+fn host_data_outside_capsule(cmd: &Command) -> Option<u32> {
+    let direction = if cmd.opcode == admin_opcode::FABRICS { cmd.fctype() & 0b11 } else { cmd.opcode & 0b11 };
+    (direction == 0b01 && cmd.dptr.id == sgl::TRANSPORT && cmd.dptr.length > 0).then_some(cmd.dptr.length)
+}
+
 impl Wire {
     /// Whether data PDUs carry digests (never on RDMA).
-    fn data_digest(&self) -> bool {
+    pub(super) fn data_digest(&self) -> bool {
         matches!(self, Wire::Tcp(s) if s.digests.data)
-    }
-}
-
-/// Whether a command takes its data before it runs: Connect and Authentication Send
-/// are handled whole, so on RDMA their data is read first.
-fn data_before_running(cmd: &Command) -> bool {
-    cmd.opcode == admin_opcode::FABRICS && matches!(cmd.fctype(), fctype::CONNECT | fctype::AUTH_SEND)
-}
-
-/// Queues an empty item and returns it, to be filled in place. An item built on the
-/// stack and moved in is written in small pieces and read back in wide ones, which
-/// stalls store forwarding on every I/O.
-fn push_item(out: &mut VecDeque<OutItem>) -> &mut OutItem {
-    out.push_back(new_item());
-    out.back_mut().expect("an item was just queued")
-}
-
-fn new_item() -> OutItem {
-    OutItem { header: [0; MAX_OUT_HEADER], header_len: 0, payload: Payload::None, digest: [0; 4], digest_len: 0 }
-}
-
-/// The bytes of a payload Rust may read (for digests and sends); a mapped payload has
-/// none: it is made only when no digest needs them, and sent by address.
-fn payload_bytes<'a>(p: &'a Payload, zeroes: &'a [u8]) -> &'a [u8] {
-    match p {
-        Payload::None | Payload::Mapped { .. } => &[],
-        Payload::Pool(b, n) => &b.as_slice()[..*n],
-        Payload::Owned(v) => v,
-        Payload::Zeroes(n) => &zeroes[..*n],
     }
 }
 

@@ -22,6 +22,7 @@
 mod conn;
 mod park;
 mod rdma;
+mod tcp;
 
 pub use conn::{ConnImage, QueueImage};
 pub use park::Parked;

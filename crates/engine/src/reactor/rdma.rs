@@ -22,9 +22,16 @@ use rdma_mummy_sys::{
     imm_data_invalidated_rkey_union_t, rdma_t,
 };
 
+use nvpool_wire::Status;
+use nvpool_wire::command::{Command, SglDescriptor, admin_opcode, sgl};
+use nvpool_wire::fabrics::fctype;
+use nvpool_wire::tcp::FatalError;
+
 use super::Reactor;
+use super::conn::{Conn, Payload, Phase, SlotState, Wire, payload_bytes};
 use crate::bufpool::{Buf, PAGE_SIZE};
-use crate::nvme::IO_IN_CAPSULE_DATA;
+use crate::nvme::{ADMIN_IN_CAPSULE_DATA, IO_IN_CAPSULE_DATA};
+use crate::ring::Ring;
 use crate::verbs::{CmId, CompletionQueue, Device};
 
 /// A command capsule: the command and the largest in-capsule data (IOCCSZ).
@@ -546,6 +553,179 @@ impl RdmaWire {
         let posted = unsafe { self.id.post_recv(&mut self.recv_wrs[..n]) };
         self.repost.clear();
         posted.map(|()| n as u32).map_err(|(k, e)| (k as u32, e))
+    }
+}
+
+// ----- a connection on RDMA: commands in, data fetched ------------------------------
+
+impl Conn {
+    /// A connection on an RDMA queue pair, accepted with `posted` receives.
+    pub(super) fn rdma(wire: Box<RdmaWire>, posted: u32, now_ms: u64, port_id: u16) -> Conn {
+        let peer = wire.peer.clone();
+        let mut c = Conn::on_wire(Wire::Rdma(wire), peer, now_ms, Some(port_id), Phase::Ready);
+        c.ops_in_flight = posted;
+        c
+    }
+
+    /// A work request of the connection's queue pair completed.
+    pub(super) fn on_rdma(&mut self, r: &mut Reactor, idx: u32, done: Done) {
+        self.ops_in_flight -= 1;
+        let Wire::Rdma(w) = &mut self.wire else { return };
+        if let Work::Recv(i) = done.work {
+            // A failed or flushed receive brought nothing.
+            if done.ok && self.phase == Phase::Ready {
+                self.on_capsule(r, idx, i, done.bytes as usize);
+            }
+        } else {
+            // Every other kind held an entry of the send queue, free again.
+            if let Some(b) = w.sent(done.work) {
+                r.ring.pool.put(b);
+            }
+            if w.waiting() {
+                // Work held back for a full send queue goes out now there is room.
+                r.mark_dirty(idx);
+            }
+            match done.work {
+                Work::Read(tag) if done.ok => self.on_data_read(r, idx, tag),
+                Work::Prefetch(i) => {
+                    let held = w.take_prefetched(i);
+                    if let Some(p) = held {
+                        if done.ok && self.phase == Phase::Ready {
+                            self.on_prefetched(r, idx, &p);
+                        }
+                        r.ring.pool.put(p.buf);
+                    }
+                }
+                Work::Send(_) | Work::Write(_) if done.ok && self.phase == Phase::Draining && w.idle() => {
+                    self.begin_close()
+                }
+                _ => {}
+            }
+        }
+        // A failed work request leaves the queue pair in error: nothing more goes through.
+        if !done.ok {
+            self.begin_close();
+        }
+    }
+
+    /// A command capsule arrived in receive buffer `i`.
+    fn on_capsule(&mut self, r: &mut Reactor, idx: u32, i: u32, len: usize) {
+        let Wire::Rdma(w) = &mut self.wire else { return };
+        let Some(capsules) = w.take_capsules() else { return };
+        let bytes = RdmaWire::capsule(&capsules, i, len);
+        let Some(sqe) = bytes.first_chunk::<SQE_SIZE>().copied() else {
+            w.done_with(capsules, i);
+            let e = FatalError { fes: 0, fei: 0, reason: "a capsule shorter than a command" };
+            return self.fatal(r, idx, e, &[]);
+        };
+        let data = &bytes[SQE_SIZE..];
+        let mut cmd = Command::decode(&sqe);
+        let keyed = sqe[24..40].first_chunk::<16>().and_then(KeyedSgl::decode);
+        if let Some(key) = keyed {
+            w.remember_key(cmd.cid, key);
+            // A keyed descriptor does on RDMA what a Transport Data Block does on TCP:
+            // the data moves outside the capsule. The command runs with one, so the
+            // checks see its length, and its data moves by READ or WRITE.
+            cmd.dptr = SglDescriptor { address: 0, length: key.length, id: sgl::TRANSPORT };
+            if connects(&cmd) && self.queue.is_none() && key.length > 0 {
+                let len = key.length as usize;
+                if len > ADMIN_IN_CAPSULE_DATA {
+                    w.done_with(capsules, i);
+                    return self.refuse(r, idx, cmd.cid, Status::INVALID_FIELD.with_dnr());
+                }
+                let buf = r.ring.io_buf(len);
+                let fetched = w.prefetch(cmd.cid, Prefetched { sqe, buf, len });
+                w.done_with(capsules, i);
+                if let Err(buf) = fetched {
+                    r.ring.pool.put(buf);
+                    return self.refuse(r, idx, cmd.cid, Status::TRANSIENT_TRANSPORT_ERROR);
+                }
+                return r.mark_dirty(idx);
+            }
+        } else if cmd.dptr.id == sgl::TRANSPORT {
+            // TCP's descriptor means nothing on RDMA.
+            w.done_with(capsules, i);
+            return self.refuse(r, idx, cmd.cid, Status::SGL_TYPE_INVALID.with_dnr());
+        }
+        self.on_command(r, idx, &cmd, data, true);
+        if let Wire::Rdma(w) = &mut self.wire {
+            w.done_with(capsules, i);
+        }
+        r.mark_dirty(idx);
+    }
+
+    /// The data of a command that needs it to run arrived: the command runs as if
+    /// the data had come in its capsule.
+    fn on_prefetched(&mut self, r: &mut Reactor, idx: u32, p: &Prefetched) {
+        let mut cmd = Command::decode(&p.sqe);
+        cmd.dptr = SglDescriptor { address: 0, length: p.len as u32, id: sgl::IN_CAPSULE };
+        self.on_command(r, idx, &cmd, &p.buf.as_slice()[..p.len], true);
+        r.mark_dirty(idx);
+    }
+
+    /// An RDMA READ of slot `tag`'s data completed.
+    fn on_data_read(&mut self, r: &mut Reactor, idx: u32, tag: u16) {
+        let Some(slot) = self.slots.get_mut(usize::from(tag)).filter(|s| s.state == SlotState::AwaitingData) else {
+            return;
+        };
+        slot.received = slot.expected;
+        self.data_in(r, idx, tag);
+    }
+
+    /// Fetches slot `tag`'s `len` bytes of host data for command `cid` with an RDMA
+    /// READ; data a backend drops is not fetched at all.
+    pub(super) fn fetch_by_rdma_read(&mut self, r: &mut Reactor, idx: u32, tag: u16, cid: u16, len: usize) {
+        let Wire::Rdma(w) = &mut self.wire else { return };
+        let slot = &mut self.slots[usize::from(tag)];
+        let Some(buf) = slot.io.buf_mut() else {
+            slot.received = len as u32;
+            return self.start_io(r, idx, tag);
+        };
+        if !w.fetch(cid, Work::Read(tag), buf, len) {
+            slot.io.status = Status::SGL_TYPE_INVALID.with_dnr();
+            return self.finish(r, idx, tag);
+        }
+        r.mark_dirty(idx);
+    }
+}
+
+/// Whether a command is a Connect. Before Connect a queue has no slots to hold a
+/// command while its data is read, so on RDMA a Connect's data is read first (every
+/// later command with host data waits for it in a slot, as on TCP).
+fn connects(cmd: &Command) -> bool {
+    cmd.opcode == admin_opcode::FABRICS && cmd.fctype() == fctype::CONNECT
+}
+
+impl RdmaWire {
+    /// Queues an RDMA WRITE of command `cid`'s data. A WRITE needs registered memory:
+    /// data that is not in a pool buffer is copied into one. Returns false when it
+    /// cannot be sent (no key to write with, or memory the device cannot register).
+    pub(super) fn send_payload(&mut self, ring: &mut Ring, cid: u16, payload: Payload) -> bool {
+        let len = payload.len();
+        let buf = match payload {
+            Payload::Pool(b, _) => b,
+            other => {
+                let mut b = ring.io_buf(len.max(1));
+                let bytes = &mut b.as_mut_slice()[..len];
+                match &other {
+                    Payload::Mapped { at, .. } => {
+                        // SAFETY: the namespace (held by the payload) maps `len` bytes
+                        // at `at` for as long as it lives.
+                        bytes.copy_from_slice(unsafe { std::slice::from_raw_parts(*at, len) })
+                    }
+                    Payload::Zeroes(_) => bytes.fill(0),
+                    p => bytes.copy_from_slice(payload_bytes(p, &ring.zeroes)),
+                }
+                b
+            }
+        };
+        match self.send_data(cid, buf, len) {
+            Ok(()) => true,
+            Err(b) => {
+                ring.pool.put(b);
+                false
+            }
+        }
     }
 }
 
