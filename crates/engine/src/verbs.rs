@@ -10,7 +10,15 @@ use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::ptr::null_mut;
 
-use rdma_mummy_sys::*;
+use rdma_mummy_sys::{
+    ibv_access_flags, ibv_ack_cq_events, ibv_alloc_pd, ibv_comp_channel, ibv_context, ibv_cq, ibv_create_comp_channel,
+    ibv_create_cq, ibv_dealloc_pd, ibv_dereg_mr, ibv_destroy_comp_channel, ibv_destroy_cq, ibv_device_attr,
+    ibv_get_cq_event, ibv_mr, ibv_pd, ibv_poll_cq, ibv_post_recv, ibv_post_send, ibv_qp_init_attr, ibv_qp_type,
+    ibv_query_device, ibv_recv_wr, ibv_reg_mr, ibv_req_notify_cq, ibv_send_wr, ibv_wc, rdma_accept, rdma_ack_cm_event,
+    rdma_bind_addr, rdma_cm_event, rdma_cm_event_type, rdma_cm_id, rdma_conn_param, rdma_create_event_channel,
+    rdma_create_id, rdma_create_qp, rdma_destroy_event_channel, rdma_destroy_id, rdma_destroy_qp, rdma_disconnect,
+    rdma_event_channel, rdma_get_cm_event, rdma_listen, rdma_port_space, rdma_reject,
+};
 
 /// errno as an `io::Error`, with `EOPNOTSUPP` (what the loader returns when it found
 /// no library) explained.

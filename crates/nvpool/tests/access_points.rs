@@ -14,7 +14,7 @@
 
 mod cluster;
 
-use cluster::*;
+use cluster::{LogsOnFailure, Node, create_request, free_port, nodes, start_controller, wait_for, wait_healthy};
 use nvpool_api::{AnaState, ListAnaGroups};
 use nvpool_control::client::Controllers;
 use nvpool_control::proto;

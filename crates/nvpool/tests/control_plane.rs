@@ -14,7 +14,9 @@
 
 mod cluster;
 
-use cluster::*;
+use cluster::{
+    LogsOnFailure, Node, create_request, free_port, nodes, start_controller, volumes, wait_for, wait_healthy,
+};
 use nvpool_control::client::Controllers;
 use nvpool_control::proto::{self, Locality};
 use std::collections::BTreeMap;

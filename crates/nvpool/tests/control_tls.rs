@@ -7,7 +7,9 @@
 
 mod cluster;
 
-use cluster::*;
+use cluster::{
+    BIN, HOST, LogsOnFailure, Node, addr, create_request, free_port, nodes, start_controller_with, wait_healthy,
+};
 use nvpool_control::client::Controllers;
 use nvpool_control::proto::{self, agent_client::AgentClient};
 use nvpool_control::tls::Tls;

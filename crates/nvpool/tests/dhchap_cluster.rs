@@ -6,7 +6,7 @@
 
 mod cluster;
 
-use cluster::*;
+use cluster::{LogsOnFailure, Node, addr, create_request, free_port, start_controller, wait_healthy};
 use nvpool_api::ListSubsystems;
 use nvpool_auth::Secret;
 use nvpool_control::client::Controllers;

@@ -5,7 +5,9 @@
 
 mod cluster;
 
-use cluster::*;
+use cluster::{
+    ControllerProc, LogsOnFailure, Node, create_request, free_port, start_controller, volumes, wait_for, wait_healthy,
+};
 use nvpool_control::client::Controllers;
 use nvpool_control::proto;
 use nvpool_control::testkit::Etcd;

@@ -6,7 +6,7 @@
 
 mod cluster;
 
-use cluster::*;
+use cluster::{LogsOnFailure, Node, create_request, free_port, start_controller, wait_healthy};
 use nvpool_control::client::Controllers;
 use nvpool_control::proto;
 use tonic::Code;

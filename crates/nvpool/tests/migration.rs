@@ -5,7 +5,10 @@
 
 mod cluster;
 
-use cluster::*;
+use cluster::{
+    BIN, BLOCK, HOST, LogsOnFailure, Model, Node, addr, connect, create_request, free_port, hold_paths, host_writer,
+    start_controller, verify, volumes, wait_for, wait_healthy,
+};
 use nvpool_control::client::Controllers;
 use nvpool_control::proto;
 use std::sync::Arc;

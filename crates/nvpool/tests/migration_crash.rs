@@ -7,7 +7,10 @@
 
 mod cluster;
 
-use cluster::*;
+use cluster::{
+    BLOCK, HOST, Model, Node, addr, create_request, free_port, hold_paths, host_writer, start_controller, verify,
+    wait_for, wait_healthy,
+};
 use nvpool_control::client::Controllers;
 use nvpool_control::proto;
 use std::sync::Arc;

@@ -11,7 +11,9 @@
 
 mod cluster;
 
-use cluster::*;
+use cluster::{
+    BLOCK, HOST, LogsOnFailure, Node, addr, connect, create_request, free_port, start_controller, wait_healthy,
+};
 use nvpool_api::{ListSubsystems, QosLimits};
 use nvpool_control::client::Controllers;
 use nvpool_control::proto;

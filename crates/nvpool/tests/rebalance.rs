@@ -12,7 +12,10 @@
 
 mod cluster;
 
-use cluster::*;
+use cluster::{
+    BLOCK, HOST, LogsOnFailure, Model, Node, addr, connect, create_request, free_port, hold_paths, host_writer,
+    start_controller_with, verify, wait_for, wait_healthy,
+};
 use nvpool_control::client::Controllers;
 use nvpool_control::proto;
 use std::sync::Arc;

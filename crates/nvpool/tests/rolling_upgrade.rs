@@ -7,7 +7,10 @@
 
 mod cluster;
 
-use cluster::*;
+use cluster::{
+    BLOCK, HOST, LogsOnFailure, Model, Node, addr, create_request, free_port, host_writer, nodes, start_controller,
+    verify, wait_healthy,
+};
 use nvpool_control::client::Controllers;
 use nvpool_control::proto;
 use std::process::Command as Process;

@@ -1,7 +1,18 @@
 //! Carrying the desired state to the node agents: each node's whole `NodeState`, sent
 //! after every change and again by the background loop until the agent is current.
 
-use super::*;
+use crate::cluster::convert::{ana_state, dhchap_proto};
+use crate::cluster::{Cluster, Results, State};
+use crate::model::{
+    LocalDeviceRecord, MigrationPhase, MigrationRecord, TOMBSTONES, VOLUMES, VolumeRecord, VolumeState, to_json,
+};
+use crate::proto;
+use crate::proto::agent_client::AgentClient;
+use crate::store::Txn;
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tonic::transport::{Channel, Endpoint};
 
 /// What one node serves of a volume: the data and its export on the owner; an
 /// export that forwards to the owner on an access point; the copy a migration fills,

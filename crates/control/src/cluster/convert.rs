@@ -1,6 +1,11 @@
 //! Between the store's records and the gRPC API's messages.
 
-use super::*;
+use crate::access::AccessPolicy;
+use crate::cluster::{Cluster, State, now_ms};
+use crate::model::{DhchapRecord, MigrationPhase, PoolRecord, VolumeRecord, VolumeState};
+use crate::scheduler::{Locality, Request, Score};
+use crate::{proto, scheduler};
+use tonic::Status;
 
 impl Cluster {
     pub(super) fn volume_proto(&self, v: &VolumeRecord) -> proto::Volume {

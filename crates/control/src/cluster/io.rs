@@ -2,7 +2,9 @@
 //! turned into rates over the span between two heartbeats. Kept in memory only: a new
 //! leader has figures after two heartbeats.
 
-use super::*;
+use crate::proto;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 /// What one volume's namespace did between two heartbeats.
 #[derive(Clone, Copy, Debug, Default)]

@@ -23,7 +23,16 @@
 //! the volume stays where it was. Once the switch was allowed, only the old owner can
 //! tell whether it happened (is its volume still there?), so the driver waits for it.
 
-use super::*;
+use crate::cluster::convert::{no_room_message, no_volume};
+use crate::cluster::{Cluster, EXPLAINED_NODES, now_ms};
+use crate::model::{MigrationPhase, MigrationRecord, TOMBSTONES, Tombstone, VOLUMES, VolumeRecord, to_json};
+use crate::proto::agent_client::AgentClient;
+use crate::scheduler::Request;
+use crate::store::Txn;
+use crate::{proto, scheduler};
+use std::sync::Arc;
+use std::time::Duration;
+use tonic::Status;
 
 /// How often a driver looks at its migration.
 const STEP: Duration = Duration::from_millis(250);

@@ -7,18 +7,19 @@
 //! desired state (`NodeState`), which the agent makes its engine match. A node whose
 //! agent is behind gets its state again from the background loop.
 
-use crate::access::{self, AccessPolicy};
-use crate::metrics::{ClusterFigures, ControllerMetrics, PoolFigures};
-use crate::model::*;
-use crate::proto::{self, agent_client::AgentClient};
-use crate::scheduler::{self, Locality, NodeView, Policy, PoolView, Request, Score};
+use crate::cluster::convert::corrupt;
+use crate::metrics::ControllerMetrics;
+use crate::model::{
+    CLUSTER_KEY, ClusterRecord, NODES, NodeRecord, PoolRecord, TOMBSTONES, Tombstone, VOLUMES, VolumeRecord, to_json,
+};
+use crate::proto;
+use crate::scheduler::Policy;
 use crate::store::{Condition, Store, Txn};
-use nvpool_api::QosLimits;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 use tonic::Status;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 mod apply;
 mod convert;
@@ -27,8 +28,6 @@ mod migrations;
 mod nodes;
 mod rebalance;
 mod volumes;
-
-use convert::*;
 
 #[derive(Clone, Debug)]
 pub struct ClusterConfig {

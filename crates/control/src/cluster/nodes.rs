@@ -1,6 +1,16 @@
 //! Nodes: registration, heartbeats, health, and the views the scheduler sees.
 
-use super::*;
+use crate::cluster::convert::{pool_record, pool_report};
+use crate::cluster::{Cluster, NodeEntry, State};
+use crate::metrics::{ClusterFigures, PoolFigures};
+use crate::model::{MigrationPhase, NODES, NodeRecord, VolumeRecord, VolumeState, check_name, to_json};
+use crate::proto::agent_client::AgentClient;
+use crate::scheduler::{Locality, NodeView, PoolView};
+use crate::store::Txn;
+use crate::{access, proto, scheduler};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+use tonic::Status;
 
 /// How long a node's agent may take to upgrade its engine: the engine itself gives up
 /// on a new binary after about 20 s.

@@ -17,8 +17,13 @@
 //! plans on room that is still changing. A pass starts nothing while
 //! [`MOST_IN_FLIGHT`] migrations are under way.
 
-use super::*;
-use crate::room;
+use crate::cluster::{Cluster, State};
+use crate::model::{VolumeRecord, VolumeState};
+use crate::scheduler::{Locality, NodeView, Request};
+use crate::{proto, room, scheduler};
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// Migrations under way (anyone's) at which the rebalancer starts no more.
 const MOST_IN_FLIGHT: usize = 4;

@@ -1,7 +1,22 @@
 //! Volumes: creation (placement, then the node's confirmation), resizing, deletion,
 //! attachment.
 
-use super::*;
+use crate::cluster::convert::{
+    corrupt, dhchap_proto, local_proto, locality_from, no_room_message, no_volume, policy_from, same_request,
+    score_proto,
+};
+use crate::cluster::{Cluster, EXPLAINED_NODES, Results, State};
+use crate::model::{
+    DhchapRecord, MAX_VOLUME_SIZE, MigrationPhase, TOMBSTONES, Tombstone, VOLUME_NQN_PREFIX, VOLUMES, VolumeRecord,
+    VolumeState, check_host_nqn, check_name, to_json,
+};
+use crate::scheduler::{Locality, Request, Score};
+use crate::store::{Condition, Txn};
+use crate::{access, proto, scheduler};
+use nvpool_api::QosLimits;
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use tonic::Status;
 
 impl Cluster {
     pub async fn create_volume(&self, req: &proto::CreateVolumeRequest) -> Result<proto::CreateVolumeResponse, Status> {
