@@ -6,8 +6,9 @@
 Each backend runs as one engine per binary (one reactor on --target-core), both up for
 the whole run; `nvpool bench` (from NEW_BINARY, on --bench-core) drives them in turns,
 A then B, then B then A, so drift on a shared machine falls on both. It prints, per
-workload, the median IOPS of each and the median of the per-round ratios B/A, plus
-the mean latency difference at QD1. Run as root, it moves into a network namespace of
+workload, the median IOPS of each and the median of the per-round ratios B/A with
+their middle half and range (the spread a difference must beat), plus the mean
+latencies. Run as root, it moves into a network namespace of
 its own with cubic, as the suite does (`suite.own_network`). Standard library only; timings are reported,
 never asserted.
 """
@@ -62,8 +63,8 @@ def main():
                         subprocess.run([binary, "engine", *cmd, "--socket", sock], check=True, capture_output=True)
                 ports[name] = port
             print(f"\n{backend}: A = {args.old}, B = {args.new}; {args.rounds} rounds of {args.duration} s")
-            print(f"| workload | A IOPS | B IOPS | B/A | A mean us | B mean us |")
-            print(f"|---|---:|---:|---:|---:|---:|")
+            print(f"| workload | A IOPS | B IOPS | B/A | B/A middle half | B/A range | A mean us | B mean us |")
+            print(f"|---|---:|---:|---:|---:|---:|---:|---:|")
             for (w, bs, qd) in workloads:
                 res = {"A": [], "B": []}
                 ratios = []
@@ -83,8 +84,12 @@ def main():
                         res[name].append(got[name])
                     ratios.append(got["B"]["iops"] / got["A"]["iops"])
                 med = lambda name, key: statistics.median(x[key] if key == "iops" else x["latency"]["mean_us"] for x in res[name])
+                # The spread of the per-round ratios says how far apart the two must be
+                # before a difference means anything.
+                q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
                 print(f"| {w} {bs // 1024}K QD{qd} | {med('A', 'iops'):,.0f} | {med('B', 'iops'):,.0f} | "
-                      f"{statistics.median(ratios):.1%} | {med('A', 'lat'):.1f} | {med('B', 'lat'):.1f} |", flush=True)
+                      f"{statistics.median(ratios):.1%} | {q1:.0%}-{q3:.0%} | {min(ratios):.0%}-{max(ratios):.0%} | "
+                      f"{med('A', 'lat'):.1f} | {med('B', 'lat'):.1f} |", flush=True)
             for p in procs:
                 p.terminate()
                 p.wait()
