@@ -210,8 +210,6 @@ pub struct Queued {
     pub ops: u32,
     /// Whether the command left for another thread, a client or its I/O budget.
     pub deferred: bool,
-    /// Whether an operation goes to a device.
-    pub on_device: bool,
 }
 
 impl<'a> DiskQueue<'a> {
@@ -221,9 +219,11 @@ impl<'a> DiskQueue<'a> {
         DiskQueue { ring, owner, tag, needs_bytes, queued: 0, deferred: false, on_device: false }
     }
 
-    /// What this call queued; the issuer tells the ring (`Ring::disk_ops_queued`).
-    pub fn queued(&self) -> Queued {
-        Queued { ops: self.queued, deferred: self.deferred, on_device: self.on_device }
+    /// Ends the backend call: the ring learns of the disk operations it queued
+    /// (`Ring::disk_ops_queued`), and the issuer of what is now in flight.
+    pub fn finish(self) -> Queued {
+        self.ring.disk_ops_queued(self.queued, self.on_device);
+        Queued { ops: self.queued, deferred: self.deferred }
     }
 
     /// The reactor this runs on.

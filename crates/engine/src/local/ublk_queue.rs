@@ -227,8 +227,7 @@ impl UblkQueue {
         // Reads land in the tag's buffer, where the driver takes them from.
         let mut queue = DiskQueue::new(ring, me | CLIENT_OWNER, tag, true);
         ns.start(&mut t.io, &mut queue);
-        let queued = queue.queued();
-        ring.disk_ops_queued(queued.ops, queued.on_device);
+        queue.finish();
         if t.io.is_idle() {
             self.backend_done(ring, me, tag);
         }
@@ -244,17 +243,15 @@ impl UblkQueue {
 
     /// The thread or owner tag `tag`'s request was handed to answered.
     fn answered(&mut self, ring: &mut Ring, me: u32, tag: u16, status: Status, buf: Option<Buf>) {
-        let ns = self.ns.clone();
         let Some(t) = self.tags.get_mut(usize::from(tag)) else { return };
         if let Some(b) = buf {
             t.io.set_buf(b);
         }
         t.io.deferred_done();
-        let Some(ns) = ns else { return };
+        let Some(ns) = self.ns.as_deref() else { return };
         let mut queue = DiskQueue::new(ring, me | CLIENT_OWNER, tag, true);
         ns.resume(&mut t.io, status, &mut queue);
-        let queued = queue.queued();
-        ring.disk_ops_queued(queued.ops, queued.on_device);
+        queue.finish();
         if t.io.is_idle() {
             self.backend_done(ring, me, tag);
         }

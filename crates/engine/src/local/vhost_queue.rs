@@ -314,8 +314,7 @@ impl VhostQueue {
         // Reads land in the request's buffer, where they are copied to the guest from.
         let mut queue = DiskQueue::new(ring, me | CLIENT_OWNER, head, true);
         ns.start(&mut req.io, &mut queue);
-        let queued = queue.queued();
-        ring.disk_ops_queued(queued.ops, queued.on_device);
+        queue.finish();
         if req.io.is_idle() {
             self.backend_done(ring, head);
         }
@@ -331,17 +330,15 @@ impl VhostQueue {
 
     /// The thread or owner the request at `head` was handed to answered.
     fn answered(&mut self, ring: &mut Ring, me: u32, head: u16, status: Status, buf: Option<Buf>) {
-        let ns = self.ns.clone();
         let Some(req) = self.requests.get_mut(usize::from(head)) else { return };
         if let Some(b) = buf {
             req.io.set_buf(b);
         }
         req.io.deferred_done();
-        let Some(ns) = ns else { return };
+        let Some(ns) = self.ns.as_deref() else { return };
         let mut queue = DiskQueue::new(ring, me | CLIENT_OWNER, head, true);
         ns.resume(&mut req.io, status, &mut queue);
-        let queued = queue.queued();
-        ring.disk_ops_queued(queued.ops, queued.on_device);
+        queue.finish();
         if req.io.is_idle() {
             self.backend_done(ring, head);
         }

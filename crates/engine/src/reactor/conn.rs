@@ -139,8 +139,9 @@ pub(super) struct Slot {
     pub(super) expected: u32,
     pub(super) received: u32,
     /// An admin or fabrics command waiting for its host data: it runs once the data
-    /// is in, as an I/O command goes to its backend then.
-    pub(super) command: Option<Command>,
+    /// is in, as an I/O command goes to its backend then. Boxed: rare, and every I/O
+    /// slot would carry it.
+    pub(super) command: Option<Box<Command>>,
 }
 
 impl Slot {
@@ -406,7 +407,7 @@ impl Conn {
         };
         let slot = &mut self.slots[usize::from(tag)];
         slot.cid = cmd.cid;
-        slot.command = Some(*cmd);
+        slot.command = Some(Box::new(*cmd));
         // The slot's block I/O holds only the data buffer and the transfer's status.
         slot.io.reset(IoPlan::Flush, r.ring.pass_ns);
         slot.io.set_buf(r.ring.io_buf(len as usize));
@@ -662,15 +663,14 @@ impl Conn {
         slot.state = SlotState::Backend;
         let mut queue = DiskQueue::new(&mut r.ring, idx, tag, self.wire.data_digest());
         ns.start(&mut slot.io, &mut queue);
-        let queued = queue.queued();
+        let queued = queue.finish();
         self.queued(r, idx, tag, queued);
     }
 
-    /// Accounts for what a backend call queued (see `Reactor::disk_ops_queued`); with
-    /// nothing in flight the command is done now.
+    /// Counts what a backend call left in flight; with nothing in flight the command
+    /// is done now.
     fn queued(&mut self, r: &mut Reactor, idx: u32, tag: u16, queued: Queued) {
         self.ops_in_flight += queued.ops + u32::from(queued.deferred);
-        r.ring.disk_ops_queued(queued.ops, queued.on_device);
         if self.slots[usize::from(tag)].io.is_idle() {
             self.backend_done(r, idx, tag);
         }
@@ -696,7 +696,7 @@ impl Conn {
         }
         let mut queue = DiskQueue::new(&mut r.ring, idx, tag, self.wire.data_digest());
         ns.resume(&mut slot.io, status, &mut queue);
-        let queued = queue.queued();
+        let queued = queue.finish();
         self.queued(r, idx, tag, queued);
     }
 
