@@ -1,9 +1,10 @@
-//! Real peers for tests: an etcd server on 127.0.0.1 with its own data directory.
-//! Tests of this crate and of the `nvpool` binary use it.
+//! Real peers for tests: an etcd server on 127.0.0.1 with its own data directory, and
+//! ports to start servers on. Tests of this crate and of the `nvpool` binary use it.
 
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 pub struct Etcd {
@@ -13,8 +14,31 @@ pub struct Etcd {
     child: Option<Child>,
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+/// Where `free_port` looks: below Linux's default range of ephemeral ports (32768 and
+/// up), which every outgoing connection on the machine draws from. A port the kernel
+/// picked there could be taken, between the test's look and its server's bind, by any
+/// connection: a download of a build running beside the tests once took an agent's.
+const TEST_PORTS: std::ops::Range<u32> = 20_000..32_000;
+
+/// A port on 127.0.0.1 that nothing listens on now, for a server a test starts in
+/// another process. Each call in a process gives another port; processes start at
+/// different places in the range (by process ID and time), so that test binaries
+/// running side by side rarely meet.
+pub fn free_port() -> u16 {
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let span = TEST_PORTS.end - TEST_PORTS.start;
+    if NEXT.load(Ordering::Relaxed) == u32::MAX {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        let start = (std::process::id().wrapping_mul(7919) ^ now.subsec_nanos()) % span;
+        let _ = NEXT.compare_exchange(u32::MAX, start, Ordering::Relaxed, Ordering::Relaxed);
+    }
+    for _ in 0..span {
+        let port = TEST_PORTS.start + NEXT.fetch_add(1, Ordering::Relaxed) % span;
+        if TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
+            return port as u16;
+        }
+    }
+    panic!("no free port on 127.0.0.1 in {TEST_PORTS:?}: stop what holds them and run the test again")
 }
 
 impl Etcd {

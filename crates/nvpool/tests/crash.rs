@@ -5,13 +5,14 @@
 //! pool's metadata must check clean, and no cluster may leak.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command as Process, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use nvpool_control::testkit::free_port;
 use nvpool_initiator::{ConnectOptions, Queue, connect_admin};
 
 const BIN: &str = env!("CARGO_BIN_EXE_nvpool");
@@ -56,10 +57,6 @@ fn seed_of(block: u64, data: &[u8]) -> Option<u64> {
     }
     let seed = u64::from_le_bytes(data[8..16].try_into().unwrap());
     (block_data(block, seed) == data).then_some(seed)
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 fn cli(socket: &Path, args: &[&str]) -> String {

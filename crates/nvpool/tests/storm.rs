@@ -11,6 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use nvpool_api::GetEngineInfo;
+use nvpool_control::testkit::free_port;
 use nvpool_initiator::{ConnectOptions, Queue, connect_admin, pattern};
 use nvpool_wire::command::{Command as Sqe, io_opcode};
 
@@ -39,10 +40,6 @@ fn rss_kib(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
     line.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 /// What a host keeps open until the whole round is connected; dropping it is the

@@ -7,7 +7,7 @@ use nvpool_control::client::Controllers;
 use nvpool_control::proto;
 use nvpool_initiator::{ConnectOptions, Queue, connect_admin, pattern};
 use std::collections::HashMap;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,9 +16,7 @@ use std::time::{Duration, Instant};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_nvpool");
 
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
+pub use nvpool_control::testkit::free_port;
 
 fn log(dir: &Path, name: &str) -> std::fs::File {
     std::fs::OpenOptions::new().create(true).append(true).open(dir.join(format!("{name}.log"))).unwrap()
