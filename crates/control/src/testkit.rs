@@ -4,6 +4,7 @@
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::LazyLock;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -25,13 +26,11 @@ const TEST_PORTS: std::ops::Range<u32> = 20_000..32_000;
 /// different places in the range (by process ID and time), so that test binaries
 /// running side by side rarely meet.
 pub fn free_port() -> u16 {
-    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
-    let span = TEST_PORTS.end - TEST_PORTS.start;
-    if NEXT.load(Ordering::Relaxed) == u32::MAX {
+    static NEXT: LazyLock<AtomicU32> = LazyLock::new(|| {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-        let start = (std::process::id().wrapping_mul(7919) ^ now.subsec_nanos()) % span;
-        let _ = NEXT.compare_exchange(u32::MAX, start, Ordering::Relaxed, Ordering::Relaxed);
-    }
+        AtomicU32::new(std::process::id().wrapping_mul(7919) ^ now.subsec_nanos())
+    });
+    let span = TEST_PORTS.end - TEST_PORTS.start;
     for _ in 0..span {
         let port = TEST_PORTS.start + NEXT.fetch_add(1, Ordering::Relaxed) % span;
         if TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {

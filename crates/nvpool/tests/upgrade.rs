@@ -127,10 +127,10 @@ fn writer(addr: SocketAddr, io: ConnectOptions, id: u64, stop: Arc<AtomicBool>, 
 fn io_goes_on(tally: &Tally, dir: &Path, when: &str) {
     let before = tally.commands.load(Ordering::SeqCst);
     let deadline = Instant::now() + Duration::from_secs(10);
-    while tally.commands.load(Ordering::SeqCst) <= before && tally.errors.load(Ordering::SeqCst) == 0 {
-        if Instant::now() > deadline {
-            break;
-        }
+    while tally.commands.load(Ordering::SeqCst) <= before
+        && tally.errors.load(Ordering::SeqCst) == 0
+        && Instant::now() < deadline
+    {
         std::thread::sleep(Duration::from_millis(10));
     }
     let first_error = tally.first_error.lock().unwrap().clone();
