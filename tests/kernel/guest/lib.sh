@@ -24,6 +24,17 @@ ctrl_of() {
 # "fio: pid=N, got signal=13" and a lost job). The I/O is failed over and completes;
 # only the signal is wrong. Databases ignore SIGPIPE, and so does fio here.
 fio_across_path_faults() { ( trap '' PIPE; exec fio "$@" ); }
+# Writes that must span a series of faults last as long as the faults, no longer: the
+# job runs with --trigger-file=$FIO_STOP, and the script creates that file once the
+# faults are over. fio then stops and saves which writes completed (its verify state,
+# in the working directory), and a --verify_only run of the same job with
+# --verify_state_load=1 reads back exactly those. A job sized to outlast the faults
+# went on writing long after them, and its verify pass read all of that back: under
+# emulation, the larger part of the scenario. The verify run reads at depth 1: fio
+# tells the writes that never ran (up to the write job's depth, queued when it stopped)
+# by counting the verify reads completed so far, and reads in flight would take it
+# past them (seen: 7 blocks of zeros at depth 16).
+FIO_STOP=/tmp/fio-stop
 # 4 KiB random reads for 2 s at one depth on a file or device; appends a line of
 # figures (IOPS, mean completion latency) to /host/figures.txt. Two seconds are
 # thousands of reads even under emulation: enough for a mean, and these figures
