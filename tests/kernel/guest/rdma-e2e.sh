@@ -103,10 +103,10 @@ DEV=$(device)
 grep -H . /sys/block/nvme*c*n1/ana_state || fail "no ANA state for the paths"
 no_recovery "joining the TCP path"
 # A cap on the writes' rate keeps them going across the listener's removal and return;
-# the verify pass after them reads at full speed.
-fio_across_path_faults --direct=1 --ioengine=io_uring --rw=randwrite --verify=crc32c --verify_fatal=1 \
-    --name=paths --filename=$DEV --iodepth=8 --bs=4k --size=48M --rate_iops=,400 --randseed=5 --eta=never \
-    --output=/host/fio-paths.txt &
+# they stop once the host is back on RDMA, and every write that completed is read back.
+PATHS_JOB="--name=paths --filename=$DEV --rw=randwrite --bs=4k --ioengine=io_uring --direct=1 --size=48M
+    --verify=crc32c --verify_fatal=1 --randseed=5 --eta=never"
+fio_across_path_faults $PATHS_JOB --iodepth=8 --rate_iops=,400 --trigger-file=$FIO_STOP --output=/host/fio-paths.txt &
 FIO=$!
 sleep 4
 cli listener remove rdma:$IP:4420 || fail "remove the RDMA listener"
@@ -117,9 +117,15 @@ sleep 3
 cli listener add rdma:$IP:4420 || fail "add the RDMA listener back"
 wait_for 60 has_rdma_path || fail "the host did not reconnect over RDMA"
 echo "the host is back on RDMA: $(controllers)"
+kill -0 $FIO 2>/dev/null || fail "fio finished before the RDMA path came back: make its job longer"
+sleep 2
+touch $FIO_STOP
 wait $FIO || { cat /host/fio-paths.txt; fail "fio across the path changes"; }
+fio_across_path_faults $PATHS_JOB --iodepth=1 --verify_only --verify_state_load=1 --output=/host/fio-paths-verify.txt ||
+    { cat /host/fio-paths-verify.txt; fail "the writes across the path changes did not verify"; }
 checked /host/fio-paths.txt 1
-grep -E "^ *(write|read):" /host/fio-paths.txt
+checked /host/fio-paths-verify.txt 1
+grep -E "^ *(write|read):" /host/fio-paths.txt /host/fio-paths-verify.txt
 # The RDMA controller reconnects here, as it must; no command may time out.
 dmesg > /tmp/dmesg.now
 tail -n +$(( $(cat /tmp/dmesg.seen) + 1 )) /tmp/dmesg.now | grep -E 'nvme.*timeout' && fail "a command timed out while the paths changed"
