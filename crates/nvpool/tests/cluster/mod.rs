@@ -139,9 +139,11 @@ impl Node {
     pub fn start_engine(&mut self, import: bool) {
         let socket = self.socket();
         let _ = std::fs::remove_file(&socket);
+        // No busy polling: these tests check behaviour, not speed, and share the machine's
+        // cores with other tests and builds.
         let mut cmd = Command::new(BIN);
         cmd.args(["engine", "--listen", &format!("127.0.0.1:{}", self.nvme_port), "--discovery-port", "0"])
-            .args(["--reactors", "1", "--host-nqn", &self.host_nqn(), "--mgmt-socket"])
+            .args(["--reactors", "1", "--busy-poll-us", "0", "--host-nqn", &self.host_nqn(), "--mgmt-socket"])
             .arg(&socket)
             .stdout(log(&self.dir, "engine"))
             .stderr(log(&self.dir, "engine"));
