@@ -35,13 +35,13 @@ fio_across_path_faults() { ( trap '' PIPE; exec fio "$@" ); }
 # by counting the verify reads completed so far, and reads in flight would take it
 # past them (seen: 7 blocks of zeros at depth 16).
 FIO_STOP=/tmp/fio-stop
-# 4 KiB random reads for 2 s at one depth on a file or device; appends a line of
-# figures (IOPS, mean completion latency) to /host/figures.txt. Two seconds are
-# thousands of reads even under emulation: enough for a mean, and these figures
-# compare paths side by side, they assert nothing.
+# 4 KiB random reads for 1 s at one depth on a file or device; appends a line of
+# figures (IOPS, mean completion latency) to /host/figures.txt. One second is hundreds
+# of reads at depth 1 under emulation and thousands at depth 32: enough for a mean, and
+# these figures compare paths side by side, they assert nothing.
 measure() {   # measure NAME FILE DEPTH
     fio --name=$1 --filename=$2 --ioengine=io_uring --direct=1 --rw=randread --bs=4k --iodepth=$3 \
-        --size=64M --runtime=2 --time_based --output-format=terse --terse-version=3 > /tmp/terse.txt 2>/dev/null \
+        --size=64M --runtime=1 --time_based --output-format=terse --terse-version=3 > /tmp/terse.txt 2>/dev/null \
         || fail "fio on $2"
     # terse v3: field 8 read IOPS, 40 read mean completion latency (us)
     iops=$(cut -d';' -f8 /tmp/terse.txt); lat=$(cut -d';' -f40 /tmp/terse.txt)
