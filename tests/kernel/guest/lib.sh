@@ -35,6 +35,7 @@ fio_across_path_faults() { ( trap '' PIPE; exec fio "$@" ); }
 # by counting the verify reads completed so far, and reads in flight would take it
 # past them (seen: 7 blocks of zeros at depth 16).
 FIO_STOP=/tmp/fio-stop
+rm -f "$FIO_STOP"   # a file left by an earlier script would stop the job at its start
 # 4 KiB random reads for 1 s at one depth on a file or device; appends a line of
 # figures (IOPS, mean completion latency) to /host/figures.txt. One second is hundreds
 # of reads at depth 1 under emulation and thousands at depth 32: enough for a mean, and
