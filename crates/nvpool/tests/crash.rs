@@ -70,21 +70,11 @@ fn start_engine(dir: &Path, port: u16, disks: &[PathBuf], export: bool) -> Child
     // No busy polling: these tests check behaviour, not speed, and share the machine's
     // cores with other tests and builds.
     let mut cmd = Process::new(BIN);
-    cmd.args([
-        "engine",
-        "--listen",
-        &format!("127.0.0.1:{port}"),
-        "--discovery-port",
-        "0",
-        "--reactors",
-        "2",
-        "--busy-poll-us",
-        "0",
-    ])
-    .arg("--mgmt-socket")
-    .arg(&socket)
-    .stdout(Stdio::null())
-    .stderr(Stdio::null());
+    cmd.args(["engine", "--listen", &format!("127.0.0.1:{port}"), "--discovery-port", "0", "--reactors", "2"])
+        .args(["--busy-poll-us", "0", "--mgmt-socket"])
+        .arg(&socket)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
     if export {
         let list: Vec<String> = disks.iter().map(|d| d.display().to_string()).collect();
         cmd.args(["--pool", &list.join(","), "--subsystem", NQN, "--namespace", "volume:crash/v"]);

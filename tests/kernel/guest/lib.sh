@@ -28,14 +28,22 @@ fio_across_path_faults() { ( trap '' PIPE; exec fio "$@" ); }
 # job runs with --trigger-file=$FIO_STOP, and the script creates that file once the
 # faults are over. fio then stops and saves which writes completed (its verify state,
 # in the working directory), and a --verify_only run of the same job with
-# --verify_state_load=1 reads back exactly those. A job sized to outlast the faults
-# went on writing long after them, and its verify pass read all of that back: under
-# emulation, the larger part of the scenario. The verify run reads at depth 1: fio
-# tells the writes that never ran (up to the write job's depth, queued when it stopped)
-# by counting the verify reads completed so far, and reads in flight would take it
-# past them (seen: 7 blocks of zeros at depth 16).
+# --verify_state_load=1 reads back exactly those (verify_written). A job sized to
+# outlast the faults went on writing long after them, and its verify pass read all of
+# that back: under emulation, the larger part of the scenario.
 FIO_STOP=/tmp/fio-stop
 rm -f "$FIO_STOP"   # a file left by an earlier script would stop the job at its start
+# Reads back and verifies every write that completed in the stopped job JOB...
+# At depth 1: fio tells the writes that never ran (up to the write job's depth, queued
+# when it stopped) by counting the verify reads completed so far, and reads in flight
+# would take it past them (seen: 7 blocks of zeros at depth 16).
+verify_written() {   # verify_written OUTPUT JOB...
+    out=$1; shift
+    fio_across_path_faults "$@" --iodepth=1 --verify_only --verify_state_load=1 --output=$out
+    vrc=$?
+    grep -E "err=|read:" $out | head -2
+    [ $vrc = 0 ] && grep -q "err= 0" $out || { cat $out; fail "the writes did not verify (rc $vrc)"; }
+}
 # 4 KiB random reads for 1 s at one depth on a file or device; appends a line of
 # figures (IOPS, mean completion latency) to /host/figures.txt. One second is hundreds
 # of reads at depth 1 under emulation and thousands at depth 32: enough for a mean, and

@@ -97,10 +97,7 @@ wait $FIO
 frc=$?
 grep -E "err=|write:" fio.txt | head -3
 [ $frc = 0 ] && grep -q "err= 0" fio.txt || fail "fio reported errors (rc $frc)"
-fio_across_path_faults $MPATH_JOB --iodepth=1 --verify_only --verify_state_load=1 --output=verify.txt
-vrc=$?
-grep -E "err=|read:" verify.txt | head -2
-[ $vrc = 0 ] && grep -q "err= 0" verify.txt || fail "the writes did not verify (rc $vrc)"
+verify_written verify.txt $MPATH_JOB
 dmesg | grep -iE "I/O error|failing I/O|critical" && fail "the kernel logged I/O errors"
 nvme list-subsys $HEAD | tee list-subsys-after.txt
 nvme disconnect -n $NQN >/dev/null
