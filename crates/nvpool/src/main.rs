@@ -1,70 +1,14 @@
-//! `nvpool`: the engine, the control plane's services, and the command-line verbs that
-//! manage them. Each family of commands has its file in `commands/`; `output.rs`
-//! prints what they return.
-
-mod commands;
-mod output;
-mod process;
-
-use clap::{Parser, Subcommand};
+//! The `nvpool` binary. Everything it does is in the library; this file holds the
+//! version alone, so that the upgrade tests' second build (another `NVPOOL_VERSION`)
+//! compiles it again and links, and nothing else.
 
 /// This build's version: the package version, or `NVPOOL_VERSION` when set at build
 /// time (the upgrade tests build a second binary that way, to tell the two apart).
-pub const VERSION: &str = match option_env!("NVPOOL_VERSION") {
+const VERSION: &str = match option_env!("NVPOOL_VERSION") {
     Some(v) => v,
     None => env!("CARGO_PKG_VERSION"),
 };
 
-/// nvpool: pool every node's NVMe SSDs and serve volumes over NVMe/TCP.
-#[derive(Parser)]
-#[command(version = VERSION, about)]
-struct Cli {
-    #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Subcommand)]
-enum Command {
-    /// Run the engine (an NVMe/TCP target), or manage a running one with its verbs.
-    Engine(Box<commands::engine::EngineCommand>),
-    #[command(flatten)]
-    Cluster(commands::cluster::Command),
-    /// Drive an NVMe/TCP target with I/O and report IOPS, bandwidth and latency.
-    Bench(commands::bench::BenchArgs),
-    /// Run the protocol-minimal NVMe/TCP responder (the machine's limit for benchmarks).
-    Responder(commands::bench::ResponderArgs),
-}
-
-/// Runs a parsed command line.
-fn run(cli: Cli) -> Result<(), String> {
-    match cli.command {
-        Command::Engine(c) => commands::engine::run(*c),
-        Command::Cluster(c) => commands::cluster::run(c),
-        Command::Bench(a) => commands::bench::run_bench(a),
-        Command::Responder(a) => commands::bench::run_responder(a),
-    }
-}
-
-/// Logs go to standard error at the level `NVPOOL_LOG` names (error, warn, info,
-/// debug or trace; info when unset).
-fn init_logging() {
-    let level =
-        std::env::var("NVPOOL_LOG").ok().and_then(|l| l.parse::<tracing::Level>().ok()).unwrap_or(tracing::Level::INFO);
-    // Colours only on a terminal: logs usually land in files.
-    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_max_level(level)
-        .with_target(false)
-        .with_ansi(colour)
-        .init();
-}
-
 fn main() {
-    nvpool_engine::set_version(VERSION);
-    init_logging();
-    if let Err(e) = run(Cli::parse()) {
-        eprintln!("nvpool: {e}");
-        std::process::exit(1);
-    }
+    nvpool::main(VERSION);
 }

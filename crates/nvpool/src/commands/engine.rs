@@ -897,7 +897,11 @@ fn run_engine(a: EngineArgs) -> Result<(), String> {
             }
         }
     }
-    println!("nvpool engine {} running; management socket {}", crate::VERSION, cfg.management_socket.display());
+    println!(
+        "nvpool engine {} running; management socket {}",
+        nvpool_engine::version(),
+        cfg.management_socket.display()
+    );
     for l in engine.listeners() {
         let scheme = if l.transport == Transport::Rdma { "rdma:" } else { "" };
         println!("  listening on {scheme}{}:{}", l.addr, l.port);
@@ -943,7 +947,7 @@ fn run_taken_over() -> Result<(), String> {
     }
     println!(
         "nvpool engine {} took over (pid {}); management socket {}",
-        crate::VERSION,
+        nvpool_engine::version(),
         std::process::id(),
         taken.config.management_socket.display()
     );
