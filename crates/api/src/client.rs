@@ -97,7 +97,8 @@ pub fn call<M: Method>(socket: &Path, request: &M) -> Result<M::Reply, ApiError>
     };
     let mut s = UnixStream::connect(socket).map_err(unavailable)?;
     let line = serde_json::json!({ "method": M::NAME, "params": request });
-    writeln!(s, "{line}").map_err(unavailable)?;
+    // One write: formatting straight into the socket would send each token on its own.
+    s.write_all(format!("{line}\n").as_bytes()).map_err(unavailable)?;
     let mut answer = String::new();
     BufReader::new(s).read_line(&mut answer).map_err(unavailable)?;
     if answer.is_empty() {

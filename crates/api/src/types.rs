@@ -200,6 +200,10 @@ pub struct SubsystemInfo {
     pub tls_psk_hosts: Vec<String>,
     /// Namespaces.
     pub namespaces: Vec<NamespaceInfo>,
+    /// Its ANA groups and their states, as `ana_list` gives them: one listing tells an
+    /// agent every export's states, without a question per subsystem.
+    #[serde(default)]
+    pub ana_groups: Vec<AnaGroupInfo>,
 }
 
 /// How a host authenticates, without its secrets.

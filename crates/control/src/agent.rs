@@ -1,11 +1,11 @@
 //! `nvpool agent`: one per node. It registers the node with the controller, reports
 //! its pools and heartbeats, and makes its engine match the state the controller wants:
 //! volumes, their exports and allow-lists. It keeps the last state it was given and
-//! re-applies it on every heartbeat, so an engine that restarted gets its exports back
-//! without the controller's help; a restarted agent registers again and is sent the
-//! state anew. On a volume's owner it also makes the local devices the controller
-//! wants (ublk, for the node's own containers): an engine that restarted takes such a
-//! device back by its number, with the I/O it held.
+//! applies it again when a heartbeat finds another engine process, so an engine that
+//! restarted gets its exports back without the controller's help; a restarted agent
+//! registers again and is sent the state anew. On a volume's owner it also makes the
+//! local devices the controller wants (ublk, for the node's own containers): an engine
+//! that restarted takes such a device back by its number, with the I/O it held.
 
 use crate::client::Controllers;
 use crate::metrics::{AgentMetrics, ResultLabels};
@@ -13,13 +13,13 @@ use crate::model::VOLUME_NQN_PREFIX;
 use crate::proto::{self, agent_server::AgentServer};
 use nvpool_api::{
     AddHost, AddLocalDevice, AddNamespace, AddSubsystem, AnaState, CancelMigration, CreateVolume, DeleteVolume,
-    DhchapKeys, ErrorKind, GetEngineInfo, GetMigration, GetVolume, ListAnaGroups, ListListeners, ListLocalDevices,
+    DhchapKeys, EngineInfo, ErrorKind, GetEngineInfo, GetMigration, ListAnaGroups, ListListeners, ListLocalDevices,
     ListPools, ListSubsystems, ListVolumes, LocalDeviceConfig, LocalDeviceInfo, Method, NamespaceConfig, QosLimits,
     RemoveHost, RemoveLocalDevice, RemoveSubsystem, ResizeVolume, SetAnaState, SetControllerIdRange, SetNamespaceQos,
     StartMigration, SubsystemConfig, SubsystemInfo, SwapNamespace, SwitchMigration, UpgradeEngine, VolumeIdentity,
     VolumeInfo,
 };
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -51,7 +51,20 @@ struct Applied {
     state: Option<proto::NodeState>,
     /// Generation of the last state applied without errors.
     generation: u64,
+    /// Whether the last application of `state` went without errors.
+    ok: bool,
+    /// The engine process it was applied to (0: unknown).
+    engine_pid: u32,
+    /// When it was last applied.
+    at: Option<std::time::Instant>,
 }
+
+/// How often the last state is applied again although nothing says the engine lost
+/// any of it: a check that nobody changed the engine's exports by hand. Otherwise a
+/// heartbeat applies it again only when the engine is another process (it restarted)
+/// or the last application failed, so that a node at rest costs next to nothing
+/// however many volumes it holds.
+const RECHECK_EVERY: Duration = Duration::from_secs(30);
 
 struct Service {
     engine: PathBuf,
@@ -74,8 +87,13 @@ impl Service {
         let engine = self.engine.clone();
         let to_apply = state.clone();
         let started = std::time::Instant::now();
-        let results = tokio::task::spawn_blocking(move || reconcile(&engine, &to_apply)).await.unwrap_or_else(|e| {
-            vec![proto::VolumeResult { error: format!("agent failed: {e}"), ..Default::default() }]
+        let (engine_pid, results) = tokio::task::spawn_blocking(move || {
+            let pid = call(&engine, GetEngineInfo {}).map_or(0, |i| i.pid);
+            (pid, reconcile(&engine, &to_apply))
+        })
+        .await
+        .unwrap_or_else(|e| {
+            (0, vec![proto::VolumeResult { error: format!("agent failed: {e}"), ..Default::default() }])
         });
         self.metrics.apply_seconds.observe(started.elapsed().as_secs_f64());
         let ok = results.iter().all(|r| r.error.is_empty());
@@ -85,6 +103,9 @@ impl Service {
             self.metrics.applied_generation.set(state.generation as i64);
         }
         applied.state = Some(state);
+        applied.ok = ok;
+        applied.engine_pid = engine_pid;
+        applied.at = Some(started);
         results
     }
 }
@@ -187,7 +208,10 @@ fn result(id: &str, outcome: Result<Option<VolumeInfo>, String>, connected: Vec<
     }
 }
 
-/// Makes the engine match `state`; one result per volume.
+/// Makes the engine match `state`; one result per volume. The engine is asked for its
+/// volumes, exports and local devices once; a volume whose export is as wanted costs
+/// no further question, so applying an unchanged state to a node of many volumes is
+/// three listings.
 fn reconcile(engine: &Path, state: &proto::NodeState) -> Vec<proto::VolumeResult> {
     let listed = call(engine, ListVolumes { pool: None })
         .and_then(|volumes| Ok((volumes, call(engine, ListSubsystems {})?, call(engine, ListLocalDevices {})?)));
@@ -195,15 +219,19 @@ fn reconcile(engine: &Path, state: &proto::NodeState) -> Vec<proto::VolumeResult
         Ok(found) => found,
         Err(e) => return state.volumes.iter().map(|d| result(&d.id, Err(e.clone()), vec![])).collect(),
     };
+    let volumes: HashMap<(&str, &str), &VolumeInfo> =
+        volumes.iter().map(|v| ((v.pool.as_str(), v.name.as_str()), v)).collect();
+    let subsystems: HashMap<&str, &SubsystemInfo> = subsystems.iter().map(|s| (s.nqn.as_str(), s)).collect();
     // Local devices first go where unwanted: an export cannot be removed from under one.
+    let wanted_devices: HashSet<(String, bool)> = state
+        .volumes
+        .iter()
+        .filter(|d| d.present && d.owner_address.is_empty())
+        .filter_map(|d| d.local.as_ref().map(|l| (local_target(d), l.read_only)))
+        .collect();
     let mut gone_wrong = Vec::new();
     for dev in &devices {
-        let wanted = state.volumes.iter().any(|d| {
-            d.present
-                && d.owner_address.is_empty()
-                && local_target(d) == dev.target
-                && d.local.as_ref().is_some_and(|l| l.read_only == dev.read_only)
-        });
+        let wanted = wanted_devices.contains(&(dev.target.clone(), dev.read_only));
         // The controller makes ublk devices; a vhost-user-blk socket was made by hand.
         let ours = dev.target.starts_with(VOLUME_NQN_PREFIX) && dev.ublk_id.is_some();
         if ours
@@ -217,14 +245,13 @@ fn reconcile(engine: &Path, state: &proto::NodeState) -> Vec<proto::VolumeResult
         .volumes
         .iter()
         .map(|d| {
-            let subsystem = subsystems.iter().find(|s| s.nqn == d.subsystem_nqn);
+            let subsystem = subsystems.get(d.subsystem_nqn.as_str()).copied();
+            let volume = volumes.get(&(d.pool.as_str(), d.engine_name.as_str())).copied();
             let outcome = if !d.owner_address.is_empty() {
                 forward(engine, d, subsystem).map(|()| None)
             } else if d.present {
-                let volume = volumes.iter().find(|v| v.pool == d.pool && v.name == d.engine_name);
                 ensure(engine, d, volume, subsystem).map(Some)
             } else {
-                let volume = volumes.iter().find(|v| v.pool == d.pool && v.name == d.engine_name);
                 remove(engine, d, volume.is_some(), subsystem.is_some()).map(|()| None)
             };
             let connected = subsystem.map(|s| s.connected_hosts.clone()).unwrap_or_default();
@@ -245,11 +272,10 @@ fn reconcile(engine: &Path, state: &proto::NodeState) -> Vec<proto::VolumeResult
         .collect();
     // A volume's export that the state no longer names is one this node stopped
     // being an access point for (or a volume deleted while the node was away).
-    for s in subsystems.iter().filter(|s| s.nqn.starts_with(VOLUME_NQN_PREFIX)) {
-        if !state.volumes.iter().any(|d| d.subsystem_nqn == s.nqn)
-            && let Err(e) = call(engine, RemoveSubsystem { nqn: s.nqn.clone() })
-        {
-            results.push(result(&s.nqn, Err(format!("cannot remove the export {}: {e}", s.nqn)), vec![]));
+    let named: HashSet<&str> = state.volumes.iter().map(|d| d.subsystem_nqn.as_str()).collect();
+    for nqn in subsystems.keys().filter(|n| n.starts_with(VOLUME_NQN_PREFIX) && !named.contains(*n)) {
+        if let Err(e) = call(engine, RemoveSubsystem { nqn: nqn.to_string() }) {
+            results.push(result(nqn, Err(format!("cannot remove the export {nqn}: {e}")), vec![]));
         }
     }
     results
@@ -343,8 +369,12 @@ fn export(
     if qos != namespace.qos {
         call(engine, SetNamespaceQos { nqn: nqn.clone(), nsid: 1, limits: namespace.qos })?;
     }
-    // The namespace is alone in ANA group 1 (its NSID).
-    let groups = call(engine, ListAnaGroups { nqn: nqn.clone() })?;
+    // The namespace is alone in ANA group 1 (its NSID). The listing's groups hold
+    // unless the subsystem or its namespace was made just now.
+    let groups = match subsystem.filter(|s| s.namespaces.iter().any(|n| n.nsid == 1)) {
+        Some(s) => s.ana_groups.clone(),
+        None => call(engine, ListAnaGroups { nqn: nqn.clone() })?,
+    };
     let group = groups.iter().find(|g| g.nsids.contains(&1));
     for a in &d.ana {
         let state: AnaState = a.state.parse()?;
@@ -442,9 +472,6 @@ fn ensure(
         qos: limits(d),
     };
     export(engine, d, namespace, subsystem)?;
-    if volume.is_some() {
-        info = call(engine, GetVolume { pool, name })?;
-    }
     Ok(info)
 }
 
@@ -468,8 +495,7 @@ struct Usage {
     counters: Vec<proto::VolumeCounters>,
 }
 
-fn usage(engine: &Path) -> Result<Usage, String> {
-    let version = call(engine, GetEngineInfo {})?.version;
+fn usage(engine: &Path, version: String) -> Result<Usage, String> {
     let pools = call(engine, ListPools {})?;
     let volumes = call(engine, ListVolumes { pool: None })?;
     let pools = pools
@@ -547,8 +573,7 @@ fn peer_address(engine: &Path, given: &Option<String>, nvme: &str) -> Result<Str
 
 /// Gives the engine the controller IDs the controller chose for this node, unless it
 /// has them (an engine that restarted has its configured range again).
-fn keep_cntlid_range(engine: &Path, (min, max): (u16, u16)) -> Result<(), String> {
-    let info = call(engine, GetEngineInfo {})?;
+fn keep_cntlid_range(engine: &Path, info: &EngineInfo, (min, max): (u16, u16)) -> Result<(), String> {
     if (info.cntlid_min, info.cntlid_max) != (min, max) {
         call(engine, SetControllerIdRange { min, max })?;
     }
@@ -598,8 +623,8 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
             let found = tokio::task::spawn_blocking(move || {
                 let nvme = nvme_address(&engine2, &given)?;
                 let peer = peer_address(&engine2, &given_peer, &nvme)?;
-                let host_nqn = call(&engine2, GetEngineInfo {})?.host_nqn;
-                usage(&engine2).map(|u| (nvme, peer, host_nqn, u))
+                let info = call(&engine2, GetEngineInfo {})?;
+                usage(&engine2, info.version).map(|u| (nvme, peer, info.host_nqn, u))
             })
             .await
             .map_err(|e| e.to_string())?;
@@ -626,7 +651,9 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
                             cntlid_range = u16::try_from(r.cntlid_min).ok().zip(u16::try_from(r.cntlid_max).ok());
                             if let Some(range) = cntlid_range {
                                 let engine2 = engine.clone();
-                                let set = tokio::task::spawn_blocking(move || keep_cntlid_range(&engine2, range));
+                                let set = tokio::task::spawn_blocking(move || {
+                                    keep_cntlid_range(&engine2, &call(&engine2, GetEngineInfo {})?, range)
+                                });
                                 if let Ok(Err(e)) = set.await {
                                     tracing::warn!(agent = %args.name, "cannot set the engine's controller IDs: {e}");
                                 }
@@ -641,18 +668,36 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
                 Err(e) => tracing::warn!(agent = %args.name, "engine at {}: {e}", engine.display()),
             }
         } else {
-            // Controller IDs first: hosts reconnect as soon as the exports are back.
-            if let Some(range) = cntlid_range {
-                let engine2 = engine.clone();
-                let _ = tokio::task::spawn_blocking(move || keep_cntlid_range(&engine2, range)).await;
-            }
-            // Re-apply the last state, which restores exports after an engine restart.
-            let last = service.applied.lock().await.state.clone();
-            if let Some(state) = last {
-                service.apply(state).await;
+            let engine2 = engine.clone();
+            let info = tokio::task::spawn_blocking(move || {
+                let info = call(&engine2, GetEngineInfo {})?;
+                // Controller IDs first: hosts reconnect as soon as the exports are back.
+                if let Some(range) = cntlid_range {
+                    let _ = keep_cntlid_range(&engine2, &info, range);
+                }
+                Ok::<_, String>(info)
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+            // Apply the last state again where the engine may not hold it: another
+            // process than the one it was applied to (a restart), a failed application,
+            // or the periodic check.
+            if let Ok(info) = &info {
+                let again = {
+                    let applied = service.applied.lock().await;
+                    applied.state.clone().filter(|_| {
+                        !applied.ok
+                            || applied.engine_pid != info.pid
+                            || applied.at.is_none_or(|at| at.elapsed() >= RECHECK_EVERY)
+                    })
+                };
+                if let Some(state) = again {
+                    service.apply(state).await;
+                }
             }
             let engine2 = engine.clone();
-            let usage = tokio::task::spawn_blocking(move || usage(&engine2)).await.map_err(|e| e.to_string())?;
+            let usage =
+                tokio::task::spawn_blocking(move || usage(&engine2, info?.version)).await.map_err(|e| e.to_string())?;
             let applied_generation = service.applied.lock().await.generation;
             service.metrics.engine_up.set(i64::from(usage.is_ok()));
             let hb = match usage {

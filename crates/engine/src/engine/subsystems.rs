@@ -186,6 +186,7 @@ impl Engine {
                         hosts
                     },
                     namespaces: s.namespaces().values().map(|ns| namespace_info(ns)).collect(),
+                    ana_groups: s.ana_groups(),
                 }
             })
             .collect()
