@@ -371,9 +371,13 @@ fn export(
     }
     // The namespace is alone in ANA group 1 (its NSID). The listing's groups hold
     // unless the subsystem or its namespace was made just now.
+    let asked;
     let groups = match subsystem.filter(|s| s.namespaces.iter().any(|n| n.nsid == 1)) {
-        Some(s) => s.ana_groups.clone(),
-        None => call(engine, ListAnaGroups { nqn: nqn.clone() })?,
+        Some(s) => &s.ana_groups,
+        None => {
+            asked = call(engine, ListAnaGroups { nqn: nqn.clone() })?;
+            &asked
+        }
     };
     let group = groups.iter().find(|g| g.nsids.contains(&1));
     for a in &d.ana {
