@@ -1,9 +1,19 @@
 # Sourced: starts a real Kubernetes API server (and the etcd it keeps its state in) in
 # the current directory, from the binaries tests/k8s/build-tools made.
 #   start_kube_api [ADVERTISE_IP]   (default 127.0.0.1; its certificate names that address)
+#   stop_all                        (every process in PIDS: for the caller's EXIT trap)
 # Needs TOOLS, PIDS (appended to), port and wait_for from the caller. Sets API (the
 # port), writes kubeconfig (exported as KUBECONFIG), kube-token (the admin's bearer
 # token) and certs/apiserver.crt (the server's certificate and the CA it chains to).
+# The API server, told to stop as its etcd goes too, waits for it for ever (three were
+# found still running hours later): what has not stopped after 5 s is killed.
+stop_all() {
+    kill "${PIDS[@]}" 2>/dev/null || true
+    for _ in $(seq 25); do kill -0 "${PIDS[@]}" 2>/dev/null || break; sleep 0.2; done
+    kill -9 "${PIDS[@]}" 2>/dev/null || true
+    wait 2>/dev/null || true
+}
+
 start_kube_api() {
     local advertise=${1:-127.0.0.1} etcd_port peer_port
     etcd_port=$(port); peer_port=$(port); API=$(port)

@@ -85,12 +85,14 @@ grep -qE 'controller authentication failed|authentication failed' /host/kmsg-bid
 
 step "the hashes and groups the engine chooses, with an untransformed secret"
 # Under emulation the kernel's ffdhe6144 and 8192 exchanges take seconds per step, more
-# than the default 5 s Keep Alive Timeout the engine holds the host to meanwhile.
+# than the default 5 s Keep Alive Timeout the engine holds the host to meanwhile. Every
+# queue runs its own exchange: one I/O queue (besides the admin queue) is enough to see
+# each choice authenticate both kinds, and the step costs a third less.
 for choice in sha384:null sha512:ffdhe3072 sha256:ffdhe4096 sha384:ffdhe6144 sha512:ffdhe8192; do
     NVPOOL_DHCHAP_SECRET=$PLAIN NVPOOL_DHCHAP_CTRL_SECRET=$CKEY cli host add $NQN $HOSTNQN \
         --dhchap-hash ${choice%%:*} --dhchap-dhgroup ${choice#*:} > /dev/null || fail "host add $choice"
     mark $choice
-    conn --dhchap-secret=$PLAIN --dhchap-ctrl-secret=$CKEY --keep-alive-tmo=60 > /dev/null \
+    conn --dhchap-secret=$PLAIN --dhchap-ctrl-secret=$CKEY --keep-alive-tmo=60 -i 1 > /dev/null \
         || { since $choice; fail "connect with $choice"; }
     since $choice | grep -m1 'qid 0: .*authenticated' || fail "$choice: not authenticated"
     disconnect

@@ -33,16 +33,54 @@ fio_across_path_faults() { ( trap '' PIPE; exec fio "$@" ); }
 # that back: under emulation, the larger part of the scenario.
 FIO_STOP=/tmp/fio-stop
 rm -f "$FIO_STOP"   # a file left by an earlier script would stop the job at its start
-# Reads back and verifies every write that completed in the stopped job JOB...
-# At depth 1: fio tells the writes that never ran (up to the write job's depth, queued
-# when it stopped) by counting the verify reads completed so far, and reads in flight
-# would take it past them (seen: 7 blocks of zeros at depth 16).
-verify_written() {   # verify_written OUTPUT JOB...
-    out=$1; shift
-    fio_across_path_faults "$@" --iodepth=1 --verify_only --verify_state_load=1 --output=$out
+# Reads back and verifies every write that the stopped job JOB... issued, at depth 8.
+# A verify-only run replays the job's offsets in order; stopped when its state says,
+# reads in flight past the last completed write met blocks never written (seen: 7
+# blocks of zeros at depth 16), which is why the pass once ran at depth 1 (a quarter
+# of the multipath scenarios' time). fio reaps every write it issued before it exits,
+# so --number_ios with the write job's issued count (its report, WRITTEN) bounds the
+# pass to writes that all completed, at any depth. It must read all but the last few
+# of them (those in flight when the job stopped, which its state may leave out):
+# a pass that read less proves less.
+verify_written() {   # verify_written WRITTEN OUTPUT JOB...
+    written=$1 out=$2; shift 2
+    issued=$(sed -n 's/.*issued rwts: total=[0-9]*,\([0-9]*\),.*/\1/p' $written)
+    [ -n "$issued" ] || { cat $written; fail "no count of issued writes in $written"; }
+    fio_across_path_faults "$@" --iodepth=8 --number_ios=$issued --verify_only --verify_state_load=1 --output=$out
     vrc=$?
     grep -E "err=|read:" $out | head -2
     [ $vrc = 0 ] && grep -q "err= 0" $out || { cat $out; fail "the writes did not verify (rc $vrc)"; }
+    read_back=$(sed -n 's/.*issued rwts: total=\([0-9]*\),.*/\1/p' $out)
+    [ "${read_back:-0}" -ge $((issued - 8)) ] || { cat $out; fail "the verify pass read $read_back of $issued writes"; }
+    echo "verified $read_back of the $issued writes issued"
+}
+# The verify pass must catch what it exists to catch: writes that a device lost. A
+# job on a scratch file stops, its writes verify; then the file is emptied (every
+# block reads as zeros) and the same pass must fail.
+verify_written_catches_lost_writes() {
+    scratch=/tmp/verify-check
+    job="--name=check --filename=$scratch/file --rw=randwrite --bs=4k --ioengine=io_uring --size=8m
+        --verify=crc32c --verify_fatal=1 --randseed=3 --eta=never"
+    rm -rf $scratch && mkdir -p $scratch && cd $scratch
+    truncate -s 8M file
+    fio $job --iodepth=8 --rate_iops=,400 --trigger-file=$scratch/stop --output=written.txt &
+    # Stopped once it has written (a trigger that fio meets before its first write
+    # ends the job with no report).
+    written_yet() { ! cmp -s -n 8388608 file /dev/zero; }
+    wait_for 60 written_yet || fail "the scratch write job wrote nothing"
+    sleep 1   # a few hundred writes
+    touch $scratch/stop; wait $! || fail "the scratch write job"
+    # A verify pass saves its own state over the write job's: the second pass loads a copy.
+    cp local-check-0-verify.state written.state
+    ( verify_written written.txt verified.txt $job ) > pass.txt || { cat pass.txt; fail "the scratch writes did not verify"; }
+    tail -1 pass.txt
+    truncate -s 0 file && truncate -s 8M file
+    cp written.state local-check-0-verify.state
+    if ( verify_written written.txt lost.txt $job ) > /dev/null 2>&1; then
+        fail "the verify pass passed on a file whose writes were lost"
+    fi
+    cd - > /dev/null && rm -rf $scratch
+    echo "the verify pass fails on lost writes, as it must"
 }
 # 4 KiB random reads for 1 s at one depth on a file or device; appends a line of
 # figures (IOPS, mean completion latency) to /host/figures.txt. One second is hundreds

@@ -85,7 +85,7 @@ awk -F', *' -v from=$MOVE_FROM -v to=$MOVE_TO '$3 == 1 {
                  n, (to - from) / 1000, during / 1e6, at / 1000, outside / 1e6 }' lat_clat.1.log
 
 step "a re-read from B verifies every write, and the whole device reads"
-verify_written reread.txt $MIG_JOB
+verify_written fio.txt reread.txt $MIG_JOB
 dd if=$HEAD of=/dev/null bs=1M 2>dd.txt || fail "reading the whole device failed: $(cat dd.txt)"
 tail -1 dd.txt
 

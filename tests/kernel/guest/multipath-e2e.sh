@@ -57,6 +57,9 @@ for port in $PORT_A $PORT_B $PORT_O; do
     echo "ANA log through $port: $(nvme ana-log /dev/$(ctrl_on $port) | grep -E "grpid|state|nsid" | tr -d '\t' | paste -sd ' ')"
 done
 
+step "the verify pass that follows the faults fails on lost writes"
+verify_written_catches_lost_writes
+
 step "fio writes and verifies through $HEAD while the paths change"
 # A cap on the writes' rate keeps them going across all the faults; they stop after the
 # last one, and every write that completed is read back and verified.
@@ -97,7 +100,7 @@ wait $FIO
 frc=$?
 grep -E "err=|write:" fio.txt | head -3
 [ $frc = 0 ] && grep -q "err= 0" fio.txt || fail "fio reported errors (rc $frc)"
-verify_written verify.txt $MPATH_JOB
+verify_written fio.txt verify.txt $MPATH_JOB
 dmesg | grep -iE "I/O error|failing I/O|critical" && fail "the kernel logged I/O errors"
 nvme list-subsys $HEAD | tee list-subsys-after.txt
 nvme disconnect -n $NQN >/dev/null

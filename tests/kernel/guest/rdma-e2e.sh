@@ -123,7 +123,7 @@ touch $FIO_STOP
 wait $FIO || { cat /host/fio-paths.txt; fail "fio across the path changes"; }
 checked /host/fio-paths.txt 1
 grep -E "^ *write:" /host/fio-paths.txt
-verify_written /host/fio-paths-verify.txt $PATHS_JOB
+verify_written /host/fio-paths.txt /host/fio-paths-verify.txt $PATHS_JOB
 # The RDMA controller reconnects here, as it must; no command may time out.
 dmesg > /tmp/dmesg.now
 tail -n +$(( $(cat /tmp/dmesg.seen) + 1 )) /tmp/dmesg.now | grep -E 'nvme.*timeout' && fail "a command timed out while the paths changed"
