@@ -46,7 +46,8 @@ type VhostResult<T> = vhost::vhost_user::Result<T>;
 
 /// Most virtqueues a device offers (QEMU's `num-queues` may ask for fewer).
 const MAX_QUEUES: u16 = 16;
-/// How long a reactor may take to start or drain one of its virtqueues.
+/// How often a session waiting on a reactor (to start a virtqueue, or to drain one)
+/// says it is still waiting.
 const RING_PATIENCE: Duration = Duration::from_secs(10);
 
 /// A vhost-user-blk device this engine serves.
@@ -389,17 +390,19 @@ impl Session {
                 r.ring.add_client(id, Box::new(queue));
             }));
         });
-        match rx.recv_timeout(RING_PATIENCE) {
-            Ok(Ok(())) => {
+        // Waited for however long it takes: a run the session stopped waiting for would
+        // still start later, beside the next one on the same ring.
+        match wait_for_reactor(&rx, &self.device, index, "to take the virtqueue") {
+            Some(Ok(())) => {
                 v.running = Some(Running { id, reactor, call, old_calls: Vec::new() });
                 tracing::debug!(device = ?self.device, queue = index, reactor, "virtqueue serving");
                 Ok(())
             }
-            Ok(Err(e)) => {
+            Some(Err(e)) => {
                 tracing::warn!(device = ?self.device, queue = index, "cannot serve a virtqueue: {e}");
                 Err(refused("the virtqueue is not valid"))
             }
-            Err(_) => Err(refused("a reactor did not take its virtqueue")),
+            None => Err(refused("a reactor ended before it took its virtqueue")),
         }
     }
 
@@ -411,14 +414,13 @@ impl Session {
         let (tx, rx) = mpsc::channel();
         // A virtqueue that ended already is not there: the sender goes, and so does the wait.
         self.links[running.reactor].mail(Mail::Client { key: running.id, message: Box::new(Stop(tx)) });
-        match rx.recv_timeout(RING_PATIENCE) {
-            Ok(next) => v.base = next,
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                tracing::warn!(device = ?self.device, queue = index, "a virtqueue did not drain within 10 s")
-            }
-            // The reactor no longer had it (it ended with its reactor): nothing to drain.
-            Err(mpsc::RecvTimeoutError::Disconnected) => {}
+        // Until the run has ended, it may still take requests, write guest memory and
+        // signal the call files `running` keeps open: only then may the ring be
+        // handed on, or the files closed.
+        if let Some(next) = wait_for_reactor(&rx, &self.device, index, "to drain the virtqueue") {
+            v.base = next;
         }
+        drop(running);
         v.base
     }
 
@@ -428,6 +430,22 @@ impl Session {
             self.stop(i);
         }
         running
+    }
+}
+
+/// Waits for a reactor's answer about virtqueue `index`, saying every [`RING_PATIENCE`]
+/// that it still waits; `None` if the reactor dropped the question unanswered.
+fn wait_for_reactor<T>(rx: &mpsc::Receiver<T>, device: &VhostDevice, index: usize, what: &str) -> Option<T> {
+    let mut waited = Duration::ZERO;
+    loop {
+        match rx.recv_timeout(RING_PATIENCE) {
+            Ok(answer) => return Some(answer),
+            Err(mpsc::RecvTimeoutError::Disconnected) => return None,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                waited += RING_PATIENCE;
+                tracing::warn!(device = ?device, queue = index, "still waiting for a reactor {what} ({} s)", waited.as_secs());
+            }
+        }
     }
 }
 
