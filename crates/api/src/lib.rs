@@ -57,6 +57,11 @@ methods! {
     }
     /// Every subsystem, the discovery subsystem included, with namespaces and counters.
     "subsystem_list" => ListSubsystems -> Vec<SubsystemInfo> {}
+    /// The subsystems of these NQNs that exist, as `subsystem_list` gives them.
+    "subsystem_get" => GetSubsystems -> Vec<SubsystemInfo> {
+        /// Subsystem NQNs.
+        nqns: Vec<String>,
+    }
     /// Removes a subsystem and ends its controllers.
     "subsystem_remove" => RemoveSubsystem -> Empty {
         /// Subsystem NQN.
@@ -212,6 +217,13 @@ methods! {
     }
     /// Every open pool.
     "pool_list" => ListPools -> Vec<PoolInfo> {}
+    /// What a node's agent reports with each heartbeat: the pools, each volume's
+    /// allocated bytes and each namespace's counters; given the mark of this engine's
+    /// previous answer, only what changed since it (at rest, next to nothing).
+    "usage" => GetUsage -> UsageReport {
+        /// The `mark` of the previous answer; everything when absent.
+        since: Option<u64>,
+    }
     /// Creates a volume.
     "volume_create" => CreateVolume -> VolumeInfo {
         /// Pool name.

@@ -374,6 +374,49 @@ pub struct AnaHostState {
     pub state: AnaState,
 }
 
+/// The engine's usage (`usage`): everything, or what changed since an earlier answer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UsageReport {
+    /// Passed as `since` next time, it asks for what changed after this answer.
+    pub mark: u64,
+    /// True: everything is listed (no `since`, or one that is not this engine's last
+    /// mark: another caller asked since, or another process answers), and the caller
+    /// forgets what it kept. False: only what changed since `since`.
+    pub complete: bool,
+    /// Every pool (always all of them: a node has few).
+    pub pools: Vec<PoolInfo>,
+    /// Volumes whose allocated bytes changed (all of them when complete).
+    pub volumes: Vec<VolumeUsage>,
+    /// Volumes deleted since `since`.
+    pub volumes_gone: Vec<VolumeUsage>,
+    /// Namespaces whose counters changed (all of them when complete).
+    pub namespaces: Vec<NamespaceUsage>,
+    /// Namespaces removed since `since`.
+    pub namespaces_gone: Vec<NamespaceUsage>,
+}
+
+/// One volume's space in a [`UsageReport`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeUsage {
+    /// Pool name.
+    pub pool: String,
+    /// Volume name.
+    pub name: String,
+    /// Bytes of clusters allocated to the volume (0 in `volumes_gone`).
+    pub allocated_bytes: u64,
+}
+
+/// One namespace's counters in a [`UsageReport`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NamespaceUsage {
+    /// Subsystem NQN.
+    pub nqn: String,
+    /// Namespace ID.
+    pub nsid: u32,
+    /// Its counters (zeros in `namespaces_gone`).
+    pub stats: StatsSnapshot,
+}
+
 /// Per-namespace I/O counters, summed over all reactors.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StatsSnapshot {

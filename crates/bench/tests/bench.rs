@@ -52,8 +52,15 @@ fn drives_the_minimal_responder() {
         let rep = run(&options(addr, "nqn.any", workload, bs, false)).unwrap();
         assert!(rep.ios > 0 && rep.errors == 0, "{workload:?} {bs}: {rep:?}");
         assert!(rep.latency.p50_us > 0.0 && rep.latency.p99_us >= rep.latency.p50_us);
-        // 400 ms measured in windows of 100 ms, each with I/O and a slowest one.
-        assert!(rep.timeline.len() >= 3 && rep.timeline.iter().all(|w| w.iops > 0.0 && w.max_us > 0.0), "{rep:?}");
+        // The measured time in windows of 100 ms or more (a window ends at the first
+        // look at the clock past its end: on a busy machine, later), in order, each
+        // with I/O and a slowest one. 400 ms were asked for; a late start of the
+        // measurement (seen: 332 ms measured, two windows, beside an emulated guest)
+        // leaves fewer.
+        let windows = &rep.timeline;
+        assert!(!windows.is_empty() && windows.iter().all(|w| w.iops > 0.0 && w.max_us > 0.0), "{rep:?}");
+        assert!(windows.windows(2).all(|p| p[1].at_s >= p[0].at_s + 0.1), "{rep:?}");
+        assert!(windows.last().unwrap().at_s + 0.1 <= rep.seconds, "{rep:?}");
     }
     stop.store(true, Ordering::Relaxed);
     server.join().unwrap();

@@ -13,11 +13,11 @@ use crate::model::VOLUME_NQN_PREFIX;
 use crate::proto::{self, agent_server::AgentServer};
 use nvpool_api::{
     AddHost, AddLocalDevice, AddNamespace, AddSubsystem, AnaState, CancelMigration, CreateVolume, DeleteVolume,
-    DhchapKeys, EngineInfo, ErrorKind, GetEngineInfo, GetMigration, ListAnaGroups, ListListeners, ListLocalDevices,
-    ListPools, ListSubsystems, ListVolumes, LocalDeviceConfig, LocalDeviceInfo, Method, NamespaceConfig, QosLimits,
-    RemoveHost, RemoveLocalDevice, RemoveSubsystem, ResizeVolume, SetAnaState, SetControllerIdRange, SetNamespaceQos,
-    StartMigration, SubsystemConfig, SubsystemInfo, SwapNamespace, SwitchMigration, UpgradeEngine, VolumeIdentity,
-    VolumeInfo,
+    DhchapKeys, EngineInfo, ErrorKind, GetEngineInfo, GetMigration, GetSubsystems, GetUsage, GetVolume, ListAnaGroups,
+    ListListeners, ListLocalDevices, ListPools, ListSubsystems, ListVolumes, LocalDeviceConfig, LocalDeviceInfo,
+    Method, NamespaceConfig, NamespaceUsage, QosLimits, RemoveHost, RemoveLocalDevice, RemoveSubsystem, ResizeVolume,
+    SetAnaState, SetControllerIdRange, SetNamespaceQos, StartMigration, SubsystemConfig, SubsystemInfo, SwapNamespace,
+    SwitchMigration, UpgradeEngine, UsageReport, VolumeIdentity, VolumeInfo,
 };
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
@@ -81,15 +81,29 @@ impl Service {
 }
 
 impl Service {
-    /// Applies `state` to the engine and remembers it.
-    async fn apply(&self, state: proto::NodeState) -> Vec<proto::VolumeResult> {
+    /// Applies `state` to the engine and remembers it whole: a whole state, or changes
+    /// to the one it holds (on the same engine process after an application without
+    /// errors, only the changed entries are applied; otherwise the whole state they
+    /// make). `None`: changes to a state it does not hold, so nothing was applied.
+    async fn apply(&self, state: proto::NodeState) -> Option<Vec<proto::VolumeResult>> {
         let mut applied = self.applied.lock().await;
+        let (whole, changes) = match state.changes_since {
+            0 => (state, None),
+            since => {
+                let held = applied.state.as_ref().filter(|held| held.generation == since)?;
+                let (whole, changes) = with_changes(held, state);
+                (whole, Some(changes).filter(|_| applied.ok))
+            }
+        };
         let engine = self.engine.clone();
-        let to_apply = state.clone();
+        let to_apply = whole.clone();
+        let applied_pid = applied.engine_pid;
         let started = std::time::Instant::now();
         let (engine_pid, results) = tokio::task::spawn_blocking(move || {
             let pid = call(&engine, GetEngineInfo {}).map_or(0, |i| i.pid);
-            (pid, reconcile(&engine, &to_apply))
+            // Another engine process holds none of what was applied: all of it again.
+            let changes = changes.filter(|_| pid != 0 && pid == applied_pid);
+            (pid, reconcile(&engine, &to_apply, changes.as_ref()))
         })
         .await
         .unwrap_or_else(|e| {
@@ -99,22 +113,40 @@ impl Service {
         let ok = results.iter().all(|r| r.error.is_empty());
         self.metrics.applies.get_or_create(&ResultLabels { result: if ok { "ok" } else { "failed" } }).inc();
         if ok {
-            applied.generation = state.generation;
-            self.metrics.applied_generation.set(state.generation as i64);
+            applied.generation = whole.generation;
+            self.metrics.applied_generation.set(whole.generation as i64);
         }
-        applied.state = Some(state);
+        applied.state = Some(whole);
         applied.ok = ok;
         applied.engine_pid = engine_pid;
         applied.at = Some(started);
-        results
+        Some(results)
     }
+}
+
+/// The whole state that `changes` (a state given as changes) make of `held`, and what
+/// they change in it.
+fn with_changes(held: &proto::NodeState, changes: proto::NodeState) -> (proto::NodeState, Changes) {
+    let replaced: HashSet<&str> =
+        changes.volumes.iter().map(|d| d.id.as_str()).chain(changes.dropped.iter().map(String::as_str)).collect();
+    let dropped_ids: HashSet<&str> = changes.dropped.iter().map(String::as_str).collect();
+    let dropped: Vec<proto::DesiredVolume> =
+        held.volumes.iter().filter(|d| dropped_ids.contains(d.id.as_str())).cloned().collect();
+    let mut volumes: Vec<proto::DesiredVolume> =
+        held.volumes.iter().filter(|d| !replaced.contains(d.id.as_str())).cloned().collect();
+    volumes.extend(changes.volumes.iter().cloned());
+    let whole = proto::NodeState { node: changes.node, generation: changes.generation, volumes, ..Default::default() };
+    (whole, Changes { listed: changes.volumes, dropped })
 }
 
 #[tonic::async_trait]
 impl proto::agent_server::Agent for Service {
     async fn apply(&self, r: Request<proto::NodeState>) -> Result<Response<proto::ApplyResponse>, Status> {
         self.check_controller(&r)?;
-        Ok(Response::new(proto::ApplyResponse { results: Service::apply(self, r.into_inner()).await }))
+        Ok(Response::new(match Service::apply(self, r.into_inner()).await {
+            Some(results) => proto::ApplyResponse { results, whole_state_wanted: false },
+            None => proto::ApplyResponse { results: Vec::new(), whole_state_wanted: true },
+        }))
     }
 
     async fn migration(&self, r: Request<proto::MigrationRequest>) -> Result<Response<proto::MigrationReply>, Status> {
@@ -212,12 +244,32 @@ fn result(id: &str, outcome: Result<Option<VolumeInfo>, String>, connected: Vec<
 /// volumes, exports and local devices once; a volume whose export is as wanted costs
 /// no further question, so applying an unchanged state to a node of many volumes is
 /// three listings.
-fn reconcile(engine: &Path, state: &proto::NodeState) -> Vec<proto::VolumeResult> {
-    let listed = call(engine, ListVolumes { pool: None })
-        .and_then(|volumes| Ok((volumes, call(engine, ListSubsystems {})?, call(engine, ListLocalDevices {})?)));
-    let (volumes, subsystems, devices) = match listed {
+/// The entries of a whole state that changed since the state applied before, and the
+/// entries of that one the new state no longer has: all that a state given as changes
+/// asks of the engine.
+struct Changes {
+    listed: Vec<proto::DesiredVolume>,
+    dropped: Vec<proto::DesiredVolume>,
+}
+
+/// Brings the engine to the whole `state`: every entry, or with `changes` only the
+/// entries listed and dropped, asking the engine about those alone (a node's thousandth
+/// volume costs what its first did). Returns a result per entry applied.
+fn reconcile(engine: &Path, state: &proto::NodeState, changes: Option<&Changes>) -> Vec<proto::VolumeResult> {
+    let entries = changes.map_or(&state.volumes, |c| &c.listed);
+    let found = match changes {
+        None => call(engine, ListVolumes { pool: None })
+            .and_then(|volumes| Ok((volumes, call(engine, ListSubsystems {})?, call(engine, ListLocalDevices {})?))),
+        Some(c) => {
+            let nqns = c.listed.iter().chain(&c.dropped).map(|d| d.subsystem_nqn.clone()).collect();
+            volumes_of(engine, &c.listed).and_then(|volumes| {
+                Ok((volumes, call(engine, GetSubsystems { nqns })?, call(engine, ListLocalDevices {})?))
+            })
+        }
+    };
+    let (volumes, subsystems, devices) = match found {
         Ok(found) => found,
-        Err(e) => return state.volumes.iter().map(|d| result(&d.id, Err(e.clone()), vec![])).collect(),
+        Err(e) => return entries.iter().map(|d| result(&d.id, Err(e.clone()), vec![])).collect(),
     };
     let volumes: HashMap<(&str, &str), &VolumeInfo> =
         volumes.iter().map(|v| ((v.pool.as_str(), v.name.as_str()), v)).collect();
@@ -241,8 +293,7 @@ fn reconcile(engine: &Path, state: &proto::NodeState) -> Vec<proto::VolumeResult
             gone_wrong.push((dev.target.clone(), format!("cannot remove {}: {e}", dev.device)));
         }
     }
-    let mut results: Vec<proto::VolumeResult> = state
-        .volumes
+    let mut results: Vec<proto::VolumeResult> = entries
         .iter()
         .map(|d| {
             let subsystem = subsystems.get(d.subsystem_nqn.as_str()).copied();
@@ -271,7 +322,8 @@ fn reconcile(engine: &Path, state: &proto::NodeState) -> Vec<proto::VolumeResult
         })
         .collect();
     // A volume's export that the state no longer names is one this node stopped
-    // being an access point for (or a volume deleted while the node was away).
+    // being an access point for (or a volume deleted while the node was away). Given
+    // changes, only the exports of dropped entries are candidates.
     let named: HashSet<&str> = state.volumes.iter().map(|d| d.subsystem_nqn.as_str()).collect();
     for nqn in subsystems.keys().filter(|n| n.starts_with(VOLUME_NQN_PREFIX) && !named.contains(*n)) {
         if let Err(e) = call(engine, RemoveSubsystem { nqn: nqn.to_string() }) {
@@ -279,6 +331,19 @@ fn reconcile(engine: &Path, state: &proto::NodeState) -> Vec<proto::VolumeResult
         }
     }
     results
+}
+
+/// The engine's volumes that these entries own (a volume not there is left out).
+fn volumes_of(engine: &Path, entries: &[proto::DesiredVolume]) -> Result<Vec<VolumeInfo>, String> {
+    let mut found = Vec::new();
+    for d in entries.iter().filter(|d| d.owner_address.is_empty()) {
+        match nvpool_api::call(engine, &GetVolume { pool: d.pool.clone(), name: d.engine_name.clone() }) {
+            Ok(v) => found.push(v),
+            Err(e) if e.kind == ErrorKind::NotFound => {}
+            Err(e) => return Err(e.message),
+        }
+    }
+    Ok(found)
 }
 
 /// What a volume's local device serves: its export's namespace.
@@ -489,20 +554,32 @@ fn remove(engine: &Path, d: &proto::DesiredVolume, has_volume: bool, has_subsyst
     Ok(())
 }
 
-/// What the engine reports: its version, the node's pools and its volumes'
-/// allocations; an error when the engine cannot be asked, so that nothing reports an
-/// empty node.
+/// What the engine reports: its version, the node's pools, its volumes' allocations
+/// and their namespaces' counters, all of them or (`changes_only`) what changed since
+/// the engine's answer marked `since`; an error when the engine cannot be asked, so
+/// that nothing reports an empty node.
 struct Usage {
     version: String,
     pools: Vec<proto::PoolReport>,
     volumes: Vec<proto::VolumeUsage>,
+    volumes_gone: Vec<String>,
     counters: Vec<proto::VolumeCounters>,
+    counters_gone: Vec<String>,
+    changes_only: bool,
+    /// Passed as `since` next time.
+    mark: u64,
 }
 
-fn usage(engine: &Path, version: String) -> Result<Usage, String> {
-    let pools = call(engine, ListPools {})?;
-    let volumes = call(engine, ListVolumes { pool: None })?;
-    let pools = pools
+fn usage(engine: &Path, version: String, since: Option<u64>) -> Result<Usage, String> {
+    let report = match call(engine, GetUsage { since }) {
+        Ok(report) => report,
+        // An engine of an earlier version (a package upgraded under a running engine,
+        // before its hot upgrade) has no `usage`: everything, from its lists.
+        Err(e) if e.contains("unknown method") => listed_usage(engine)?,
+        Err(e) => return Err(e),
+    };
+    let pools = report
+        .pools
         .into_iter()
         .map(|p| proto::PoolReport {
             name: p.name,
@@ -514,27 +591,62 @@ fn usage(engine: &Path, version: String) -> Result<Usage, String> {
             failed: p.failed.unwrap_or_default(),
         })
         .collect();
-    let volumes = volumes
+    let volumes = report
+        .volumes
         .into_iter()
         .map(|v| proto::VolumeUsage { engine_name: v.name, allocated_bytes: v.allocated_bytes })
         .collect();
-    let counters = call(engine, ListSubsystems {})?
+    // A volume's counters are those of namespace 1 of its export.
+    let of_volume = |n: &NamespaceUsage| n.nsid == 1 && n.nqn.starts_with(VOLUME_NQN_PREFIX);
+    let counters = report
+        .namespaces
         .into_iter()
-        .filter(|s| s.nqn.starts_with(VOLUME_NQN_PREFIX))
-        .flat_map(|s| {
-            let nqn = s.nqn;
-            s.namespaces.into_iter().filter(|n| n.nsid == 1).map(move |n| proto::VolumeCounters {
-                subsystem_nqn: nqn.clone(),
-                reads: n.stats.reads,
-                writes: n.stats.writes,
-                read_bytes: n.stats.read_bytes,
-                write_bytes: n.stats.write_bytes,
-                completed: n.stats.completed,
-                latency_ns: n.stats.latency_ns,
-            })
+        .filter(of_volume)
+        .map(|n| proto::VolumeCounters {
+            subsystem_nqn: n.nqn,
+            reads: n.stats.reads,
+            writes: n.stats.writes,
+            read_bytes: n.stats.read_bytes,
+            write_bytes: n.stats.write_bytes,
+            completed: n.stats.completed,
+            latency_ns: n.stats.latency_ns,
         })
         .collect();
-    Ok(Usage { version, pools, volumes, counters })
+    Ok(Usage {
+        version,
+        pools,
+        volumes,
+        volumes_gone: report.volumes_gone.into_iter().map(|v| v.name).collect(),
+        counters,
+        counters_gone: report.namespaces_gone.into_iter().filter(of_volume).map(|n| n.nqn).collect(),
+        changes_only: !report.complete,
+        mark: report.mark,
+    })
+}
+
+/// Everything an engine without `usage` reports, from its pool, volume and subsystem
+/// lists, as one complete report.
+fn listed_usage(engine: &Path) -> Result<UsageReport, String> {
+    let volumes = call(engine, ListVolumes { pool: None })?
+        .into_iter()
+        .map(|v| nvpool_api::VolumeUsage { pool: v.pool, name: v.name, allocated_bytes: v.allocated_bytes })
+        .collect();
+    let namespaces = call(engine, ListSubsystems {})?
+        .into_iter()
+        .flat_map(|s| {
+            let nqn = s.nqn;
+            s.namespaces.into_iter().map(move |n| NamespaceUsage { nqn: nqn.clone(), nsid: n.nsid, stats: n.stats })
+        })
+        .collect();
+    Ok(UsageReport {
+        mark: 0,
+        complete: true,
+        pools: call(engine, ListPools {})?,
+        volumes,
+        volumes_gone: Vec::new(),
+        namespaces,
+        namespaces_gone: Vec::new(),
+    })
 }
 
 /// The address hosts use: the engine's first listener (`rdma:IP:PORT` for an RDMA
@@ -610,7 +722,7 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
     tokio::spawn(
         builder
             .add_service(AgentServer::from_arc(service.clone()))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+            .serve_with_incoming(crate::server::accepted(listener)),
     );
     let engine = args.engine_socket.clone();
     let mut interval = Duration::from_secs(1);
@@ -619,6 +731,10 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
     let mut cntlid_range: Option<(u16, u16)> = None;
     // Why the engine did not answer the last heartbeat's questions, logged once.
     let mut engine_down: Option<String> = None;
+    // Whether the controller merges heartbeats that list only changes, and the mark of
+    // the engine's usage answer that the last heartbeat the controller took reported.
+    let mut takes_changes = false;
+    let mut usage_mark: Option<u64> = None;
     loop {
         if !registered {
             let engine2 = engine.clone();
@@ -628,7 +744,7 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
                 let nvme = nvme_address(&engine2, &given)?;
                 let peer = peer_address(&engine2, &given_peer, &nvme)?;
                 let info = call(&engine2, GetEngineInfo {})?;
-                usage(&engine2, info.version).map(|u| (nvme, peer, info.host_nqn, u))
+                usage(&engine2, info.version, None).map(|u| (nvme, peer, info.host_nqn, u))
             })
             .await
             .map_err(|e| e.to_string())?;
@@ -652,6 +768,8 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
                         Ok(r) => {
                             interval = Duration::from_millis(r.heartbeat_interval_ms.max(100));
                             registered = true;
+                            takes_changes = r.takes_changes;
+                            usage_mark = None;
                             cntlid_range = u16::try_from(r.cntlid_min).ok().zip(u16::try_from(r.cntlid_max).ok());
                             if let Some(range) = cntlid_range {
                                 let engine2 = engine.clone();
@@ -700,22 +818,28 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
                 }
             }
             let engine2 = engine.clone();
-            let usage =
-                tokio::task::spawn_blocking(move || usage(&engine2, info?.version)).await.map_err(|e| e.to_string())?;
+            let since = usage_mark.filter(|_| takes_changes);
+            let usage = tokio::task::spawn_blocking(move || usage(&engine2, info?.version, since))
+                .await
+                .map_err(|e| e.to_string())?;
+            let mark = usage.as_ref().ok().map(|u| u.mark);
             let applied_generation = service.applied.lock().await.generation;
             service.metrics.engine_up.set(i64::from(usage.is_ok()));
             let hb = match usage {
-                Ok(Usage { version, pools, volumes, counters }) => {
+                Ok(u) => {
                     if engine_down.take().is_some() {
                         tracing::info!(agent = %args.name, "engine at {} answers again", engine.display());
                     }
                     proto::HeartbeatRequest {
                         node: args.name.clone(),
-                        pools,
-                        volumes,
+                        pools: u.pools,
+                        volumes: u.volumes,
                         applied_generation,
-                        engine_version: version,
-                        counters,
+                        engine_version: u.version,
+                        counters: u.counters,
+                        changes_only: u.changes_only,
+                        volumes_gone: u.volumes_gone,
+                        counters_gone: u.counters_gone,
                         ..Default::default()
                     }
                 }
@@ -740,13 +864,65 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
                 Err(_) => "failed",
             };
             service.metrics.heartbeats.get_or_create(&ResultLabels { result }).inc();
+            // The next heartbeat lists only what changed after this one, once the
+            // controller took this one and holds a complete report; otherwise all.
+            usage_mark = None;
+            let mut resend = false;
             match sent {
                 Ok(r) if !r.known => registered = false,
-                Ok(_) => {}
+                Ok(r) => {
+                    usage_mark = mark.filter(|_| !r.send_everything);
+                    // A controller without a complete report (a new leader) gets one
+                    // at once rather than a heartbeat later.
+                    resend = r.send_everything;
+                }
                 Err(e) => tracing::warn!(agent = %args.name, "heartbeat failed: {}", e.message()),
+            }
+            if resend {
+                continue;
             }
         }
         service.metrics.registered.set(i64::from(registered));
         tokio::time::sleep(interval).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(id: &str, size_bytes: u64) -> proto::DesiredVolume {
+        proto::DesiredVolume {
+            id: id.into(),
+            subsystem_nqn: format!("{VOLUME_NQN_PREFIX}{id}"),
+            size_bytes,
+            present: true,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn changes_replace_add_and_drop_entries_of_the_state_held() {
+        let held = proto::NodeState {
+            node: "n1".into(),
+            generation: 7,
+            volumes: vec![entry("a", 1), entry("b", 1), entry("c", 1)],
+            ..Default::default()
+        };
+        let changes = proto::NodeState {
+            node: "n1".into(),
+            generation: 8,
+            volumes: vec![entry("b", 2), entry("d", 1)],
+            changes_since: 7,
+            dropped: vec!["c".into()],
+        };
+        let (whole, c) = with_changes(&held, changes);
+        let mut ids: Vec<(String, u64)> = whole.volumes.iter().map(|d| (d.id.clone(), d.size_bytes)).collect();
+        ids.sort();
+        assert_eq!(ids, [("a".into(), 1), ("b".into(), 2), ("d".into(), 1)]);
+        assert_eq!((whole.generation, whole.changes_since), (8, 0), "what is held is a whole state");
+        assert!(whole.dropped.is_empty());
+        assert_eq!(c.listed.iter().map(|d| d.id.as_str()).collect::<Vec<_>>(), ["b", "d"]);
+        assert_eq!(c.dropped, [entry("c", 1)], "a dropped entry keeps what it was, for its export's removal");
     }
 }

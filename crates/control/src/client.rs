@@ -94,7 +94,9 @@ impl Controllers {
             let first = *self.preferred.lock().unwrap();
             let mut last = None;
             for i in (0..n).map(|k| (first + k) % n) {
-                match f(ControllerClient::new(self.channels[i].clone())).await {
+                // A listing of 100,000 volumes is about 22 MB, past tonic's 4 MiB default.
+                let client = ControllerClient::new(self.channels[i].clone()).max_decoding_message_size(usize::MAX);
+                match f(client).await {
                     Ok(r) => {
                         *self.preferred.lock().unwrap() = i;
                         return Ok(r.into_inner());

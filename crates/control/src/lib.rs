@@ -8,6 +8,7 @@ pub mod agent;
 pub mod client;
 pub mod cluster;
 pub mod dashboard;
+pub mod fleet;
 pub mod metadata;
 pub mod metrics;
 pub mod model;

@@ -141,8 +141,10 @@ pub fn thick_bytes(size: u64, cluster_size: u64) -> u64 {
 }
 
 /// Filters and scores every node and explains the best `limit` of them, best first
-/// (eligible nodes by score, then filtered ones; ties in the order given, which for
-/// the controller is by name). The first is the choice when it passed the filter.
+/// (eligible nodes by score, then filtered ones). Equal scores go to the pool that has
+/// promised least for its size (see [`Eligible::promised`]), then in the order given,
+/// which for the controller is by name. The first is the choice when it passed the
+/// filter.
 /// This is what the controller shows; [`choose`] makes the same choice without
 /// explaining.
 pub fn place(nodes: &[NodeView], req: &Request, policy: &Policy, limit: usize) -> Vec<Score> {
@@ -154,7 +156,12 @@ pub fn place(nodes: &[NodeView], req: &Request, policy: &Policy, limit: usize) -
         let in_order = || a.0.cmp(&b.0);
         match (&a.1, &b.1) {
             // As `choose` compares: -0 and 0 are equal.
-            (Ok(x), Ok(y)) => y.total.partial_cmp(&x.total).unwrap_or(std::cmp::Ordering::Equal).then_with(in_order),
+            (Ok(x), Ok(y)) => y
+                .total
+                .partial_cmp(&x.total)
+                .unwrap_or(std::cmp::Ordering::Equal)
+                .then_with(|| x.promised.partial_cmp(&y.promised).unwrap_or(std::cmp::Ordering::Equal))
+                .then_with(in_order),
             (Ok(_), Err(_)) => std::cmp::Ordering::Less,
             (Err(_), Ok(_)) => std::cmp::Ordering::Greater,
             (Err(_), Err(_)) => in_order(),
@@ -219,7 +226,7 @@ pub fn choose(nodes: &[NodeView], req: &Request, policy: &Policy) -> Option<(usi
         if let Ok(e) = evaluate(n, host == Some(i), req, policy, &outlook) {
             let better = match &best {
                 None => true,
-                Some((_, b)) => e.total > b.total,
+                Some((_, b)) => e.total > b.total || (e.total == b.total && e.promised < b.promised),
             };
             if better {
                 best = Some((i, e));
@@ -260,6 +267,12 @@ struct Eligible {
     total: f64,
     committed_after: u64,
     reserved: u64,
+    /// The pool's promised bytes afterwards (every volume's size, the new one's too)
+    /// per byte of its capacity: what breaks a tie. Thin volumes take no room when
+    /// made, so on nodes alike every one of them ties; by name alone they all went to
+    /// the first node (16 creations a second on a fleet of 1,000 nodes, every volume
+    /// on one of them).
+    promised: f64,
 }
 
 /// What reserves are projected from, worked out once per decision.
@@ -403,6 +416,7 @@ fn evaluate(
         total: w.locality * locality + w.reserve * reserve + w.space * space,
         committed_after,
         reserved,
+        promised: p.provisioned.saturating_add(req.size) as f64 * per_pool_byte,
     })
 }
 
@@ -483,6 +497,7 @@ pub fn shortfall(p: &PoolView, req: &Request, policy: &Policy) -> Option<u64> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::collections::BTreeMap;
 
     const GIB: u64 = 1 << 30;
 
@@ -574,6 +589,22 @@ mod tests {
         assert!(choice(&place(&nodes, &r, &p, 0)).is_some());
         r.size += 1;
         assert!(choice(&place(&nodes, &r, &p, 0)).is_none());
+    }
+
+    #[test]
+    fn thin_volumes_spread_over_nodes_alike_by_what_each_has_promised() {
+        let mut nodes = [node("a", 100 * GIB, 0), node("b", 100 * GIB, 0), node("c", 100 * GIB, 0)];
+        let mut r = req(10 * GIB, Locality::Any, "");
+        r.thin = true;
+        let mut placed = BTreeMap::new();
+        for _ in 0..9 {
+            let (n, p) = choose(&nodes, &r, &Policy::default()).unwrap();
+            let explained = place(&nodes, &r, &Policy::default(), 0);
+            assert_eq!(choice(&explained).unwrap().node, nodes[n].name, "both paths agree");
+            nodes[n].pools[p].provisioned += r.size;
+            *placed.entry(nodes[n].name.clone()).or_insert(0) += 1;
+        }
+        assert_eq!(placed, BTreeMap::from([("a".into(), 3), ("b".into(), 3), ("c".into(), 3)]));
     }
 
     #[test]

@@ -183,6 +183,7 @@ impl proto::controller_server::Controller for Service {
                 heartbeat_interval_ms: c.cfg.heartbeat_interval.as_millis() as u64,
                 cntlid_min: u32::from(cntlid_min),
                 cntlid_max: u32::from(cntlid_max),
+                takes_changes: true,
             })
         })
         .await
@@ -200,7 +201,7 @@ impl proto::controller_server::Controller for Service {
         r: Request<proto::HeartbeatRequest>,
     ) -> Result<Response<proto::HeartbeatResponse>, Status> {
         self.check_node(&r, &r.get_ref().node)?;
-        self.with(async |c| Ok(proto::HeartbeatResponse { known: c.heartbeat(r.into_inner()) })).await
+        self.with(async |c| Ok(c.heartbeat(r.into_inner()))).await
     }
 }
 
@@ -225,9 +226,8 @@ pub async fn run(args: ControllerArgs) -> Result<(), String> {
     if let Some(t) = &tls {
         builder = builder.tls_config(t.server()).map_err(|e| format!("TLS: {e}"))?;
     }
-    let server = builder
-        .add_service(ControllerServer::from_arc(service.clone()))
-        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
+    let server =
+        builder.add_service(ControllerServer::from_arc(service.clone())).serve_with_incoming(accepted(listener));
     let serving = tokio::spawn(server);
     tracing::info!(controller = %id, "serving on {} with store {}", args.listen, store.describe());
     let metrics = args.cluster.metrics.clone();
@@ -295,4 +295,19 @@ pub async fn run(args: ControllerArgs) -> Result<(), String> {
         metrics.leader.set(0);
         tracing::warn!(controller = %id, "lost the leader lease; standing by");
     }
+}
+
+/// The connections a gRPC server accepts, with Nagle's algorithm off. tonic sets
+/// TCP_NODELAY only on sockets it accepts itself: on these, a reply's trailers waited
+/// for the acknowledgement of its data, which the caller delays by 40 ms, in one call
+/// of two (a creation took 50 ms instead of 10).
+pub(crate) fn accepted(
+    listener: tokio::net::TcpListener,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    use tokio_stream::StreamExt;
+    tokio_stream::wrappers::TcpListenerStream::new(listener).map(|accepted| {
+        let stream = accepted?;
+        stream.set_nodelay(true)?;
+        Ok(stream)
+    })
 }

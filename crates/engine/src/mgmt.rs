@@ -12,10 +12,10 @@ use std::time::Duration;
 use nvpool_api::{
     AddHost, AddListener, AddLocalDevice, AddNamespace, AddSubsystem, AllowAnyHost, CancelMigration, CheckPool,
     CreatePool, CreateVolume, DeleteVolume, Empty, EngineInfo, ErrorReply, ExportPool, GetEngineInfo, GetMigration,
-    GetVolume, ImportPool, ListAnaGroups, ListListeners, ListLocalDevices, ListPools, ListSubsystems, ListVolumes,
-    LocalDeviceAdded, METHODS, Method, NamespaceAdded, RemoveHost, RemoveListener, RemoveLocalDevice, RemoveNamespace,
-    RemoveSubsystem, ResizeVolume, SetAnaState, SetControllerIdRange, SetNamespaceQos, StartMigration, SwapNamespace,
-    SwitchMigration, UpgradeEngine, VolumeDirty,
+    GetSubsystems, GetUsage, GetVolume, ImportPool, ListAnaGroups, ListListeners, ListLocalDevices, ListPools,
+    ListSubsystems, ListVolumes, LocalDeviceAdded, METHODS, Method, NamespaceAdded, RemoveHost, RemoveListener,
+    RemoveLocalDevice, RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState, SetControllerIdRange,
+    SetNamespaceQos, StartMigration, SwapNamespace, SwitchMigration, UpgradeEngine, VolumeDirty,
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -159,6 +159,7 @@ fn reply_text(engine: &Engine, line: &str) -> Result<String> {
             answer(p, |r: SetControllerIdRange| ok(engine.target().set_cntlid_range(r.min, r.max)))
         }
         ListSubsystems::NAME => answer(p, |ListSubsystems {}| Ok(engine.subsystems())),
+        GetSubsystems::NAME => answer(p, |r: GetSubsystems| Ok(engine.subsystems_named(&r.nqns))),
         AddSubsystem::NAME => answer(p, |AddSubsystem(s)| ok(engine.add_subsystem(&s))),
         RemoveSubsystem::NAME => answer(p, |r: RemoveSubsystem| ok(engine.remove_subsystem(&r.nqn))),
         AddNamespace::NAME => {
@@ -193,6 +194,7 @@ fn reply_text(engine: &Engine, line: &str) -> Result<String> {
         ExportPool::NAME => answer(p, |r: ExportPool| ok(engine.pools.export(&r.name))),
         CheckPool::NAME => answer(p, |r: CheckPool| ok(engine.pools.check(&r.name))),
         ListPools::NAME => answer(p, |ListPools {}| Ok(engine.pools.list())),
+        GetUsage::NAME => answer(p, |r: GetUsage| Ok(engine.usage(r.since))),
         CreateVolume::NAME => answer(p, |r: CreateVolume| {
             engine.pools.create_volume(&r.pool, &r.name, r.size, r.thin, r.identity.as_ref())
         }),

@@ -112,6 +112,11 @@ impl Pools {
         lock(&self.pools).values().map(|p| p.info()).collect()
     }
 
+    /// Every volume's allocated bytes, as (pool, volume, bytes).
+    pub fn allocations(&self) -> Vec<(String, String, u64)> {
+        lock(&self.pools).values().flat_map(|p| p.allocations()).collect()
+    }
+
     /// Namespaces serving volumes of `pool` (all, or volume `id`'s).
     pub fn exports(&self, pool: &Arc<Pool>, id: Option<u32>) -> Vec<(Arc<Subsystem>, Arc<Namespace>)> {
         let mut out = Vec::new();

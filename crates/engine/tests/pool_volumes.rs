@@ -303,3 +303,54 @@ fn disks_in_use_or_with_filesystems_are_refused_unless_forced() {
     let e = node.call("volume_create", json!({ "pool": "two", "name": "v", "size": 4096 })).unwrap_err();
     assert_eq!(e.kind, ErrorKind::AlreadyExists, "{e}");
 }
+
+#[test]
+fn usage_lists_everything_then_only_what_changed_since_the_mark_given() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = disks(dir.path(), 1, 64 * MIB);
+    let node = Node::start(vec![]);
+    node.ok("pool_create", json!({ "name": "p", "disks": d }));
+    for name in ["a", "b", "c"] {
+        node.ok("volume_create", json!({ "pool": "p", "name": name, "size": 16 * MIB, "thin": true }));
+    }
+    let nsid = node.export("p", "a");
+    let usage = |since: Option<u64>| node.ok("usage", json!({ "since": since }));
+    let names = |v: &Value, list: &str| -> Vec<String> {
+        let mut n: Vec<String> = v[list]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e.get("name").or(e.get("nqn")).unwrap().as_str().unwrap().to_string())
+            .collect();
+        n.sort();
+        n
+    };
+    let first = usage(None);
+    assert_eq!(first["complete"], true);
+    assert_eq!(names(&first, "volumes"), ["a", "b", "c"]);
+    assert_eq!(names(&first, "namespaces"), [NQN]);
+    assert_eq!(first["pools"][0]["volumes"], 3);
+    // At rest: the pools, and nothing else.
+    let rest = usage(first["mark"].as_u64());
+    assert_eq!(rest["complete"], false);
+    for list in ["volumes", "volumes_gone", "namespaces", "namespaces_gone"] {
+        assert!(rest[list].as_array().unwrap().is_empty(), "{list} at rest: {rest}");
+    }
+    assert_eq!(rest["pools"].as_array().unwrap().len(), 1);
+    // A write: a's allocation and its namespace's counters changed, nothing else.
+    let (_admin, mut q) = node.queue();
+    write(&mut q, nsid, 0, &pattern(1, 4096)).unwrap();
+    node.ok("volume_delete", json!({ "pool": "p", "name": "c" }));
+    let changed = usage(rest["mark"].as_u64());
+    assert_eq!(changed["complete"], false);
+    assert_eq!(names(&changed, "volumes"), ["a"]);
+    assert_eq!(changed["volumes"][0]["allocated_bytes"], MIB);
+    assert_eq!(names(&changed, "volumes_gone"), ["c"]);
+    assert_eq!(names(&changed, "namespaces"), [NQN]);
+    assert_eq!(changed["namespaces"][0]["stats"]["writes"], 1);
+    // An old mark (another caller asked since): everything again.
+    let again = usage(rest["mark"].as_u64());
+    assert_eq!(again["complete"], true);
+    assert_eq!(names(&again, "volumes"), ["a", "b"]);
+    assert!(again["volumes_gone"].as_array().unwrap().is_empty());
+}

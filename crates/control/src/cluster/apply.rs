@@ -2,14 +2,14 @@
 //! after every change and again by the background loop until the agent is current.
 
 use crate::cluster::convert::{ana_state, dhchap_proto};
-use crate::cluster::{Cluster, Results, State};
+use crate::cluster::{Cluster, HeldState, Results, State};
 use crate::model::{
     LocalDeviceRecord, MigrationPhase, MigrationRecord, TOMBSTONES, VOLUMES, VolumeRecord, VolumeState, to_json,
 };
 use crate::proto;
 use crate::proto::agent_client::AgentClient;
 use crate::store::Txn;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tonic::transport::{Channel, Endpoint};
@@ -124,44 +124,106 @@ fn reported_local(v: &VolumeRecord, r: &proto::VolumeResult) -> Option<LocalDevi
 
 impl Cluster {
     /// Sends a node its desired state and records what the agent reports: creations
-    /// confirmed or rolled back, removals done.
+    /// confirmed or rolled back, removals done. The state goes as changes to the one
+    /// the agent holds, when this controller knows it: the entries that changed or
+    /// have work open (a creation, a removal, a move, whose results are awaited), and
+    /// the IDs of those gone; the results are then those of the last application of
+    /// each entry. So a node's thousandth volume costs what its first did.
     pub async fn apply_node(&self, node: &str) -> Result<Results, String> {
         let _guard = self.node_locks.lock(node).await;
-        let (state, address) = {
+        let (whole, changes, address) = {
             let st = self.state.lock().unwrap();
             let Some(n) = st.nodes.get(node) else {
                 return Err(format!("unknown node {node}"));
             };
+            let mut open = HashSet::new();
             let mut volumes: Vec<proto::DesiredVolume> = st
                 .volumes
-                .values()
-                .filter(|v| v.node == node || (v.state == VolumeState::Ready && v.exporting_nodes().contains(node)))
-                .map(|v| desired_volume(&st, v, node))
+                .of_node(node)
+                .filter(|v| v.node == node || v.state == VolumeState::Ready)
+                .map(|v| {
+                    if v.state == VolumeState::Creating || v.migration.is_some() {
+                        open.insert(v.id.clone());
+                    }
+                    desired_volume(&st, v, node)
+                })
                 .collect();
-            volumes.extend(st.tombstones.values().filter(|t| t.node == node).map(|t| proto::DesiredVolume {
-                id: t.id.clone(),
-                engine_name: t.engine_name.clone(),
-                pool: t.pool.clone(),
-                size_bytes: t.size,
-                thin: t.thin,
-                present: false,
-                subsystem_nqn: t.subsystem_nqn.clone(),
-                ..Default::default()
+            volumes.extend(st.tombstones.values().filter(|t| t.node == node).map(|t| {
+                open.insert(t.id.clone());
+                proto::DesiredVolume {
+                    id: t.id.clone(),
+                    engine_name: t.engine_name.clone(),
+                    pool: t.pool.clone(),
+                    size_bytes: t.size,
+                    thin: t.thin,
+                    present: false,
+                    subsystem_nqn: t.subsystem_nqn.clone(),
+                    ..Default::default()
+                }
             }));
-            let state = proto::NodeState { node: node.to_string(), generation: n.desired_generation, volumes };
-            (state, n.record.agent_address.clone())
+            let generation = n.desired_generation;
+            let changes = n.held.as_ref().map(|held| {
+                let ids: HashSet<&str> = volumes.iter().map(|d| d.id.as_str()).collect();
+                proto::NodeState {
+                    node: node.to_string(),
+                    generation,
+                    volumes: volumes
+                        .iter()
+                        .filter(|d| open.contains(&d.id) || held.entries.get(&d.id) != Some(*d))
+                        .cloned()
+                        .collect(),
+                    changes_since: held.generation,
+                    dropped: held.entries.keys().filter(|id| !ids.contains(id.as_str())).cloned().collect(),
+                }
+            });
+            let whole = proto::NodeState { node: node.to_string(), generation, volumes, ..Default::default() };
+            (whole, changes, n.record.agent_address.clone())
         };
-        let generation = state.generation;
+        let generation = whole.generation;
+        let entries: HashMap<String, proto::DesiredVolume> =
+            whole.volumes.iter().map(|d| (d.id.clone(), d.clone())).collect();
         let mut client = AgentClient::new(self.channel(&address)?);
-        let reply = tokio::time::timeout(self.cfg.apply_timeout, client.apply(state))
-            .await
-            .map_err(|_| format!("agent at {address} took longer than {:?}", self.cfg.apply_timeout))?
-            .map_err(|e| format!("agent at {address}: {}", e.message()))?
-            .into_inner();
-        let results: Results = reply.results.into_iter().map(|r| (r.id.clone(), r)).collect();
-        if let Some(n) = self.state.lock().unwrap().nodes.get_mut(node) {
-            n.connected = results.values().map(|r| (r.id.clone(), r.connected_hosts.clone())).collect();
+        let mut send = async |state: proto::NodeState| {
+            tokio::time::timeout(self.cfg.apply_timeout, client.apply(state))
+                .await
+                .map_err(|_| format!("agent at {address} took longer than {:?}", self.cfg.apply_timeout))?
+                .map_err(|e| format!("agent at {address}: {}", e.message()))
+                .map(tonic::Response::into_inner)
+        };
+        let mut as_changes = changes.is_some();
+        let mut reply = match changes {
+            Some(changes) => send(changes).await,
+            None => send(whole.clone()).await,
+        };
+        if matches!(&reply, Ok(r) if r.whole_state_wanted) {
+            as_changes = false;
+            reply = send(whole).await;
         }
+        let reply = match reply {
+            Ok(reply) => reply,
+            Err(e) => {
+                // What the agent holds now is not known: the next state goes whole.
+                if let Some(n) = self.state.lock().unwrap().nodes.get_mut(node) {
+                    n.held = None;
+                }
+                return Err(e);
+            }
+        };
+        let results: Results = {
+            let mut st = self.state.lock().unwrap();
+            let Some(n) = st.nodes.get_mut(node) else {
+                return Err(format!("unknown node {node}"));
+            };
+            let mut results = match (as_changes, n.held.take()) {
+                (true, Some(held)) => held.results,
+                _ => Results::new(),
+            };
+            results.retain(|id, _| entries.contains_key(id));
+            results.extend(reply.results.into_iter().map(|r| (r.id.clone(), r)));
+            n.connected = results.values().map(|r| (r.id.clone(), r.connected_hosts.clone())).collect();
+            n.held = Some(HeldState { generation, entries, results: results.clone() });
+            results
+        };
         self.absorb(node, generation, &results).await;
         Ok(results)
     }
@@ -170,7 +232,7 @@ impl Cluster {
         let (mut confirmed, mut failed, mut removed) = (vec![], vec![], vec![]);
         {
             let st = self.state.lock().unwrap();
-            for v in st.volumes.values().filter(|v| v.node == node) {
+            for v in st.volumes.of_node(node).filter(|v| v.node == node) {
                 match results.get(&v.id) {
                     Some(r)
                         if r.error.is_empty()
@@ -250,15 +312,7 @@ impl Cluster {
                 self.rebalance().await;
             }
             // Migrations an earlier controller recorded go on from their last step.
-            let moving: Vec<String> = self
-                .state
-                .lock()
-                .unwrap()
-                .volumes
-                .values()
-                .filter(|v| v.migration.is_some())
-                .map(|v| v.name.clone())
-                .collect();
+            let moving: Vec<String> = self.state.lock().unwrap().volumes.migrating().map(|v| v.name.clone()).collect();
             for name in moving {
                 self.start_driver(&name);
             }
@@ -266,8 +320,7 @@ impl Cluster {
                 let mut st = self.state.lock().unwrap();
                 let open: HashSet<String> = st
                     .volumes
-                    .values()
-                    .filter(|v| v.state == VolumeState::Creating)
+                    .creating()
                     .map(|v| v.node.clone())
                     .chain(st.tombstones.values().map(|t| t.node.clone()))
                     .collect();

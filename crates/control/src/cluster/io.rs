@@ -70,24 +70,53 @@ pub(super) struct NodeIo {
 const SHORTEST_SPAN: Duration = Duration::from_millis(100);
 
 impl NodeIo {
-    /// Takes the counters of a heartbeat that arrived at `now`.
-    pub(super) fn update(&mut self, now: Instant, counters: Vec<proto::VolumeCounters>) {
-        let counters: HashMap<String, proto::VolumeCounters> =
+    /// Takes the counters of a heartbeat that arrived at `now`: every namespace's, or
+    /// (`changes_only`) those that changed since the heartbeat before, with the NQNs of
+    /// those that went away in `gone`.
+    pub(super) fn update(
+        &mut self,
+        now: Instant,
+        counters: Vec<proto::VolumeCounters>,
+        changes_only: bool,
+        gone: &[String],
+    ) {
+        let reported: HashMap<String, proto::VolumeCounters> =
             counters.into_iter().map(|c| (c.subsystem_nqn.clone(), c)).collect();
-        if let Some((at, old)) = &self.last {
-            let span = now.duration_since(*at);
-            if span < SHORTEST_SPAN {
-                return;
-            }
+        let Some((at, old)) = &mut self.last else {
+            self.last = Some((now, reported));
+            return;
+        };
+        // Heartbeats too close for a rate skip it: the last rates stand.
+        let span = now.duration_since(*at);
+        let timed = span >= SHORTEST_SPAN;
+        if timed {
             self.seconds = span.as_secs_f64();
-            self.changes = counters.iter().map(|(nqn, c)| (nqn.clone(), Change::between(old.get(nqn), c))).collect();
+            self.changes = reported.iter().map(|(nqn, c)| (nqn.clone(), Change::between(old.get(nqn), c))).collect();
         }
-        self.last = Some((now, counters));
+        if changes_only {
+            // Changes are not sent again, so they are kept even when too close for a
+            // rate; what was not reported did nothing and keeps its counters.
+            old.extend(reported);
+            for nqn in gone {
+                old.remove(nqn);
+            }
+            if timed {
+                *at = now;
+            }
+        } else if timed {
+            self.last = Some((now, reported));
+        }
     }
 
-    /// The rates of one volume's namespace here, by its export's NQN.
+    /// The rates of one volume's namespace here, by its export's NQN (zeros for one
+    /// whose counters did not change).
     pub(super) fn volume(&self, nqn: &str) -> Option<proto::IoRates> {
-        self.changes.get(nqn).map(|c| c.rates(self.seconds))
+        let counted = self.last.as_ref().is_some_and(|(_, last)| last.contains_key(nqn));
+        match self.changes.get(nqn) {
+            Some(c) => Some(c.rates(self.seconds)),
+            None if counted && self.seconds > 0.0 => Some(Change::default().rates(self.seconds)),
+            None => None,
+        }
     }
 
     /// The rates of every volume namespace here together.
@@ -116,18 +145,41 @@ mod tests {
     fn rates_are_changes_over_the_span_and_a_restart_counts_from_zero() {
         let t0 = Instant::now();
         let mut io = NodeIo::default();
-        io.update(t0, vec![counters("a", 1000, 0), counters("b", 0, 0)]);
+        io.update(t0, vec![counters("a", 1000, 0), counters("b", 0, 0)], false, &[]);
         assert!(io.total().is_none(), "one heartbeat is no rate");
-        io.update(t0 + Duration::from_millis(500), vec![counters("a", 2000, 50_000_000), counters("b", 500, 0)]);
+        io.update(
+            t0 + Duration::from_millis(500),
+            vec![counters("a", 2000, 50_000_000), counters("b", 500, 0)],
+            false,
+            &[],
+        );
         let a = io.volume("a").unwrap();
         assert_eq!((a.read_iops, a.read_bytes_per_second, a.mean_latency_us), (2000.0, 2000.0 * 4096.0, 50.0));
         assert_eq!(io.total().unwrap().read_iops, 3000.0);
         // Too soon: skipped, the last rates stand.
-        io.update(t0 + Duration::from_millis(550), vec![counters("a", 9000, 0)]);
+        io.update(t0 + Duration::from_millis(550), vec![counters("a", 9000, 0)], false, &[]);
         assert_eq!(io.volume("a").unwrap().read_iops, 2000.0);
         // The engine restarted: its counters begin again.
-        io.update(t0 + Duration::from_millis(1000), vec![counters("a", 100, 0)]);
+        io.update(t0 + Duration::from_millis(1000), vec![counters("a", 100, 0)], false, &[]);
         assert_eq!(io.volume("a").unwrap().read_iops, 200.0);
         assert!(io.volume("b").is_none(), "b is no longer served here");
+    }
+
+    #[test]
+    fn changes_add_to_the_counters_kept_and_what_is_not_reported_did_nothing() {
+        let t0 = Instant::now();
+        let mut io = NodeIo::default();
+        io.update(t0, vec![counters("a", 1000, 0), counters("b", 10, 0), counters("c", 0, 0)], false, &[]);
+        // Only a changed, and c went away.
+        io.update(t0 + Duration::from_secs(1), vec![counters("a", 1500, 0)], true, &["c".to_string()]);
+        assert_eq!(io.volume("a").unwrap().read_iops, 500.0);
+        assert_eq!(io.volume("b").unwrap().read_iops, 0.0, "b is still served, idle");
+        assert!(io.volume("c").is_none());
+        // Nothing changed at all: every rate is zero, and b's counters are kept.
+        io.update(t0 + Duration::from_secs(2), Vec::new(), true, &[]);
+        assert_eq!(io.total().unwrap().read_iops, 0.0);
+        io.update(t0 + Duration::from_secs(3), vec![counters("b", 30, 0)], true, &[]);
+        assert_eq!(io.volume("b").unwrap().read_iops, 20.0);
+        assert_eq!(io.total().unwrap().read_iops, 20.0);
     }
 }

@@ -81,7 +81,7 @@ impl Cluster {
             )));
         }
         let (to_node, to_pool) = {
-            let st = self.state.lock().unwrap();
+            let mut st = self.state.lock().unwrap();
             if !req.to_node.is_empty() {
                 if !st.nodes.contains_key(&req.to_node) {
                     return Err(Status::not_found(format!(
@@ -104,7 +104,7 @@ impl Cluster {
                 include,
                 exclude,
             };
-            let views = self.node_views(&st);
+            let views = self.node_views(&mut st);
             let scores = scheduler::place(&views, &request, &self.cfg.policy, EXPLAINED_NODES);
             self.cfg.metrics.placed("migration", scheduler::choice(&scores).is_some());
             let Some(chosen) = scheduler::choice(&scores) else {

@@ -10,12 +10,13 @@
 use crate::cluster::convert::corrupt;
 use crate::metrics::ControllerMetrics;
 use crate::model::{
-    CLUSTER_KEY, ClusterRecord, NODES, NodeRecord, PoolRecord, TOMBSTONES, Tombstone, VOLUMES, VolumeRecord, to_json,
+    CLUSTER_KEY, ClusterRecord, NODES, NodeRecord, PoolRecord, TOMBSTONES, Tombstone, VOLUMES, VolumeRecord,
+    VolumeState, to_json,
 };
 use crate::proto;
-use crate::scheduler::Policy;
+use crate::scheduler::{Locality, Policy};
 use crate::store::{Condition, Store, Txn};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 use tonic::Status;
@@ -67,8 +68,12 @@ struct NodeEntry {
     last_seen: Instant,
     /// Pools as the last heartbeat reported them.
     pools: Vec<PoolRecord>,
-    /// Allocated bytes per engine volume, from the last heartbeat.
+    /// Allocated bytes per engine volume, from the heartbeats.
     usage: HashMap<String, u64>,
+    /// Whether `usage` and `io` rest on a heartbeat that listed everything, which the
+    /// ones listing only changes add to; a new leader, or a re-registered agent, has
+    /// none yet and asks for one.
+    usage_complete: bool,
     desired_generation: u64,
     applied_generation: u64,
     /// Why the agent last could not reach its engine; the node takes nothing new then.
@@ -78,6 +83,9 @@ struct NodeEntry {
     /// The hosts connected to each volume's export here (by volume ID), as of the last
     /// Apply.
     connected: HashMap<String, Vec<String>>,
+    /// The state the node's agent holds, as this controller last gave it, with the
+    /// agent's results: the next state goes as changes to it.
+    held: Option<HeldState>,
     /// The I/O of the volumes served here, from the heartbeats.
     io: io::NodeIo,
 }
@@ -91,11 +99,13 @@ impl NodeEntry {
             record,
             last_seen,
             usage: HashMap::new(),
+            usage_complete: false,
             desired_generation: 0,
             applied_generation: 0,
             engine_error: None,
             engine_version: String::new(),
             connected: HashMap::new(),
+            held: None,
             io: io::NodeIo::default(),
         }
     }
@@ -104,7 +114,7 @@ impl NodeEntry {
 struct State {
     cluster_id: String,
     nodes: BTreeMap<String, NodeEntry>,
-    volumes: BTreeMap<String, VolumeRecord>,
+    volumes: Volumes,
     /// Creations placed but not stored yet: they take their room from the scheduler's
     /// view, and no agent hears of them before the store has them (a creation whose
     /// store write fails must leave nothing on any node).
@@ -120,6 +130,109 @@ struct State {
     /// leader hears of them when the creations are retried).
     wanted_holes: Vec<rebalance::WantedHole>,
     next_generation: u64,
+}
+
+/// The volumes by name, and by the nodes that serve them (the owner, access points, a
+/// move's target), so that what concerns one node is found without a pass over every
+/// volume of the cluster. Read as the map by name; changed only through `insert` and
+/// `remove`, which keep the indexes and drop the ledgers the change makes stale.
+#[derive(Default)]
+struct Volumes {
+    by_name: BTreeMap<String, VolumeRecord>,
+    by_node: HashMap<String, BTreeSet<String>>,
+    /// Local volumes by the node whose pods asked for them.
+    by_host: HashMap<String, BTreeSet<String>>,
+    /// Volumes with a migration under way, and volumes still being created: the
+    /// reconcile loop's work, found without a pass over every volume.
+    migrating: BTreeSet<String>,
+    creating: BTreeSet<String>,
+    /// What each node's volumes take of its pools, as last worked out (see
+    /// `nodes::NodeLedger`): a creation then costs the scheduler's view a pass over one
+    /// node's volumes, not the cluster's.
+    ledgers: HashMap<String, nodes::NodeLedger>,
+}
+
+impl std::ops::Deref for Volumes {
+    type Target = BTreeMap<String, VolumeRecord>;
+    fn deref(&self) -> &Self::Target {
+        &self.by_name
+    }
+}
+
+impl Volumes {
+    fn insert(&mut self, name: String, v: VolumeRecord) -> Option<VolumeRecord> {
+        let old = self.remove(&name);
+        for node in v.exporting_nodes() {
+            self.ledgers.remove(&node);
+            self.by_node.entry(node).or_default().insert(name.clone());
+        }
+        if let Some(host) = local_host(&v) {
+            self.ledgers.remove(host);
+            self.by_host.entry(host.to_string()).or_default().insert(name.clone());
+        }
+        if v.migration.is_some() {
+            self.migrating.insert(name.clone());
+        }
+        if v.state == VolumeState::Creating {
+            self.creating.insert(name.clone());
+        }
+        self.by_name.insert(name, v);
+        old
+    }
+
+    fn remove(&mut self, name: &str) -> Option<VolumeRecord> {
+        let old = self.by_name.remove(name)?;
+        for node in old.exporting_nodes() {
+            self.ledgers.remove(&node);
+            unindex(&mut self.by_node, &node, name);
+        }
+        if let Some(host) = local_host(&old) {
+            self.ledgers.remove(host);
+            unindex(&mut self.by_host, host, name);
+        }
+        self.migrating.remove(name);
+        self.creating.remove(name);
+        Some(old)
+    }
+
+    /// The volumes with a migration under way.
+    fn migrating(&self) -> impl Iterator<Item = &VolumeRecord> {
+        self.migrating.iter().filter_map(|name| self.by_name.get(name))
+    }
+
+    /// The volumes still being created.
+    fn creating(&self) -> impl Iterator<Item = &VolumeRecord> {
+        self.creating.iter().filter_map(|name| self.by_name.get(name))
+    }
+
+    /// The volumes `node` owns or serves, by name.
+    fn of_node<'a>(&'a self, node: &str) -> impl Iterator<Item = &'a VolumeRecord> {
+        self.by_node.get(node).into_iter().flatten().filter_map(|name| self.by_name.get(name))
+    }
+
+    /// The local volumes the pods on `node` asked for, by name.
+    fn hosted_by<'a>(&'a self, node: &str) -> impl Iterator<Item = &'a VolumeRecord> {
+        self.by_host.get(node).into_iter().flatten().filter_map(|name| self.by_name.get(name))
+    }
+
+    /// Forgets `node`'s ledger: what it reported of its pools or volumes changed.
+    fn forget_ledger(&mut self, node: &str) {
+        self.ledgers.remove(node);
+    }
+}
+
+/// The node whose pods asked for `v` locally, if they did.
+fn local_host(v: &VolumeRecord) -> Option<&str> {
+    (v.locality == Locality::Local).then_some(v.host_node.as_str())
+}
+
+fn unindex(index: &mut HashMap<String, BTreeSet<String>>, key: &str, name: &str) {
+    if let Some(names) = index.get_mut(key) {
+        names.remove(name);
+        if names.is_empty() {
+            index.remove(key);
+        }
+    }
 }
 
 impl State {
@@ -189,6 +302,15 @@ const EXPLAINED_NODES: usize = 32;
 /// Outcome of one volume in an Apply.
 type Results = HashMap<String, proto::VolumeResult>;
 
+/// A node state an agent applied: its generation, its entries by volume ID, and the
+/// agent's result for each (the last one it gave: an entry sent again only when it
+/// changes keeps the result of its last application).
+struct HeldState {
+    generation: u64,
+    entries: HashMap<String, proto::DesiredVolume>,
+    results: Results,
+}
+
 fn store_status(e: impl std::fmt::Display) -> Status {
     // Not "nothing was changed": a write the store took before it stopped answering
     // stands, and the retry finds it.
@@ -231,7 +353,7 @@ impl Cluster {
             let entry = NodeEntry::new(record, now);
             nodes.insert(entry.record.name.clone(), entry);
         }
-        let mut volumes = BTreeMap::new();
+        let mut volumes = Volumes::default();
         for (_, b) in store.list(VOLUMES).await.map_err(store_status)? {
             let v: VolumeRecord = serde_json::from_slice(&b).map_err(corrupt)?;
             volumes.insert(v.name.clone(), v);

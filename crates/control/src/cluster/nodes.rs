@@ -1,11 +1,11 @@
 //! Nodes: registration, heartbeats, health, and the views the scheduler sees.
 
 use crate::cluster::convert::{pool_record, pool_report};
-use crate::cluster::{Cluster, NodeEntry, State};
+use crate::cluster::{Cluster, NodeEntry, State, Volumes};
 use crate::metrics::{ClusterFigures, PoolFigures};
 use crate::model::{MigrationPhase, NODES, NodeRecord, VolumeRecord, VolumeState, check_name, to_json};
 use crate::proto::agent_client::AgentClient;
-use crate::scheduler::{Locality, NodeView, PoolView};
+use crate::scheduler::{NodeView, PoolView};
 use crate::store::Txn;
 use crate::{access, proto, scheduler};
 use std::collections::HashMap;
@@ -76,17 +76,22 @@ impl Cluster {
         entry.pools = record.pools.clone();
         entry.record = record.clone();
         entry.last_seen = Instant::now();
-        // A (re)registered agent has applied nothing yet, and reached its engine.
+        // A (re)registered agent has applied nothing yet, and reached its engine; its
+        // first heartbeat lists everything.
         entry.applied_generation = 0;
+        entry.usage_complete = false;
         entry.engine_error = None;
         st.touch(&record.name);
+        st.volumes.forget_ledger(&record.name);
         Ok(access::cntlid_range(cntlid_block))
     }
 
-    pub fn heartbeat(&self, hb: proto::HeartbeatRequest) -> bool {
+    /// Takes a node's heartbeat: what its engine reports, all of it or only what
+    /// changed since the one before. Nothing is written to the store.
+    pub fn heartbeat(&self, hb: proto::HeartbeatRequest) -> proto::HeartbeatResponse {
         let mut st = self.state.lock().unwrap();
         let Some(n) = st.nodes.get_mut(&hb.node) else {
-            return false;
+            return proto::HeartbeatResponse { known: false, send_everything: false };
         };
         n.last_seen = Instant::now();
         if !hb.engine_error.is_empty() {
@@ -95,17 +100,40 @@ impl Cluster {
                 tracing::warn!(node = %hb.node, "the node's engine is down: {}", hb.engine_error);
             }
             n.engine_error = Some(hb.engine_error);
-            return true;
+            return proto::HeartbeatResponse { known: true, send_everything: false };
         }
         if n.engine_error.take().is_some() {
             tracing::info!(node = %hb.node, "the node's engine is back");
         }
         n.engine_version = hb.engine_version;
-        n.pools = hb.pools.iter().map(pool_record).collect();
-        n.usage = hb.volumes.into_iter().map(|u| (u.engine_name, u.allocated_bytes)).collect();
+        let pools: Vec<_> = hb.pools.iter().map(pool_record).collect();
+        // A ledger rests on the pools' cluster sizes and the volumes' allocations.
+        let ledger_stale = !hb.changes_only
+            || !hb.volumes.is_empty()
+            || !hb.volumes_gone.is_empty()
+            || pools.len() != n.pools.len()
+            || pools.iter().zip(&n.pools).any(|(a, b)| a.name != b.name || a.cluster_size != b.cluster_size);
+        n.pools = pools;
         n.applied_generation = hb.applied_generation;
-        n.io.update(n.last_seen, hb.counters);
-        true
+        let usage = hb.volumes.into_iter().map(|u| (u.engine_name, u.allocated_bytes));
+        if hb.changes_only {
+            // Changes on top of what this controller holds: without a complete report
+            // under them they are still the newest figures, and the agent is asked for
+            // everything next time.
+            n.usage.extend(usage);
+            for gone in &hb.volumes_gone {
+                n.usage.remove(gone);
+            }
+        } else {
+            n.usage = usage.collect();
+            n.usage_complete = true;
+        }
+        n.io.update(n.last_seen, hb.counters, hb.changes_only, &hb.counters_gone);
+        let send_everything = !n.usage_complete;
+        if ledger_stale {
+            st.volumes.forget_ledger(&hb.node);
+        }
+        proto::HeartbeatResponse { known: true, send_everything }
     }
 
     pub fn list_nodes(&self) -> Vec<proto::Node> {
@@ -120,7 +148,7 @@ impl Cluster {
                 pools: n.pools.iter().map(pool_report).collect(),
                 healthy: self.healthy(n),
                 last_heartbeat_ms_ago: n.last_seen.elapsed().as_millis() as u64,
-                volumes: st.volumes.values().filter(|v| v.node == n.record.name).count() as u32,
+                volumes: st.volumes.of_node(&n.record.name).filter(|v| v.node == n.record.name).count() as u32,
                 engine_error: n.engine_error.clone().unwrap_or_default(),
                 host_nqn: n.record.host_nqn.clone(),
                 peer_address: n.record.peer_address.clone(),
@@ -197,8 +225,8 @@ impl Cluster {
     }
 
     pub fn list_pools(&self) -> Vec<proto::PoolOnNode> {
-        let st = self.state.lock().unwrap();
-        let views = self.node_views(&st);
+        let mut st = self.state.lock().unwrap();
+        let views = self.node_views(&mut st);
         let mut out = Vec::new();
         for n in st.nodes.values() {
             for p in &n.pools {
@@ -229,65 +257,115 @@ impl Cluster {
 
     /// The scheduler's view: reported pools, with what this controller has promised
     /// on them counted in even before the node reports it.
-    pub(super) fn node_views(&self, st: &State) -> Vec<NodeView> {
-        let cluster_size = |node: &str, pool: &str| {
-            st.nodes.get(node).and_then(|n| n.pools.iter().find(|p| p.name == pool)).map_or(1, |p| p.cluster_size)
-        };
-        let live =
-            st.volumes.values().chain(st.reserved.values()).map(|v| (&v.node, &v.pool, &v.engine_name, v.size, v.thin));
-        // A migration's target takes the volume's room on its node from the start.
-        let moving = st.volumes.values().filter_map(|v| {
-            v.migration
-                .as_ref()
-                .filter(|m| m.phase != MigrationPhase::Retiring)
-                .map(|m| (&m.to_node, &m.to_pool, &v.engine_name, v.size, v.thin))
-        });
-        let dying = st.tombstones.values().map(|t| (&t.node, &t.pool, &t.engine_name, t.size, t.thin));
-        // (node, pool) -> (bytes taken, bytes promised)
-        let mut promised: HashMap<(&str, &str), (u64, u64)> = HashMap::new();
-        for (node, pool, engine_name, size, thin) in live.chain(moving).chain(dying) {
-            let taken = if thin {
-                st.nodes.get(node).and_then(|n| n.usage.get(engine_name)).copied().unwrap_or(0)
-            } else {
-                scheduler::thick_bytes(size, cluster_size(node, pool))
-            };
-            let e = promised.entry((node.as_str(), pool.as_str())).or_default();
-            e.0 += taken;
-            e.1 += size;
-        }
-        // What each node's pods asked to have locally, and what of it sits there.
-        let mut local: HashMap<&str, (u64, u64)> = HashMap::new();
-        for v in st.volumes.values().filter(|v| v.locality == Locality::Local) {
-            let e = local.entry(v.host_node.as_str()).or_default();
-            e.0 += v.size;
-            if v.node == v.host_node {
-                e.1 += v.size;
+    pub(super) fn node_views(&self, st: &mut State) -> Vec<NodeView> {
+        let State { nodes, volumes, reserved, tombstones, .. } = st;
+        // Creations under way and volumes whose removal is not confirmed yet are few;
+        // what the stored volumes take is in each node's ledger.
+        let mut pending: HashMap<(&str, &str), (u64, u64)> = HashMap::new();
+        let creating = reserved.values().map(|v| (&v.node, &v.pool, &v.engine_name, v.size, v.thin));
+        let dying = tombstones.values().map(|t| (&t.node, &t.pool, &t.engine_name, t.size, t.thin));
+        for (node, pool, engine_name, size, thin) in creating.chain(dying) {
+            if let Some(n) = nodes.get(node) {
+                let e = pending.entry((node.as_str(), pool.as_str())).or_default();
+                e.0 += taken_on(n, pool, engine_name, size, thin);
+                e.1 += size;
             }
         }
-        st.nodes
-            .values()
-            .map(|n| NodeView {
+        let mut views = Vec::with_capacity(nodes.len());
+        for n in nodes.values() {
+            let ledger = volumes.ledger(n);
+            let name = n.record.name.as_str();
+            views.push(NodeView {
                 name: n.record.name.clone(),
                 healthy: self.healthy(n),
-                local_demand: local.get(n.record.name.as_str()).map_or(0, |l| l.0),
-                local_held: local.get(n.record.name.as_str()).map_or(0, |l| l.1),
+                local_demand: ledger.local_demand,
+                local_held: ledger.local_held,
                 pools: n
                     .pools
                     .iter()
                     .map(|p| {
-                        let (taken, provisioned) =
-                            promised.get(&(n.record.name.as_str(), p.name.as_str())).copied().unwrap_or_default();
+                        let (held_taken, held_provisioned) = ledger.pools.get(&p.name).copied().unwrap_or_default();
+                        let (more_taken, more_provisioned) =
+                            pending.get(&(name, p.name.as_str())).copied().unwrap_or_default();
                         PoolView {
                             name: p.name.clone(),
                             capacity: p.capacity_bytes,
-                            committed: p.used_bytes.max(taken),
-                            provisioned: p.provisioned_bytes.max(provisioned),
+                            committed: p.used_bytes.max(held_taken + more_taken),
+                            provisioned: p.provisioned_bytes.max(held_provisioned + more_provisioned),
                             cluster_size: p.cluster_size,
                             failed: p.failed.clone(),
                         }
                     })
                     .collect(),
-            })
-            .collect()
+            });
+        }
+        views
+    }
+}
+
+/// What one node's stored volumes take of its pools and promise them, and what its
+/// pods asked to have locally. Worked out from the node's volumes (through the
+/// indexes of `Volumes`) and its last report when a view needs it, and kept until
+/// either changes.
+#[derive(Debug, Default, PartialEq)]
+pub(super) struct NodeLedger {
+    /// By pool: (bytes taken, bytes promised). A migration's target takes the
+    /// volume's room from the start.
+    pools: HashMap<String, (u64, u64)>,
+    /// Bytes of the live volumes that pods on this node asked to have here, and of
+    /// those, the bytes that sit here.
+    local_demand: u64,
+    local_held: u64,
+}
+
+impl NodeLedger {
+    fn of(volumes: &Volumes, n: &NodeEntry) -> NodeLedger {
+        let name = n.record.name.as_str();
+        let mut ledger = NodeLedger::default();
+        let mut add = |pool: &str, engine_name: &str, size: u64, thin: bool| {
+            let e = ledger.pools.entry(pool.to_string()).or_default();
+            e.0 += taken_on(n, pool, engine_name, size, thin);
+            e.1 += size;
+        };
+        for v in volumes.of_node(name) {
+            if v.node == name {
+                add(&v.pool, &v.engine_name, v.size, v.thin);
+            }
+            if let Some(m) = v.migration.as_ref().filter(|m| m.phase != MigrationPhase::Retiring && m.to_node == name) {
+                add(&m.to_pool, &v.engine_name, v.size, v.thin);
+            }
+        }
+        for v in volumes.hosted_by(name) {
+            ledger.local_demand += v.size;
+            if v.node == name {
+                ledger.local_held += v.size;
+            }
+        }
+        ledger
+    }
+}
+
+impl Volumes {
+    /// Node `n`'s ledger, worked out again if something it rests on changed.
+    fn ledger(&mut self, n: &NodeEntry) -> &NodeLedger {
+        let name = &n.record.name;
+        if !self.ledgers.contains_key(name) {
+            let ledger = NodeLedger::of(self, n);
+            self.ledgers.insert(name.clone(), ledger);
+        }
+        let ledger = &self.ledgers[name];
+        debug_assert_eq!(ledger, &NodeLedger::of(self, n), "node {name}'s ledger is stale");
+        ledger
+    }
+}
+
+/// The bytes a volume takes of pool `pool` on node `n`: a thick volume its size in
+/// whole clusters, a thin one what the node last reported allocated.
+fn taken_on(n: &NodeEntry, pool: &str, engine_name: &str, size: u64, thin: bool) -> u64 {
+    if thin {
+        n.usage.get(engine_name).copied().unwrap_or(0)
+    } else {
+        let cluster_size = n.pools.iter().find(|p| p.name == pool).map_or(1, |p| p.cluster_size);
+        scheduler::thick_bytes(size, cluster_size)
     }
 }

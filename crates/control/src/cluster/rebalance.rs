@@ -115,7 +115,7 @@ impl Cluster {
     }
 
     fn plan_moves(&self, st: &mut State) -> Vec<Move> {
-        if st.volumes.values().filter(|v| v.migration.is_some()).count() >= MOST_IN_FLIGHT {
+        if st.volumes.migrating().count() >= MOST_IN_FLIGHT {
             return Vec::new();
         }
         let busy = busy_nodes(st);

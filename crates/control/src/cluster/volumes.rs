@@ -14,7 +14,7 @@ use crate::scheduler::{Locality, Request, Score};
 use crate::store::{Condition, Txn};
 use crate::{access, proto, scheduler};
 use nvpool_api::QosLimits;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 use tonic::Status;
 
@@ -64,7 +64,7 @@ impl Cluster {
         let id = uuid::Uuid::new_v4().to_string();
         let (record, scores) = {
             let mut st = self.state.lock().unwrap();
-            let views = self.node_views(&st);
+            let views = self.node_views(&mut st);
             let scores = scheduler::place(&views, &request, &self.cfg.policy, EXPLAINED_NODES);
             self.cfg.metrics.placed("volume", scheduler::choice(&scores).is_some());
             let Some(chosen) = scheduler::choice(&scores) else {
@@ -257,8 +257,8 @@ impl Cluster {
             )));
         }
         {
-            let st = self.state.lock().unwrap();
-            let views = self.node_views(&st);
+            let mut st = self.state.lock().unwrap();
+            let views = self.node_views(&mut st);
             let pool = views.iter().find(|n| n.name == v.node).and_then(|n| n.pools.iter().find(|p| p.name == v.pool));
             let Some(pool) = pool else {
                 return Err(Status::failed_precondition(format!(
@@ -576,8 +576,15 @@ impl Cluster {
         let due: Vec<(String, String)> = {
             let st = self.state.lock().unwrap();
             let lost = |n: &String| st.nodes.get(n).is_none_or(|e| !self.healthy(e));
-            st.volumes
-                .values()
+            // Only volumes that a lost node serves can have a lost path: found through
+            // the index by node, so that a healthy cluster costs a pass over its nodes.
+            let mut suspects = BTreeSet::new();
+            for node in st.volumes.by_node.keys().filter(|n| lost(n)) {
+                suspects.extend(st.volumes.of_node(node).map(|v| v.name.as_str()));
+            }
+            suspects
+                .into_iter()
+                .filter_map(|name| st.volumes.get(name))
                 .filter(|v| v.state == VolumeState::Ready)
                 .flat_map(|v| {
                     v.paths

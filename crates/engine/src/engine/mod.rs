@@ -7,6 +7,7 @@
 
 mod handover;
 mod subsystems;
+mod usage;
 
 pub use handover::TakenOver;
 
@@ -51,6 +52,8 @@ pub struct Engine {
     remote_links: backend::remote::RemoteLinks,
     /// The configuration it started with (a hot upgrade hands it on).
     config: Mutex<EngineConfig>,
+    /// The last usage answer, which the next one may list only changes against.
+    last_usage: Mutex<usage::LastUsage>,
 }
 
 impl Engine {
@@ -94,6 +97,7 @@ impl Engine {
             host_nqn: cfg.host_nqn.clone().unwrap_or_else(backend::remote::default_host_nqn),
             remote_links: backend::remote::RemoteLinks::new(cfg.remote_queues),
             config: Mutex::new(cfg.clone()),
+            last_usage: Mutex::new(usage::LastUsage::new()),
         });
         let setup = || -> Result<()> {
             for p in &cfg.pools {

@@ -164,32 +164,42 @@ impl Engine {
 
     /// Every NVM subsystem with its namespaces and counters.
     pub fn subsystems(&self) -> Vec<SubsystemInfo> {
-        self.target
-            .subsystems()
-            .into_iter()
+        self.target.subsystems().into_iter().filter(|s| !s.is_discovery()).map(|s| subsystem_info(&s)).collect()
+    }
+
+    /// The subsystems of these NQNs that exist: what `subsystems` lists of them, without
+    /// describing every other one.
+    pub fn subsystems_named(&self, nqns: &[String]) -> Vec<SubsystemInfo> {
+        let mut nqns: Vec<&String> = nqns.iter().collect();
+        nqns.sort();
+        nqns.dedup();
+        nqns.into_iter()
+            .filter_map(|nqn| self.target.subsystem(nqn))
             .filter(|s| !s.is_discovery())
-            .map(|s| {
-                let policy = s.host_policy();
-                SubsystemInfo {
-                    nqn: s.nqn.clone(),
-                    serial: s.serial.clone(),
-                    model: s.model.clone(),
-                    allow_any_host: policy.allow_any,
-                    hosts: policy.hosts.into_iter().collect(),
-                    authenticated_hosts: policy.keys.iter().map(|(host, k)| k.info(host)).collect(),
-                    tls_psk_hosts: policy.psks.keys().cloned().collect(),
-                    controllers: s.controllers().len(),
-                    connected_hosts: {
-                        let mut hosts: Vec<String> = s.controllers().iter().map(|c| c.hostnqn.clone()).collect();
-                        hosts.sort();
-                        hosts.dedup();
-                        hosts
-                    },
-                    namespaces: s.namespaces().values().map(|ns| namespace_info(ns)).collect(),
-                    ana_groups: s.ana_groups(),
-                }
-            })
+            .map(|s| subsystem_info(&s))
             .collect()
+    }
+}
+
+fn subsystem_info(s: &Subsystem) -> SubsystemInfo {
+    let policy = s.host_policy();
+    SubsystemInfo {
+        nqn: s.nqn.clone(),
+        serial: s.serial.clone(),
+        model: s.model.clone(),
+        allow_any_host: policy.allow_any,
+        hosts: policy.hosts.into_iter().collect(),
+        authenticated_hosts: policy.keys.iter().map(|(host, k)| k.info(host)).collect(),
+        tls_psk_hosts: policy.psks.keys().cloned().collect(),
+        controllers: s.controllers().len(),
+        connected_hosts: {
+            let mut hosts: Vec<String> = s.controllers().iter().map(|c| c.hostnqn.clone()).collect();
+            hosts.sort();
+            hosts.dedup();
+            hosts
+        },
+        namespaces: s.namespaces().values().map(|ns| namespace_info(ns)).collect(),
+        ana_groups: s.ana_groups(),
     }
 }
 

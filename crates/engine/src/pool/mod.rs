@@ -498,6 +498,18 @@ impl Pool {
         inner.state.volumes.keys().map(|&id| self.volume_info(&inner, id)).collect()
     }
 
+    /// Every volume's allocated bytes, as (pool, volume, bytes): what `volumes` says
+    /// without the strings it formats.
+    pub fn allocations(&self) -> Vec<(String, String, u64)> {
+        let inner = lock(&self.inner);
+        inner
+            .state
+            .volumes
+            .values()
+            .map(|v| (self.name.clone(), v.meta.name.clone(), v.map.len() as u64 * self.cluster_size))
+            .collect()
+    }
+
     /// One volume.
     pub fn volume(&self, name: &str) -> Result<VolumeInfo> {
         let inner = lock(&self.inner);

@@ -81,6 +81,11 @@ pub enum Command {
     },
     /// Replay a synthetic cluster through the scheduler and compare placement policies.
     Sim(SimArgs),
+    /// Measure a controller of its own (embedded store) against simulated nodes: each
+    /// registers, heartbeats and applies its states over the real protocol, with no
+    /// engine; volumes are created at a set rate, then the controller is killed and
+    /// started again. Prints a table.
+    Fleet(FleetArgs),
     /// Serve the CSI driver (controller and/or node plugin) on a Unix socket.
     Csi(CsiArgs),
     /// Show the busiest volumes and nodes, refreshed: IOPS, throughput and latency
@@ -295,6 +300,31 @@ pub struct CsiArgs {
     /// pod's own, else nvpool).
     #[arg(long)]
     secret_namespace: Option<String>,
+}
+
+#[derive(Args)]
+pub struct FleetArgs {
+    /// Simulated nodes.
+    #[arg(long, default_value_t = 1000)]
+    nodes: usize,
+    /// Volumes to create (16 MiB, thick unless --thin).
+    #[arg(long, default_value_t = 10000)]
+    volumes: usize,
+    /// Create thin volumes: they take no room, and spread by what each pool promised.
+    #[arg(long)]
+    thin: bool,
+    /// Creations per second, all clients together.
+    #[arg(long, default_value_t = 100.0)]
+    rate: f64,
+    /// Clients creating at once.
+    #[arg(long, default_value_t = 8)]
+    clients: usize,
+    /// Seconds to watch the controller at rest, and after the failover.
+    #[arg(long, default_value_t = 10.0)]
+    rest: f64,
+    /// Keep the controller's store and log here (default: a temporary directory).
+    #[arg(long)]
+    dir: Option<std::path::PathBuf>,
 }
 
 #[derive(Args)]
@@ -690,6 +720,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
         Command::Sim(a) => {
             run_sim(a)
         }
+        Command::Fleet(a) => rt.block_on(run_fleet(a)),
         Command::Top { every, rows, once, api } => rt.block_on(async {
             let options = super::top::TopOptions { every, rows, once };
             super::top::run(&api.controllers()?, &options).await
@@ -1401,5 +1432,57 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
          (-: it failed first).\n\
          migrated per placement: bytes moved by hot migration per volume created, until the first failure."
     );
+    Ok(())
+}
+
+async fn run_fleet(a: FleetArgs) -> Result<(), String> {
+    let temporary = std::env::temp_dir().join(format!("nvpool-fleet-{}", std::process::id()));
+    let dir = a.dir.clone().unwrap_or_else(|| temporary.clone());
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let binary = std::env::current_exe().map_err(|e| format!("this program's path: {e}"))?;
+    let cfg = nvpool_control::fleet::BenchConfig {
+        binary,
+        dir,
+        nodes: a.nodes,
+        volumes: a.volumes,
+        thin: a.thin,
+        rate: a.rate,
+        clients: a.clients,
+        rest: Duration::from_secs_f64(a.rest),
+    };
+    let r = nvpool_control::fleet::bench(cfg).await;
+    if a.dir.is_none() {
+        let _ = std::fs::remove_dir_all(&temporary);
+    }
+    let r = r?;
+    let kind = if a.thin { "thin" } else { "thick" };
+    println!("## {} nodes, {} {kind} volumes (embedded store)", r.nodes, r.volumes);
+    println!();
+    println!("{} nodes registered in {:.1} s.", r.nodes, r.register_seconds);
+    println!();
+    println!("| volumes created | create p50 (ms) | p99 (ms) | max (ms) |");
+    println!("|---|---:|---:|---:|");
+    let mut from = 1;
+    for s in &r.creations {
+        println!("| {from}–{} | {:.1} | {:.1} | {:.1} |", s.upto, s.p50, s.p99, s.max);
+        from = s.upto + 1;
+    }
+    println!();
+    println!("| figure | value |");
+    println!("|---|---:|");
+    println!("| creations per second (asked {}) | {:.1} |", a.rate, r.creations_per_second);
+    println!("| controller CPU while creating (% of a core) | {:.1} |", r.controller_cpu_creating);
+    println!("| controller CPU at rest, {} nodes heartbeating (% of a core) | {:.1} |", r.nodes, r.controller_cpu_rest);
+    println!("| controller RSS (MiB) | {} |", r.controller_rss_mib);
+    println!("| store file (MiB) | {:.1} |", r.store_mib);
+    println!("| list every volume (ms) | {:.0} |", r.list_volumes_ms);
+    println!("| volumes per node, fewest / most | {} / {} |", r.fewest_on_a_node, r.most_on_a_node);
+    println!(
+        "| states applied / entries in them / whole states | {} / {} / {} |",
+        r.applies, r.entries_applied, r.whole_states
+    );
+    println!("| after SIGKILL: the new process lists every volume (s) | {:.2} |", r.failover_serving_seconds);
+    println!("| after SIGKILL: one creation (ms) | {:.1} |", r.failover_create_ms);
+    println!("| after SIGKILL: whole states sent in the next {} s | {} |", a.rest, r.failover_whole_states);
     Ok(())
 }

@@ -1,0 +1,34 @@
+//! `nvpool fleet` end to end, small: simulated nodes register, heartbeat and apply
+//! through a real controller, every volume created is listed, and after the
+//! controller is killed and started again every one is still there (the command
+//! fails otherwise). The volumes are thin, and spread evenly over the nodes, which are
+//! alike: on equal scores the scheduler picks the pool that promised least.
+
+use std::process::Command;
+
+#[test]
+fn a_fleet_creates_volumes_and_loses_none_across_a_controller_kill() {
+    let out = Command::new(env!("CARGO_BIN_EXE_nvpool"))
+        .args([
+            "fleet",
+            "--nodes",
+            "20",
+            "--volumes",
+            "200",
+            "--thin",
+            "--rate",
+            "400",
+            "--clients",
+            "4",
+            "--rest",
+            "1",
+        ])
+        .output()
+        .expect("nvpool runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "nvpool fleet failed: {}{text}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("## 20 nodes, 200 thin volumes"), "{text}");
+    assert!(text.contains("| volumes per node, fewest / most | 10 / 10 |"), "ten on every node: {text}");
+    assert!(text.contains("| 181–200 |"), "ten stretches of creations: {text}");
+    assert!(text.contains("after SIGKILL: the new process lists every volume"), "{text}");
+}
