@@ -872,6 +872,10 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
                 Ok(r) if !r.known => registered = false,
                 Ok(r) => {
                     usage_mark = mark.filter(|_| !r.send_everything);
+                    // The controller paces its nodes by their number (0: an older one).
+                    if r.heartbeat_interval_ms > 0 {
+                        interval = Duration::from_millis(r.heartbeat_interval_ms.max(100));
+                    }
                     // A controller without a complete report (a new leader) gets one
                     // at once rather than a heartbeat later.
                     resend = r.send_everything;

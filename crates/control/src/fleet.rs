@@ -35,6 +35,8 @@ pub struct Fleet {
     pub applies: AtomicU64,
     pub entries_applied: AtomicU64,
     pub whole_states: AtomicU64,
+    /// Heartbeats the controller answered.
+    pub heartbeats: AtomicU64,
 }
 
 impl Fleet {
@@ -47,6 +49,7 @@ impl Fleet {
             applies: AtomicU64::new(0),
             entries_applied: AtomicU64::new(0),
             whole_states: AtomicU64::new(0),
+            heartbeats: AtomicU64::new(0),
         })
     }
 
@@ -130,24 +133,33 @@ impl Fleet {
     }
 
     /// Heartbeats every node once per `interval`, spread over it, in `lanes` tasks, for
-    /// ever. A node at rest reports no changes, as an agent with a quiet engine does.
+    /// ever; the interval follows what the controller's answers say, as an agent's
+    /// does. A node at rest reports no changes, as an agent with a quiet engine does.
     pub fn heartbeat_forever(self: &Arc<Fleet>, controllers: Arc<Controllers>, interval: Duration, lanes: usize) {
+        let interval_ms = Arc::new(AtomicU64::new(interval.as_millis() as u64));
         // No more lanes than nodes: a lane without one would loop without awaiting and
         // hold a runtime thread (a fleet of 5 nodes with 8 lanes never finished).
         let lanes = lanes.clamp(1, self.names.len().max(1));
         for lane in 0..lanes {
             let fleet = self.clone();
             let controllers = controllers.clone();
+            let interval_ms = interval_ms.clone();
             tokio::spawn(async move {
                 let mine: Vec<String> = fleet.names.iter().skip(lane).step_by(lanes).cloned().collect();
-                let gap = interval / (mine.len().max(1) as u32);
-                let mut tick = tokio::time::interval(gap.max(Duration::from_micros(50)));
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 loop {
+                    // Each round spreads the lane's nodes over the interval last told.
+                    let interval = Duration::from_millis(interval_ms.load(Ordering::Relaxed));
+                    let gap = interval / (mine.len().max(1) as u32);
+                    let mut tick = tokio::time::interval(gap.max(Duration::from_micros(50)));
+                    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                     for name in &mine {
                         tick.tick().await;
                         let hb = fleet.heartbeat(name);
                         if let Ok(r) = controllers.call(async |mut c| c.heartbeat(hb.clone()).await).await {
+                            fleet.heartbeats.fetch_add(1, Ordering::Relaxed);
+                            if r.heartbeat_interval_ms > 0 {
+                                interval_ms.store(r.heartbeat_interval_ms.max(100), Ordering::Relaxed);
+                            }
                             let mut node = fleet.nodes[name].lock().unwrap();
                             node.reported = r.known && !r.send_everything;
                         }
@@ -273,6 +285,8 @@ pub struct BenchReport {
     pub creations_per_second: f64,
     pub controller_cpu_creating: f64,
     pub controller_cpu_rest: f64,
+    /// Heartbeats the controller answered per second at rest.
+    pub heartbeats_per_second_rest: f64,
     pub controller_rss_mib: u64,
     pub store_mib: f64,
     pub list_volumes_ms: f64,
@@ -418,8 +432,11 @@ pub async fn bench(cfg: BenchConfig) -> Result<BenchReport, String> {
         })
         .collect();
 
+    let heartbeats_before = fleet.heartbeats.load(Ordering::Relaxed);
     tokio::time::sleep(cfg.rest).await;
     let cpu_rest = (cpu_seconds(pid) - cpu_created) / cfg.rest.as_secs_f64();
+    let heartbeats_per_second_rest =
+        (fleet.heartbeats.load(Ordering::Relaxed) - heartbeats_before) as f64 / cfg.rest.as_secs_f64();
     let controller_rss_mib = rss_mib(pid);
     let t = std::time::Instant::now();
     let listed = controllers.call(async |mut c| c.list_volumes(proto::ListVolumesRequest::default()).await).await;
@@ -481,6 +498,7 @@ pub async fn bench(cfg: BenchConfig) -> Result<BenchReport, String> {
         creations_per_second: cfg.volumes as f64 / creating,
         controller_cpu_creating: 100.0 * (cpu_created - cpu_before) / creating,
         controller_cpu_rest: 100.0 * cpu_rest,
+        heartbeats_per_second_rest,
         controller_rss_mib,
         store_mib,
         list_volumes_ms,

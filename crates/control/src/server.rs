@@ -178,9 +178,9 @@ impl proto::controller_server::Controller for Service {
         self.check_node(&r, &name)?;
         self.with(async |c| {
             let node = r.into_inner().node.ok_or_else(|| Status::invalid_argument("RegisterNode needs a node"))?;
-            let (cntlid_min, cntlid_max) = c.register_node(node).await?;
+            let ((cntlid_min, cntlid_max), interval) = c.register_node(node).await?;
             Ok(proto::RegisterNodeResponse {
-                heartbeat_interval_ms: c.cfg.heartbeat_interval.as_millis() as u64,
+                heartbeat_interval_ms: interval.as_millis() as u64,
                 cntlid_min: u32::from(cntlid_min),
                 cntlid_max: u32::from(cntlid_max),
                 takes_changes: true,

@@ -30,12 +30,23 @@ mod nodes;
 mod rebalance;
 mod volumes;
 
+/// Heartbeats per second a controller takes by default. Each costs the leader about
+/// 0.1 ms of CPU, mostly gRPC (`bench/results/control-scale.md`: 10,000 nodes at one a
+/// second took 72% of a core): 2,000 a second is a fifth of a core or less, and a pool
+/// of 10,000 nodes heartbeats every 5 s.
+pub const DEFAULT_HEARTBEAT_BUDGET: u32 = 2000;
+
 #[derive(Clone, Debug)]
 pub struct ClusterConfig {
     pub policy: Policy,
-    /// A node whose last heartbeat is older than this is unhealthy.
+    /// A node whose last heartbeat is older than this is unhealthy (at the base
+    /// heartbeat interval; it stretches with the interval, see `heartbeat_pace`).
     pub node_timeout: Duration,
+    /// How often agents heartbeat while the pool is small enough for the budget.
     pub heartbeat_interval: Duration,
+    /// Most heartbeats per second the controller takes: past that many nodes, each
+    /// heartbeats less often.
+    pub heartbeat_budget: u32,
     /// How long an agent may take to apply a node's state.
     pub apply_timeout: Duration,
     /// Mutual TLS to the agents (the controller's own certificate), when on.
@@ -54,6 +65,7 @@ impl Default for ClusterConfig {
             policy: Policy::default(),
             node_timeout: Duration::from_secs(5),
             heartbeat_interval: Duration::from_secs(1),
+            heartbeat_budget: DEFAULT_HEARTBEAT_BUDGET,
             apply_timeout: Duration::from_secs(20),
             tls: None,
             metrics: Arc::default(),
@@ -66,6 +78,9 @@ impl Default for ClusterConfig {
 struct NodeEntry {
     record: NodeRecord,
     last_seen: Instant,
+    /// The heartbeat interval the node was last told: it is judged by a timeout
+    /// stretched in proportion.
+    interval: Duration,
     /// Pools as the last heartbeat reported them.
     pools: Vec<PoolRecord>,
     /// Allocated bytes per engine volume, from the heartbeats.
@@ -91,13 +106,14 @@ struct NodeEntry {
 }
 
 impl NodeEntry {
-    /// A node as recorded, last seen at `last_seen`, with nothing reported yet beyond
-    /// its record's pools.
-    fn new(record: NodeRecord, last_seen: Instant) -> NodeEntry {
+    /// A node as recorded, last seen at `last_seen` and told to heartbeat each
+    /// `interval`, with nothing reported yet beyond its record's pools.
+    fn new(record: NodeRecord, last_seen: Instant, interval: Duration) -> NodeEntry {
         NodeEntry {
             pools: record.pools.clone(),
             record,
             last_seen,
+            interval,
             usage: HashMap::new(),
             usage_complete: false,
             desired_generation: 0,
@@ -319,6 +335,13 @@ fn store_status(e: impl std::fmt::Display) -> Status {
     ))
 }
 
+/// How often each of `nodes` nodes is to heartbeat: the base interval, or longer, so
+/// that all of them together stay within the controller's budget.
+fn heartbeat_pace(cfg: &ClusterConfig, nodes: usize) -> Duration {
+    let spread = Duration::from_secs_f64(nodes as f64 / f64::from(cfg.heartbeat_budget.max(1)));
+    cfg.heartbeat_interval.max(spread)
+}
+
 fn now_ms() -> u64 {
     SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(1)
 }
@@ -345,12 +368,15 @@ impl Cluster {
         };
         let now = Instant::now();
         let mut nodes = BTreeMap::new();
-        for (_, b) in store.list(NODES).await.map_err(store_status)? {
+        let stored_nodes = store.list(NODES).await.map_err(store_status)?;
+        // The pace the nodes were told by the last leader, if it had as many.
+        let interval = heartbeat_pace(&cfg, stored_nodes.len());
+        for (_, b) in stored_nodes {
             let record: NodeRecord = serde_json::from_slice(&b).map_err(corrupt)?;
             // A new leader gives every node a full timeout to report, so that creations
             // go on through a failover. (A node that died meanwhile fails its first
             // Apply; the volume is given up and the call can be retried.)
-            let entry = NodeEntry::new(record, now);
+            let entry = NodeEntry::new(record, now, interval);
             nodes.insert(entry.record.name.clone(), entry);
         }
         let mut volumes = Volumes::default();

@@ -1,7 +1,7 @@
 //! Nodes: registration, heartbeats, health, and the views the scheduler sees.
 
 use crate::cluster::convert::{pool_record, pool_report};
-use crate::cluster::{Cluster, NodeEntry, State, Volumes};
+use crate::cluster::{Cluster, NodeEntry, State, Volumes, heartbeat_pace};
 use crate::metrics::{ClusterFigures, PoolFigures};
 use crate::model::{MigrationPhase, NODES, NodeRecord, VolumeRecord, VolumeState, check_name, to_json};
 use crate::proto::agent_client::AgentClient;
@@ -17,8 +17,9 @@ use tonic::Status;
 const UPGRADE_TIMEOUT: Duration = Duration::from_secs(60);
 
 impl Cluster {
-    /// Records a node; returns the controller IDs its engine is to hand out.
-    pub async fn register_node(&self, node: proto::Node) -> Result<(u16, u16), Status> {
+    /// Records a node; returns the controller IDs its engine is to hand out and how
+    /// often it is to heartbeat.
+    pub async fn register_node(&self, node: proto::Node) -> Result<((u16, u16), Duration), Status> {
         check_name("node", &node.name).map_err(Status::invalid_argument)?;
         match crate::model::host_address(&node.nvme_address) {
             None => {
@@ -49,9 +50,13 @@ impl Cluster {
             match st.nodes.get(&node.name).and_then(|n| n.record.cntlid_block) {
                 Some(b) => b,
                 // The block fewest nodes have, so that paths rarely need to avoid one.
-                None => (0..access::CNTLID_BLOCKS)
-                    .min_by_key(|b| st.nodes.values().filter(|n| n.record.cntlid_block == Some(*b)).count())
-                    .unwrap_or(0),
+                None => {
+                    let mut holding = [0usize; access::CNTLID_BLOCKS as usize];
+                    for b in st.nodes.values().filter_map(|n| n.record.cntlid_block) {
+                        holding[usize::from(b % access::CNTLID_BLOCKS)] += 1;
+                    }
+                    (0..access::CNTLID_BLOCKS).min_by_key(|&b| holding[usize::from(b)]).unwrap_or(0)
+                }
             }
         };
         let record = NodeRecord {
@@ -70,8 +75,12 @@ impl Cluster {
             self.commit(Txn::default().put(format!("{NODES}{}", record.name), to_json(&record))).await?;
         }
         let mut st = self.state.lock().unwrap();
-        let entry =
-            st.nodes.entry(record.name.clone()).or_insert_with(|| NodeEntry::new(record.clone(), Instant::now()));
+        let interval = heartbeat_pace(&self.cfg, st.nodes.len() + usize::from(!st.nodes.contains_key(&record.name)));
+        let entry = st
+            .nodes
+            .entry(record.name.clone())
+            .or_insert_with(|| NodeEntry::new(record.clone(), Instant::now(), interval));
+        entry.interval = interval;
         entry.engine_version = node.engine_version.clone();
         entry.pools = record.pools.clone();
         entry.record = record.clone();
@@ -83,24 +92,27 @@ impl Cluster {
         entry.engine_error = None;
         st.touch(&record.name);
         st.volumes.forget_ledger(&record.name);
-        Ok(access::cntlid_range(cntlid_block))
+        Ok((access::cntlid_range(cntlid_block), interval))
     }
 
     /// Takes a node's heartbeat: what its engine reports, all of it or only what
     /// changed since the one before. Nothing is written to the store.
     pub fn heartbeat(&self, hb: proto::HeartbeatRequest) -> proto::HeartbeatResponse {
         let mut st = self.state.lock().unwrap();
+        let interval = heartbeat_pace(&self.cfg, st.nodes.len());
+        let heartbeat_interval_ms = interval.as_millis() as u64;
         let Some(n) = st.nodes.get_mut(&hb.node) else {
-            return proto::HeartbeatResponse { known: false, send_everything: false };
+            return proto::HeartbeatResponse { known: false, send_everything: false, heartbeat_interval_ms };
         };
         n.last_seen = Instant::now();
+        n.interval = interval;
         if !hb.engine_error.is_empty() {
             // The agent is alive but blind: keep the pools and usage last reported.
             if n.engine_error.is_none() {
                 tracing::warn!(node = %hb.node, "the node's engine is down: {}", hb.engine_error);
             }
             n.engine_error = Some(hb.engine_error);
-            return proto::HeartbeatResponse { known: true, send_everything: false };
+            return proto::HeartbeatResponse { known: true, send_everything: false, heartbeat_interval_ms };
         }
         if n.engine_error.take().is_some() {
             tracing::info!(node = %hb.node, "the node's engine is back");
@@ -133,7 +145,7 @@ impl Cluster {
         if ledger_stale {
             st.volumes.forget_ledger(&hb.node);
         }
-        proto::HeartbeatResponse { known: true, send_everything }
+        proto::HeartbeatResponse { known: true, send_everything, heartbeat_interval_ms }
     }
 
     pub fn list_nodes(&self) -> Vec<proto::Node> {
@@ -252,7 +264,8 @@ impl Cluster {
 
     /// Heartbeats arrive: the agent takes new states, even while its engine is down.
     pub(super) fn heartbeating(&self, n: &NodeEntry) -> bool {
-        n.last_seen.elapsed() < self.cfg.node_timeout
+        let stretch = n.interval.as_secs_f64() / self.cfg.heartbeat_interval.as_secs_f64().max(1e-3);
+        n.last_seen.elapsed() < self.cfg.node_timeout.mul_f64(stretch.max(1.0))
     }
 
     /// The scheduler's view: reported pools, with what this controller has promised
@@ -367,5 +380,52 @@ fn taken_on(n: &NodeEntry, pool: &str, engine_name: &str, size: u64, thin: bool)
     } else {
         let cluster_size = n.pools.iter().find(|p| p.name == pool).map_or(1, |p| p.cluster_size);
         scheduler::thick_bytes(size, cluster_size)
+    }
+}
+
+#[cfg(test)]
+mod pace_tests {
+    use crate::cluster::{Cluster, ClusterConfig};
+    use crate::proto;
+    use crate::store::RedbStore;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    fn node(name: &str, port: u16) -> proto::Node {
+        proto::Node {
+            name: name.into(),
+            agent_address: "127.0.0.1:1".into(),
+            nvme_address: format!("127.0.0.1:{port}"),
+            ..Default::default()
+        }
+    }
+
+    /// Past the budget, nodes are told to heartbeat less often, at registration and in
+    /// every answer, and a node is judged by a timeout stretched in proportion.
+    #[tokio::test]
+    async fn past_the_budget_nodes_heartbeat_less_often_and_time_out_later() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(RedbStore::open(&dir.path().join("c.redb")).unwrap());
+        let cfg = ClusterConfig {
+            heartbeat_interval: Duration::from_millis(50),
+            node_timeout: Duration::from_millis(100),
+            heartbeat_budget: 10,
+            rebalance_every: None,
+            ..Default::default()
+        };
+        let cluster = Cluster::load(store, Vec::new(), cfg).await.unwrap();
+        let (_, alone) = cluster.register_node(node("a", 4420)).await.unwrap();
+        assert_eq!(alone, Duration::from_millis(100), "1 node at 10 a second: every 100 ms");
+        let (_, paced) = cluster.register_node(node("b", 4421)).await.unwrap();
+        assert_eq!(paced, Duration::from_millis(200), "2 nodes at 10 a second: every 200 ms each");
+        let hb = cluster.heartbeat(proto::HeartbeatRequest { node: "a".into(), ..Default::default() });
+        assert_eq!(hb.heartbeat_interval_ms, 200, "the first node hears the new pace with its next heartbeat");
+
+        // Told 200 ms (4 times the base 50 ms), a node is healthy for 4 × 100 ms.
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let heartbeating = |name: &str| cluster.heartbeating(&cluster.state.lock().unwrap().nodes[name]);
+        assert!(heartbeating("a") && heartbeating("b"), "past the base timeout, within the stretched one");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        assert!(!heartbeating("b"), "past the stretched timeout");
     }
 }

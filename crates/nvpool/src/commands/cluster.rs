@@ -173,12 +173,17 @@ pub struct ControllerArgs {
     /// Store: redb:PATH (embedded, the default) or etcd:http://HOST:PORT[,...] (HA).
     #[arg(long, default_value = "redb:/var/lib/nvpool/controller.redb")]
     store: String,
-    /// A node whose heartbeats stop for this long is unhealthy.
+    /// A node whose heartbeats stop for this long is unhealthy (stretched in
+    /// proportion when the heartbeat budget stretches the interval).
     #[arg(long, value_parser = parse_duration, default_value = "5s")]
     node_timeout: Duration,
     /// How often agents heartbeat.
     #[arg(long, value_parser = parse_duration, default_value = "1s")]
     heartbeat_interval: Duration,
+    /// Most heartbeats per second the controller takes: with more nodes than this
+    /// times the interval, each heartbeats less often (10,000 nodes: every 5 s).
+    #[arg(long, default_value_t = nvpool_control::cluster::DEFAULT_HEARTBEAT_BUDGET)]
+    heartbeat_budget: u32,
     /// How long a dead leader keeps leadership (etcd only).
     #[arg(long, value_parser = parse_duration, default_value = "2s")]
     lease_ttl: Duration,
@@ -569,6 +574,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
                     },
                     node_timeout: a.node_timeout,
                     heartbeat_interval: a.heartbeat_interval,
+                    heartbeat_budget: a.heartbeat_budget,
                     rebalance_every: (!a.rebalance_every.is_zero()).then_some(a.rebalance_every),
                     rebalance_rate: a.rebalance_rate.unwrap_or(0),
                     tls: a.tls_dir.as_deref().map(|d| Tls::load(d, CONTROLLER)).transpose()?,
@@ -1473,6 +1479,7 @@ async fn run_fleet(a: FleetArgs) -> Result<(), String> {
     println!("| creations per second (asked {}) | {:.1} |", a.rate, r.creations_per_second);
     println!("| controller CPU while creating (% of a core) | {:.1} |", r.controller_cpu_creating);
     println!("| controller CPU at rest, {} nodes heartbeating (% of a core) | {:.1} |", r.nodes, r.controller_cpu_rest);
+    println!("| heartbeats answered per second at rest | {:.0} |", r.heartbeats_per_second_rest);
     println!("| controller RSS (MiB) | {} |", r.controller_rss_mib);
     println!("| store file (MiB) | {:.1} |", r.store_mib);
     println!("| list every volume (ms) | {:.0} |", r.list_volumes_ms);
