@@ -25,6 +25,8 @@ struct SimNode {
     held: Option<(u64, HashMap<String, proto::DesiredVolume>)>,
     /// Whether the controller holds a complete report of it.
     reported: bool,
+    /// When it was last given a whole state.
+    whole_at: Option<std::time::Instant>,
 }
 
 /// The fleet's nodes, by name, and what they were asked.
@@ -55,6 +57,43 @@ impl Fleet {
 
     pub fn names(&self) -> &[String] {
         &self.names
+    }
+
+    /// Checks a listing against what was made, and the nodes against the listing:
+    /// `count` volumes, each one created by the bench attached to its host through at
+    /// least one path, and held (present) by its owner and by every node on its paths.
+    fn check(&self, listed: &[proto::Volume], count: usize) -> Result<(), String> {
+        if listed.len() != count {
+            return Err(format!("the controller lists {} volumes of the {count} made", listed.len()));
+        }
+        for v in listed {
+            let mut holders = vec![v.node.as_str()];
+            if let Some(i) = v.name.strip_prefix('v').and_then(|i| i.parse::<u64>().ok()) {
+                let host = host_of(i);
+                let Some(attached) = v.attachments.iter().find(|a| a.host_nqn == host) else {
+                    return Err(format!("volume {} lost its attachment to {host}", v.name));
+                };
+                if attached.paths.is_empty() {
+                    return Err(format!("volume {} has no path to {host}", v.name));
+                }
+                holders.extend(attached.paths.iter().map(|p| p.node.as_str()));
+            }
+            for node in holders {
+                let held = self.nodes.get(node).and_then(|n| {
+                    let n = n.lock().unwrap();
+                    n.held.as_ref().and_then(|(_, e)| e.get(&v.id)).map(|d| d.present)
+                });
+                if held != Some(true) {
+                    return Err(format!("node {node} does not hold volume {} ({})", v.name, v.id));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// How many nodes were given a whole state after `since`.
+    fn given_whole_since(&self, since: std::time::Instant) -> usize {
+        self.nodes.values().filter(|n| n.lock().unwrap().whole_at.is_some_and(|at| at > since)).count()
     }
 
     /// Serves the Agent API for every node on `listener`.
@@ -210,6 +249,7 @@ impl proto::agent_server::Agent for FleetService {
         let mut entries = match (state.changes_since, node.held.take()) {
             (0, _) => {
                 fleet.whole_states.fetch_add(1, Ordering::Relaxed);
+                node.whole_at = Some(std::time::Instant::now());
                 HashMap::new()
             }
             (since, Some((generation, entries))) if generation == since => entries,
@@ -265,16 +305,34 @@ pub struct BenchConfig {
     /// Creations per second, all clients together.
     pub rate: f64,
     pub clients: usize,
-    /// How long to watch the controller at rest, and after the failover.
+    /// How long to watch the controller at rest, before the failover.
     pub rest: Duration,
 }
 
-/// Latency figures of one stretch of creations, in milliseconds.
+/// Latency figures of one stretch of creations and of their attachments, in
+/// milliseconds.
 pub struct Stretch {
     pub upto: usize,
+    pub create: Figures,
+    pub attach: Figures,
+}
+
+pub struct Figures {
     pub p50: f64,
     pub p99: f64,
     pub max: f64,
+}
+
+impl Figures {
+    fn of(mut ms: Vec<f64>) -> Figures {
+        ms.sort_by(f64::total_cmp);
+        Figures { p50: percentile(&ms, 0.5), p99: percentile(&ms, 0.99), max: ms.last().copied().unwrap_or(0.0) }
+    }
+}
+
+/// The host that volume `i` is attached to: one of a hundred.
+fn host_of(i: u64) -> String {
+    format!("nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-{:012}", i % 100)
 }
 
 pub struct BenchReport {
@@ -298,8 +356,10 @@ pub struct BenchReport {
     pub whole_states: u64,
     /// After a SIGKILL of the controller and a restart: until it lists every volume.
     pub failover_serving_seconds: f64,
-    /// Whole states sent in the `rest` after it served (a new leader holds no node's state).
-    pub failover_whole_states: u64,
+    /// Until every node was given its whole state again (a new leader holds no node's
+    /// state), and how many were by `rest` after the kill if not all.
+    pub failover_reconciled_seconds: Option<f64>,
+    pub failover_reconciled_nodes: usize,
     /// One creation right after the failover.
     pub failover_create_ms: f64,
 }
@@ -355,9 +415,11 @@ fn start_controller(cfg: &BenchConfig, port: u16) -> Result<ControllerProcess, S
     Ok(ControllerProcess { child, address })
 }
 
-/// Runs the fleet against a new controller: registration, `volumes` creations at
-/// `rate`, `rest` at rest, a listing, then a SIGKILL of the controller and a restart.
-/// Fails if a created volume is missing from a listing, before or after the restart.
+/// Runs the fleet against a new controller: registration, `volumes` creations (each
+/// attached at once) at `rate`, `rest` at rest, a listing, then a SIGKILL of the
+/// controller and a restart, until every node was given its state again. Fails if a
+/// volume, its attachment, or a node's copy of either is missing from what the
+/// controller lists and the nodes hold, before or after the restart.
 pub async fn bench(cfg: BenchConfig) -> Result<BenchReport, String> {
     // A port the restarted controller listens on again.
     let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -398,6 +460,7 @@ pub async fn bench(cfg: BenchConfig) -> Result<BenchReport, String> {
                     name: format!("v{i:06}"),
                     size_bytes: 16 << 20,
                     thin,
+                    qos: Some(proto::QosLimits { iops: 20_000, bps: 200 << 20, ..Default::default() }),
                     ..Default::default()
                 };
                 let t = std::time::Instant::now();
@@ -405,7 +468,17 @@ pub async fn bench(cfg: BenchConfig) -> Result<BenchReport, String> {
                     .call(async |mut c| c.create_volume(req.clone()).await)
                     .await
                     .map_err(|e| format!("create {}: {}", req.name, e.message()))?;
-                latencies.lock().unwrap().push((i, t.elapsed().as_secs_f64() * 1000.0));
+                let created = t.elapsed().as_secs_f64() * 1000.0;
+                // Attached at once, as a provisioner's volume is: the host gets its
+                // paths, and two other nodes export the volume as access points.
+                let attach =
+                    proto::AttachRequest { volume: req.name.clone(), host_nqn: host_of(i), ..Default::default() };
+                let t = std::time::Instant::now();
+                controllers
+                    .call(async |mut c| c.attach(attach.clone()).await)
+                    .await
+                    .map_err(|e| format!("attach {}: {}", req.name, e.message()))?;
+                latencies.lock().unwrap().push((i, created, t.elapsed().as_secs_f64() * 1000.0));
             }
         });
     }
@@ -415,20 +488,15 @@ pub async fn bench(cfg: BenchConfig) -> Result<BenchReport, String> {
     let creating = started.elapsed().as_secs_f64();
     let cpu_created = cpu_seconds(pid);
     let mut by_index = std::mem::take(&mut *latencies.lock().unwrap());
-    by_index.sort_by_key(|&(i, _)| i);
+    by_index.sort_by_key(|&(i, _, _)| i);
     let tenth = (cfg.volumes / 10).max(1);
     let creations = by_index
         .chunks(tenth)
         .enumerate()
-        .map(|(k, part)| {
-            let mut ms: Vec<f64> = part.iter().map(|&(_, ms)| ms).collect();
-            ms.sort_by(f64::total_cmp);
-            Stretch {
-                upto: (k * tenth + part.len()),
-                p50: percentile(&ms, 0.5),
-                p99: percentile(&ms, 0.99),
-                max: ms.last().copied().unwrap_or(0.0),
-            }
+        .map(|(k, part)| Stretch {
+            upto: (k * tenth + part.len()),
+            create: Figures::of(part.iter().map(|&(_, ms, _)| ms).collect()),
+            attach: Figures::of(part.iter().map(|&(_, _, ms)| ms).collect()),
         })
         .collect();
 
@@ -442,9 +510,7 @@ pub async fn bench(cfg: BenchConfig) -> Result<BenchReport, String> {
     let listed = controllers.call(async |mut c| c.list_volumes(proto::ListVolumesRequest::default()).await).await;
     let list_volumes_ms = t.elapsed().as_secs_f64() * 1000.0;
     let listed = listed.map_err(|e| format!("list: {}", e.message()))?.volumes;
-    if listed.len() != cfg.volumes {
-        return Err(format!("the controller lists {} volumes of the {} created", listed.len(), cfg.volumes));
-    }
+    fleet.check(&listed, cfg.volumes).map_err(|e| format!("before the failover: {e}"))?;
     let mut per_node: HashMap<&str, usize> = fleet.names().iter().map(|n| (n.as_str(), 0)).collect();
     for v in &listed {
         *per_node.entry(v.node.as_str()).or_default() += 1;
@@ -474,7 +540,6 @@ pub async fn bench(cfg: BenchConfig) -> Result<BenchReport, String> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let failover_serving_seconds = killed.elapsed().as_secs_f64();
-    let wholes_then = fleet.whole_states.load(Ordering::Relaxed);
     let t = std::time::Instant::now();
     let req = proto::CreateVolumeRequest {
         name: "after-failover".into(),
@@ -487,8 +552,22 @@ pub async fn bench(cfg: BenchConfig) -> Result<BenchReport, String> {
         .await
         .map_err(|e| format!("create after the failover: {}", e.message()))?;
     let failover_create_ms = t.elapsed().as_secs_f64() * 1000.0;
-    tokio::time::sleep(cfg.rest).await;
-    let failover_whole_states = fleet.whole_states.load(Ordering::Relaxed) - wholes_then;
+    // Every node gets its state from the new leader (whole: it holds none of theirs).
+    let give_up = killed + Duration::from_secs(120).max(cfg.rest);
+    let failover_reconciled_seconds = loop {
+        if fleet.given_whole_since(killed) == cfg.nodes {
+            break Some(killed.elapsed().as_secs_f64());
+        }
+        if std::time::Instant::now() > give_up {
+            break None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let failover_reconciled_nodes = fleet.given_whole_since(killed);
+    let listed = controllers.call(async |mut c| c.list_volumes(proto::ListVolumesRequest::default()).await).await;
+    let listed = listed.map_err(|e| format!("list after the failover: {}", e.message()))?.volumes;
+    // The volume made after the failover counts too.
+    fleet.check(&listed, cfg.volumes + 1).map_err(|e| format!("after the failover: {e}"))?;
     drop(controller);
     Ok(BenchReport {
         nodes: cfg.nodes,
@@ -508,7 +587,8 @@ pub async fn bench(cfg: BenchConfig) -> Result<BenchReport, String> {
         entries_applied,
         whole_states,
         failover_serving_seconds,
-        failover_whole_states,
+        failover_reconciled_seconds,
+        failover_reconciled_nodes,
         failover_create_ms,
     })
 }

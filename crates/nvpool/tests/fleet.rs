@@ -31,4 +31,5 @@ fn a_fleet_creates_volumes_and_loses_none_across_a_controller_kill() {
     assert!(text.contains("| volumes per node, fewest / most | 10 / 10 |"), "ten on every node: {text}");
     assert!(text.contains("| 181–200 |"), "ten stretches of creations: {text}");
     assert!(text.contains("after SIGKILL: the new process lists every volume"), "{text}");
+    assert!(text.contains("after SIGKILL: every node given its state again"), "every node converges: {text}");
 }

@@ -324,7 +324,7 @@ pub struct FleetArgs {
     /// Clients creating at once.
     #[arg(long, default_value_t = 8)]
     clients: usize,
-    /// Seconds to watch the controller at rest, and after the failover.
+    /// Seconds to watch the controller at rest, before the failover.
     #[arg(long, default_value_t = 10.0)]
     rest: f64,
     /// Keep the controller's store and log here (default: a temporary directory).
@@ -1466,11 +1466,15 @@ async fn run_fleet(a: FleetArgs) -> Result<(), String> {
     println!();
     println!("{} nodes registered in {:.1} s.", r.nodes, r.register_seconds);
     println!();
-    println!("| volumes created | create p50 (ms) | p99 (ms) | max (ms) |");
-    println!("|---|---:|---:|---:|");
+    println!("| volumes created | create p50 (ms) | p99 (ms) | max (ms) | attach p50 (ms) | p99 (ms) | max (ms) |");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
     let mut from = 1;
     for s in &r.creations {
-        println!("| {from}–{} | {:.1} | {:.1} | {:.1} |", s.upto, s.p50, s.p99, s.max);
+        let (c, a) = (&s.create, &s.attach);
+        println!(
+            "| {from}–{} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            s.upto, c.p50, c.p99, c.max, a.p50, a.p99, a.max
+        );
         from = s.upto + 1;
     }
     println!();
@@ -1490,6 +1494,12 @@ async fn run_fleet(a: FleetArgs) -> Result<(), String> {
     );
     println!("| after SIGKILL: the new process lists every volume (s) | {:.2} |", r.failover_serving_seconds);
     println!("| after SIGKILL: one creation (ms) | {:.1} |", r.failover_create_ms);
-    println!("| after SIGKILL: whole states sent in the next {} s | {} |", a.rest, r.failover_whole_states);
+    match r.failover_reconciled_seconds {
+        Some(s) => println!("| after SIGKILL: every node given its state again (s) | {s:.2} |"),
+        None => println!(
+            "| after SIGKILL: nodes given their state again in 120 s | {} of {} |",
+            r.failover_reconciled_nodes, r.nodes
+        ),
+    }
     Ok(())
 }
