@@ -72,10 +72,9 @@ pub struct Candidate {
     pub cntlid_block: u16,
 }
 
-/// An attachment that exists already.
+/// An attachment: the group of its volume, its host, and its paths.
 #[derive(Clone, Debug)]
 pub struct Attached<'a> {
-    pub volume: &'a str,
     pub group: &'a str,
     pub host: &'a str,
     /// Its access points, the optimized one first.
@@ -97,6 +96,9 @@ pub struct AccessRequest<'a> {
     /// The operator's choice of optimized access point, which the caller checked
     /// is usable; it overrides the policy.
     pub optimized: Option<&'a str>,
+    /// This attachment's own paths as the loads count them (empty when it is new):
+    /// they are left out of the load the choice weighs.
+    pub counted: &'a [String],
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -105,6 +107,80 @@ pub struct Choice {
     pub paths: Vec<String>,
     /// One line per node: why it was or was not chosen.
     pub explain: Vec<String>,
+}
+
+/// What the attachments put on each node, kept up to date as they come and go
+/// (`add`, `remove`), so that a choice costs the nodes, not every attachment of the
+/// cluster.
+#[derive(Default, Clone, Debug, PartialEq)]
+pub struct PathLoads {
+    /// Paths of any state, and optimized paths, per node.
+    nodes: HashMap<String, (usize, usize)>,
+    /// Optimized paths per host and named group, per node.
+    groups: HashMap<(String, String), HashMap<String, usize>>,
+}
+
+impl PathLoads {
+    pub fn add(&mut self, a: &Attached<'_>) {
+        for (i, node) in a.paths.iter().enumerate() {
+            let (paths, optimized) = self.nodes.entry(node.clone()).or_default();
+            *paths += 1;
+            if i == 0 {
+                *optimized += 1;
+                if !a.group.is_empty() {
+                    let group = self.groups.entry((a.host.to_string(), a.group.to_string())).or_default();
+                    *group.entry(node.clone()).or_default() += 1;
+                }
+            }
+        }
+    }
+
+    pub fn remove(&mut self, a: &Attached<'_>) {
+        for (i, node) in a.paths.iter().enumerate() {
+            if let Some((paths, optimized)) = self.nodes.get_mut(node.as_str()) {
+                *paths -= 1;
+                *optimized -= usize::from(i == 0);
+                if *paths == 0 {
+                    self.nodes.remove(node.as_str());
+                }
+            }
+            if i == 0 && !a.group.is_empty() {
+                let key = (a.host.to_string(), a.group.to_string());
+                if let Some(group) = self.groups.get_mut(&key) {
+                    if let Some(count) = group.get_mut(node.as_str()) {
+                        *count -= 1;
+                        if *count == 0 {
+                            group.remove(node.as_str());
+                        }
+                    }
+                    if group.is_empty() {
+                        self.groups.remove(&key);
+                    }
+                }
+            }
+        }
+    }
+
+    /// What the attachments other than the one `req` chooses for put on `node`.
+    fn of(&self, node: &str, req: &AccessRequest<'_>) -> Load {
+        let (paths, optimized) = self.nodes.get(node).copied().unwrap_or_default();
+        let group_optimized = match req.group.is_empty() {
+            true => 0,
+            false => self
+                .groups
+                .get(&(req.host.to_string(), req.group.to_string()))
+                .and_then(|g| g.get(node))
+                .copied()
+                .unwrap_or(0),
+        };
+        let own = req.counted.iter().position(|p| p == node);
+        let own_optimized = usize::from(own == Some(0));
+        Load {
+            paths: paths - usize::from(own.is_some()),
+            optimized: optimized - own_optimized,
+            group_optimized: group_optimized - if req.group.is_empty() { 0 } else { own_optimized },
+        }
+    }
 }
 
 /// What the other attachments put on a node.
@@ -119,20 +195,8 @@ struct Load {
 }
 
 /// Chooses the access points of one attachment. Fails only when no node can serve.
-pub fn choose(nodes: &[Candidate], attached: &[Attached<'_>], req: &AccessRequest<'_>) -> Result<Choice, String> {
-    let mut load: HashMap<&str, Load> = HashMap::new();
-    for a in attached.iter().filter(|a| !(a.volume == req.volume && a.host == req.host)) {
-        for (i, node) in a.paths.iter().enumerate() {
-            let l = load.entry(node.as_str()).or_default();
-            l.paths += 1;
-            if i == 0 {
-                l.optimized += 1;
-                if !req.group.is_empty() && a.group == req.group && a.host == req.host {
-                    l.group_optimized += 1;
-                }
-            }
-        }
-    }
+pub fn choose(nodes: &[Candidate], loads: &PathLoads, req: &AccessRequest<'_>) -> Result<Choice, String> {
+    let load: HashMap<&str, Load> = nodes.iter().map(|n| (n.name.as_str(), loads.of(&n.name, req))).collect();
     let load_of = |n: &str| load.get(n).copied().unwrap_or_default();
     let usable = |n: &Candidate| n.healthy && !n.excluded;
     let node = |name: &str| nodes.iter().find(|n| n.name == name);
@@ -182,7 +246,7 @@ pub fn choose(nodes: &[Candidate], attached: &[Attached<'_>], req: &AccessReques
     };
     // Surviving paths first, then the owner (no forwarding hop), then the least loaded.
     let mut others: Vec<&Candidate> = nodes.iter().filter(|n| usable(n)).collect();
-    others.sort_by_key(|n| (n.name != req.owner, load_of(&n.name).paths, n.name.clone()));
+    others.sort_by_key(|&n| (n.name != req.owner, load_of(&n.name).paths, n.name.as_str()));
     for n in kept.iter().copied().chain(others) {
         if chosen.len() < MAX_PATHS && fits(&chosen, n) {
             chosen.push(n);
@@ -246,11 +310,19 @@ mod tests {
 
     /// A request for host h on volume v, owned by n0, without a group.
     fn request<'a>(policy: AccessPolicy, current: &'a [String], optimized: Option<&'a str>) -> AccessRequest<'a> {
-        AccessRequest { volume: "v", owner: "n0", host: "h", policy, group: "", current, optimized }
+        AccessRequest { volume: "v", owner: "n0", host: "h", policy, group: "", current, optimized, counted: &[] }
     }
 
     /// Attachments as (volume, group, host) → paths.
     type Book = BTreeMap<(String, String, String), Vec<String>>;
+
+    fn loads(book: &Book) -> PathLoads {
+        let mut loads = PathLoads::default();
+        for ((_, group, host), paths) in book {
+            loads.add(&Attached { group, host, paths });
+        }
+        loads
+    }
 
     fn attach(
         nodes: &[Candidate],
@@ -261,10 +333,8 @@ mod tests {
         host: &str,
         policy: AccessPolicy,
     ) -> Vec<String> {
-        let attached: Vec<Attached<'_>> =
-            book.iter().map(|((v, g, h), p)| Attached { volume: v, group: g, host: h, paths: p }).collect();
-        let req = AccessRequest { volume, owner, host, policy, group, current: &[], optimized: None };
-        let choice = choose(nodes, &attached, &req).unwrap();
+        let req = AccessRequest { volume, owner, host, policy, group, current: &[], optimized: None, counted: &[] };
+        let choice = choose(nodes, &loads(book), &req).unwrap();
         assert_eq!(choice.explain.len(), nodes.len());
         book.insert((volume.into(), group.into(), host.into()), choice.paths.clone());
         choice.paths
@@ -304,7 +374,7 @@ mod tests {
         let mut n = nodes(5);
         let current = vec!["n1".to_string(), "n0".to_string(), "n2".to_string()];
         n[1].healthy = false;
-        let c = choose(&n, &[], &request(AccessPolicy::Inherit, &current, None)).unwrap();
+        let c = choose(&n, &PathLoads::default(), &request(AccessPolicy::Inherit, &current, None)).unwrap();
         assert_eq!(c.paths[0], "n0", "the surviving owner takes over");
         assert_eq!(c.paths.len(), 3);
         assert!(c.paths.contains(&"n2".to_string()), "a surviving path is kept");
@@ -316,9 +386,43 @@ mod tests {
     fn the_operator_moves_the_optimized_path_and_the_others_stay() {
         let n = nodes(4);
         let current = vec!["n0".to_string(), "n1".to_string(), "n2".to_string()];
-        let c = choose(&n, &[], &request(AccessPolicy::Inherit, &current, Some("n2"))).unwrap();
+        let c = choose(&n, &PathLoads::default(), &request(AccessPolicy::Inherit, &current, Some("n2"))).unwrap();
         assert_eq!(c.paths, ["n2", "n0", "n1"]);
         assert!(c.explain.iter().any(|l| l == "n2: optimized (forwards to the owner; chosen by the operator)"));
+    }
+
+    /// A re-choice weighs the other attachments only: its own paths, counted in the
+    /// loads, are left out, as if they were not there. Removing what was added
+    /// leaves nothing.
+    #[test]
+    fn loads_leave_out_the_attachment_being_chosen_and_removals_undo_additions() {
+        let n = nodes(5);
+        let mut book = Book::new();
+        for i in 0..6 {
+            attach(&n, &mut book, &format!("v{i}"), "n1", "g", &format!("h{}", i % 2), AccessPolicy::Balance);
+        }
+        let own = book.remove(&("v3".into(), "g".into(), "h1".into())).unwrap();
+        let without = loads(&book);
+        let mut with = without.clone();
+        with.add(&Attached { group: "g", host: "h1", paths: &own });
+        let current = own.clone();
+        let req = |counted| AccessRequest {
+            volume: "v3",
+            owner: "n1",
+            host: "h1",
+            policy: AccessPolicy::Balance,
+            group: "g",
+            current: &current,
+            optimized: None,
+            counted,
+        };
+        assert_eq!(choose(&n, &with, &req(&own)), choose(&n, &without, &req(&[])));
+        with.remove(&Attached { group: "g", host: "h1", paths: &own });
+        assert_eq!(with, without);
+        for ((_, group, host), paths) in &book {
+            with.remove(&Attached { group, host, paths });
+        }
+        assert_eq!(with, PathLoads::default());
     }
 
     #[test]
@@ -335,7 +439,7 @@ mod tests {
         let mut n = nodes(2);
         n[0].healthy = false;
         n[1].excluded = true;
-        let e = choose(&n, &[], &request(AccessPolicy::Balance, &[], None)).unwrap_err();
+        let e = choose(&n, &PathLoads::default(), &request(AccessPolicy::Balance, &[], None)).unwrap_err();
         assert!(e.contains("every node is down or excluded"), "{e}");
     }
 
@@ -385,12 +489,10 @@ mod tests {
                 }
                 let same_group: Vec<String> =
                     book.iter().filter(|((_, g, h), _)| g == group && *h == host).map(|(_, p)| p[0].clone()).collect();
-                let attached: Vec<Attached<'_>> =
-                    book.iter().map(|((v, g, h), p)| Attached { volume: v, group: g, host: h, paths: p }).collect();
-                let req =
-                    AccessRequest { volume: &volume, owner: &owner, host: &host, policy, group, current: &[], optimized: None };
-                let result = choose(&n, &attached, &req);
-                drop(attached);
+                let req = AccessRequest {
+                    volume: &volume, owner: &owner, host: &host, policy, group, current: &[], optimized: None, counted: &[],
+                };
+                let result = choose(&n, &loads(&book), &req);
                 if usable == 0 {
                     proptest::prop_assert!(result.is_err());
                     continue;

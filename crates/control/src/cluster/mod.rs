@@ -13,9 +13,9 @@ use crate::model::{
     CLUSTER_KEY, ClusterRecord, NODES, NodeRecord, PoolRecord, TOMBSTONES, Tombstone, VOLUMES, VolumeRecord,
     VolumeState, to_json,
 };
-use crate::proto;
 use crate::scheduler::{Locality, Policy};
 use crate::store::{Condition, Store, Txn};
+use crate::{access, proto};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -166,6 +166,19 @@ struct Volumes {
     /// `nodes::NodeLedger`): a creation then costs the scheduler's view a pass over one
     /// node's volumes, not the cluster's.
     ledgers: HashMap<String, nodes::NodeLedger>,
+    /// What every attachment puts on each node as an access point: choosing an
+    /// attachment's paths then costs the nodes, not every volume.
+    path_loads: access::PathLoads,
+}
+
+/// The attachments of `v`, each with its paths as the access chooser counts them (the
+/// owner alone for a host attached before paths were recorded).
+fn attachments(v: &VolumeRecord) -> impl Iterator<Item = access::Attached<'_>> {
+    v.hosts.iter().map(move |h| access::Attached {
+        group: &v.group,
+        host: h,
+        paths: v.paths.get(h).map_or(std::slice::from_ref(&v.node), Vec::as_slice),
+    })
 }
 
 impl std::ops::Deref for Volumes {
@@ -192,6 +205,9 @@ impl Volumes {
         if v.state == VolumeState::Creating {
             self.creating.insert(name.clone());
         }
+        for a in attachments(&v) {
+            self.path_loads.add(&a);
+        }
         self.by_name.insert(name, v);
         old
     }
@@ -208,6 +224,9 @@ impl Volumes {
         }
         self.migrating.remove(name);
         self.creating.remove(name);
+        for a in attachments(&old) {
+            self.path_loads.remove(&a);
+        }
         Some(old)
     }
 

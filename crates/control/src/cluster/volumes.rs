@@ -543,20 +543,18 @@ impl Cluster {
                 cntlid_block: n.record.cntlid_block.unwrap_or(0),
             })
             .collect();
-        let own_paths: Vec<Vec<String>> = st.volumes.values().map(|o| vec![o.node.clone()]).collect();
-        let attached: Vec<access::Attached<'_>> = st
-            .volumes
-            .values()
-            .zip(&own_paths)
-            .flat_map(|(o, owner)| {
-                o.hosts.iter().map(move |h| access::Attached {
-                    volume: &o.name,
-                    group: &o.group,
-                    host: h,
-                    paths: o.paths.get(h).map_or(owner.as_slice(), |p| p.as_slice()),
-                })
-            })
-            .collect();
+        debug_assert_eq!(
+            st.volumes.path_loads,
+            {
+                let mut fresh = access::PathLoads::default();
+                st.volumes.values().flat_map(super::attachments).for_each(|a| fresh.add(&a));
+                fresh
+            },
+            "the kept path loads differ from the volumes'"
+        );
+        // The loads count the volume as it is held (`v` may be a copy with changes).
+        let held = st.volumes.get(&v.name);
+        let counted = held.and_then(|h| super::attachments(h).find(|a| a.host == host)).map_or(&[][..], |a| a.paths);
         let request = access::AccessRequest {
             volume: &v.name,
             owner: &v.node,
@@ -565,8 +563,9 @@ impl Cluster {
             group: &v.group,
             current,
             optimized,
+            counted,
         };
-        access::choose(&candidates, &attached, &request)
+        access::choose(&candidates, &st.volumes.path_loads, &request)
     }
 
     /// Moves the paths of attachments that lost an access point: the optimized path
