@@ -122,6 +122,79 @@ fn reported_local(v: &VolumeRecord, r: &proto::VolumeResult) -> Option<LocalDevi
     Some(LocalDeviceRecord { node: v.node.clone(), ublk_id: r.ublk_id, device: r.local_device.clone() })
 }
 
+/// Whether `node` serves `v` now: its owner always; an access point or a move's target
+/// once the volume is ready.
+fn serves(v: &VolumeRecord, node: &str) -> bool {
+    v.node == node || v.state == VolumeState::Ready
+}
+
+/// An entry whose result is awaited each time it is sent: a creation, a move.
+fn is_open(v: &VolumeRecord) -> bool {
+    v.state == VolumeState::Creating || v.migration.is_some()
+}
+
+/// The entries of the volumes removed from the cluster whose removal `node` has not
+/// confirmed yet; always open.
+fn tombstones_on<'a>(st: &'a State, node: &'a str) -> impl Iterator<Item = proto::DesiredVolume> + 'a {
+    st.tombstones.values().filter(move |t| t.node == node).map(|t| proto::DesiredVolume {
+        id: t.id.clone(),
+        engine_name: t.engine_name.clone(),
+        pool: t.pool.clone(),
+        size_bytes: t.size,
+        thin: t.thin,
+        present: false,
+        subsystem_nqn: t.subsystem_nqn.clone(),
+        ..Default::default()
+    })
+}
+
+/// The node's whole desired state.
+fn whole_state(st: &State, node: &str, generation: u64) -> proto::NodeState {
+    let mut volumes: Vec<proto::DesiredVolume> =
+        st.volumes.of_node(node).filter(|v| serves(v, node)).map(|v| desired_volume(st, v, node)).collect();
+    volumes.extend(tombstones_on(st, node));
+    proto::NodeState { node: node.to_string(), generation, volumes, ..Default::default() }
+}
+
+/// The node's desired state as changes to the state its agent holds: the entries that
+/// differ from those held or are open, and the IDs of those gone. Only the volumes
+/// that changed since the last state was built (`changed`, by name), are open, or are
+/// not held get their entries built and compared: a node's thousandth volume costs
+/// what its first did.
+fn changes_for(
+    st: &State,
+    node: &str,
+    generation: u64,
+    held: &HeldState,
+    changed: &HashSet<String>,
+) -> proto::NodeState {
+    let mut volumes = Vec::new();
+    let mut ids: HashSet<&str> = HashSet::new();
+    for v in st.volumes.of_node(node).filter(|v| serves(v, node)) {
+        ids.insert(&v.id);
+        let open = is_open(v);
+        if open || changed.contains(&v.name) || !held.entries.contains_key(&v.id) {
+            let d = desired_volume(st, v, node);
+            if open || held.entries.get(&v.id) != Some(&d) {
+                volumes.push(d);
+            }
+        }
+    }
+    ids.extend(st.tombstones.values().filter(|t| t.node == node).map(|t| t.id.as_str()));
+    volumes.extend(tombstones_on(st, node));
+    let dropped = held.entries.keys().filter(|id| !ids.contains(id.as_str())).cloned().collect();
+    // Debug builds check that nothing the whole state would change was left out.
+    #[cfg(debug_assertions)]
+    for d in whole_state(st, node, generation).volumes {
+        debug_assert!(
+            held.entries.get(&d.id) == Some(&d) || volumes.iter().any(|s| s.id == d.id),
+            "node {node}: entry {} changed but was not marked changed",
+            d.id
+        );
+    }
+    proto::NodeState { node: node.to_string(), generation, volumes, changes_since: held.generation, dropped }
+}
+
 impl Cluster {
     /// Sends a node its desired state and records what the agent reports: creations
     /// confirmed or rolled back, removals done. The state goes as changes to the one
@@ -131,57 +204,21 @@ impl Cluster {
     /// each entry. So a node's thousandth volume costs what its first did.
     pub async fn apply_node(&self, node: &str) -> Result<Results, String> {
         let _guard = self.node_locks.lock(node).await;
-        let (whole, changes, address) = {
-            let st = self.state.lock().unwrap();
+        let (state, address) = {
+            let mut st = self.state.lock().unwrap();
             let Some(n) = st.nodes.get(node) else {
                 return Err(format!("unknown node {node}"));
             };
-            let mut open = HashSet::new();
-            let mut volumes: Vec<proto::DesiredVolume> = st
-                .volumes
-                .of_node(node)
-                .filter(|v| v.node == node || v.state == VolumeState::Ready)
-                .map(|v| {
-                    if v.state == VolumeState::Creating || v.migration.is_some() {
-                        open.insert(v.id.clone());
-                    }
-                    desired_volume(&st, v, node)
-                })
-                .collect();
-            volumes.extend(st.tombstones.values().filter(|t| t.node == node).map(|t| {
-                open.insert(t.id.clone());
-                proto::DesiredVolume {
-                    id: t.id.clone(),
-                    engine_name: t.engine_name.clone(),
-                    pool: t.pool.clone(),
-                    size_bytes: t.size,
-                    thin: t.thin,
-                    present: false,
-                    subsystem_nqn: t.subsystem_nqn.clone(),
-                    ..Default::default()
-                }
-            }));
-            let generation = n.desired_generation;
-            let changes = n.held.as_ref().map(|held| {
-                let ids: HashSet<&str> = volumes.iter().map(|d| d.id.as_str()).collect();
-                proto::NodeState {
-                    node: node.to_string(),
-                    generation,
-                    volumes: volumes
-                        .iter()
-                        .filter(|d| open.contains(&d.id) || held.entries.get(&d.id) != Some(*d))
-                        .cloned()
-                        .collect(),
-                    changes_since: held.generation,
-                    dropped: held.entries.keys().filter(|id| !ids.contains(id.as_str())).cloned().collect(),
-                }
-            });
-            let whole = proto::NodeState { node: node.to_string(), generation, volumes, ..Default::default() };
-            (whole, changes, n.record.agent_address.clone())
+            let address = n.record.agent_address.clone();
+            // Taken whether the state goes whole or as changes: either covers them.
+            let changed = st.volumes.take_changed(node);
+            let n = &st.nodes[node];
+            let state = match &n.held {
+                Some(held) => changes_for(&st, node, n.desired_generation, held, &changed),
+                None => whole_state(&st, node, n.desired_generation),
+            };
+            (state, address)
         };
-        let generation = whole.generation;
-        let entries: HashMap<String, proto::DesiredVolume> =
-            whole.volumes.iter().map(|d| (d.id.clone(), d.clone())).collect();
         let mut client = AgentClient::new(self.channel(&address)?);
         let mut send = async |state: proto::NodeState| {
             tokio::time::timeout(self.cfg.apply_timeout, client.apply(state))
@@ -190,14 +227,17 @@ impl Cluster {
                 .map_err(|e| format!("agent at {address}: {}", e.message()))
                 .map(tonic::Response::into_inner)
         };
-        let mut as_changes = changes.is_some();
-        let mut reply = match changes {
-            Some(changes) => send(changes).await,
-            None => send(whole.clone()).await,
-        };
+        let mut sent = state.clone();
+        let mut as_changes = state.changes_since != 0;
+        let mut reply = send(state).await;
         if matches!(&reply, Ok(r) if r.whole_state_wanted) {
             as_changes = false;
-            reply = send(whole).await;
+            sent = {
+                let st = self.state.lock().unwrap();
+                let n = st.nodes.get(node).ok_or_else(|| format!("unknown node {node}"))?;
+                whole_state(&st, node, n.desired_generation)
+            };
+            reply = send(sent.clone()).await;
         }
         let reply = match reply {
             Ok(reply) => reply,
@@ -209,15 +249,22 @@ impl Cluster {
                 return Err(e);
             }
         };
+        let generation = sent.generation;
         let results: Results = {
             let mut st = self.state.lock().unwrap();
             let Some(n) = st.nodes.get_mut(node) else {
                 return Err(format!("unknown node {node}"));
             };
-            let mut results = match (as_changes, n.held.take()) {
-                (true, Some(held)) => held.results,
-                _ => Results::new(),
+            // What the agent holds now: the state it held with the changes applied, or
+            // the whole state sent.
+            let (mut entries, mut results) = match (as_changes, n.held.take()) {
+                (true, Some(held)) => (held.entries, held.results),
+                _ => (HashMap::new(), Results::new()),
             };
+            for id in &sent.dropped {
+                entries.remove(id);
+            }
+            entries.extend(sent.volumes.into_iter().map(|d| (d.id.clone(), d)));
             results.retain(|id, _| entries.contains_key(id));
             results.extend(reply.results.into_iter().map(|r| (r.id.clone(), r)));
             n.connected = results.values().map(|r| (r.id.clone(), r.connected_hosts.clone())).collect();

@@ -169,6 +169,9 @@ struct Volumes {
     /// What every attachment puts on each node as an access point: choosing an
     /// attachment's paths then costs the nodes, not every volume.
     path_loads: access::PathLoads,
+    /// Per node, the volumes (by name) that changed since its last state was built:
+    /// a state sent as changes builds their entries alone (`apply::changes_for`).
+    changed: HashMap<String, HashSet<String>>,
 }
 
 /// The attachments of `v`, each with its paths as the access chooser counts them (the
@@ -193,6 +196,7 @@ impl Volumes {
         let old = self.remove(&name);
         for node in v.exporting_nodes() {
             self.ledgers.remove(&node);
+            self.changed.entry(node.clone()).or_default().insert(name.clone());
             self.by_node.entry(node).or_default().insert(name.clone());
         }
         if let Some(host) = local_host(&v) {
@@ -216,6 +220,7 @@ impl Volumes {
         let old = self.by_name.remove(name)?;
         for node in old.exporting_nodes() {
             self.ledgers.remove(&node);
+            self.changed.entry(node.clone()).or_default().insert(name.to_string());
             unindex(&mut self.by_node, &node, name);
         }
         if let Some(host) = local_host(&old) {
@@ -248,6 +253,24 @@ impl Volumes {
     /// The local volumes the pods on `node` asked for, by name.
     fn hosted_by<'a>(&'a self, node: &str) -> impl Iterator<Item = &'a VolumeRecord> {
         self.by_host.get(node).into_iter().flatten().filter_map(|name| self.by_name.get(name))
+    }
+
+    /// The volumes that changed on `node` since the last call, which then forgets them.
+    fn take_changed(&mut self, node: &str) -> HashSet<String> {
+        self.changed.remove(node).unwrap_or_default()
+    }
+
+    /// Marks every volume `node` serves as changed on every node that serves it: their
+    /// entries name the node's addresses (an access point's, the owner's peer address;
+    /// the owner's, the forwarding engines' host NQNs).
+    fn node_record_changed(&mut self, node: &str) {
+        let served: Vec<(String, BTreeSet<String>)> =
+            self.of_node(node).map(|v| (v.name.clone(), v.exporting_nodes())).collect();
+        for (name, nodes) in served {
+            for n in nodes {
+                self.changed.entry(n).or_default().insert(name.clone());
+            }
+        }
     }
 
     /// Forgets `node`'s ledger: what it reported of its pools or volumes changed.

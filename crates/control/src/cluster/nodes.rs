@@ -92,6 +92,9 @@ impl Cluster {
         entry.engine_error = None;
         st.touch(&record.name);
         st.volumes.forget_ledger(&record.name);
+        if changed {
+            st.volumes.node_record_changed(&record.name);
+        }
         Ok((access::cntlid_range(cntlid_block), interval))
     }
 
