@@ -158,10 +158,12 @@ struct Volumes {
     by_node: HashMap<String, BTreeSet<String>>,
     /// Local volumes by the node whose pods asked for them.
     by_host: HashMap<String, BTreeSet<String>>,
-    /// Volumes with a migration under way, and volumes still being created: the
-    /// reconcile loop's work, found without a pass over every volume.
+    /// Volumes with a migration under way, volumes still being created, and local
+    /// volumes placed away from their consumers' node: the reconcile loop's and the
+    /// rebalancer's work, found without a pass over every volume.
     migrating: BTreeSet<String>,
     creating: BTreeSet<String>,
+    awaiting_home: BTreeSet<String>,
     /// What each node's volumes take of its pools, as last worked out (see
     /// `nodes::NodeLedger`): a creation then costs the scheduler's view a pass over one
     /// node's volumes, not the cluster's.
@@ -209,6 +211,9 @@ impl Volumes {
         if v.state == VolumeState::Creating {
             self.creating.insert(name.clone());
         }
+        if v.awaiting_home {
+            self.awaiting_home.insert(name.clone());
+        }
         for a in attachments(&v) {
             self.path_loads.add(&a);
         }
@@ -229,6 +234,7 @@ impl Volumes {
         }
         self.migrating.remove(name);
         self.creating.remove(name);
+        self.awaiting_home.remove(name);
         for a in attachments(&old) {
             self.path_loads.remove(&a);
         }
@@ -243,6 +249,11 @@ impl Volumes {
     /// The volumes still being created.
     fn creating(&self) -> impl Iterator<Item = &VolumeRecord> {
         self.creating.iter().filter_map(|name| self.by_name.get(name))
+    }
+
+    /// The local volumes placed away from their consumers' node, by name.
+    fn awaiting_home(&self) -> impl Iterator<Item = &VolumeRecord> {
+        self.awaiting_home.iter().filter_map(|name| self.by_name.get(name))
     }
 
     /// The volumes `node` owns or serves, by name.

@@ -134,9 +134,8 @@ impl Cluster {
             st.wanted_holes[i].making_on = Some(node);
             return moves;
         }
-        let awaiting = st.volumes.values().filter(|v| {
-            v.awaiting_home
-                && movable_now(v)
+        let awaiting = st.volumes.awaiting_home().filter(|v| {
+            movable_now(v)
                 && !busy.contains(&v.host_node)
                 && !busy.contains(&v.node)
                 && allowed_on(&v.include, &v.exclude, &v.host_node)
@@ -214,7 +213,7 @@ impl Cluster {
         pools.into_iter().take_while(|(deficit, _)| *deficit > 0).find_map(|(deficit, pool)| {
             let movable: Vec<(u64, &str)> = st
                 .volumes
-                .values()
+                .of_node(node)
                 .filter(|v| v.node == node && v.pool == pool && may_leave(v))
                 .map(|v| (v.size, v.name.as_str()))
                 .collect();
@@ -253,7 +252,7 @@ impl Cluster {
 /// Nodes that a migration under way leaves or enters.
 fn busy_nodes(st: &State) -> HashSet<String> {
     st.volumes
-        .values()
+        .migrating()
         .filter_map(|v| v.migration.as_ref())
         .flat_map(|m| [m.from_node.clone(), m.to_node.clone()])
         .collect()
