@@ -161,18 +161,20 @@ impl PathLoads {
         }
     }
 
-    /// What the attachments other than the one `req` chooses for put on `node`.
-    fn of(&self, node: &str, req: &AccessRequest<'_>) -> Load {
+    /// The optimized paths per node of the host and group `req` chooses for, if its
+    /// group is named.
+    fn group_of(&self, req: &AccessRequest<'_>) -> Option<&HashMap<String, usize>> {
+        if req.group.is_empty() {
+            return None;
+        }
+        self.groups.get(&(req.host.to_string(), req.group.to_string()))
+    }
+
+    /// What the attachments other than the one `req` chooses for put on `node`;
+    /// `group` is `group_of(req)`, looked up once per choice.
+    fn of(&self, node: &str, group: Option<&HashMap<String, usize>>, req: &AccessRequest<'_>) -> Load {
         let (paths, optimized) = self.nodes.get(node).copied().unwrap_or_default();
-        let group_optimized = match req.group.is_empty() {
-            true => 0,
-            false => self
-                .groups
-                .get(&(req.host.to_string(), req.group.to_string()))
-                .and_then(|g| g.get(node))
-                .copied()
-                .unwrap_or(0),
-        };
+        let group_optimized = group.and_then(|g| g.get(node)).copied().unwrap_or(0);
         let own = req.counted.iter().position(|p| p == node);
         let own_optimized = usize::from(own == Some(0));
         Load {
@@ -196,8 +198,8 @@ struct Load {
 
 /// Chooses the access points of one attachment. Fails only when no node can serve.
 pub fn choose(nodes: &[Candidate], loads: &PathLoads, req: &AccessRequest<'_>) -> Result<Choice, String> {
-    let load: HashMap<&str, Load> = nodes.iter().map(|n| (n.name.as_str(), loads.of(&n.name, req))).collect();
-    let load_of = |n: &str| load.get(n).copied().unwrap_or_default();
+    let group = loads.group_of(req);
+    let load_of = |n: &str| loads.of(n, group, req);
     let usable = |n: &Candidate| n.healthy && !n.excluded;
     let node = |name: &str| nodes.iter().find(|n| n.name == name);
     let kept: Vec<&Candidate> = req.current.iter().filter_map(|p| node(p)).filter(|n| usable(n)).collect();
