@@ -51,6 +51,8 @@ pub struct ControllerMetrics {
     /// Migrations the rebalancer started, and their bytes (the volumes' sizes).
     pub rebalance_moves: Family<RebalanceLabels, Counter>,
     pub rebalance_bytes: Family<RebalanceLabels, Counter>,
+    /// Time of the rebalancer's passes (its planning; the moves run after it).
+    pub rebalance_pass_seconds: Histogram,
 }
 
 impl Default for ControllerMetrics {
@@ -66,6 +68,7 @@ impl Default for ControllerMetrics {
             leadership_terms: Counter::default(),
             rebalance_moves: Family::default(),
             rebalance_bytes: Family::default(),
+            rebalance_pass_seconds: Histogram::new([0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0]),
         }
     }
 }
@@ -105,6 +108,12 @@ impl ControllerMetrics {
             "Bytes of the volumes the rebalancer started moving, by reason",
             Unit::Bytes,
             self.rebalance_bytes.clone(),
+        );
+        r.register_with_unit(
+            "nvpool_controller_rebalance_pass",
+            "Time of the rebalancer's passes over the pool",
+            Unit::Seconds,
+            self.rebalance_pass_seconds.clone(),
         );
     }
 

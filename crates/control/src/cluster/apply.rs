@@ -357,6 +357,7 @@ impl Cluster {
             {
                 rebalanced = Instant::now();
                 self.rebalance().await;
+                self.cfg.metrics.rebalance_pass_seconds.observe(rebalanced.elapsed().as_secs_f64());
             }
             // Migrations an earlier controller recorded go on from their last step.
             let moving: Vec<String> = self.state.lock().unwrap().volumes.migrating().map(|v| v.name.clone()).collect();

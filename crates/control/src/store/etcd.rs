@@ -14,6 +14,22 @@ pub struct EtcdStore {
     endpoints: Vec<String>,
 }
 
+/// Keys per page of a listing: a page of volume records stays well under a megabyte.
+const LIST_PAGE: i64 = 500;
+
+/// The first key after every key that starts with `prefix` (etcd's range end).
+fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    // Every byte was 0xff (or the prefix was empty): to the end of the keys.
+    vec![0]
+}
+
 fn options() -> ConnectOptions {
     ConnectOptions::new().with_connect_timeout(Duration::from_secs(2)).with_timeout(Duration::from_secs(5))
 }
@@ -57,6 +73,13 @@ impl EtcdStore {
         let mut client = self.client();
         let ttl_s = ttl.as_secs().max(1) as i64;
         loop {
+            // A standby only reads while someone leads: a claim (a lease, a
+            // transaction, a revocation) is three writes on every member's disk, and
+            // trying one every 300 ms was most of what etcd wrote at rest.
+            if !client.get(key, None).await.map_err(|e| self.err(e))?.kvs().is_empty() {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                continue;
+            }
             let lease = client.lease_grant(ttl_s, None).await.map_err(|e| self.err(e))?.id();
             let claim = etcd_client::Txn::new()
                 .when([Compare::version(key, CompareOp::Equal, 0)])
@@ -115,18 +138,36 @@ impl Store for EtcdStore {
         Ok(r.kvs().first().map(|kv| kv.value().to_vec()))
     }
 
+    /// Reads the prefix in pages, all at the revision of the first page: one answer
+    /// for 100,000 volumes would be hundreds of megabytes, past the client's message
+    /// limit and its call timeout.
     async fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
-        let r = match self.client().get(prefix, Some(GetOptions::new().with_prefix())).await {
-            Ok(r) => r,
-            Err(e) => return Err(self.failed(e).await),
-        };
-        r.kvs()
-            .iter()
-            .map(|kv| {
-                let key = kv.key_str().map_err(|e| self.err(e))?.to_string();
-                Ok((key, kv.value().to_vec()))
-            })
-            .collect()
+        let end = prefix_end(prefix.as_bytes());
+        // etcd has no empty key: the whole key space starts at "\0".
+        let mut from = if prefix.is_empty() { vec![0] } else { prefix.as_bytes().to_vec() };
+        let mut revision = 0;
+        let mut listed = Vec::new();
+        loop {
+            let page = GetOptions::new().with_range(end.clone()).with_limit(LIST_PAGE).with_revision(revision);
+            let r = match self.client().get(from.clone(), Some(page)).await {
+                Ok(r) => r,
+                Err(e) => return Err(self.failed(e).await),
+            };
+            if revision == 0 {
+                revision = r.header().map_or(0, |h| h.revision());
+            }
+            for kv in r.kvs() {
+                listed.push((kv.key_str().map_err(|e| self.err(e))?.to_string(), kv.value().to_vec()));
+            }
+            match (r.more(), r.kvs().last()) {
+                (true, Some(last)) => {
+                    // The next page starts just after the last key read.
+                    from = last.key().to_vec();
+                    from.push(0);
+                }
+                _ => return Ok(listed),
+            }
+        }
     }
 
     async fn commit(&self, txn: Txn) -> Result<bool, StoreError> {
@@ -151,5 +192,18 @@ impl Store for EtcdStore {
             Ok(r) => Ok(r.succeeded()),
             Err(e) => Err(self.failed(e).await),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prefix_end;
+
+    #[test]
+    fn a_prefix_ends_where_its_last_byte_below_0xff_grows() {
+        assert_eq!(prefix_end(b"/v/"), b"/v0");
+        assert_eq!(prefix_end(b"a\xff\xff"), b"b");
+        assert_eq!(prefix_end(b"\xff"), vec![0]);
+        assert_eq!(prefix_end(b""), vec![0]);
     }
 }

@@ -143,6 +143,16 @@ pub mod conformance {
         assert_eq!(listed, vec![(k("d/1"), b"y".to_vec()), (k("d/2"), b"x".to_vec())]);
         assert_eq!(store.list(&k("")).await.unwrap().len(), 5);
 
+        // A listing longer than a backend's page is whole and in order (etcd reads
+        // 500 keys at a time), and a key just past the prefix stays out.
+        let many: Vec<(String, Vec<u8>)> = (0..1234).map(|i| (k(&format!("e/{i:05}")), vec![i as u8; 3])).collect();
+        for chunk in many.chunks(100) {
+            let txn = chunk.iter().fold(Txn::default(), |t, (key, v)| t.put(key.clone(), v.clone()));
+            assert!(store.commit(txn).await.unwrap());
+        }
+        store.commit(Txn::default().put(k("e0"), b"past".to_vec())).await.unwrap();
+        assert_eq!(store.list(&k("e/")).await.unwrap(), many);
+
         // Deleting a missing key is not an error.
         assert!(store.commit(Txn::default().delete(k("nothing"))).await.unwrap());
 

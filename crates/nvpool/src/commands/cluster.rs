@@ -309,6 +309,10 @@ pub struct CsiArgs {
 
 #[derive(Args)]
 pub struct FleetArgs {
+    /// Where the controllers keep the pool: embedded (one controller, redb) or etcd
+    /// (three etcd members on 127.0.0.1, a leader and a standby controller).
+    #[arg(long, default_value = "embedded")]
+    store: nvpool_control::fleet::StoreKind,
     /// Simulated nodes.
     #[arg(long, default_value_t = 1000)]
     nodes: usize,
@@ -330,6 +334,10 @@ pub struct FleetArgs {
     /// Keep the controller's store and log here (default: a temporary directory).
     #[arg(long)]
     dir: Option<std::path::PathBuf>,
+    /// Write each creation's latencies here (CSV: volume, create ms, attach ms), for
+    /// bench/plot-fleet.
+    #[arg(long)]
+    samples: Option<std::path::PathBuf>,
 }
 
 #[derive(Args)]
@@ -1442,6 +1450,7 @@ fn run_sim(a: SimArgs) -> Result<(), String> {
 }
 
 async fn run_fleet(a: FleetArgs) -> Result<(), String> {
+    use nvpool_control::fleet::{Figures, StoreKind};
     let temporary = std::env::temp_dir().join(format!("nvpool-fleet-{}", std::process::id()));
     let dir = a.dir.clone().unwrap_or_else(|| temporary.clone());
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
@@ -1449,6 +1458,7 @@ async fn run_fleet(a: FleetArgs) -> Result<(), String> {
     let cfg = nvpool_control::fleet::BenchConfig {
         binary,
         dir,
+        store: a.store,
         nodes: a.nodes,
         volumes: a.volumes,
         thin: a.thin,
@@ -1461,8 +1471,17 @@ async fn run_fleet(a: FleetArgs) -> Result<(), String> {
         let _ = std::fs::remove_dir_all(&temporary);
     }
     let r = r?;
+    if let Some(path) = &a.samples {
+        let rows: Vec<String> = r.samples.iter().map(|(i, c, at)| format!("{i},{c:.3},{at:.3}")).collect();
+        std::fs::write(path, format!("volume,create_ms,attach_ms\n{}\n", rows.join("\n")))
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+    }
     let kind = if a.thin { "thin" } else { "thick" };
-    println!("## {} nodes, {} {kind} volumes (embedded store)", r.nodes, r.volumes);
+    let store = match r.store {
+        StoreKind::Embedded => "embedded store",
+        StoreKind::Etcd => "etcd, 3 members, leader and standby",
+    };
+    println!("## {} nodes, {} {kind} volumes ({store})", r.nodes, r.volumes);
     println!();
     println!("{} nodes registered in {:.1} s.", r.nodes, r.register_seconds);
     println!();
@@ -1478,26 +1497,57 @@ async fn run_fleet(a: FleetArgs) -> Result<(), String> {
         from = s.upto + 1;
     }
     println!();
+    println!("Then, at the same rate, with every volume made:");
+    println!();
+    println!("| change | count | p50 | p99 | max |");
+    println!("|---|---:|---:|---:|---:|");
+    let row = |what: &str, f: &Figures, unit: &str| {
+        println!("| {what} ({unit}) | {} | {:.1} | {:.1} | {:.1} |", f.count, f.p50, f.p99, f.max);
+    };
+    let c = &r.changes;
+    row("resize", &c.resize, "ms");
+    row("detach", &c.detach, "ms");
+    row("delete", &c.delete, "ms");
+    row("migrate: the call", &c.migrate, "ms");
+    row("migrate: until done, the old copy removed", &c.moved_seconds, "s");
+    println!();
+    println!("The last change's removals reached their nodes {:.1} s after it.", r.settled_seconds.max(0.0));
+    println!();
     println!("| figure | value |");
     println!("|---|---:|");
     println!("| creations per second (asked {}) | {:.1} |", a.rate, r.creations_per_second);
-    println!("| controller CPU while creating (% of a core) | {:.1} |", r.controller_cpu_creating);
-    println!("| controller CPU at rest, {} nodes heartbeating (% of a core) | {:.1} |", r.nodes, r.controller_cpu_rest);
+    println!("| leader's CPU while creating (% of a core) | {:.1} |", r.controller_cpu_creating);
+    if r.store == StoreKind::Etcd {
+        println!("| etcd members' CPU while creating, together (% of a core) | {:.1} |", r.store_cpu_creating);
+    }
+    println!("| leader's CPU at rest, {} nodes heartbeating (% of a core) | {:.1} |", r.nodes, r.controller_cpu_rest);
     println!("| heartbeats answered per second at rest | {:.0} |", r.heartbeats_per_second_rest);
-    println!("| controller RSS (MiB) | {} |", r.controller_rss_mib);
-    println!("| store file (MiB) | {:.1} |", r.store_mib);
+    println!("| bytes of a heartbeat's answer at rest | {:.1} |", r.answer_bytes_rest);
+    println!("| states applied to nodes at rest | {} |", r.applies_rest);
+    println!("| store transactions per second at rest | {:.2} |", r.commits_per_second_rest);
+    println!("| bytes the store wrote per second at rest | {:.0} |", r.store_written_per_second_rest);
+    println!("| leader's RSS (MiB) | {} |", r.controller_rss_mib);
+    println!("| store on disk (MiB) | {:.1} |", r.store_mib);
     println!("| list every volume (ms) | {:.0} |", r.list_volumes_ms);
+    println!(
+        "| dashboard: summary / a page of nodes / a page of volumes (ms) | {:.0} / {:.0} / {:.0} |",
+        r.pages.summary_ms, r.pages.nodes_ms, r.pages.volumes_ms
+    );
+    println!(
+        "| rebalancer passes, mean time of a pass (ms) | {:.0}, {:.1} |",
+        r.rebalance_passes, r.rebalance_pass_mean_ms
+    );
     println!("| volumes per node, fewest / most | {} / {} |", r.fewest_on_a_node, r.most_on_a_node);
     println!(
         "| states applied / entries in them / whole states | {} / {} / {} |",
         r.applies, r.entries_applied, r.whole_states
     );
-    println!("| after SIGKILL: the new process lists every volume (s) | {:.2} |", r.failover_serving_seconds);
-    println!("| after SIGKILL: one creation (ms) | {:.1} |", r.failover_create_ms);
+    println!("| after the leader's SIGKILL: a controller lists every volume (s) | {:.2} |", r.failover_serving_seconds);
+    println!("| after the leader's SIGKILL: one creation (ms) | {:.1} |", r.failover_create_ms);
     match r.failover_reconciled_seconds {
-        Some(s) => println!("| after SIGKILL: every node given its state again (s) | {s:.2} |"),
+        Some(s) => println!("| after the leader's SIGKILL: every node given its state again (s) | {s:.2} |"),
         None => println!(
-            "| after SIGKILL: nodes given their state again in 120 s | {} of {} |",
+            "| after the leader's SIGKILL: nodes given their state again in 120 s | {} of {} |",
             r.failover_reconciled_nodes, r.nodes
         ),
     }
