@@ -68,7 +68,8 @@ impl Cluster {
         let v = self.ready_volume(name)?;
         if !v.local_hosts.is_empty() {
             return Err(Status::failed_precondition(format!(
-                "volume {name} serves {} through a local device on {}: detach those hosts (they can attach over                  NVMe/TCP) before it moves",
+                "volume {name} serves {} through a local device on {}: detach those hosts (they can attach over \
+                 NVMe/TCP) before it moves",
                 v.local_hosts.join(", "),
                 v.node
             )));

@@ -473,7 +473,8 @@ impl Cluster {
         let volume = v.name.as_str();
         if v.node != local_node {
             return Ok(Err(format!(
-                "the data of volume {volume} is on node {}, not {local_node}: a local device serves only the                  owner's own containers",
+                "the data of volume {volume} is on node {}, not {local_node}: a local device serves only the \
+                 owner's own containers",
                 v.node
             )));
         }
@@ -630,7 +631,8 @@ impl Cluster {
             return match self.apply_node(&v.node).await {
                 Ok(r) if r.get(&v.id).is_none_or(|r| r.error.is_empty() && r.local_error.is_empty()) => Ok(()),
                 _ => Err(Status::unavailable(format!(
-                    "node {} has not yet removed the local device of volume {volume}; it will when it is back,                      retry to confirm",
+                    "node {} has not yet removed the local device of volume {volume}; it will when it is back, \
+                     retry to confirm",
                     v.node
                 ))),
             };
