@@ -161,7 +161,8 @@ pub struct BenchReport {
     /// The rebalancer's passes so far, and their mean and longest bucket (s).
     pub rebalance_passes: f64,
     pub rebalance_pass_mean_ms: f64,
-    /// How evenly the volumes spread: the fewest and the most on one node.
+    /// How evenly the creations spread (before any change): the fewest and the most
+    /// volumes on one node.
     pub fewest_on_a_node: usize,
     pub most_on_a_node: usize,
     pub applies: u64,
@@ -320,6 +321,16 @@ pub async fn bench(cfg: BenchConfig) -> Result<BenchReport, String> {
         })
         .collect();
 
+    let created = controllers.call(async |mut c| c.list_volumes(proto::ListVolumesRequest::default()).await).await;
+    let created = created.map_err(|e| format!("list: {}", e.message()))?.volumes;
+    let mut per_node: HashMap<&str, usize> = fleet.names().iter().map(|n| (n.as_str(), 0)).collect();
+    for v in &created {
+        *per_node.entry(v.node.as_str()).or_default() += 1;
+    }
+    let fewest_on_a_node = per_node.values().copied().min().unwrap_or(0);
+    let most_on_a_node = per_node.values().copied().max().unwrap_or(0);
+    drop(created);
+
     let changes = make_changes(&cfg, &controllers, &made, &ids).await?;
 
     // The last changes' removals reach their nodes (a migration's old copy, a deleted
@@ -377,12 +388,6 @@ pub async fn bench(cfg: BenchConfig) -> Result<BenchReport, String> {
         nodes_ms: http_get(&http, "/api/v1/nodes?sort=name&limit=50").await?.1,
         volumes_ms: http_get(&http, "/api/v1/volumes?sort=name&limit=50&offset=5000").await?.1,
     };
-    let mut per_node: HashMap<&str, usize> = fleet.names().iter().map(|n| (n.as_str(), 0)).collect();
-    for v in &listed {
-        *per_node.entry(v.node.as_str()).or_default() += 1;
-    }
-    let fewest_on_a_node = per_node.values().copied().min().unwrap_or(0);
-    let most_on_a_node = per_node.values().copied().max().unwrap_or(0);
     let store_mib = plane.store_bytes() as f64 / 1048576.0;
     let (applies, entries_applied, whole_states) = (
         fleet.applies.load(Ordering::Relaxed),

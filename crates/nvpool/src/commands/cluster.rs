@@ -1537,7 +1537,7 @@ async fn run_fleet(a: FleetArgs) -> Result<(), String> {
         "| rebalancer passes, mean time of a pass (ms) | {:.0}, {:.1} |",
         r.rebalance_passes, r.rebalance_pass_mean_ms
     );
-    println!("| volumes per node, fewest / most | {} / {} |", r.fewest_on_a_node, r.most_on_a_node);
+    println!("| volumes per node once all were made, fewest / most | {} / {} |", r.fewest_on_a_node, r.most_on_a_node);
     println!(
         "| states applied / entries in them / whole states | {} / {} / {} |",
         r.applies, r.entries_applied, r.whole_states
