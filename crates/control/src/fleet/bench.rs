@@ -258,7 +258,11 @@ pub async fn bench(cfg: BenchConfig) -> Result<BenchReport, String> {
     let started = std::time::Instant::now();
     let interval = fleet.register_all(&controllers, &agent_address, 64).await?;
     let register_seconds = started.elapsed().as_secs_f64();
-    fleet.heartbeat_forever(controllers.clone(), interval, 8);
+    // A lane heartbeats its nodes one after another, as no agent waits for another:
+    // a hundred nodes a lane, so that a lane keeps its pace while the controller is
+    // busy (8 lanes for 10,000 nodes fell behind by more than the node timeout, and
+    // the controller rightly took their nodes for dead).
+    fleet.heartbeat_forever(controllers.clone(), interval, cfg.nodes.div_ceil(100).max(8));
 
     // Creations at the rate asked, from several clients at once.
     let leader = plane.await_leader(Duration::from_secs(10)).await?;
