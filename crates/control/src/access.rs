@@ -53,6 +53,10 @@ pub const MAX_PATHS: usize = 3;
 /// refuses a second path whose controller ID it already sees in the subsystem, so
 /// the paths of one attachment are always on nodes with different blocks.
 pub const CNTLID_BLOCKS: u16 = 16;
+/// The least loaded nodes looked at first for the paths after the optimized one:
+/// enough that the paths nearly always come from them (a node is passed over only
+/// for sharing a chosen node's controller IDs).
+const FIRST_LOOKED_AT: usize = 64;
 const CNTLID_BLOCK_SIZE: u16 = 4094;
 
 /// The controller IDs of a block: 16 blocks of 4,094 IDs within 1..=65504.
@@ -99,13 +103,16 @@ pub struct AccessRequest<'a> {
     /// This attachment's own paths as the loads count them (empty when it is new):
     /// they are left out of the load the choice weighs.
     pub counted: &'a [String],
+    /// Say why each node was or was not chosen: a line per node, which in a pool of
+    /// 10,000 nodes costs more than the choice.
+    pub explain: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Choice {
     /// The access points, the optimized one first.
     pub paths: Vec<String>,
-    /// One line per node: why it was or was not chosen.
+    /// One line per node: why it was or was not chosen (when the request asks).
     pub explain: Vec<String>,
 }
 
@@ -247,14 +254,37 @@ pub fn choose(nodes: &[Candidate], loads: &PathLoads, req: &AccessRequest<'_>) -
                 .all(|c| c.name != n.name && c.cntlid_block % CNTLID_BLOCKS != n.cntlid_block % CNTLID_BLOCKS)
     };
     // Surviving paths first, then the owner (no forwarding hop), then the least loaded.
-    let mut others: Vec<&Candidate> = nodes.iter().filter(|n| usable(n)).collect();
-    others.sort_by_key(|&n| (n.name != req.owner, load_of(&n.name).paths, n.name.as_str()));
-    for n in kept.iter().copied().chain(others) {
+    // Only the first few in that order are ever taken: they are found without sorting
+    // every node (each key once), and the rest is sorted only if none of them fit.
+    let mut others: Vec<((bool, usize, &str), &Candidate)> = nodes
+        .iter()
+        .filter(|n| usable(n))
+        .map(|n| ((n.name != req.owner, load_of(&n.name).paths, n.name.as_str()), n))
+        .collect();
+    let by_key = |a: &((bool, usize, &str), &Candidate), b: &((bool, usize, &str), &Candidate)| a.0.cmp(&b.0);
+    let first = others.len().min(FIRST_LOOKED_AT);
+    if first < others.len() {
+        others.select_nth_unstable_by(first, by_key);
+    }
+    let (ahead, rest) = others.split_at_mut(first);
+    ahead.sort_unstable_by(by_key);
+    for n in kept.iter().copied().chain(ahead.iter().map(|&(_, n)| n)) {
         if chosen.len() < MAX_PATHS && fits(&chosen, n) {
             chosen.push(n);
         }
     }
+    if chosen.len() < MAX_PATHS {
+        rest.sort_unstable_by(by_key);
+        for &(_, n) in rest.iter() {
+            if chosen.len() < MAX_PATHS && fits(&chosen, n) {
+                chosen.push(n);
+            }
+        }
+    }
 
+    if !req.explain {
+        return Ok(Choice { paths: chosen.iter().map(|n| n.name.clone()).collect(), explain: Vec::new() });
+    }
     let explain = nodes
         .iter()
         .map(|n| {
@@ -312,7 +342,17 @@ mod tests {
 
     /// A request for host h on volume v, owned by n0, without a group.
     fn request<'a>(policy: AccessPolicy, current: &'a [String], optimized: Option<&'a str>) -> AccessRequest<'a> {
-        AccessRequest { volume: "v", owner: "n0", host: "h", policy, group: "", current, optimized, counted: &[] }
+        AccessRequest {
+            volume: "v",
+            owner: "n0",
+            host: "h",
+            policy,
+            group: "",
+            current,
+            optimized,
+            counted: &[],
+            explain: true,
+        }
     }
 
     /// Attachments as (volume, group, host) → paths.
@@ -335,7 +375,17 @@ mod tests {
         host: &str,
         policy: AccessPolicy,
     ) -> Vec<String> {
-        let req = AccessRequest { volume, owner, host, policy, group, current: &[], optimized: None, counted: &[] };
+        let req = AccessRequest {
+            volume,
+            owner,
+            host,
+            policy,
+            group,
+            current: &[],
+            optimized: None,
+            counted: &[],
+            explain: true,
+        };
         let choice = choose(nodes, &loads(book), &req).unwrap();
         assert_eq!(choice.explain.len(), nodes.len());
         book.insert((volume.into(), group.into(), host.into()), choice.paths.clone());
@@ -369,6 +419,20 @@ mod tests {
         }
         let (least, most) = (optimized.values().min().unwrap(), optimized.values().max().unwrap());
         assert!(optimized.len() == 4 && most - least <= 1, "{optimized:?}");
+    }
+
+    #[test]
+    fn paths_come_from_past_the_least_loaded_when_those_share_the_optimized_nodes_ids() {
+        // n0 owns the volume; the 99 others are idle, but all except the last two
+        // share n0's controller IDs, so the paths must come from past the first looked at.
+        let mut n = nodes(100);
+        for c in n.iter_mut() {
+            c.cntlid_block = 0;
+        }
+        n[98].cntlid_block = 1;
+        n[99].cntlid_block = 2;
+        let c = choose(&n, &PathLoads::default(), &request(AccessPolicy::Inherit, &[], None)).unwrap();
+        assert_eq!(c.paths, vec!["n0", "n98", "n99"]);
     }
 
     #[test]
@@ -417,6 +481,7 @@ mod tests {
             current: &current,
             optimized: None,
             counted,
+            explain: true,
         };
         assert_eq!(choose(&n, &with, &req(&own)), choose(&n, &without, &req(&[])));
         with.remove(&Attached { group: "g", host: "h1", paths: &own });
@@ -493,8 +558,12 @@ mod tests {
                     book.iter().filter(|((_, g, h), _)| g == group && *h == host).map(|(_, p)| p[0].clone()).collect();
                 let req = AccessRequest {
                     volume: &volume, owner: &owner, host: &host, policy, group, current: &[], optimized: None, counted: &[],
+                    explain: false,
                 };
                 let result = choose(&n, &loads(&book), &req);
+                // Asking why changes nothing of the choice.
+                let explained = choose(&n, &loads(&book), &AccessRequest { explain: true, ..req.clone() });
+                proptest::prop_assert_eq!(result.clone().map(|c| c.paths), explained.map(|c| c.paths));
                 if usable == 0 {
                     proptest::prop_assert!(result.is_err());
                     continue;

@@ -396,7 +396,7 @@ impl Cluster {
                     )));
                 }
             }
-            self.choose_paths(&st, &v, host, &current, optimized).map_err(Status::unavailable)?
+            self.choose_paths(&st, &v, host, &current, optimized, req.explain).map_err(Status::unavailable)?
         };
         let mut with = v.clone();
         if !with.hosts.iter().any(|h| h == host) {
@@ -522,7 +522,8 @@ impl Cluster {
         }))
     }
 
-    /// Picks a host's access points to a volume, keeping the usable ones of `current`.
+    /// Picks a host's access points to a volume, keeping the usable ones of `current`
+    /// (and says why of every node if `explain`).
     pub(super) fn choose_paths(
         &self,
         st: &State,
@@ -530,6 +531,7 @@ impl Cluster {
         host: &str,
         current: &[String],
         optimized: Option<&str>,
+        explain: bool,
     ) -> Result<access::Choice, String> {
         let candidates: Vec<access::Candidate> = st
             .nodes
@@ -565,6 +567,7 @@ impl Cluster {
             current,
             optimized,
             counted,
+            explain,
         };
         access::choose(&candidates, &st.volumes.path_loads, &request)
     }
@@ -600,7 +603,7 @@ impl Cluster {
             let Some(current) = v.paths.get(&host).cloned() else { continue };
             let choice = {
                 let st = self.state.lock().unwrap();
-                self.choose_paths(&st, &v, &host, &current, None)
+                self.choose_paths(&st, &v, &host, &current, None, false)
             };
             let Ok(choice) = choice else { continue };
             if choice.paths == current {
