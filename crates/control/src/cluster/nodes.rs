@@ -262,13 +262,22 @@ impl Cluster {
 
     /// Heartbeats arrive and the agent reaches its engine.
     pub(super) fn healthy(&self, n: &NodeEntry) -> bool {
-        self.heartbeating(n) && n.engine_error.is_none()
+        self.healthy_at(n, Instant::now())
+    }
+
+    /// As `healthy`, at `now`: a pass over every node reads the clock once.
+    pub(super) fn healthy_at(&self, n: &NodeEntry, now: Instant) -> bool {
+        self.heartbeating_at(n, now) && n.engine_error.is_none()
     }
 
     /// Heartbeats arrive: the agent takes new states, even while its engine is down.
     pub(super) fn heartbeating(&self, n: &NodeEntry) -> bool {
+        self.heartbeating_at(n, Instant::now())
+    }
+
+    fn heartbeating_at(&self, n: &NodeEntry, now: Instant) -> bool {
         let stretch = n.interval.as_secs_f64() / self.cfg.heartbeat_interval.as_secs_f64().max(1e-3);
-        n.last_seen.elapsed() < self.cfg.node_timeout.mul_f64(stretch.max(1.0))
+        now.saturating_duration_since(n.last_seen) < self.cfg.node_timeout.mul_f64(stretch.max(1.0))
     }
 
     /// The scheduler's view: reported pools, with what this controller has promised
@@ -288,12 +297,13 @@ impl Cluster {
             }
         }
         let mut views = Vec::with_capacity(nodes.len());
+        let now = Instant::now();
         for n in nodes.values() {
             let ledger = volumes.ledger(n);
             let name = n.record.name.as_str();
             views.push(NodeView {
                 name: n.record.name.clone(),
-                healthy: self.healthy(n),
+                healthy: self.healthy_at(n, now),
                 local_demand: ledger.local_demand,
                 local_held: ledger.local_held,
                 pools: n

@@ -533,6 +533,7 @@ impl Cluster {
         optimized: Option<&str>,
         explain: bool,
     ) -> Result<access::Choice, String> {
+        let now = std::time::Instant::now();
         let candidates: Vec<access::Candidate> = st
             .nodes
             .values()
@@ -540,7 +541,7 @@ impl Cluster {
                 name: n.record.name.clone(),
                 // A lost owner stays a path: nothing else has the data, and the host
                 // gets it back through that path when the node returns.
-                healthy: self.healthy(n) || n.record.name == v.node,
+                healthy: self.healthy_at(n, now) || n.record.name == v.node,
                 // The node a migration adds serves hosts only as the migration says.
                 excluded: v.exclude.contains(&n.record.name) || v.migration_path() == Some(n.record.name.as_str()),
                 cntlid_block: n.record.cntlid_block.unwrap_or(0),
