@@ -261,20 +261,19 @@ pub fn choose(nodes: &[Candidate], loads: &PathLoads, req: &AccessRequest<'_>) -
         .filter(|n| usable(n))
         .map(|n| ((n.name != req.owner, load_of(&n.name).paths, n.name.as_str()), n))
         .collect();
-    let by_key = |a: &((bool, usize, &str), &Candidate), b: &((bool, usize, &str), &Candidate)| a.0.cmp(&b.0);
     let first = others.len().min(FIRST_LOOKED_AT);
     if first < others.len() {
-        others.select_nth_unstable_by(first, by_key);
+        others.select_nth_unstable_by_key(first, |o| o.0);
     }
     let (ahead, rest) = others.split_at_mut(first);
-    ahead.sort_unstable_by(by_key);
+    ahead.sort_unstable_by_key(|o| o.0);
     for n in kept.iter().copied().chain(ahead.iter().map(|&(_, n)| n)) {
         if chosen.len() < MAX_PATHS && fits(&chosen, n) {
             chosen.push(n);
         }
     }
     if chosen.len() < MAX_PATHS {
-        rest.sort_unstable_by(by_key);
+        rest.sort_unstable_by_key(|o| o.0);
         for &(_, n) in rest.iter() {
             if chosen.len() < MAX_PATHS && fits(&chosen, n) {
                 chosen.push(n);

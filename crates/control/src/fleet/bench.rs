@@ -78,6 +78,8 @@ fn change_of(i: u64) -> Option<Change> {
 #[derive(Default)]
 struct Made {
     volumes: usize,
+    /// IDs of the volumes to delete, by index, as their creations answered.
+    to_delete: HashMap<u64, String>,
     /// IDs of the volumes deleted.
     deleted: HashSet<String>,
     /// Volumes migrated, and the node each left.
@@ -179,6 +181,12 @@ pub struct BenchReport {
     pub failover_create_ms: f64,
 }
 
+/// Every volume the controllers list.
+async fn list_every_volume(controllers: &Controllers) -> Result<Vec<proto::Volume>, tonic::Status> {
+    let listed = controllers.call(async |mut c| c.list_volumes(proto::ListVolumesRequest::default()).await).await;
+    listed.map(|l| l.volumes)
+}
+
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted.get(((sorted.len() as f64 * p) as usize).min(sorted.len().saturating_sub(1))).copied().unwrap_or(0.0)
 }
@@ -273,12 +281,11 @@ pub async fn bench(cfg: BenchConfig) -> Result<BenchReport, String> {
     };
     let (cpu_before, store_cpu_before) = (cpu_seconds(pid), store_cpu(&plane));
     let made = Arc::new(Mutex::new(Made { volumes: cfg.volumes, ..Default::default() }));
-    let ids = Arc::new(Mutex::new(HashMap::new()));
     let started = std::time::Instant::now();
     let samples = run_at_rate(&cfg, (0..cfg.volumes as u64).collect(), {
-        let (controllers, thin, ids) = (controllers.clone(), cfg.thin, ids.clone());
+        let (controllers, thin, made) = (controllers.clone(), cfg.thin, made.clone());
         move |i| {
-            let (controllers, ids) = (controllers.clone(), ids.clone());
+            let (controllers, made) = (controllers.clone(), made.clone());
             async move {
                 let req = proto::CreateVolumeRequest {
                     name: format!("v{i:06}"),
@@ -294,7 +301,7 @@ pub async fn bench(cfg: BenchConfig) -> Result<BenchReport, String> {
                     .map_err(|e| format!("create {}: {}", req.name, e.message()))?;
                 let create_ms = t.elapsed().as_secs_f64() * 1000.0;
                 if change_of(i) == Some(Change::Delete) {
-                    ids.lock().unwrap().insert(i, created.volume.map(|v| v.id).unwrap_or_default());
+                    made.lock().unwrap().to_delete.insert(i, created.volume.map(|v| v.id).unwrap_or_default());
                 }
                 // Attached at once, as a provisioner's volume is: the host gets its
                 // paths, and two other nodes export the volume as access points.
@@ -325,8 +332,7 @@ pub async fn bench(cfg: BenchConfig) -> Result<BenchReport, String> {
         })
         .collect();
 
-    let created = controllers.call(async |mut c| c.list_volumes(proto::ListVolumesRequest::default()).await).await;
-    let created = created.map_err(|e| format!("list: {}", e.message()))?.volumes;
+    let created = list_every_volume(&controllers).await.map_err(|e| format!("list: {}", e.message()))?;
     let mut per_node: HashMap<&str, usize> = fleet.names().iter().map(|n| (n.as_str(), 0)).collect();
     for v in &created {
         *per_node.entry(v.node.as_str()).or_default() += 1;
@@ -335,7 +341,7 @@ pub async fn bench(cfg: BenchConfig) -> Result<BenchReport, String> {
     let most_on_a_node = per_node.values().copied().max().unwrap_or(0);
     drop(created);
 
-    let changes = make_changes(&cfg, &controllers, &made, &ids).await?;
+    let changes = make_changes(&cfg, &controllers, &made).await?;
 
     // The last changes' removals reach their nodes (a migration's old copy, a deleted
     // volume's tombstone): settled once no state was applied for 3 s.
@@ -382,9 +388,9 @@ pub async fn bench(cfg: BenchConfig) -> Result<BenchReport, String> {
     let controller_rss_mib = rss_mib(pid);
 
     let t = std::time::Instant::now();
-    let listed = controllers.call(async |mut c| c.list_volumes(proto::ListVolumesRequest::default()).await).await;
+    let listed = list_every_volume(&controllers).await;
     let list_volumes_ms = t.elapsed().as_secs_f64() * 1000.0;
-    let listed = listed.map_err(|e| format!("list: {}", e.message()))?.volumes;
+    let listed = listed.map_err(|e| format!("list: {}", e.message()))?;
     fleet.check(&listed, &made.lock().unwrap(), 0).map_err(|e| format!("before the failover: {e}"))?;
     let http = plane.controllers[leader].http.clone();
     let pages = Pages {
@@ -409,8 +415,7 @@ pub async fn bench(cfg: BenchConfig) -> Result<BenchReport, String> {
         plane.launch(leader)?;
     }
     loop {
-        let listed = controllers.call(async |mut c| c.list_volumes(proto::ListVolumesRequest::default()).await).await;
-        if listed.is_ok_and(|l| l.volumes.len() == expected) {
+        if list_every_volume(&controllers).await.is_ok_and(|l| l.len() == expected) {
             break;
         }
         if killed.elapsed() > Duration::from_secs(300) {
@@ -446,8 +451,8 @@ pub async fn bench(cfg: BenchConfig) -> Result<BenchReport, String> {
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     let failover_reconciled_nodes = fleet.given_whole_since(killed);
-    let listed = controllers.call(async |mut c| c.list_volumes(proto::ListVolumesRequest::default()).await).await;
-    let listed = listed.map_err(|e| format!("list after the failover: {}", e.message()))?.volumes;
+    let listed =
+        list_every_volume(&controllers).await.map_err(|e| format!("list after the failover: {}", e.message()))?;
     // The volume made after the failover counts too.
     fleet.check(&listed, &made.lock().unwrap(), 1).map_err(|e| format!("after the failover: {e}"))?;
     drop(plane);
@@ -535,12 +540,11 @@ async fn make_changes(
     cfg: &BenchConfig,
     controllers: &Arc<Controllers>,
     made: &Arc<Mutex<Made>>,
-    ids: &Arc<Mutex<HashMap<u64, String>>>,
 ) -> Result<Changes, String> {
     let changed: Vec<u64> = (0..cfg.volumes as u64).filter(|&i| change_of(i).is_some()).collect();
-    let (controllers, made, ids) = (controllers.clone(), made.clone(), ids.clone());
+    let (controllers, made) = (controllers.clone(), made.clone());
     let done = run_at_rate(cfg, changed, move |i| {
-        let (controllers, made, ids) = (controllers.clone(), made.clone(), ids.clone());
+        let (controllers, made) = (controllers.clone(), made.clone());
         async move {
             let name = format!("v{i:06}");
             let ms = |t: std::time::Instant| t.elapsed().as_secs_f64() * 1000.0;
@@ -567,8 +571,9 @@ async fn make_changes(
                         .call(async |mut c| c.delete_volume(req.clone()).await)
                         .await
                         .map_err(|e| format!("delete {name}: {}", e.message()))?;
-                    let id = ids.lock().unwrap().remove(&i).unwrap_or_default();
-                    made.lock().unwrap().deleted.insert(id);
+                    let mut made = made.lock().unwrap();
+                    let id = made.to_delete.remove(&i).unwrap_or_default();
+                    made.deleted.insert(id);
                     Ok(Changed::Deleted { detach_ms, delete_ms: ms(t) })
                 }
                 Some(Change::Migrate) => {

@@ -103,17 +103,9 @@ impl ControlPlane {
         let (store, etcd, count) = match cfg.store {
             StoreKind::Embedded => (format!("redb:{}", cfg.dir.join("controller.redb").display()), Vec::new(), 1),
             StoreKind::Etcd => {
-                let mut port_error = None;
-                let members = Etcd::cluster(&cfg.dir.join("etcd"), 3, || {
-                    free_port().unwrap_or_else(|e| {
-                        port_error = Some(e);
-                        0
-                    })
-                });
-                if let Some(e) = port_error {
-                    return Err(e);
-                }
-                let members = members?;
+                // Each member takes a client and a peer port.
+                let mut ports = (0..6).map(|_| free_port()).collect::<Result<Vec<u16>, String>>()?.into_iter();
+                let members = Etcd::cluster(&cfg.dir.join("etcd"), 3, || ports.next().unwrap_or_default())?;
                 (Etcd::store_address(&members), members, 2)
             }
         };
