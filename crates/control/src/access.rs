@@ -67,8 +67,8 @@ pub fn cntlid_range(block: u16) -> (u16, u16) {
 
 /// A node as the chooser sees it.
 #[derive(Clone, Debug)]
-pub struct Candidate {
-    pub name: String,
+pub struct Candidate<'a> {
+    pub name: &'a str,
     /// Heartbeats arrive and the agent reaches its engine.
     pub healthy: bool,
     /// The volume's placement excludes the node.
@@ -204,38 +204,43 @@ struct Load {
 }
 
 /// Chooses the access points of one attachment. Fails only when no node can serve.
-pub fn choose(nodes: &[Candidate], loads: &PathLoads, req: &AccessRequest<'_>) -> Result<Choice, String> {
+pub fn choose(nodes: &[Candidate<'_>], loads: &PathLoads, req: &AccessRequest<'_>) -> Result<Choice, String> {
     let group = loads.group_of(req);
-    let load_of = |n: &str| loads.of(n, group, req);
-    let usable = |n: &Candidate| n.healthy && !n.excluded;
-    let node = |name: &str| nodes.iter().find(|n| n.name == name);
-    let kept: Vec<&Candidate> = req.current.iter().filter_map(|p| node(p)).filter(|n| usable(n)).collect();
+    // Each node's load, and which node owns the volume, found once: the choice looks
+    // at every node more than once, and a pool may have 10,000. Nodes go by their
+    // place in `nodes` from here on.
+    let load: Vec<Load> = nodes.iter().map(|n| loads.of(n.name, group, req)).collect();
+    let owner = nodes.iter().position(|n| n.name == req.owner);
+    let is_owner = |i: usize| Some(i) == owner;
+    let usable = |i: usize| nodes[i].healthy && !nodes[i].excluded;
+    let index = |name: &str| nodes.iter().position(|n| n.name == name);
+    let kept: Vec<usize> = req.current.iter().filter_map(|p| index(p)).filter(|&i| usable(i)).collect();
 
     let keep_optimized = req.optimized.or(req.current.first().map(String::as_str));
-    let optimized: &Candidate = match keep_optimized.and_then(node).filter(|n| usable(n)) {
-        Some(n) => n,
+    let optimized = match keep_optimized.and_then(index).filter(|&i| usable(i)) {
+        Some(i) => i,
         None => {
             // A lost optimized path moves to a surviving access point, which the host
             // is connected to already; a new attachment may use any usable node.
-            let pool: Vec<&Candidate> =
-                if kept.is_empty() { nodes.iter().filter(|n| usable(n)).collect() } else { kept.clone() };
-            let is_owner = |n: &Candidate| n.name == req.owner;
+            let pool: Vec<usize> =
+                if kept.is_empty() { (0..nodes.len()).filter(|&i| usable(i)).collect() } else { kept.clone() };
             let best = match req.policy {
                 AccessPolicy::Inherit => pool
                     .iter()
-                    .filter(|n| load_of(&n.name).group_optimized > 0)
-                    .max_by_key(|n| (load_of(&n.name).group_optimized, std::cmp::Reverse(n.name.as_str())))
-                    .or_else(|| pool.iter().find(|n| is_owner(n)))
+                    .copied()
+                    .filter(|&i| load[i].group_optimized > 0)
+                    .max_by_key(|&i| (load[i].group_optimized, std::cmp::Reverse(nodes[i].name)))
+                    .or_else(|| pool.iter().copied().find(|&i| is_owner(i)))
                     .or_else(|| {
-                        pool.iter().min_by_key(|n| (load_of(&n.name).optimized, load_of(&n.name).paths, &n.name))
+                        pool.iter().copied().min_by_key(|&i| (load[i].optimized, load[i].paths, nodes[i].name))
                     }),
-                AccessPolicy::Balance => pool.iter().min_by_key(|n| {
-                    let l = load_of(&n.name);
-                    (l.group_optimized, l.optimized, !is_owner(n), l.paths, &n.name)
+                AccessPolicy::Balance => pool.iter().copied().min_by_key(|&i| {
+                    let l = load[i];
+                    (l.group_optimized, l.optimized, !is_owner(i), l.paths, nodes[i].name)
                 }),
             };
             match best {
-                Some(n) => n,
+                Some(i) => i,
                 None => {
                     return Err(format!(
                         "no node can be an access point of volume {} for {}: every node is down or excluded",
@@ -246,53 +251,46 @@ pub fn choose(nodes: &[Candidate], loads: &PathLoads, req: &AccessRequest<'_>) -
         }
     };
 
-    let mut chosen: Vec<&Candidate> = vec![optimized];
-    let fits = |chosen: &[&Candidate], n: &Candidate| {
-        usable(n)
-            && chosen
-                .iter()
-                .all(|c| c.name != n.name && c.cntlid_block % CNTLID_BLOCKS != n.cntlid_block % CNTLID_BLOCKS)
-    };
+    let mut chosen: Vec<usize> = vec![optimized];
+    let block = |i: usize| nodes[i].cntlid_block % CNTLID_BLOCKS;
+    let fits = |chosen: &[usize], i: usize| usable(i) && chosen.iter().all(|&c| c != i && block(c) != block(i));
     // Surviving paths first, then the owner (no forwarding hop), then the least loaded.
     // Only the first few in that order are ever taken: they are found without sorting
     // every node (each key once), and the rest is sorted only if none of them fit.
-    let mut others: Vec<((bool, usize, &str), &Candidate)> = nodes
-        .iter()
-        .filter(|n| usable(n))
-        .map(|n| ((n.name != req.owner, load_of(&n.name).paths, n.name.as_str()), n))
-        .collect();
+    let mut others: Vec<((bool, usize, &str), usize)> =
+        (0..nodes.len()).filter(|&i| usable(i)).map(|i| ((!is_owner(i), load[i].paths, nodes[i].name), i)).collect();
     let first = others.len().min(FIRST_LOOKED_AT);
     if first < others.len() {
         others.select_nth_unstable_by_key(first, |o| o.0);
     }
     let (ahead, rest) = others.split_at_mut(first);
     ahead.sort_unstable_by_key(|o| o.0);
-    for n in kept.iter().copied().chain(ahead.iter().map(|&(_, n)| n)) {
-        if chosen.len() < MAX_PATHS && fits(&chosen, n) {
-            chosen.push(n);
+    for i in kept.iter().copied().chain(ahead.iter().map(|&(_, i)| i)) {
+        if chosen.len() < MAX_PATHS && fits(&chosen, i) {
+            chosen.push(i);
         }
     }
     if chosen.len() < MAX_PATHS {
         rest.sort_unstable_by_key(|o| o.0);
-        for &(_, n) in rest.iter() {
-            if chosen.len() < MAX_PATHS && fits(&chosen, n) {
-                chosen.push(n);
+        for &(_, i) in rest.iter() {
+            if chosen.len() < MAX_PATHS && fits(&chosen, i) {
+                chosen.push(i);
             }
         }
     }
 
+    let paths = chosen.iter().map(|&i| nodes[i].name.to_string()).collect();
     if !req.explain {
-        return Ok(Choice { paths: chosen.iter().map(|n| n.name.clone()).collect(), explain: Vec::new() });
+        return Ok(Choice { paths, explain: Vec::new() });
     }
     let explain = nodes
         .iter()
-        .map(|n| {
-            let l = load_of(&n.name);
-            let role = if n.name == req.owner { "owner" } else { "forwards to the owner" };
-            let why = match chosen.iter().position(|c| c.name == n.name) {
-                Some(0) => {
-                    format!("optimized ({role}; {})", why_optimized(req, n, l, kept.iter().any(|k| k.name == n.name)))
-                }
+        .enumerate()
+        .map(|(i, n)| {
+            let l = load[i];
+            let role = if is_owner(i) { "owner" } else { "forwards to the owner" };
+            let why = match chosen.iter().position(|&c| c == i) {
+                Some(0) => format!("optimized ({role}; {})", why_optimized(req, n, l, kept.contains(&i))),
                 Some(_) => format!("non-optimized ({role}; {} other paths here)", l.paths),
                 None if !n.healthy => "not chosen: unhealthy".to_string(),
                 None if n.excluded => "not chosen: excluded by the volume's placement".to_string(),
@@ -304,11 +302,11 @@ pub fn choose(nodes: &[Candidate], loads: &PathLoads, req: &AccessRequest<'_>) -
             format!("{}: {why}", n.name)
         })
         .collect();
-    Ok(Choice { paths: chosen.iter().map(|n| n.name.clone()).collect(), explain })
+    Ok(Choice { paths, explain })
 }
 
-fn why_optimized(req: &AccessRequest<'_>, n: &Candidate, l: Load, kept: bool) -> String {
-    if req.optimized == Some(n.name.as_str()) {
+fn why_optimized(req: &AccessRequest<'_>, n: &Candidate<'_>, l: Load, kept: bool) -> String {
+    if req.optimized == Some(n.name) {
         return "chosen by the operator".into();
     }
     if req.current.first().is_some_and(|p| *p == n.name) {
@@ -333,10 +331,13 @@ mod tests {
     use super::*;
     use std::collections::{BTreeMap, HashSet};
 
-    fn nodes(n: usize) -> Vec<Candidate> {
-        (0..n)
-            .map(|i| Candidate { name: format!("n{i}"), healthy: true, excluded: false, cntlid_block: i as u16 })
-            .collect()
+    /// Node `i`'s name, for the life of the test process (a candidate borrows it).
+    fn name(i: usize) -> &'static str {
+        Box::leak(format!("n{i}").into_boxed_str())
+    }
+
+    fn nodes(n: usize) -> Vec<Candidate<'static>> {
+        (0..n).map(|i| Candidate { name: name(i), healthy: true, excluded: false, cntlid_block: i as u16 }).collect()
     }
 
     /// A request for host h on volume v, owned by n0, without a group.
@@ -366,7 +367,7 @@ mod tests {
     }
 
     fn attach(
-        nodes: &[Candidate],
+        nodes: &[Candidate<'_>],
         book: &mut Book,
         volume: &str,
         owner: &str,
@@ -538,7 +539,7 @@ mod tests {
             let n: Vec<Candidate> = health
                 .iter()
                 .enumerate()
-                .map(|(i, &(healthy, excluded, block))| Candidate { name: format!("n{i}"), healthy, excluded, cntlid_block: block })
+                .map(|(i, &(healthy, excluded, block))| Candidate { name: name(i), healthy, excluded, cntlid_block: block })
                 .collect();
             let usable = n.iter().filter(|c| c.healthy && !c.excluded).count();
             let blocks: HashSet<u16> =
@@ -571,7 +572,7 @@ mod tests {
                 let mut seen_nodes = HashSet::new();
                 let mut seen_blocks = HashSet::new();
                 for p in &paths {
-                    let c = n.iter().find(|c| &c.name == p).unwrap();
+                    let c = n.iter().find(|c| c.name == p).unwrap();
                     proptest::prop_assert!(c.healthy && !c.excluded);
                     proptest::prop_assert!(seen_nodes.insert(p.clone()), "two paths on {}", p);
                     proptest::prop_assert!(seen_blocks.insert(c.cntlid_block % CNTLID_BLOCKS));

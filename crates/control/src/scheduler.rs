@@ -72,7 +72,7 @@ impl Default for Policy {
 }
 
 /// One pool, as the scheduler sees it.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct PoolView {
     pub name: String,
     pub capacity: u64,
@@ -86,7 +86,7 @@ pub struct PoolView {
 }
 
 /// One node, as the scheduler sees it.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct NodeView {
     pub name: String,
     pub healthy: bool,

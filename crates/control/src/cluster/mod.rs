@@ -151,7 +151,7 @@ struct State {
 /// The volumes by name, and by the nodes that serve them (the owner, access points, a
 /// move's target), so that what concerns one node is found without a pass over every
 /// volume of the cluster. Read as the map by name; changed only through `insert` and
-/// `remove`, which keep the indexes and drop the ledgers the change makes stale.
+/// `remove`, which keep the indexes and drop the node views the change makes stale.
 #[derive(Default)]
 struct Volumes {
     by_name: BTreeMap<String, VolumeRecord>,
@@ -164,10 +164,9 @@ struct Volumes {
     migrating: BTreeSet<String>,
     creating: BTreeSet<String>,
     awaiting_home: BTreeSet<String>,
-    /// What each node's volumes take of its pools, as last worked out (see
-    /// `nodes::NodeLedger`): a creation then costs the scheduler's view a pass over one
-    /// node's volumes, not the cluster's.
-    ledgers: HashMap<String, nodes::NodeLedger>,
+    /// The scheduler's view of each node, with what its volumes take of its pools,
+    /// kept between requests (see `nodes::NodeViews`).
+    views: nodes::NodeViews,
     /// What every attachment puts on each node as an access point: choosing an
     /// attachment's paths then costs the nodes, not every volume.
     path_loads: access::PathLoads,
@@ -197,12 +196,12 @@ impl Volumes {
     fn insert(&mut self, name: String, v: VolumeRecord) -> Option<VolumeRecord> {
         let old = self.remove(&name);
         for node in v.exporting_nodes() {
-            self.ledgers.remove(&node);
+            self.views.forget(&node);
             self.changed.entry(node.clone()).or_default().insert(name.clone());
             self.by_node.entry(node).or_default().insert(name.clone());
         }
         if let Some(host) = local_host(&v) {
-            self.ledgers.remove(host);
+            self.views.forget(host);
             self.by_host.entry(host.to_string()).or_default().insert(name.clone());
         }
         if v.migration.is_some() {
@@ -224,12 +223,12 @@ impl Volumes {
     fn remove(&mut self, name: &str) -> Option<VolumeRecord> {
         let old = self.by_name.remove(name)?;
         for node in old.exporting_nodes() {
-            self.ledgers.remove(&node);
+            self.views.forget(&node);
             self.changed.entry(node.clone()).or_default().insert(name.to_string());
             unindex(&mut self.by_node, &node, name);
         }
         if let Some(host) = local_host(&old) {
-            self.ledgers.remove(host);
+            self.views.forget(host);
             unindex(&mut self.by_host, host, name);
         }
         self.migrating.remove(name);
@@ -282,11 +281,6 @@ impl Volumes {
                 self.changed.entry(n).or_default().insert(name.clone());
             }
         }
-    }
-
-    /// Forgets `node`'s ledger: what it reported of its pools or volumes changed.
-    fn forget_ledger(&mut self, node: &str) {
-        self.ledgers.remove(node);
     }
 }
 

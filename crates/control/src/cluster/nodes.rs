@@ -8,7 +8,8 @@ use crate::proto::agent_client::AgentClient;
 use crate::scheduler::{NodeView, PoolView};
 use crate::store::Txn;
 use crate::{access, proto, scheduler};
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tonic::Status;
 
@@ -91,7 +92,7 @@ impl Cluster {
         entry.usage_complete = false;
         entry.engine_error = None;
         st.touch(&record.name);
-        st.volumes.forget_ledger(&record.name);
+        st.volumes.views.forget(&record.name);
         if changed {
             st.volumes.node_record_changed(&record.name);
         }
@@ -128,6 +129,7 @@ impl Cluster {
             || !hb.volumes_gone.is_empty()
             || pools.len() != n.pools.len()
             || pools.iter().zip(&n.pools).any(|(a, b)| a.name != b.name || a.cluster_size != b.cluster_size);
+        let report_changed = pools != n.pools;
         n.pools = pools;
         n.applied_generation = hb.applied_generation;
         let usage = hb.volumes.into_iter().map(|u| (u.engine_name, u.allocated_bytes));
@@ -146,7 +148,9 @@ impl Cluster {
         n.io.update(n.last_seen, hb.counters, hb.changes_only, &hb.counters_gone);
         let send_everything = !n.usage_complete;
         if ledger_stale {
-            st.volumes.forget_ledger(&hb.node);
+            st.volumes.views.forget(&hb.node);
+        } else if report_changed {
+            st.volumes.views.report_changed(&hb.node);
         }
         proto::HeartbeatResponse { known: true, send_everything, heartbeat_interval_ms }
     }
@@ -243,13 +247,10 @@ impl Cluster {
         let mut st = self.state.lock().unwrap();
         let views = self.node_views(&mut st);
         let mut out = Vec::new();
-        for n in st.nodes.values() {
+        // The views are in the nodes' order.
+        for (n, view) in st.nodes.values().zip(views.iter()) {
             for p in &n.pools {
-                let committed = views
-                    .iter()
-                    .find(|v| v.name == n.record.name)
-                    .and_then(|v| v.pools.iter().find(|q| q.name == p.name))
-                    .map_or(p.used_bytes, |q| q.committed);
+                let committed = view.pools.iter().find(|q| q.name == p.name).map_or(p.used_bytes, |q| q.committed);
                 out.push(proto::PoolOnNode {
                     node: n.record.name.clone(),
                     pool: Some(pool_report(p)),
@@ -276,13 +277,19 @@ impl Cluster {
     }
 
     fn heartbeating_at(&self, n: &NodeEntry, now: Instant) -> bool {
-        let stretch = n.interval.as_secs_f64() / self.cfg.heartbeat_interval.as_secs_f64().max(1e-3);
-        now.saturating_duration_since(n.last_seen) < self.cfg.node_timeout.mul_f64(stretch.max(1.0))
+        // Told to heartbeat less often than the base interval, a node is given a
+        // timeout stretched in proportion (in whole nanoseconds: this runs for every
+        // node of a pass).
+        let base = self.cfg.heartbeat_interval.as_nanos().max(1_000_000);
+        let timeout = self.cfg.node_timeout.as_nanos() * n.interval.as_nanos().max(base) / base;
+        now.saturating_duration_since(n.last_seen).as_nanos() < timeout
     }
 
-    /// The scheduler's view: reported pools, with what this controller has promised
-    /// on them counted in even before the node reports it.
-    pub(super) fn node_views(&self, st: &mut State) -> Vec<NodeView> {
+    /// The scheduler's view of every node, in the order of `State::nodes`: reported
+    /// pools, with what this controller has promised on them counted in even before
+    /// the node reports it. Kept between calls: only the views something changed under
+    /// are worked out again, and every node's health is read anew.
+    pub(super) fn node_views(&self, st: &mut State) -> Arc<Vec<NodeView>> {
         let State { nodes, volumes, reserved, tombstones, .. } = st;
         // Creations under way and volumes whose removal is not confirmed yet are few;
         // what the stored volumes take is in each node's ledger.
@@ -296,36 +303,101 @@ impl Cluster {
                 e.1 += size;
             }
         }
-        let mut views = Vec::with_capacity(nodes.len());
         let now = Instant::now();
-        for n in nodes.values() {
-            let ledger = volumes.ledger(n);
-            let name = n.record.name.as_str();
-            views.push(NodeView {
-                name: n.record.name.clone(),
-                healthy: self.healthy_at(n, now),
-                local_demand: ledger.local_demand,
-                local_held: ledger.local_held,
-                pools: n
-                    .pools
-                    .iter()
-                    .map(|p| {
-                        let (held_taken, held_provisioned) = ledger.pools.get(&p.name).copied().unwrap_or_default();
-                        let (more_taken, more_provisioned) =
-                            pending.get(&(name, p.name.as_str())).copied().unwrap_or_default();
-                        PoolView {
-                            name: p.name.clone(),
-                            capacity: p.capacity_bytes,
-                            committed: p.used_bytes.max(held_taken + more_taken),
-                            provisioned: p.provisioned_bytes.max(held_provisioned + more_provisioned),
-                            cluster_size: p.cluster_size,
-                            failed: p.failed.clone(),
-                        }
-                    })
-                    .collect(),
-            });
+        let pending_nodes: BTreeSet<String> = pending.keys().map(|(node, _)| node.to_string()).collect();
+        // Nodes only join: a list of another length misses some.
+        if volumes.views.list.len() != nodes.len() {
+            let list = nodes.values().map(|n| view_of(volumes.ledger(n), n, &pending, false)).collect();
+            volumes.views.list = Arc::new(list);
+            volumes.views.index = nodes.keys().enumerate().map(|(i, name)| (name.clone(), i)).collect();
+            volumes.views.stale.clear();
         }
-        views
+        // Views that counted pending work count it no more, or differently.
+        let mut refresh = std::mem::take(&mut volumes.views.stale);
+        refresh.extend(std::mem::replace(&mut volumes.views.pending, pending_nodes.clone()));
+        refresh.extend(pending_nodes);
+        let mut fresh = Vec::with_capacity(refresh.len());
+        for name in &refresh {
+            if let (Some(&i), Some(n)) = (volumes.views.index.get(name), nodes.get(name)) {
+                fresh.push((i, view_of(volumes.ledger(n), n, &pending, false)));
+            }
+        }
+        let list = Arc::make_mut(&mut volumes.views.list);
+        for (i, view) in fresh {
+            list[i] = view;
+        }
+        for (n, view) in nodes.values().zip(list.iter_mut()) {
+            view.healthy = self.healthy_at(n, now);
+        }
+        debug_assert_eq!(
+            *volumes.views.list,
+            nodes
+                .values()
+                .map(|n| view_of(&NodeLedger::of(volumes, n), n, &pending, self.healthy_at(n, now)))
+                .collect::<Vec<_>>(),
+            "the kept node views differ from the nodes'"
+        );
+        volumes.views.list.clone()
+    }
+}
+
+/// Node `n` as the scheduler sees it: its reported pools, with what its volumes take
+/// (`ledger`) and what is `pending` on them counted in.
+fn view_of(ledger: &NodeLedger, n: &NodeEntry, pending: &HashMap<(&str, &str), (u64, u64)>, healthy: bool) -> NodeView {
+    let name = n.record.name.as_str();
+    NodeView {
+        name: n.record.name.clone(),
+        healthy,
+        local_demand: ledger.local_demand,
+        local_held: ledger.local_held,
+        pools: n
+            .pools
+            .iter()
+            .map(|p| {
+                let (held_taken, held_provisioned) = ledger.pools.get(&p.name).copied().unwrap_or_default();
+                let (more_taken, more_provisioned) = pending.get(&(name, p.name.as_str())).copied().unwrap_or_default();
+                PoolView {
+                    name: p.name.clone(),
+                    capacity: p.capacity_bytes,
+                    committed: p.used_bytes.max(held_taken + more_taken),
+                    provisioned: p.provisioned_bytes.max(held_provisioned + more_provisioned),
+                    cluster_size: p.cluster_size,
+                    failed: p.failed.clone(),
+                }
+            })
+            .collect(),
+    }
+}
+
+/// The scheduler's views of the nodes, kept between requests (a creation at 10,000
+/// nodes would otherwise copy every node's pools and look up every node's ledger),
+/// with the ledgers they rest on.
+#[derive(Default)]
+pub(super) struct NodeViews {
+    /// Every node's view, in the order of `State::nodes`; shared with the callers,
+    /// which drop it before the next call (so it is changed in place, not copied).
+    list: Arc<Vec<NodeView>>,
+    /// Each node's place in `list`.
+    index: HashMap<String, usize>,
+    /// Nodes whose view is out of date.
+    stale: BTreeSet<String>,
+    /// Nodes whose view counts creations or removals under way: worked out again at
+    /// every call, since those end without a word to the views.
+    pending: BTreeSet<String>,
+    /// What each node's volumes take of its pools, as last worked out.
+    ledgers: HashMap<String, NodeLedger>,
+}
+
+impl NodeViews {
+    /// Forgets `node`'s view and ledger: its volumes, or its pools' sizes, changed.
+    pub(super) fn forget(&mut self, node: &str) {
+        self.ledgers.remove(node);
+        self.report_changed(node);
+    }
+
+    /// Forgets `node`'s view, keeping its ledger: its report of its pools changed.
+    pub(super) fn report_changed(&mut self, node: &str) {
+        self.stale.insert(node.to_string());
     }
 }
 
@@ -375,13 +447,11 @@ impl Volumes {
     /// Node `n`'s ledger, worked out again if something it rests on changed.
     fn ledger(&mut self, n: &NodeEntry) -> &NodeLedger {
         let name = &n.record.name;
-        if !self.ledgers.contains_key(name) {
+        if !self.views.ledgers.contains_key(name) {
             let ledger = NodeLedger::of(self, n);
-            self.ledgers.insert(name.clone(), ledger);
+            self.views.ledgers.insert(name.clone(), ledger);
         }
-        let ledger = &self.ledgers[name];
-        debug_assert_eq!(ledger, &NodeLedger::of(self, n), "node {name}'s ledger is stale");
-        ledger
+        &self.views.ledgers[name]
     }
 }
 

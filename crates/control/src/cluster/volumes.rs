@@ -538,7 +538,7 @@ impl Cluster {
             .nodes
             .values()
             .map(|n| access::Candidate {
-                name: n.record.name.clone(),
+                name: &n.record.name,
                 // A lost owner stays a path: nothing else has the data, and the host
                 // gets it back through that path when the node returns.
                 healthy: self.healthy_at(n, now) || n.record.name == v.node,
