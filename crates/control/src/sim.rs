@@ -626,6 +626,68 @@ pub fn run(cfg: &SimConfig, name: &str, strategy: Strategy) -> SimReport {
     unreachable!("the stream is endless")
 }
 
+/// One step of the stream as the simulator took it: a volume made on the node the
+/// scheduler chose, or deleted when its pod ended.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Step {
+    Create { volume: usize, size: u64, locality: Locality, host: String, node: String },
+    Delete { volume: usize },
+}
+
+/// The simulator's run under the controller's default policy, without migration, as
+/// steps to replay through a controller (`nvpool fleet --replay`).
+pub struct Placements {
+    /// The nodes, each with its one pool (none for a node without disks), empty.
+    pub nodes: Vec<NodeView>,
+    pub steps: Vec<Step>,
+    /// Whether the steps end where a creation found no room (else at `creations`).
+    pub ended_full: bool,
+}
+
+/// The stream's first `creations` creations (or those before the first that finds
+/// no room), with the deletions between them, as `run` takes them under the
+/// "reserve" policy.
+pub fn placements(cfg: &SimConfig, creations: usize) -> Placements {
+    let layout = layout(cfg);
+    let policy = Policy::default();
+    let mut cluster = Cluster::new(layout.nodes.clone());
+    let mut stream = Stream::new(cfg, cluster.capacity);
+    let mut deaths: BinaryHeap<Reverse<(u64, usize)>> = BinaryHeap::new();
+    let mut pods: Vec<Vec<usize>> = Vec::new();
+    let (mut steps, mut made) = (Vec::new(), 0);
+    let done = |steps: Vec<Step>, ended_full| Placements { nodes: layout.nodes.clone(), steps, ended_full };
+    for now in 0u64.. {
+        while let Some(&Reverse((at, pod))) = deaths.peek()
+            && at <= now
+        {
+            deaths.pop();
+            for volume in std::mem::take(&mut pods[pod]) {
+                cluster.delete(volume);
+                steps.push(Step::Delete { volume });
+            }
+        }
+        let pod = stream.next(cfg, &layout);
+        let mut ids = Vec::new();
+        for &size in &pod.sizes {
+            let req = cluster.request(size, pod.locality, pod.host);
+            let Some((node, _)) = scheduler::choose(&cluster.nodes, &req, &policy) else {
+                return done(steps, true);
+            };
+            let volume = cluster.create(node, size, pod.host, pod.locality, false);
+            let node = cluster.nodes[node].name.clone();
+            steps.push(Step::Create { volume, size, locality: pod.locality, host: req.host_node, node });
+            ids.push(volume);
+            made += 1;
+            if made == creations {
+                return done(steps, false);
+            }
+        }
+        deaths.push(Reverse((now + pod.lifetime.ceil() as u64, pods.len())));
+        pods.push(ids);
+    }
+    unreachable!("the stream is endless")
+}
+
 fn share(part: u64, whole: u64) -> f64 {
     if whole == 0 { 0.0 } else { part as f64 / whole as f64 }
 }
@@ -766,6 +828,22 @@ mod tests {
         assert!(c.nodes.iter().all(|n| n.local_demand == 0 && n.local_held == 0));
         assert!(c.nodes.iter().flat_map(|n| &n.pools).all(|p| p.committed == 0 && p.provisioned == 0));
         assert!(c.on_node.iter().all(Vec::is_empty));
+    }
+
+    /// The steps to replay are the run's: as many creations and deletions as `run`
+    /// makes under "reserve" before its first failure.
+    #[test]
+    fn placements_are_the_runs_until_its_first_failure() {
+        let cfg = small();
+        let Ok(strategy) = policy_named("reserve") else { unreachable!("a known policy") };
+        let report = run(&cfg, "reserve", strategy);
+        let p = placements(&cfg, usize::MAX);
+        let count = |create: bool| p.steps.iter().filter(|s| matches!(s, Step::Create { .. }) == create).count() as u64;
+        assert!(p.ended_full);
+        assert_eq!((count(true), count(false)), (report.created, report.deleted));
+        let first = placements(&cfg, 10);
+        assert!(!first.ended_full);
+        assert_eq!(first.steps[..], p.steps[..first.steps.len()], "a shorter replay is the start of the longer");
     }
 
     #[test]

@@ -228,11 +228,7 @@ impl Fleet {
                 holders.extend(attached.paths.iter().map(|p| p.node.as_str()));
             }
             for node in holders {
-                let held = self.nodes.get(node).and_then(|n| {
-                    let n = n.lock().unwrap();
-                    n.held.as_ref().and_then(|(_, e)| e.get(&v.id)).map(|d| d.present)
-                });
-                if held != Some(true) {
+                if !self.holds(node, &v.id) {
                     return Err(format!("node {node} does not hold volume {} ({})", v.name, v.id));
                 }
             }
@@ -256,7 +252,7 @@ impl Fleet {
 /// volume, its attachment, a change, or a node's copy of any is missing from what the
 /// controller lists and the nodes hold, before or after the failover.
 pub async fn bench(cfg: BenchConfig) -> Result<BenchReport, String> {
-    let mut plane = ControlPlane::start(&cfg).await?;
+    let mut plane = ControlPlane::start(&cfg.binary, &cfg.dir, cfg.store, &[]).await?;
     let controllers = Arc::new(Controllers::new(&plane.addresses())?);
     let fleet = Fleet::new("f", cfg.nodes);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(|e| e.to_string())?;

@@ -15,13 +15,22 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tonic::{Request, Response, Status};
 
-/// What each simulated node has: one pool of this size.
+/// What each node of a uniform fleet has: one pool of this size.
 pub const POOL_BYTES: u64 = 4 << 40;
 const CLUSTER_BYTES: u64 = 1 << 20;
+
+/// A simulated node's pool (its only one): its size and its cluster size, in bytes.
+#[derive(Clone, Copy, Debug)]
+pub struct SimPool {
+    pub capacity: u64,
+    pub cluster_size: u64,
+}
 
 /// One simulated node: the state it holds, as an agent holds it.
 #[derive(Default)]
 struct SimNode {
+    /// Its pool; a node without disks has none.
+    pool: Option<SimPool>,
     /// The generation and entries (by volume ID) of the state it holds.
     held: Option<(u64, HashMap<String, proto::DesiredVolume>)>,
     /// Whether the controller holds a complete report of it.
@@ -47,11 +56,20 @@ pub struct Fleet {
 }
 
 impl Fleet {
-    /// `count` nodes named `{prefix}00000`, ...
+    /// `count` nodes named `{prefix}00000`, ..., each with a pool of `POOL_BYTES`.
     pub fn new(prefix: &str, count: usize) -> Arc<Fleet> {
-        let names: Vec<String> = (0..count).map(|i| format!("{prefix}{i:05}")).collect();
+        let pool = SimPool { capacity: POOL_BYTES, cluster_size: CLUSTER_BYTES };
+        Fleet::of((0..count).map(|i| (format!("{prefix}{i:05}"), Some(pool))).collect())
+    }
+
+    /// These nodes, with these pools.
+    pub fn of(nodes: Vec<(String, Option<SimPool>)>) -> Arc<Fleet> {
+        let names: Vec<String> = nodes.iter().map(|(name, _)| name.clone()).collect();
         Arc::new(Fleet {
-            nodes: names.iter().map(|n| (n.clone(), Mutex::new(SimNode::default()))).collect(),
+            nodes: nodes
+                .into_iter()
+                .map(|(name, pool)| (name, Mutex::new(SimNode { pool, ..SimNode::default() })))
+                .collect(),
             names,
             applies: AtomicU64::new(0),
             entries_applied: AtomicU64::new(0),
@@ -92,7 +110,7 @@ impl Fleet {
                 agent_address: agent_address.to_string(),
                 // Never dialled: no host connects in a fleet.
                 nvme_address: format!("127.0.0.{}:{}", 1 + index / 60000, 1024 + index % 60000),
-                pools: vec![self.pool(name)],
+                pools: self.pool(name).into_iter().collect(),
                 host_nqn: format!("nqn.2024-01.io.nvpool:fleet:{name}"),
                 engine_version: "fleet".into(),
                 ..Default::default()
@@ -100,26 +118,27 @@ impl Fleet {
         }
     }
 
-    /// The node's one pool, as its engine would report it: thick volumes take their
+    /// The node's pool, as its engine would report it: thick volumes take their
     /// size in whole clusters, thin ones nothing (nothing is written).
-    fn pool(&self, name: &str) -> proto::PoolReport {
+    fn pool(&self, name: &str) -> Option<proto::PoolReport> {
         let node = self.nodes[name].lock().unwrap();
+        let pool = node.pool?;
         let present = node.held.as_ref().map(|(_, e)| e.values().filter(|d| d.present && d.owner_address.is_empty()));
         let (volumes, provisioned, used) = present.map_or((0, 0, 0), |p| {
             p.fold((0u32, 0u64, 0u64), |(n, b, u), d| {
-                let taken = if d.thin { 0 } else { crate::scheduler::thick_bytes(d.size_bytes, CLUSTER_BYTES) };
+                let taken = if d.thin { 0 } else { crate::scheduler::thick_bytes(d.size_bytes, pool.cluster_size) };
                 (n + 1, b + d.size_bytes, u + taken)
             })
         });
-        proto::PoolReport {
+        Some(proto::PoolReport {
             name: "p".into(),
-            capacity_bytes: POOL_BYTES,
+            capacity_bytes: pool.capacity,
             used_bytes: used,
             provisioned_bytes: provisioned,
-            cluster_size: CLUSTER_BYTES,
+            cluster_size: pool.cluster_size,
             volumes,
             failed: String::new(),
-        }
+        })
     }
 
     /// Registers every node with the controllers, `parallel` at a time.
@@ -168,20 +187,31 @@ impl Fleet {
                     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                     for name in &mine {
                         tick.tick().await;
-                        let hb = fleet.heartbeat(name);
-                        if let Ok(r) = controllers.call(async |mut c| c.heartbeat(hb.clone()).await).await {
-                            fleet.heartbeats.fetch_add(1, Ordering::Relaxed);
-                            fleet.answer_bytes.fetch_add(r.encoded_len() as u64, Ordering::Relaxed);
-                            if r.heartbeat_interval_ms > 0 {
-                                interval_ms.store(r.heartbeat_interval_ms.max(100), Ordering::Relaxed);
-                            }
-                            let mut node = fleet.nodes[name].lock().unwrap();
-                            node.reported = r.known && !r.send_everything;
+                        if let Some(ms) = fleet.send_heartbeat(&controllers, name).await {
+                            interval_ms.store(ms.max(100), Ordering::Relaxed);
                         }
                     }
                 }
             });
         }
+    }
+
+    /// Sends node `name`'s heartbeat and takes the answer, as its agent does; returns
+    /// the interval (ms) the controller asks for, if it says.
+    async fn send_heartbeat(&self, controllers: &Controllers, name: &str) -> Option<u64> {
+        let hb = self.heartbeat(name);
+        let r = controllers.call(async |mut c| c.heartbeat(hb.clone()).await).await.ok()?;
+        self.heartbeats.fetch_add(1, Ordering::Relaxed);
+        self.answer_bytes.fetch_add(r.encoded_len() as u64, Ordering::Relaxed);
+        self.nodes[name].lock().unwrap().reported = r.known && !r.send_everything;
+        (r.heartbeat_interval_ms > 0).then_some(r.heartbeat_interval_ms)
+    }
+
+    /// Whether node `name` is one of the fleet's and holds volume `id` (present).
+    fn holds(&self, name: &str, id: &str) -> bool {
+        let Some(node) = self.nodes.get(name) else { return false };
+        let node = node.lock().unwrap();
+        node.held.as_ref().and_then(|(_, e)| e.get(id)).is_some_and(|d| d.present)
     }
 
     fn heartbeat(&self, name: &str) -> proto::HeartbeatRequest {
@@ -199,7 +229,7 @@ impl Fleet {
         };
         proto::HeartbeatRequest {
             node: name.to_string(),
-            pools: vec![pool],
+            pools: pool.into_iter().collect(),
             volumes,
             applied_generation: node.held.as_ref().map_or(0, |(g, _)| *g),
             engine_version: "fleet".into(),
@@ -312,4 +342,6 @@ pub(super) fn host_of(i: u64) -> String {
 
 mod bench;
 mod plane;
+mod replay;
 pub use bench::{BenchConfig, BenchReport, Changes, Figures, Pages, StoreKind, Stretch, bench};
+pub use replay::{ReplayConfig, ReplayReport, replay};

@@ -2,7 +2,7 @@
 //! leader and a standby on three etcd members), and what the bench reads of them
 //! (their metrics, pages, and the processes' CPU, memory and writes).
 
-use super::bench::{BenchConfig, StoreKind};
+use super::bench::StoreKind;
 use crate::etcd_server::Etcd;
 use std::time::Duration;
 
@@ -92,6 +92,8 @@ pub(super) struct ControlPlane {
     binary: std::path::PathBuf,
     dir: std::path::PathBuf,
     store: String,
+    /// Flags every controller is started with, beyond its addresses and store.
+    flags: Vec<String>,
     pub(super) controllers: Vec<ControllerProcess>,
     pub(super) etcd: Vec<Etcd>,
 }
@@ -99,18 +101,29 @@ pub(super) struct ControlPlane {
 impl ControlPlane {
     /// One controller on redb, or three etcd members and two controllers on them
     /// (the first leads; the second stands by).
-    pub(super) async fn start(cfg: &BenchConfig) -> Result<ControlPlane, String> {
-        let (store, etcd, count) = match cfg.store {
-            StoreKind::Embedded => (format!("redb:{}", cfg.dir.join("controller.redb").display()), Vec::new(), 1),
+    pub(super) async fn start(
+        binary: &std::path::Path,
+        dir: &std::path::Path,
+        kind: StoreKind,
+        flags: &[&str],
+    ) -> Result<ControlPlane, String> {
+        let (store, etcd, count) = match kind {
+            StoreKind::Embedded => (format!("redb:{}", dir.join("controller.redb").display()), Vec::new(), 1),
             StoreKind::Etcd => {
                 // Each member takes a client and a peer port.
                 let mut ports = (0..6).map(|_| free_port()).collect::<Result<Vec<u16>, String>>()?.into_iter();
-                let members = Etcd::cluster(&cfg.dir.join("etcd"), 3, || ports.next().unwrap_or_default())?;
+                let members = Etcd::cluster(&dir.join("etcd"), 3, || ports.next().unwrap_or_default())?;
                 (Etcd::store_address(&members), members, 2)
             }
         };
-        let mut plane =
-            ControlPlane { binary: cfg.binary.clone(), dir: cfg.dir.clone(), store, controllers: Vec::new(), etcd };
+        let mut plane = ControlPlane {
+            binary: binary.to_path_buf(),
+            dir: dir.to_path_buf(),
+            store,
+            flags: flags.iter().map(|f| f.to_string()).collect(),
+            controllers: Vec::new(),
+            etcd,
+        };
         for _ in 0..count {
             let address = format!("127.0.0.1:{}", free_port()?);
             let metrics = format!("127.0.0.1:{}", free_port()?);
@@ -141,6 +154,7 @@ impl ControlPlane {
         let child = std::process::Command::new(&self.binary)
             .args(["controller", "--listen", &c.address, "--advertise", &c.address, "--store", &self.store])
             .args(["--metrics-listen", &c.metrics, "--http-listen", &c.http])
+            .args(&self.flags)
             .stdout(log.try_clone().map_err(|e| e.to_string())?)
             .stderr(log)
             .spawn()

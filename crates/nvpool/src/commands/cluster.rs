@@ -338,6 +338,12 @@ pub struct FleetArgs {
     /// bench/plot-fleet.
     #[arg(long)]
     samples: Option<std::path::PathBuf>,
+    /// Instead of the bench: replay `nvpool sim`'s run of this seed (its nodes and
+    /// their disks, its creations and deletions, up to --volumes creations or a full
+    /// pool) through a controller, one creation at a time, and fail unless every
+    /// volume lands where the simulator put it.
+    #[arg(long)]
+    replay: Option<u64>,
 }
 
 #[derive(Args)]
@@ -1455,6 +1461,25 @@ async fn run_fleet(a: FleetArgs) -> Result<(), String> {
     let dir = a.dir.clone().unwrap_or_else(|| temporary.clone());
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let binary = std::env::current_exe().map_err(|e| format!("this program's path: {e}"))?;
+    if let Some(seed) = a.replay {
+        let cfg = nvpool_control::fleet::ReplayConfig { binary, dir, nodes: a.nodes, volumes: a.volumes, seed };
+        let r = nvpool_control::fleet::replay(cfg).await;
+        if a.dir.is_none() {
+            let _ = std::fs::remove_dir_all(&temporary);
+        }
+        let r = r?;
+        println!("## The simulator's run of seed {seed} replayed through a controller");
+        println!();
+        println!("| figure | value |");
+        println!("|---|---:|");
+        println!("| nodes (with disks) | {} ({}) |", r.nodes, r.nodes_with_disks);
+        println!("| creations (local) / deletions | {} ({}) / {} |", r.creations, r.local_creations, r.deletions);
+        println!("| ended at the first creation that found no room | {} |", if r.ended_full { "yes" } else { "no" });
+        println!("| pool used at the end | {:.1}% |", 100.0 * r.used_share);
+        println!("| placements as the simulator's | {} of {} |", r.creations, r.creations);
+        println!("| seconds | {:.1} |", r.seconds);
+        return Ok(());
+    }
     let cfg = nvpool_control::fleet::BenchConfig {
         binary,
         dir,
