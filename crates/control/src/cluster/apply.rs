@@ -387,7 +387,11 @@ impl Cluster {
             for node in due {
                 let me = self.clone();
                 tokio::spawn(async move {
-                    let _ = me.apply_node(&node).await;
+                    // A few at a time: a new leader has every node to bring up to date,
+                    // and calls made for a client go on meanwhile.
+                    if let Ok(_permit) = me.background_applies.acquire().await {
+                        let _ = me.apply_node(&node).await;
+                    }
                     me.state.lock().unwrap().applying.remove(&node);
                 });
             }

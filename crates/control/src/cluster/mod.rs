@@ -357,7 +357,14 @@ pub struct Cluster {
     /// controller IDs.
     registrations: tokio::sync::Mutex<()>,
     channels: Mutex<HashMap<String, Channel>>,
+    /// Permits for the background loop's applications (`BACKGROUND_APPLIES`).
+    background_applies: tokio::sync::Semaphore,
 }
+
+/// Most states the background loop sends at once. After a failover every node is
+/// sent its whole state: sent to 10,000 nodes at once (100,000 volumes), they left a
+/// creation's call to its node to fail ("operation was canceled").
+const BACKGROUND_APPLIES: usize = 64;
 
 /// How many nodes a CreateVolume answer explains (the best ones).
 const EXPLAINED_NODES: usize = 32;
@@ -463,6 +470,7 @@ impl Cluster {
             node_locks: KeyedLocks::default(),
             registrations: tokio::sync::Mutex::new(()),
             channels: Mutex::new(HashMap::new()),
+            background_applies: tokio::sync::Semaphore::new(BACKGROUND_APPLIES),
         }))
     }
 
