@@ -401,26 +401,32 @@ struct Summary {
 async fn summary(State(leader): State<Leader>) -> Response {
     let Some(c) = leader() else { return not_leading() };
     let nodes = c.list_nodes();
-    let volumes = c.list_volumes("");
-    let mut s = Summary { nodes: nodes.len(), volumes: volumes.len(), ..Summary::default() };
+    let totals = c.volume_totals();
+    let mut s = Summary {
+        nodes: nodes.len(),
+        volumes: totals.volumes,
+        volumes_by_state: totals.by_state,
+        attachments: totals.attachments,
+        io: Io {
+            read_iops: totals.read_iops,
+            write_iops: totals.write_iops,
+            read_bytes_per_second: totals.read_bytes_per_second,
+            write_bytes_per_second: totals.write_bytes_per_second,
+            ..Io::default()
+        },
+        migrations: totals
+            .migrating
+            .iter()
+            .filter_map(|v| Some(migration_row(&v.name, v.migration.as_ref()?)))
+            .collect(),
+        ..Summary::default()
+    };
     for n in &nodes {
         s.healthy_nodes += usize::from(n.healthy);
         for p in &n.pools {
             s.capacity_bytes += p.capacity_bytes;
             s.used_bytes += p.used_bytes;
             s.provisioned_bytes += p.provisioned_bytes;
-        }
-    }
-    for v in &volumes {
-        *s.volumes_by_state.entry(v.state.clone()).or_default() += 1;
-        s.attachments += v.attachments.len();
-        let io = Io::of(v.io.as_ref());
-        s.io.read_iops += io.read_iops;
-        s.io.write_iops += io.write_iops;
-        s.io.read_bytes_per_second += io.read_bytes_per_second;
-        s.io.write_bytes_per_second += io.write_bytes_per_second;
-        if let Some(m) = &v.migration {
-            s.migrations.push(migration_row(&v.name, m));
         }
     }
     Json(s).into_response()

@@ -30,6 +30,8 @@ mod nodes;
 mod rebalance;
 mod volumes;
 
+pub use volumes::VolumeTotals;
+
 /// Heartbeats per second a controller takes by default. Each costs the leader about
 /// 0.1 ms of CPU, mostly gRPC (`bench/results/control-scale.md`: 10,000 nodes at one a
 /// second took 72% of a core): 2,000 a second is a fifth of a core or less, and a pool
