@@ -162,6 +162,25 @@ methods! {
         /// The new state.
         state: AnaState,
     }
+    /// Sets the access points a host is to use for a subsystem: this engine's
+    /// discovery log lists them to that host (its own address among them, as given)
+    /// in place of this engine's listeners. No paths puts the listeners back.
+    /// Discovery controllers get a Discovery Log Page Change event.
+    "host_paths_set" => SetHostPaths -> Empty {
+        /// Subsystem NQN.
+        nqn: String,
+        /// Host NQN, allowed on the subsystem.
+        host: String,
+        /// Its access points, the optimized one first.
+        paths: Vec<PathAddress>,
+    }
+    /// Sets the IP address hosts reach this engine at: the discovery log gives it for
+    /// this engine's listeners in place of the address each is bound to (a node behind
+    /// address translation, or listening on 0.0.0.0). None puts the bound ones back.
+    "discovery_address_set" => SetDiscoveryAddress -> Empty {
+        /// The host-facing IP address.
+        address: Option<std::net::IpAddr>,
+    }
     /// The ANA groups of a subsystem on this engine and their states.
     "ana_list" => ListAnaGroups -> Vec<AnaGroupInfo> {
         /// Subsystem NQN.

@@ -1,6 +1,6 @@
 //! What the requests carry and the replies hold.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use serde::{Deserialize, Serialize};
 
@@ -28,6 +28,10 @@ pub struct EngineInfo {
     /// The engine's process ID (it changes with a hot upgrade).
     #[serde(default)]
     pub pid: u32,
+    /// The IP address its discovery log gives for its listeners, if set
+    /// (`discovery_address_set`).
+    #[serde(default)]
+    pub discovery_address: Option<IpAddr>,
 }
 
 /// What a hot upgrade did.
@@ -74,6 +78,44 @@ pub struct ListenerInfo {
     /// The transport: NVMe/TCP or NVMe over RDMA.
     #[serde(default)]
     pub transport: Transport,
+}
+
+/// Where a host reaches an engine: the transport and the host-facing address, as a
+/// discovery log entry gives them. Written `IP:PORT` (NVMe/TCP) or `rdma:IP:PORT`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PathAddress {
+    #[serde(default)]
+    pub transport: Transport,
+    pub address: SocketAddr,
+}
+
+impl std::str::FromStr for PathAddress {
+    type Err = String;
+    fn from_str(s: &str) -> Result<PathAddress, String> {
+        let (transport, address) = match s.strip_prefix("rdma:") {
+            Some(rest) => (Transport::Rdma, rest),
+            None => (Transport::Tcp, s),
+        };
+        let address = address.parse().map_err(|_| format!("{s:?} is not IP:PORT or rdma:IP:PORT"))?;
+        Ok(PathAddress { transport, address })
+    }
+}
+
+impl std::fmt::Display for PathAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.transport {
+            Transport::Tcp => write!(f, "{}", self.address),
+            Transport::Rdma => write!(f, "rdma:{}", self.address),
+        }
+    }
+}
+
+/// The access points one host is to use for a subsystem: every engine serving it
+/// lists them in that host's discovery log.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostPaths {
+    pub host: String,
+    pub paths: Vec<PathAddress>,
 }
 
 /// The NVMe over Fabrics transport a listener speaks.
@@ -204,6 +246,9 @@ pub struct SubsystemInfo {
     /// agent every export's states, without a question per subsystem.
     #[serde(default)]
     pub ana_groups: Vec<AnaGroupInfo>,
+    /// The hosts given paths of their own (`host_paths_set`), with those paths.
+    #[serde(default)]
+    pub host_paths: Vec<HostPaths>,
 }
 
 /// How a host authenticates, without its secrets.

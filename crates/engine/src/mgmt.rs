@@ -15,7 +15,8 @@ use nvpool_api::{
     GetSubsystems, GetUsage, GetVolume, ImportPool, ListAnaGroups, ListListeners, ListLocalDevices, ListPools,
     ListSubsystems, ListVolumes, LocalDeviceAdded, METHODS, Method, NamespaceAdded, RemoveHost, RemoveListener,
     RemoveLocalDevice, RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState, SetControllerIdRange,
-    SetNamespaceQos, StartMigration, SwapNamespace, SwitchMigration, UpgradeEngine, VolumeDirty,
+    SetDiscoveryAddress, SetHostPaths, SetNamespaceQos, StartMigration, SwapNamespace, SwitchMigration, UpgradeEngine,
+    VolumeDirty,
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -153,6 +154,7 @@ fn reply_text(engine: &Engine, line: &str) -> Result<String> {
                 host_nqn: engine.host_nqn().to_string(),
                 cntlid_min: engine.target().cntlid_range().0,
                 cntlid_max: engine.target().cntlid_range().1,
+                discovery_address: engine.target().discovery_address(),
             })
         }),
         SetControllerIdRange::NAME => {
@@ -182,6 +184,11 @@ fn reply_text(engine: &Engine, line: &str) -> Result<String> {
         }
         RemoveHost::NAME => answer(p, |r: RemoveHost| ok(engine.remove_host(&r.nqn, &r.host))),
         AllowAnyHost::NAME => answer(p, |r: AllowAnyHost| ok(engine.set_allow_any_host(&r.nqn, r.allow))),
+        SetHostPaths::NAME => answer(p, |r: SetHostPaths| ok(engine.set_host_paths(&r.nqn, &r.host, r.paths))),
+        SetDiscoveryAddress::NAME => answer(p, |r: SetDiscoveryAddress| {
+            engine.target().set_discovery_address(r.address);
+            Ok(Empty {})
+        }),
         SetAnaState::NAME => {
             answer(p, |r: SetAnaState| ok(engine.set_ana_state(&r.nqn, r.group, r.host.as_deref(), r.state)))
         }

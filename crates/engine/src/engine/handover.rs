@@ -231,6 +231,7 @@ impl Engine {
             cntlid_max,
             cntlid_cursor: self.target.cntlid_cursor(),
             discovery_generation: self.target.discovery_generation(),
+            discovery_address: self.target.discovery_address(),
             subsystems,
             controllers,
             connections,
@@ -363,6 +364,7 @@ fn rebuild(
         engine.upgrades.set_executable(image.executable.clone());
         engine.target.set_cntlid_range(image.cntlid_min, image.cntlid_max)?;
         engine.target.continue_from(image.cntlid_cursor, image.discovery_generation);
+        engine.target.set_discovery_address(image.discovery_address);
         for disks in &image.pools {
             engine.pools.import(disks)?;
         }
@@ -415,7 +417,9 @@ impl Engine {
                 .map_err(|e| Error::internal(format!("host {} of {}: {e}", p.host, i.nqn)))?;
             psks.insert(p.host.clone(), Arc::new(psk));
         }
-        let policy = HostPolicy { allow_any: i.allow_any_host, hosts: i.hosts.iter().cloned().collect(), keys, psks };
+        let paths = i.host_paths.iter().map(|h| (h.host.clone(), h.paths.clone())).collect();
+        let policy =
+            HostPolicy { allow_any: i.allow_any_host, hosts: i.hosts.iter().cloned().collect(), keys, psks, paths };
         let s = Subsystem::new(&i.nqn, &i.serial, &i.model, policy)?;
         for n in &i.namespaces {
             let backend = match &n.backend {

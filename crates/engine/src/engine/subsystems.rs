@@ -154,6 +154,14 @@ impl Engine {
         Ok(())
     }
 
+    /// Gives a host its access points to a subsystem, for its discovery log.
+    pub fn set_host_paths(&self, nqn: &str, host: &str, paths: Vec<nvpool_api::PathAddress>) -> Result<()> {
+        if self.subsystem(nqn)?.set_host_paths(host, paths)? {
+            self.target.discovery_changed();
+        }
+        Ok(())
+    }
+
     /// Sets whether any host may connect to a subsystem.
     pub fn set_allow_any_host(&self, nqn: &str, allow: bool) -> Result<()> {
         self.subsystem(nqn)?.set_allow_any(allow);
@@ -200,6 +208,7 @@ fn subsystem_info(s: &Subsystem) -> SubsystemInfo {
         },
         namespaces: s.namespaces().values().map(|ns| namespace_info(ns)).collect(),
         ana_groups: s.ana_groups(),
+        host_paths: policy.paths.into_iter().map(|(host, paths)| nvpool_api::HostPaths { host, paths }).collect(),
     }
 }
 

@@ -15,6 +15,7 @@ pub mod stats;
 pub mod subsystem;
 
 use std::collections::BTreeMap;
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
@@ -57,6 +58,9 @@ pub struct Target {
     /// until the agent sets the one the controller gave this node.
     cntlid_range: AtomicU32,
     listeners: RwLock<Vec<ListenerInfo>>,
+    /// The IP address hosts reach this engine at, which the discovery log gives for
+    /// the listeners in place of their own, if set.
+    discovery_address: RwLock<Option<IpAddr>>,
     discovery_generation: AtomicU64,
     connections: AtomicUsize,
     /// The epoch of the reactors' pass clock.
@@ -74,6 +78,7 @@ impl Target {
             next_cntlid: AtomicU16::new(0),
             cntlid_range: AtomicU32::new(u32::from(limits.cntlid_min) << 16 | u32::from(limits.cntlid_max)),
             listeners: RwLock::new(Vec::new()),
+            discovery_address: RwLock::new(None),
             discovery_generation: AtomicU64::new(1),
             connections: AtomicUsize::new(0),
             started: Instant::now(),
@@ -266,6 +271,19 @@ impl Target {
     pub fn tls_psk(&self, identity: &nvpool_auth::Identity) -> Option<Vec<u8>> {
         let subsystem = self.subsystem(&identity.subsystem_nqn)?;
         subsystem.host_psk(&identity.host_nqn)?.tls_psk(identity)
+    }
+
+    /// The IP address the discovery log gives for the listeners, if set.
+    pub fn discovery_address(&self) -> Option<IpAddr> {
+        *read(&self.discovery_address)
+    }
+
+    /// Sets the IP address hosts reach this engine at (none: the listeners' own).
+    pub fn set_discovery_address(&self, address: Option<IpAddr>) {
+        let before = std::mem::replace(&mut *write(&self.discovery_address), address);
+        if before != address {
+            self.discovery_changed();
+        }
     }
 
     /// The discovery log generation counter.

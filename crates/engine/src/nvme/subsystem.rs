@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, RwLock, Weak};
 use nvpool_wire::Status;
 use nvpool_wire::fabrics::{DISCOVERY_NQN, validate_nqn};
 
-use nvpool_api::{AnaGroupInfo, AnaState};
+use nvpool_api::{AnaGroupInfo, AnaState, PathAddress};
 
 use super::ana::{self, AnaImage, AnaTable};
 use super::auth::HostKeys;
@@ -121,6 +121,9 @@ pub struct HostPolicy {
     pub keys: BTreeMap<String, Arc<HostKeys>>,
     /// Hosts' pre-shared keys for NVMe/TCP over TLS.
     pub psks: BTreeMap<String, Arc<HostPsk>>,
+    /// The access points hosts are to use, which their discovery log lists in place
+    /// of this engine's listeners.
+    pub paths: BTreeMap<String, Vec<PathAddress>>,
 }
 
 /// An NVM subsystem (or the discovery subsystem).
@@ -234,13 +237,31 @@ impl Subsystem {
         Ok(())
     }
 
-    /// Disallows a host and forgets its secrets; its controllers end.
+    /// The access points `hostnqn` is to use, if it was given its own.
+    pub fn host_paths(&self, hostnqn: &str) -> Option<Vec<PathAddress>> {
+        read(&self.hosts).paths.get(hostnqn).cloned()
+    }
+
+    /// Gives a host its access points (none: this engine's listeners); returns whether
+    /// they changed.
+    pub fn set_host_paths(&self, hostnqn: &str, paths: Vec<PathAddress>) -> Result<bool> {
+        validate_nqn(hostnqn).map_err(Error::invalid)?;
+        let mut p = write(&self.hosts);
+        let before = match paths.is_empty() {
+            true => p.paths.remove(hostnqn),
+            false => p.paths.insert(hostnqn.into(), paths.clone()),
+        };
+        Ok(before.unwrap_or_default() != paths)
+    }
+
+    /// Disallows a host and forgets its secrets and paths; its controllers end.
     pub fn remove_host(&self, hostnqn: &str) -> Result<()> {
         let removed = {
             let mut p = write(&self.hosts);
             let had_keys = p.keys.remove(hostnqn).is_some();
             let had_psk = p.psks.remove(hostnqn).is_some();
-            p.hosts.remove(hostnqn) || had_keys || had_psk
+            let had_paths = p.paths.remove(hostnqn).is_some();
+            p.hosts.remove(hostnqn) || had_keys || had_psk || had_paths
         };
         if !removed {
             return Err(Error::not_found(format!("host {hostnqn} is not on the allow-list of {}", self.nqn)));
@@ -432,6 +453,11 @@ impl Subsystem {
                 .collect(),
             namespaces,
             ana: self.ana_image(),
+            host_paths: policy
+                .paths
+                .iter()
+                .map(|(host, paths)| nvpool_api::HostPaths { host: host.clone(), paths: paths.clone() })
+                .collect(),
         }
     }
 
@@ -493,6 +519,9 @@ pub struct SubsystemImage {
     pub namespaces: Vec<NamespaceImage>,
     /// ANA states.
     pub ana: AnaImage,
+    /// Hosts' access points, for their discovery log.
+    #[serde(default)]
+    pub host_paths: Vec<nvpool_api::HostPaths>,
 }
 
 /// A namespace.

@@ -109,6 +109,9 @@ pub struct EngineImage {
     pub cntlid_cursor: u16,
     /// The discovery log's generation counter.
     pub discovery_generation: u64,
+    /// The address the discovery log gives for the listeners, if set.
+    #[serde(default)]
+    pub discovery_address: Option<std::net::IpAddr>,
     /// NVM subsystems.
     pub subsystems: Vec<SubsystemImage>,
     /// Live controllers, discovery controllers included.
