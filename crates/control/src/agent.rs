@@ -15,12 +15,13 @@ use nvpool_api::{
     AddHost, AddLocalDevice, AddNamespace, AddSubsystem, AnaState, CancelMigration, CreateVolume, DeleteVolume,
     DhchapKeys, EngineInfo, ErrorKind, GetEngineInfo, GetMigration, GetSubsystems, GetUsage, GetVolume, ListAnaGroups,
     ListListeners, ListLocalDevices, ListPools, ListSubsystems, ListVolumes, LocalDeviceConfig, LocalDeviceInfo,
-    Method, NamespaceConfig, NamespaceUsage, QosLimits, RemoveHost, RemoveLocalDevice, RemoveSubsystem, ResizeVolume,
-    SetAnaState, SetControllerIdRange, SetNamespaceQos, StartMigration, SubsystemConfig, SubsystemInfo, SwapNamespace,
-    SwitchMigration, UpgradeEngine, UsageReport, VolumeIdentity, VolumeInfo,
+    Method, NamespaceConfig, NamespaceUsage, PathAddress, QosLimits, RemoveHost, RemoveLocalDevice, RemoveSubsystem,
+    ResizeVolume, SetAnaState, SetControllerIdRange, SetDiscoveryAddress, SetHostPaths, SetNamespaceQos,
+    StartMigration, SubsystemConfig, SubsystemInfo, SwapNamespace, SwitchMigration, UpgradeEngine, UsageReport,
+    VolumeIdentity, VolumeInfo,
 };
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -456,6 +457,18 @@ fn export(
     if backend.as_deref() != Some(namespace.backend.as_str()) {
         call(engine, SwapNamespace { nqn: nqn.clone(), nsid: 1, backend: namespace.backend.clone() })?;
     }
+    // Each host's access points, for its discovery log, before the host may see it.
+    let paths_now = |h: &str| subsystem.and_then(|s| s.host_paths.iter().find(|p| p.host == h)).map(|p| &p.paths);
+    for a in &d.access_points {
+        let paths = a.addresses.iter().map(|p| p.parse()).collect::<Result<Vec<PathAddress>, String>>()?;
+        if paths_now(&a.host_nqn).map_or(!paths.is_empty(), |now| *now != paths) {
+            call(engine, SetHostPaths { nqn: nqn.clone(), host: a.host_nqn.clone(), paths })?;
+        }
+    }
+    let given = |h: &str| d.access_points.iter().any(|a| a.host_nqn == h);
+    for h in subsystem.iter().flat_map(|s| &s.host_paths).filter(|p| !given(&p.host)) {
+        call(engine, SetHostPaths { nqn: nqn.clone(), host: h.host.clone(), paths: Vec::new() })?;
+    }
     // Each host with the secrets the controller gave it, or none: a host is added again
     // when its secrets differ from those in place (by fingerprint).
     let installed = |h: &str| {
@@ -696,6 +709,20 @@ fn keep_cntlid_range(engine: &Path, info: &EngineInfo, (min, max): (u16, u16)) -
     Ok(())
 }
 
+/// Gives the engine the node's host-facing IP address for its discovery log, unless
+/// it has it (a restarted engine has none).
+fn keep_discovery_address(engine: &Path, info: &EngineInfo, address: IpAddr) -> Result<(), String> {
+    if info.discovery_address != Some(address) {
+        call(engine, SetDiscoveryAddress { address: Some(address) })?;
+    }
+    Ok(())
+}
+
+/// The IP address of a host-facing address (`IP:PORT` or `rdma:IP:PORT`).
+fn host_facing_ip(nvme_address: &str) -> Option<IpAddr> {
+    nvme_address.parse::<PathAddress>().ok().map(|p| p.address.ip())
+}
+
 /// Runs the agent until the process ends.
 pub async fn run(args: AgentArgs) -> Result<(), String> {
     let controllers = Controllers::with_tls(&args.controllers, args.tls.as_ref())?;
@@ -727,8 +754,10 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
     let engine = args.engine_socket.clone();
     let mut interval = Duration::from_secs(1);
     let mut registered = false;
-    // The controller IDs the controller gave this node's engine.
+    // The controller IDs the controller gave this node's engine, and the address
+    // hosts reach it at, which its discovery log gives.
     let mut cntlid_range: Option<(u16, u16)> = None;
+    let mut discovery_address: Option<IpAddr> = None;
     // Why the engine did not answer the last heartbeat's questions, logged once.
     let mut engine_down: Option<String> = None;
     // Whether the controller merges heartbeats that list only changes, and the mark of
@@ -751,6 +780,7 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
             service.metrics.engine_up.set(i64::from(found.is_ok()));
             match found {
                 Ok((nvme, peer_address, host_nqn, usage)) => {
+                    discovery_address = host_facing_ip(&nvme);
                     let node = proto::Node {
                         name: args.name.clone(),
                         agent_address: advertise.clone(),
@@ -771,14 +801,21 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
                             takes_changes = r.takes_changes;
                             usage_mark = None;
                             cntlid_range = u16::try_from(r.cntlid_min).ok().zip(u16::try_from(r.cntlid_max).ok());
-                            if let Some(range) = cntlid_range {
-                                let engine2 = engine.clone();
-                                let set = tokio::task::spawn_blocking(move || {
-                                    keep_cntlid_range(&engine2, &call(&engine2, GetEngineInfo {})?, range)
-                                });
-                                if let Ok(Err(e)) = set.await {
-                                    tracing::warn!(agent = %args.name, "cannot set the engine's controller IDs: {e}");
+                            let engine2 = engine.clone();
+                            let set = tokio::task::spawn_blocking(move || {
+                                let info = call(&engine2, GetEngineInfo {})?;
+                                if let Some(range) = cntlid_range {
+                                    keep_cntlid_range(&engine2, &info, range)
+                                        .map_err(|e| format!("cannot set the engine's controller IDs: {e}"))?;
                                 }
+                                if let Some(address) = discovery_address {
+                                    keep_discovery_address(&engine2, &info, address)
+                                        .map_err(|e| format!("cannot set the engine's discovery address: {e}"))?;
+                                }
+                                Ok::<_, String>(())
+                            });
+                            if let Ok(Err(e)) = set.await {
+                                tracing::warn!(agent = %args.name, "{e}");
                             }
                             tracing::info!(agent = %args.name, "registered with the controller");
                         }
@@ -796,6 +833,9 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
                 // Controller IDs first: hosts reconnect as soon as the exports are back.
                 if let Some(range) = cntlid_range {
                     let _ = keep_cntlid_range(&engine2, &info, range);
+                }
+                if let Some(address) = discovery_address {
+                    let _ = keep_discovery_address(&engine2, &info, address);
                 }
                 Ok::<_, String>(info)
             })

@@ -45,11 +45,13 @@ fn desired_volume(st: &State, v: &VolumeRecord, node: &str) -> proto::DesiredVol
         read_only: v.local_hosts.iter().all(|h| v.readonly_hosts.contains(h)),
         ublk_id: v.local_device.as_ref().map_or(-1, |d| i64::from(d.ublk_id)),
     });
+    let access_points = hosts.iter().filter(|h| v.hosts.contains(h)).map(|h| access_points(st, v, h)).collect();
     proto::DesiredVolume {
         hosts,
         owner_address,
         ana,
         local,
+        access_points,
         // Once a switch may have happened, the owner's engine may have deleted the
         // volume: it must not make a new, empty one.
         keep_only: v.node == node && v.migration.as_ref().is_some_and(|m| m.phase == MigrationPhase::Switching),
@@ -77,6 +79,20 @@ fn present(v: &VolumeRecord, pool: &str) -> proto::DesiredVolume {
     }
 }
 
+/// The access points `host` is to connect to for `v`, at their host-facing
+/// addresses, which every engine serving it lists in the host's discovery log: its
+/// paths, and the node a migration adds (connected before the switch).
+fn access_points(st: &State, v: &VolumeRecord, host: &str) -> proto::HostAccessPoints {
+    let mut nodes = v.paths_of(host);
+    if let Some(added) = v.migration_path().filter(|m| !nodes.iter().any(|n| n == m)) {
+        nodes.push(added.to_string());
+    }
+    proto::HostAccessPoints {
+        host_nqn: host.to_string(),
+        addresses: nodes.iter().filter_map(|n| st.nodes.get(n)).map(|n| n.record.nvme_address.clone()).collect(),
+    }
+}
+
 /// Where engines that forward reach the volume's owner.
 fn owner_peer(st: &State, v: &VolumeRecord) -> String {
     st.nodes.get(&v.node).map(|o| o.record.peer().to_string()).unwrap_or_default()
@@ -92,6 +108,7 @@ fn retiring(st: &State, v: &VolumeRecord) -> proto::DesiredVolume {
         hosts: v.hosts.clone(),
         owner_address: owner_peer(st, v),
         ana: v.hosts.iter().map(|h| proto::HostAna { host_nqn: h.clone(), state: "non-optimized".into() }).collect(),
+        access_points: v.hosts.iter().map(|h| access_points(st, v, h)).collect(),
         ..present(v, &v.pool)
     }
 }
@@ -107,7 +124,14 @@ fn migration_target(st: &State, v: &VolumeRecord, m: &MigrationRecord) -> proto:
     let mut hosts: Vec<String> = v.hosts.iter().cloned().chain([owner_engine]).filter(|h| !h.is_empty()).collect();
     hosts.sort();
     hosts.dedup();
-    proto::DesiredVolume { hosts, ana, uuid: v.uuid.clone(), nguid: v.nguid.clone(), ..present(v, &m.to_pool) }
+    proto::DesiredVolume {
+        hosts,
+        ana,
+        access_points: v.hosts.iter().map(|h| access_points(st, v, h)).collect(),
+        uuid: v.uuid.clone(),
+        nguid: v.nguid.clone(),
+        ..present(v, &m.to_pool)
+    }
 }
 
 /// The local device the owner's engine reports for a volume with local hosts (kept
@@ -351,7 +375,7 @@ impl Cluster {
         let mut rebalanced = Instant::now();
         loop {
             tokio::time::sleep(self.cfg.heartbeat_interval / 2).await;
-            self.repath_lost_access_points().await;
+            self.repath_access_points().await;
             if let Some(every) = self.cfg.rebalance_every
                 && rebalanced.elapsed() >= every
             {
