@@ -432,9 +432,19 @@ impl Cluster {
         }
         let mut done = v.clone();
         done.migration = None;
+        // Another node takes the old owner's place among each host's paths, where one
+        // can: chosen while the old owner still retires, so that it is not the one.
+        {
+            let st = self.state.lock().unwrap();
+            for (host, paths) in &mut done.paths {
+                if let Ok(choice) = self.choose_paths(&st, v, host, paths, None, false) {
+                    *paths = choice.paths;
+                }
+            }
+        }
         self.put_volume(&done).await.map_err(|e| e.message().to_string())?;
-        for node in [&m.from_node, &v.node] {
-            let _ = self.apply_node(node).await;
+        for node in done.exporting_nodes().into_iter().chain([m.from_node.clone()]) {
+            let _ = self.apply_node(&node).await;
         }
         Ok(Next::Done)
     }

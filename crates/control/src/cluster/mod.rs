@@ -361,6 +361,9 @@ pub struct Cluster {
     channels: Mutex<HashMap<String, Channel>>,
     /// Permits for the background loop's applications (`BACKGROUND_APPLIES`).
     background_applies: tokio::sync::Semaphore,
+    /// Nodes healthy at the last pass of the access points: when more are, the
+    /// attachments short of paths get them (`repath_access_points`).
+    healthy_nodes_seen: std::sync::atomic::AtomicUsize,
 }
 
 /// Most states the background loop sends at once. After a failover every node is
@@ -473,6 +476,7 @@ impl Cluster {
             registrations: tokio::sync::Mutex::new(()),
             channels: Mutex::new(HashMap::new()),
             background_applies: tokio::sync::Semaphore::new(BACKGROUND_APPLIES),
+            healthy_nodes_seen: std::sync::atomic::AtomicUsize::new(0),
         }))
     }
 

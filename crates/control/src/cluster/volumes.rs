@@ -599,16 +599,26 @@ impl Cluster {
 
     /// Moves the paths of attachments that lost an access point: the optimized path
     /// goes to a surviving one (the host sees an ANA change) and another node takes
-    /// the lost one's place where one can. Called by the background loop.
-    pub(super) async fn repath_lost_access_points(&self) {
+    /// the lost one's place where one can. When more nodes are healthy than at the
+    /// last pass (a lost node came back, a node joined), attachments with fewer than
+    /// three paths get more. Called by the background loop.
+    pub(super) async fn repath_access_points(&self) {
         let due: Vec<(String, String)> = {
             let st = self.state.lock().unwrap();
-            let lost = |n: &String| st.nodes.get(n).is_none_or(|e| !self.healthy(e));
+            let now = std::time::Instant::now();
+            let lost = |n: &String| st.nodes.get(n).is_none_or(|e| !self.healthy_at(e, now));
             // Only volumes that a lost node serves can have a lost path: found through
             // the index by node, so that a healthy cluster costs a pass over its nodes.
             let mut suspects = BTreeSet::new();
             for node in st.volumes.by_node.keys().filter(|n| lost(n)) {
                 suspects.extend(st.volumes.of_node(node).map(|v| v.name.as_str()));
+            }
+            let healthy = st.nodes.values().filter(|n| self.healthy_at(n, now)).count();
+            let more_nodes = healthy > self.healthy_nodes_seen.swap(healthy, std::sync::atomic::Ordering::Relaxed);
+            let short = |paths: &Vec<String>| more_nodes && paths.len() < access::MAX_PATHS;
+            if more_nodes {
+                let short_of_paths = st.volumes.values().filter(|v| v.paths.values().any(short));
+                suspects.extend(short_of_paths.map(|v| v.name.as_str()));
             }
             suspects
                 .into_iter()
@@ -617,7 +627,7 @@ impl Cluster {
                 .flat_map(|v| {
                     v.paths
                         .iter()
-                        .filter(|(_, paths)| paths.iter().any(|n| *n != v.node && lost(n)))
+                        .filter(|(_, paths)| short(paths) || paths.iter().any(|n| *n != v.node && lost(n)))
                         .map(|(h, _)| (v.name.clone(), h.clone()))
                 })
                 .collect()
@@ -637,7 +647,7 @@ impl Cluster {
             let mut moved = v.clone();
             moved.paths.insert(host.clone(), choice.paths.clone());
             if self.put_volume(&moved).await.is_ok() {
-                tracing::info!(volume, host, from = ?current, to = ?choice.paths, "re-pathed: an access point is down");
+                tracing::info!(volume, host, from = ?current, to = ?choice.paths, "re-pathed");
             }
         }
     }
