@@ -4,7 +4,8 @@
 //! staged volume uses (its subsystem NQN and device) is kept in a small file per
 //! volume, so that unstaging works after a plugin restart. The node also follows the
 //! paths the controller gives its staged volumes: a path added later (a migration's
-//! target, which waits for its hosts to connect) is connected within seconds.
+//! target, which waits for its hosts to connect; a lost node's replacement) is
+//! connected within seconds, and one taken away is disconnected.
 
 use crate::csi::{self, node_server::Node, volume_capability::AccessType};
 use crate::kube::KubeApi;
@@ -96,20 +97,29 @@ fn controller_of(nqn: &str) -> Option<String> {
     })
 }
 
+/// The kernel's controllers (live or reconnecting) for a subsystem: each one's
+/// device name (nvmeN), address and port.
+fn controllers_of(nqn: &str) -> Vec<(String, String, u32)> {
+    let Ok(dir) = std::fs::read_dir("/sys/class/nvme") else { return Vec::new() };
+    dir.flatten()
+        .filter_map(|c| {
+            let read =
+                |f: &str| std::fs::read_to_string(c.path().join(f)).map(|s| s.trim().to_string()).unwrap_or_default();
+            if read("subsysnqn") != nqn || read("state") == "deleting" {
+                return None;
+            }
+            let at = read("address");
+            let field = |name: &str| at.split(',').find_map(|part| part.strip_prefix(name)).map(str::to_string);
+            let port = field("trsvcid=")?.parse().ok()?;
+            Some((c.file_name().to_string_lossy().into_owned(), field("traddr=")?, port))
+        })
+        .collect()
+}
+
 /// Whether the kernel has a controller (live or reconnecting) for a subsystem at an
 /// address and port.
 fn path_connected(nqn: &str, address: &str, port: u32) -> bool {
-    let Ok(dir) = std::fs::read_dir("/sys/class/nvme") else { return false };
-    let (traddr, trsvcid) = (format!("traddr={address},"), format!("trsvcid={port}"));
-    dir.flatten().any(|c| {
-        let read =
-            |f: &str| std::fs::read_to_string(c.path().join(f)).map(|s| s.trim().to_string()).unwrap_or_default();
-        let at = read("address");
-        read("subsysnqn") == nqn
-            && at.contains(&traddr)
-            && at.split(',').any(|part| part == trsvcid)
-            && read("state") != "deleting"
-    })
+    controllers_of(nqn).iter().any(|(_, a, p)| a == address && *p == port)
 }
 
 /// How often the node looks for new paths of its staged volumes.
@@ -193,8 +203,10 @@ async fn local_device(nqn: String, device: &str) -> Result<Staged, Status> {
 
 impl NodeService {
     /// Runs for ever: connects every path the controller lists for this host to a
-    /// staged volume that the kernel has no controller for. Paths that go away need
-    /// nothing: the kernel drops a controller whose subsystem is gone.
+    /// staged volume that the kernel has no controller for, and disconnects the
+    /// kernel's controllers of that volume at addresses the controller no longer
+    /// lists (a lost node's, which the kernel would retry until `ctrl_loss_tmo`; a
+    /// migrated volume's old owner's).
     pub async fn follow_paths(self: Arc<Self>, controllers: Arc<Controllers>) {
         let mut unreachable_told = false;
         loop {
@@ -230,7 +242,18 @@ impl NodeService {
                         continue;
                     }
                 };
-                for p in paths.unwrap_or_default() {
+                let paths = paths.unwrap_or_default();
+                for (device, address, port) in controllers_of(&staged.nqn) {
+                    // Never the last one: a volume whose paths are all gone keeps what it has.
+                    if paths.is_empty() || paths.iter().any(|p| p.address == address && p.port == port) {
+                        continue;
+                    }
+                    match run("nvme", &["disconnect", "-d", &device]).await {
+                        Ok(_) => tracing::info!("{volume}: disconnected {device} ({address}:{port}): no longer a path"),
+                        Err(e) => tracing::warn!("{volume}: cannot disconnect {device}: {}", e.message()),
+                    }
+                }
+                for p in paths {
                     if path_connected(&staged.nqn, &p.address, p.port) {
                         continue;
                     }
