@@ -10,6 +10,9 @@
 //! - A node that stops heartbeating has its attachments re-pathed: the optimized path
 //!   moves to a surviving access point, the lost one is replaced, and the dead node
 //!   drops its exports when it comes back.
+//! - Every engine serving an attachment gives the host its access points (for its
+//!   discovery log); with no spare node, an attachment that lost paths gets them
+//!   back when a node returns.
 //! - A policy that does not exist is refused with a clear error.
 
 mod cluster;
@@ -226,6 +229,61 @@ async fn access_points_follow_the_policies_and_move_off_a_dead_node() {
         (!subsystems.iter().any(|s| s.nqn == b.subsystem_nqn)).then_some(())
     })
     .await;
+
+    // Every engine serving b gives the host its access points for its discovery log,
+    // at the addresses the host connects to.
+    let now = paths_of(&c, &b.name).await;
+    let wanted: Vec<String> = now.iter().map(|p| format!("{}:{}", p.address, p.port)).collect();
+    wait_for("the engines to give the host its access points", Duration::from_secs(10), async || {
+        let given = |p: &proto::Path| {
+            let subsystems = node(&nodes_, &p.node).engine_call(nvpool_api::ListSubsystems {});
+            let mine = subsystems.into_iter().find(|s| s.nqn == b.subsystem_nqn)?.host_paths;
+            let paths = mine.into_iter().find(|h| h.host == HOST)?.paths;
+            Some(paths.iter().map(|a| a.to_string()).collect::<Vec<_>>())
+        };
+        now.iter().all(|p| given(p).as_ref() == Some(&wanted)).then_some(())
+    })
+    .await;
+
+    // With no spare node, losing both access points that forward leaves the owner and
+    // one other; when one of the two comes back, the attachment has three paths again.
+    let forwarding: Vec<usize> = now
+        .iter()
+        .filter(|p| p.node != b.node)
+        .map(|p| nodes_.iter().position(|n| n.name == p.node).unwrap())
+        .collect();
+    for &i in &forwarding {
+        nodes_[i].agent.kill();
+        nodes_[i].engine.kill();
+    }
+    let short = wait_for("b's paths to shrink to the two healthy nodes", Duration::from_secs(15), async || {
+        let paths = paths_of(&c, &b.name).await;
+        (paths.len() == 2 && paths.iter().all(|p| p.healthy)).then_some(paths)
+    })
+    .await;
+    let back = forwarding[0];
+    let came_back = Instant::now();
+    nodes_[back].start_engine(true);
+    nodes_[back].start_agent(&controller.address);
+    let full = wait_for("b to have three paths again", Duration::from_secs(15), async || {
+        let paths = paths_of(&c, &b.name).await;
+        (paths.len() == 3).then_some(paths)
+    })
+    .await;
+    println!(
+        "no spare: bal-b kept {:?}; {} came back and it has {:?} after {:?}",
+        path_nodes(&short),
+        nodes_[back].name,
+        path_nodes(&full),
+        came_back.elapsed()
+    );
+    assert!(path_nodes(&full).contains(&nodes_[back].name));
+    assert_eq!(full[0].node, short[0].node, "the optimized path stays where it is");
+    let other = forwarding[1];
+    nodes_[other].start_engine(true);
+    nodes_[other].start_agent(&controller.address);
+    wait_healthy(&c, &["n1", "n2", "n3", "n4"]).await;
+    let moved = full;
 
     // Detach: every access point forgets the host.
     let req = proto::DetachRequest { volume: b.name.clone(), host_nqn: HOST.into() };
