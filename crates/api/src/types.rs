@@ -80,8 +80,9 @@ pub struct ListenerInfo {
     pub transport: Transport,
 }
 
-/// Where a host reaches an engine: the transport and the host-facing address, as a
-/// discovery log entry gives them. Written `IP:PORT` (NVMe/TCP) or `rdma:IP:PORT`.
+/// An engine's address with its transport: where a listener listens, or where a
+/// host reaches an engine (as a discovery log entry gives it). Written `IP:PORT`
+/// (NVMe/TCP), `tcp:IP:PORT` or `rdma:IP:PORT`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct PathAddress {
     #[serde(default)]
@@ -92,11 +93,13 @@ pub struct PathAddress {
 impl std::str::FromStr for PathAddress {
     type Err = String;
     fn from_str(s: &str) -> Result<PathAddress, String> {
-        let (transport, address) = match s.strip_prefix("rdma:") {
-            Some(rest) => (Transport::Rdma, rest),
-            None => (Transport::Tcp, s),
+        let (transport, rest) = match s.split_once(':') {
+            Some((t @ ("tcp" | "rdma"), rest)) => (t.parse()?, rest),
+            _ => (Transport::Tcp, s),
         };
-        let address = address.parse().map_err(|_| format!("{s:?} is not IP:PORT or rdma:IP:PORT"))?;
+        let address = rest
+            .parse()
+            .map_err(|e| format!("{s:?} is not an address ({e}): write IP:PORT, or rdma:IP:PORT for NVMe over RDMA"))?;
         Ok(PathAddress { transport, address })
     }
 }

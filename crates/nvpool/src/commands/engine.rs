@@ -9,10 +9,10 @@ use nvpool_api::{
     AddHost, AddListener, AddLocalDevice, AddNamespace, AddSubsystem, AllowAnyHost, AnaGroupInfo, AnaState,
     CancelMigration, CheckPool, CreatePool, CreateVolume, DeleteVolume, DhchapKeys, DirtyAction, ExportPool,
     GetEngineInfo, GetMigration, GetVolume, ImportPool, ListAnaGroups, ListListeners, ListLocalDevices, ListPools,
-    ListSubsystems, ListVolumes, ListenerInfo, LocalDeviceConfig, LocalDeviceInfo, Method, MigrationInfo, PoolInfo,
-    RemoveHost, RemoveListener, RemoveLocalDevice, RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState,
-    SetNamespaceQos, StartMigration, SubsystemInfo, SwitchMigration, TlsMode, TlsPsk, Transport, UpgradeEngine,
-    VolumeDirty, VolumeIdentity, VolumeInfo,
+    ListSubsystems, ListVolumes, ListenerInfo, LocalDeviceConfig, LocalDeviceInfo, Method, MigrationInfo, PathAddress,
+    PoolInfo, RemoveHost, RemoveListener, RemoveLocalDevice, RemoveNamespace, RemoveSubsystem, ResizeVolume,
+    SetAnaState, SetNamespaceQos, StartMigration, SubsystemInfo, SwitchMigration, TlsMode, TlsPsk, Transport,
+    UpgradeEngine, VolumeDirty, VolumeIdentity, VolumeInfo,
 };
 use nvpool_engine::Engine;
 use nvpool_engine::config::{
@@ -139,7 +139,7 @@ struct EngineArgs {
     /// Address to serve on (repeatable): IP:PORT for NVMe/TCP, rdma:IP:PORT for NVMe
     /// over RDMA.
     #[arg(long)]
-    listen: Vec<ListenAddress>,
+    listen: Vec<PathAddress>,
     /// NQN of the subsystem to serve.
     #[arg(long, requires = "namespace")]
     subsystem: Option<String>,
@@ -504,7 +504,7 @@ enum ListenerVerb {
     /// Listen on an address.
     Add {
         /// IP:PORT for NVMe/TCP, or rdma:IP:PORT for NVMe over RDMA.
-        address: ListenAddress,
+        address: PathAddress,
         /// NVMe/TCP over TLS 1.3: off, allowed (TLS or plain) or required.
         #[arg(long, default_value = "off")]
         tls: TlsMode,
@@ -512,40 +512,8 @@ enum ListenerVerb {
     /// Stop listening on an address.
     Remove {
         /// IP:PORT, or rdma:IP:PORT.
-        address: ListenAddress,
+        address: PathAddress,
     },
-}
-
-/// A listener's address as users write it: `IP:PORT` (NVMe/TCP), `tcp:IP:PORT` or
-/// `rdma:IP:PORT`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct ListenAddress {
-    transport: Transport,
-    address: SocketAddr,
-}
-
-impl std::str::FromStr for ListenAddress {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<ListenAddress, String> {
-        let (transport, rest) = match s.split_once(':') {
-            Some((t @ ("tcp" | "rdma"), rest)) => (t.parse()?, rest),
-            _ => (Transport::Tcp, s),
-        };
-        let address = rest.parse().map_err(|e| {
-            format!("{s:?} is not a listen address ({e}): write IP:PORT, or rdma:IP:PORT for NVMe over RDMA")
-        })?;
-        Ok(ListenAddress { transport, address })
-    }
-}
-
-impl std::fmt::Display for ListenAddress {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.transport {
-            Transport::Tcp => write!(f, "{}", self.address),
-            Transport::Rdma => write!(f, "rdma:{}", self.address),
-        }
-    }
 }
 
 /// Runs the engine, or one verb against a running engine.
