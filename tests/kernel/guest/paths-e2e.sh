@@ -1,6 +1,7 @@
-# Guest side of paths-e2e (busybox sh), in /host. Env: NQN, PORT_A. The engines are
-# at 10.0.2.2; the host side carries out each fault the guest asks for and writes the
-# ports the guest's paths must end on (/host/expected-ports).
+# Guest side of paths-e2e (busybox sh), in /host. Env: NQN, PORT_A (the discovery
+# part), POD_NQN, CSI_HOSTNQN, CONTROLLER (the CSI part). The engines are at 10.0.2.2;
+# the host side carries out each fault the guest asks for and writes the ports the
+# guest's paths must end on (/host/expected-ports).
 T=10.0.2.2
 DISCOVERY_NQN=nqn.2014-08.org.nvmexpress.discovery
 
@@ -89,7 +90,7 @@ wait_for 20 test -b $HEAD || fail "no multipath block device"
 step "fio writes and verifies through $HEAD while access points are lost and moved"
 JOB="--name=heal --filename=$HEAD --rw=randwrite --bs=4k --ioengine=io_uring --direct=1 --size=96m
     --verify=crc32c --verify_fatal=1 --randseed=11 --eta=never"
-fio_across_path_faults $JOB --iodepth=8 --rate_iops=,300 --trigger-file=$FIO_STOP --output=fio.txt &
+fio_across_path_faults $JOB --iodepth=8 --rate_iops=,300 --trigger-file=$FIO_STOP --output=fio-heal.txt &
 FIO=$!
 sleep 4
 
@@ -97,15 +98,51 @@ fault kill "SIGKILL of a non-owner access point's engine"
 fault migrate "the volume migrated to the node that came back"
 fault drain "its new node drained"
 
-touch $FIO_STOP
-wait $FIO
-frc=$?
-grep -E "err=|write:" fio.txt | head -3
-[ $frc = 0 ] && grep -q "err= 0" fio.txt || fail "fio reported errors (rc $frc)"
-verify_written fio.txt verify.txt $JOB
+stop_and_verify() {   # stop_and_verify NAME JOB...: ends the fio job and checks its writes
+    name=$1; shift
+    touch $FIO_STOP
+    wait $FIO
+    frc=$?
+    grep -E "err=|write:" fio-$name.txt | head -3
+    [ $frc = 0 ] && grep -q "err= 0" fio-$name.txt || fail "fio reported errors (rc $frc)"
+    verify_written fio-$name.txt verify-$name.txt "$@"
+    rm -f $FIO_STOP
+}
+stop_and_verify heal $JOB
 dmesg | grep -iE "I/O error|failing I/O|critical" && fail "the kernel logged I/O errors"
 cp /tmp/events.log /host/events.log 2>/dev/null
 kill $UEVENT 2>/dev/null
 nvme disconnect -n "$NQN" >/dev/null
 nvme disconnect-all >/dev/null 2>&1
+
+step "the CSI node plugin publishes volume pod as host $CSI_HOSTNQN, which no discovery log lists"
+NQN=$POD_NQN
+/host/nvpool csi --endpoint unix:///tmp/csi.sock --controller $CONTROLLER --node-name paths-guest \
+    --host-nqn $CSI_HOSTNQN --state-dir /tmp/csi-state > /host/csi-driver.log 2>&1 &
+CSI=$!
+wait_for 10 test -S /tmp/csi.sock || { cat /host/csi-driver.log; fail "the CSI driver did not start"; }
+/host/csi-call unix:///tmp/csi.sock publish pod /tmp/pod/device || { cat /host/csi-driver.log; fail "csi-call publish"; }
+touch /host/req-csi-start
+wait_for 60 test -f /host/done-csi-start || fail "the host did not write the paths of pod"
+wait_for 30 settled || { show; cat /host/csi-driver.log; fail "NodeStage did not connect three paths with one optimized"; }
+show
+test -b /tmp/pod/device || fail "NodePublish made no block device at /tmp/pod/device"
+
+step "fio writes and verifies through the published device while access points are lost and moved"
+JOB="--name=pod --filename=/tmp/pod/device --rw=randwrite --bs=4k --ioengine=io_uring --direct=1 --size=96m
+    --verify=crc32c --verify_fatal=1 --randseed=12 --eta=never"
+fio_across_path_faults $JOB --iodepth=8 --rate_iops=,300 --trigger-file=$FIO_STOP --output=fio-pod.txt &
+FIO=$!
+sleep 4
+
+fault csi-kill "CSI: SIGKILL of a non-owner access point's engine"
+fault csi-migrate "CSI: the volume migrated to the node that came back"
+fault csi-drain "CSI: its new node drained"
+
+stop_and_verify pod $JOB
+dmesg | grep -iE "I/O error|failing I/O|critical" && fail "the kernel logged I/O errors"
+grep -E "connected the path|disconnected" /host/csi-driver.log | sed 's/^.*nvpool_csi[^ ]* //'
+/host/csi-call unix:///tmp/csi.sock unpublish pod /tmp/pod/device || fail "csi-call unpublish"
+[ -z "$(controllers_of "$NQN")" ] || { show; fail "NodeUnstage left controllers of pod"; }
+kill $CSI
 echo "ALL STEPS PASSED"
