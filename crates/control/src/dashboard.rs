@@ -24,7 +24,7 @@ use axum::response::{IntoResponse, Json, Response};
 use axum::routing::get;
 use serde::{Deserialize, Serialize};
 
-use crate::cluster::Cluster;
+use crate::cluster::{Cluster, VolumeBrief};
 use crate::proto;
 use crate::tls::Tls;
 
@@ -358,25 +358,22 @@ pub fn node_table(nodes: Vec<proto::Node>, q: &TableQuery) -> Table<NodeRow> {
     )
 }
 
-/// The volumes' table.
-pub fn volume_table(volumes: Vec<proto::Volume>, q: &TableQuery) -> Table<VolumeRow> {
-    let rows = volumes.into_iter().map(volume_row).collect();
+/// The volumes' table: which volumes the page shows. `volumes` then builds their rows.
+pub fn volume_table(volumes: Vec<VolumeBrief>, q: &TableQuery) -> Table<VolumeBrief> {
     table(
-        rows,
+        volumes,
         q,
-        |v| {
-            let hosts: Vec<&str> = v.attachments.iter().map(|a| a.host.as_str()).collect();
-            format!("{} {} {} {} {}", v.name, v.node, v.pool, v.state, hosts.join(" "))
-        },
+        |v| format!("{} {} {} {} {}", v.name, v.node, v.pool, v.state, v.hosts.join(" ")),
         |col, a, b| {
+            let io = |v: &VolumeBrief| Io::of(v.io.as_ref());
             Some(match col {
                 "node" => a.node.cmp(&b.node),
                 "size" => a.size_bytes.cmp(&b.size_bytes),
-                "iops" => by_f64(a.io.iops(), b.io.iops()),
-                "throughput" => by_f64(a.io.bytes_per_second(), b.io.bytes_per_second()),
-                "latency" => by_f64(a.io.mean_latency_us, b.io.mean_latency_us),
-                "hosts" => a.attachments.len().cmp(&b.attachments.len()),
-                "state" => a.state.cmp(&b.state),
+                "iops" => by_f64(io(a).iops(), io(b).iops()),
+                "throughput" => by_f64(io(a).bytes_per_second(), io(b).bytes_per_second()),
+                "latency" => by_f64(io(a).mean_latency_us, io(b).mean_latency_us),
+                "hosts" => a.hosts.len().cmp(&b.hosts.len()),
+                "state" => a.state.cmp(b.state),
                 _ => return None,
             })
         },
@@ -439,19 +436,21 @@ async fn nodes(State(leader): State<Leader>, Query(q): Query<TableQuery>) -> Res
 
 async fn volumes(State(leader): State<Leader>, Query(q): Query<TableQuery>) -> Response {
     let Some(c) = leader() else { return not_leading() };
-    Json(volume_table(c.list_volumes(""), &q)).into_response()
+    let page = volume_table(c.volume_briefs(), &q);
+    let items = c.volumes_named(page.items.iter().map(|v| v.name.as_str())).into_iter().map(volume_row).collect();
+    Json(Table { total: page.total, offset: page.offset, items }).into_response()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn volume(i: usize) -> proto::Volume {
-        proto::Volume {
+    fn volume(i: usize) -> VolumeBrief {
+        VolumeBrief {
             name: format!("vol-{i:05}"),
             node: format!("node-{}", i % 1000),
             size_bytes: (i as u64 + 1) << 20,
-            state: "ready".into(),
+            state: "ready",
             io: Some(proto::IoRates { read_iops: (i % 97) as f64, ..Default::default() }),
             ..Default::default()
         }
@@ -459,12 +458,13 @@ mod tests {
 
     #[test]
     fn ten_thousand_volumes_are_searched_sorted_and_paged() {
-        let all: Vec<proto::Volume> = (0..10_000).map(volume).collect();
+        let all: Vec<VolumeBrief> = (0..10_000).map(volume).collect();
         let q = TableQuery { sort: "iops".into(), desc: true, limit: Some(25), ..Default::default() };
         let t = volume_table(all.clone(), &q);
         assert_eq!((t.total, t.items.len()), (10_000, 25));
-        assert_eq!(t.items[0].io.read_iops, 96.0, "the busiest first");
-        assert!(t.items.windows(2).all(|w| w[0].io.iops() >= w[1].io.iops()));
+        let iops = |v: &VolumeBrief| Io::of(v.io.as_ref()).iops();
+        assert_eq!(iops(&t.items[0]), 96.0, "the busiest first");
+        assert!(t.items.windows(2).all(|w| iops(&w[0]) >= iops(&w[1])));
         let q = TableQuery { q: "NODE-7".into(), offset: 5, limit: Some(3), ..Default::default() };
         let t = volume_table(all.clone(), &q);
         // node-7, node-70..79 and node-700..799: 111 nodes of 10 volumes each.

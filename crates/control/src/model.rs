@@ -8,6 +8,8 @@ use nvpool_api::QosLimits;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
+/// Every key the controller keeps starts with this.
+pub const ROOT: &str = "/nvpool/";
 pub const CLUSTER_KEY: &str = "/nvpool/cluster";
 pub const NODES: &str = "/nvpool/nodes/";
 pub const VOLUMES: &str = "/nvpool/volumes/";

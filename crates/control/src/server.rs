@@ -4,13 +4,17 @@
 
 use crate::cluster::{Cluster, ClusterConfig};
 use crate::metadata::{FROM_CONTROLLER, TRY_ANOTHER};
-use crate::model::{LEADER_KEY, LeaderRecord, to_json};
+use crate::model::{LEADER_KEY, LeaderRecord, ROOT, to_json};
 use crate::proto::{self, controller_server::ControllerServer};
-use crate::store::{self, Condition, EtcdStore, Store};
+use crate::store::{self, Condition, EtcdStore, Snapshot, Store};
 use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 use tonic::{Request, Response, Status};
+
+/// How long a new leader waits for its copy of the store to hold the last leader's
+/// writes before it reads the store instead.
+const MIRROR_PATIENCE: Duration = Duration::from_secs(2);
 
 pub struct ControllerArgs {
     pub listen: SocketAddr,
@@ -267,16 +271,32 @@ pub async fn run(args: ControllerArgs) -> Result<(), String> {
     let me = to_json(&LeaderRecord { id: id.clone(), address: args.advertise.clone() });
     loop {
         tracing::info!(controller = %id, "standing by for leadership");
-        let leadership = match etcd.campaign(LEADER_KEY, &me, args.lease_ttl).await {
-            Ok(l) => l,
-            Err(e) => {
-                tracing::warn!(controller = %id, "cannot campaign: {e}");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                continue;
+        // The standby keeps a copy of the store, so that taking over reads nothing.
+        let mirror = etcd.mirror(ROOT);
+        let leadership = loop {
+            match etcd.campaign(LEADER_KEY, &me, args.lease_ttl).await {
+                Ok(l) => break l,
+                Err(e) => {
+                    tracing::warn!(controller = %id, "cannot campaign: {e}");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        };
+        let records = match mirror.take_at(leadership.revision, MIRROR_PATIENCE).await {
+            Some(records) => records,
+            None => {
+                tracing::warn!(controller = %id, "the standby's copy of the store is behind; reading the store");
+                match Snapshot::read(store.as_ref(), ROOT).await {
+                    Ok(records) => records,
+                    Err(e) => {
+                        tracing::error!(controller = %id, "cannot load the cluster: {e}");
+                        continue; // dropping the leadership lets the lease lapse
+                    }
+                }
             }
         };
         let fence = vec![Condition::Equals(LEADER_KEY.into(), me.clone())];
-        let cluster = match Cluster::load(store.clone(), fence, args.cluster.clone()).await {
+        let cluster = match Cluster::load_from(records, store.clone(), fence, args.cluster.clone()).await {
             Ok(c) => c,
             Err(e) => {
                 tracing::error!(controller = %id, "cannot load the cluster: {}", e.message());

@@ -1,6 +1,6 @@
 //! The store conformance suite against both backends: redb in a file, and a real etcd.
 
-use nvpool_control::store::{self, EtcdStore, RedbStore, Store, Txn};
+use nvpool_control::store::{self, EtcdStore, RedbStore, Snapshot, Store, Txn};
 use nvpool_control::testkit::Etcd;
 use std::time::Duration;
 
@@ -69,6 +69,39 @@ async fn etcd_leadership_passes_on_when_the_leader_stops() {
     assert_eq!(b.get("/t/leader").await.unwrap(), Some(b"b".to_vec()));
     // A write fenced on the old leader now fails.
     assert!(!b.commit(Txn::default().when(fence(b"a")).put("/t/x", b"stale".to_vec())).await.unwrap());
+}
+
+/// A standby's copy of the store holds, once it reached the revision at which the
+/// standby took the lead, exactly what the store holds: keys listed over several
+/// pages, and every put, overwrite and deletion made after the listing.
+#[tokio::test]
+async fn etcd_standby_copy_is_the_store_at_the_claim() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path().to_path_buf());
+    let standby = std::sync::Arc::new(EtcdStore::connect(std::slice::from_ref(&etcd.client_url)).await.unwrap());
+    let leader = EtcdStore::connect(std::slice::from_ref(&etcd.client_url)).await.unwrap();
+    let key = |i: usize| format!("/m/records/{i:05}");
+    for batch in 0..12 {
+        let txn = (batch * 100..(batch + 1) * 100).fold(Txn::default(), |t, i| t.put(key(i), vec![b'a'; 200]));
+        assert!(leader.commit(txn).await.unwrap());
+    }
+    let mirror = standby.mirror("/m/");
+    for i in (0..1200).step_by(7) {
+        assert!(leader.commit(Txn::default().put(key(i), b"changed".to_vec())).await.unwrap());
+        assert!(leader.commit(Txn::default().delete(key(i + 3))).await.unwrap());
+        assert!(leader.commit(Txn::default().put(key(2000 + i), b"new".to_vec())).await.unwrap());
+    }
+    // Outside the prefix: not copied.
+    assert!(leader.commit(Txn::default().put("/m2/other", b"x".to_vec())).await.unwrap());
+    let claim = standby.campaign("/m/leader", b"standby", Duration::from_secs(5)).await.unwrap();
+    let copy = mirror.take_at(claim.revision, Duration::from_secs(10)).await.expect("the copy reaches the claim");
+    let stored = Snapshot::read(&leader, "/m/").await.unwrap();
+    let (deleted, added) = ((0..1200).step_by(7).filter(|i| i + 3 < 1200).count(), (0..1200).step_by(7).count());
+    assert_eq!(stored.len(), 1200 - deleted + added + 1, "kept, new and the leader key");
+    assert!(copy == stored, "the copy holds {} keys, the store {}", copy.len(), stored.len());
+    // A copy that cannot reach a revision gives way to a read of the store.
+    let mirror = standby.mirror("/m/");
+    assert!(mirror.take_at(claim.revision + 1_000, Duration::from_millis(500)).await.is_none());
 }
 
 #[tokio::test]

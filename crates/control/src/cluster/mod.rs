@@ -10,11 +10,11 @@
 use crate::cluster::convert::corrupt;
 use crate::metrics::ControllerMetrics;
 use crate::model::{
-    CLUSTER_KEY, ClusterRecord, NODES, NodeRecord, PoolRecord, TOMBSTONES, Tombstone, VOLUMES, VolumeRecord,
+    CLUSTER_KEY, ClusterRecord, NODES, NodeRecord, PoolRecord, ROOT, TOMBSTONES, Tombstone, VOLUMES, VolumeRecord,
     VolumeState, to_json,
 };
 use crate::scheduler::{Locality, Policy};
-use crate::store::{Condition, Store, Txn};
+use crate::store::{Condition, Snapshot, Store, Txn};
 use crate::{access, proto};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -30,7 +30,7 @@ mod nodes;
 mod rebalance;
 mod volumes;
 
-pub use volumes::VolumeTotals;
+pub use volumes::{VolumeBrief, VolumeTotals};
 
 /// Heartbeats per second a controller takes by default. Each costs the leader about
 /// 0.1 ms of CPU, mostly gRPC (`bench/results/control-scale.md`: 10,000 nodes at one a
@@ -412,8 +412,22 @@ impl Cluster {
         fence: Vec<Condition>,
         cfg: ClusterConfig,
     ) -> Result<Arc<Cluster>, Status> {
-        let cluster_id = match store.get(CLUSTER_KEY).await.map_err(store_status)? {
-            Some(b) => serde_json::from_slice::<ClusterRecord>(&b).map_err(corrupt)?.id,
+        let records = Snapshot::read(store.as_ref(), ROOT).await.map_err(store_status)?;
+        Cluster::load_from(records, store, fence, cfg).await
+    }
+
+    /// Loads the cluster from `records`, every key under [`ROOT`] as the store held
+    /// them at one time (a standby's copy, or a fresh read), creating its identity on
+    /// first use.
+    pub async fn load_from(
+        records: Snapshot,
+        store: Arc<dyn Store>,
+        fence: Vec<Condition>,
+        cfg: ClusterConfig,
+    ) -> Result<Arc<Cluster>, Status> {
+        let started = Instant::now();
+        let cluster_id = match records.get(CLUSTER_KEY) {
+            Some(b) => serde_json::from_slice::<ClusterRecord>(b).map_err(corrupt)?.id,
             None => {
                 let rec = ClusterRecord { id: uuid::Uuid::new_v4().to_string() };
                 let mut txn =
@@ -427,11 +441,10 @@ impl Cluster {
         };
         let now = Instant::now();
         let mut nodes = BTreeMap::new();
-        let stored_nodes = store.list(NODES).await.map_err(store_status)?;
         // The pace the nodes were told by the last leader, if it had as many.
-        let interval = heartbeat_pace(&cfg, stored_nodes.len());
-        for (_, b) in stored_nodes {
-            let record: NodeRecord = serde_json::from_slice(&b).map_err(corrupt)?;
+        let interval = heartbeat_pace(&cfg, records.under(NODES).count());
+        for b in records.under(NODES) {
+            let record: NodeRecord = serde_json::from_slice(b).map_err(corrupt)?;
             // A new leader gives every node a full timeout to report, so that creations
             // go on through a failover. (A node that died meanwhile fails its first
             // Apply; the volume is given up and the call can be retried.)
@@ -439,15 +452,22 @@ impl Cluster {
             nodes.insert(entry.record.name.clone(), entry);
         }
         let mut volumes = Volumes::default();
-        for (_, b) in store.list(VOLUMES).await.map_err(store_status)? {
-            let v: VolumeRecord = serde_json::from_slice(&b).map_err(corrupt)?;
+        for b in records.under(VOLUMES) {
+            let v: VolumeRecord = serde_json::from_slice(b).map_err(corrupt)?;
             volumes.insert(v.name.clone(), v);
         }
         let mut tombstones = BTreeMap::new();
-        for (_, b) in store.list(TOMBSTONES).await.map_err(store_status)? {
-            let t: Tombstone = serde_json::from_slice(&b).map_err(corrupt)?;
+        for b in records.under(TOMBSTONES) {
+            let t: Tombstone = serde_json::from_slice(b).map_err(corrupt)?;
             tombstones.insert(t.id.clone(), t);
         }
+        tracing::info!(
+            "loaded {} nodes, {} volumes and {} tombstones in {} ms",
+            nodes.len(),
+            volumes.len(),
+            tombstones.len(),
+            started.elapsed().as_millis()
+        );
         // Generations start from the clock so that they never repeat one an agent
         // applied under an earlier controller.
         let mut state = State {

@@ -365,6 +365,33 @@ impl Cluster {
         t
     }
 
+    /// Every volume, as lists search and sort them: enough to choose a page without
+    /// building every volume's whole message (at 100,000 volumes that took a second).
+    pub fn volume_briefs(&self) -> Vec<VolumeBrief> {
+        let st = self.state.lock().unwrap();
+        st.volumes
+            .values()
+            .map(|v| VolumeBrief {
+                name: v.name.clone(),
+                node: v.node.clone(),
+                pool: v.pool.clone(),
+                state: match v.state {
+                    VolumeState::Creating => "creating",
+                    VolumeState::Ready => "ready",
+                },
+                hosts: v.hosts.iter().chain(&v.local_hosts).cloned().collect(),
+                size_bytes: v.size,
+                io: st.nodes.get(&v.node).and_then(|n| n.io.volume(&v.subsystem_nqn)),
+            })
+            .collect()
+    }
+
+    /// The volumes of these names that exist, in the order given.
+    pub fn volumes_named<'a>(&self, names: impl IntoIterator<Item = &'a str>) -> Vec<proto::Volume> {
+        let st = self.state.lock().unwrap();
+        names.into_iter().filter_map(|name| st.volumes.get(name)).map(|v| self.volume_proto_locked(&st, v)).collect()
+    }
+
     pub fn list_volumes(&self, node: &str) -> Vec<proto::Volume> {
         let st = self.state.lock().unwrap();
         st.volumes
@@ -759,4 +786,18 @@ pub struct VolumeTotals {
     pub write_bytes_per_second: f64,
     /// The volumes with a migration under way.
     pub migrating: Vec<proto::Volume>,
+}
+
+/// A volume as lists search and sort it (`Cluster::volume_briefs`).
+#[derive(Debug, Clone, Default)]
+pub struct VolumeBrief {
+    pub name: String,
+    pub node: String,
+    pub pool: String,
+    /// creating or ready.
+    pub state: &'static str,
+    /// Hosts attached over NVMe-oF and locally.
+    pub hosts: Vec<String>,
+    pub size_bytes: u64,
+    pub io: Option<proto::IoRates>,
 }

@@ -7,7 +7,7 @@ mod embedded;
 mod etcd;
 
 pub use embedded::RedbStore;
-pub use etcd::{EtcdStore, Leadership};
+pub use etcd::{EtcdStore, Leadership, Mirror};
 
 use async_trait::async_trait;
 use std::fmt;
@@ -74,6 +74,39 @@ pub trait Store: Send + Sync {
     async fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError>;
     /// Applies the writes if every condition holds. Returns whether it did.
     async fn commit(&self, txn: Txn) -> Result<bool, StoreError>;
+}
+
+/// Every key under a prefix as one read saw them: what a controller loads when it
+/// takes over.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Snapshot(std::collections::BTreeMap<String, Vec<u8>>);
+
+impl Snapshot {
+    /// Reads every key under `prefix` from `store`.
+    pub async fn read(store: &dyn Store, prefix: &str) -> Result<Snapshot, StoreError> {
+        Ok(Snapshot(store.list(prefix).await?.into_iter().collect()))
+    }
+
+    pub fn get(&self, key: &str) -> Option<&[u8]> {
+        self.0.get(key).map(Vec::as_slice)
+    }
+
+    /// The values of the keys that start with `prefix`, in key order.
+    pub fn under<'a>(&'a self, prefix: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
+        use std::ops::Bound;
+        self.0
+            .range::<str, _>((Bound::Included(prefix), Bound::Unbounded))
+            .take_while(move |(k, _)| k.starts_with(prefix))
+            .map(|(_, v)| v.as_slice())
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
 }
 
 /// Opens a store from its address: `redb:PATH` or `etcd:URL[,URL...]`.
