@@ -109,8 +109,8 @@ mod tests {
     use crate::nvme::subsystem::{HostPolicy, Subsystem};
     use nvpool_wire::bytes::get_nul_padded;
 
-    #[test]
-    fn lists_only_allowed_subsystems() {
+    /// A target with one plain NVMe/TCP listener, 127.0.0.1:4420.
+    fn target_listening_on_4420() -> std::sync::Arc<Target> {
         let t = Target::new(Limits::default());
         t.add_listener_info(ListenerInfo {
             port_id: 1,
@@ -119,6 +119,12 @@ mod tests {
             tls: TlsMode::Off,
             transport: Transport::Tcp,
         });
+        t
+    }
+
+    #[test]
+    fn lists_only_allowed_subsystems() {
+        let t = target_listening_on_4420();
         let open = Subsystem::new(
             "nqn.2024-01.io.nvpool:open",
             "S1",
@@ -154,14 +160,7 @@ mod tests {
     /// moves the generation on.
     #[test]
     fn a_host_sees_its_access_points_and_the_host_facing_address() {
-        let t = Target::new(Limits::default());
-        t.add_listener_info(ListenerInfo {
-            port_id: 1,
-            addr: "127.0.0.1".parse().unwrap(),
-            port: 4420,
-            tls: TlsMode::Off,
-            transport: Transport::Tcp,
-        });
+        let t = target_listening_on_4420();
         let nqn = "nqn.2024-01.io.nvpool:v";
         let s = Subsystem::new(nqn, "S1", "m", HostPolicy::default()).unwrap();
         for h in ["nqn.h1", "nqn.h2"] {
