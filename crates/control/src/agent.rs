@@ -294,6 +294,10 @@ fn reconcile(engine: &Path, state: &proto::NodeState, changes: Option<&Changes>)
             gone_wrong.push((dev.target.clone(), format!("cannot remove {}: {e}", dev.device)));
         }
     }
+    // A subsystem that a present entry serves stays when a removal names it too: a
+    // move rolled back leaves its target an access point of the volume, whose copy
+    // (the removal) goes once the export forwards to the owner again.
+    let served: HashSet<&str> = state.volumes.iter().filter(|d| d.present).map(|d| d.subsystem_nqn.as_str()).collect();
     let mut results: Vec<proto::VolumeResult> = entries
         .iter()
         .map(|d| {
@@ -304,7 +308,8 @@ fn reconcile(engine: &Path, state: &proto::NodeState, changes: Option<&Changes>)
             } else if d.present {
                 ensure(engine, d, volume, subsystem).map(Some)
             } else {
-                remove(engine, d, volume.is_some(), subsystem.is_some()).map(|()| None)
+                let export_goes = subsystem.is_some() && !served.contains(d.subsystem_nqn.as_str());
+                remove(engine, d, volume.is_some(), export_goes).map(|()| None)
             };
             let connected = subsystem.map(|s| s.connected_hosts.clone()).unwrap_or_default();
             let exported = outcome.is_ok();
@@ -398,9 +403,12 @@ fn limits(d: &proto::DesiredVolume) -> QosLimits {
 
 /// Makes the engine export `namespace` under the volume's subsystem to exactly the
 /// desired hosts, each with the ANA state the controller chose for it. Each host's
-/// state is set before the host is allowed and before the namespace changes backend,
-/// so no host ever uses a path in a state it should not (a migration's target is
-/// inaccessible to hosts until it holds their data).
+/// state is set before the host is allowed, and around a change of backend so that
+/// no host ever uses a backend it should not: a path that closes (inaccessible)
+/// closes before the namespace changes backend, one that opens opens only once the
+/// new backend serves. A migration's target is inaccessible to hosts until it holds
+/// their data; when the move is rolled back it forwards to the owner again, and a
+/// host that could write to it before that would lose the write with it.
 fn export(
     engine: &Path,
     d: &proto::DesiredVolume,
@@ -446,17 +454,27 @@ fn export(
         }
     };
     let group = groups.iter().find(|g| g.nsids.contains(&1));
+    let mut changes = Vec::new();
     for a in &d.ana {
         let state: AnaState = a.state.parse()?;
         let now = group.map(|g| g.hosts.iter().find(|h| h.host == a.host_nqn).map_or(g.state, |h| h.state));
         if now != Some(state) {
-            let group = group.map_or(1, |g| g.group);
-            call(engine, SetAnaState { nqn: nqn.clone(), group, host: Some(a.host_nqn.clone()), state })?;
+            changes.push((a.host_nqn.clone(), state));
         }
     }
+    let set_states = |changes: Vec<HostState>| {
+        let group = group.map_or(1, |g| g.group);
+        for (host, state) in changes {
+            call(engine, SetAnaState { nqn: nqn.clone(), group, host: Some(host), state })?;
+        }
+        Ok::<(), String>(())
+    };
+    let (closing, opening) = around_swap(changes);
+    set_states(closing)?;
     if backend.as_deref() != Some(namespace.backend.as_str()) {
         call(engine, SwapNamespace { nqn: nqn.clone(), nsid: 1, backend: namespace.backend.clone() })?;
     }
+    set_states(opening)?;
     // Each host's access points, for its discovery log, before the host may see it.
     let paths_now = |h: &str| subsystem.and_then(|s| s.host_paths.iter().find(|p| p.host == h)).map(|p| &p.paths);
     for a in &d.access_points {
@@ -497,6 +515,16 @@ fn export(
         call(engine, RemoveHost { nqn: nqn.clone(), host: h.clone() })?;
     }
     Ok(())
+}
+
+/// A host and the ANA state it is to have.
+type HostState = (String, AnaState);
+
+/// A host's ANA changes split around a change of backend: those that close the path
+/// (the host can no longer read or write through it) go first, those that open it
+/// after the new backend serves.
+fn around_swap(changes: Vec<HostState>) -> (Vec<HostState>, Vec<HostState>) {
+    changes.into_iter().partition(|(_, s)| !matches!(s, AnaState::Optimized | AnaState::NonOptimized))
 }
 
 /// The engine's form of a host's secrets, with their fingerprint.
@@ -943,6 +971,20 @@ mod tests {
             present: true,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn paths_close_before_a_backend_changes_and_open_after() {
+        let changes = vec![
+            ("h1".to_string(), AnaState::NonOptimized),
+            ("h2".to_string(), AnaState::Inaccessible),
+            ("h3".to_string(), AnaState::Optimized),
+            ("h4".to_string(), AnaState::PersistentLoss),
+        ];
+        let (closing, opening) = around_swap(changes);
+        let hosts = |v: &[HostState]| v.iter().map(|(h, _)| h.clone()).collect::<Vec<_>>();
+        assert_eq!(hosts(&closing), ["h2", "h4"]);
+        assert_eq!(hosts(&opening), ["h1", "h3"]);
     }
 
     #[test]

@@ -273,13 +273,22 @@ impl Migrations {
                  identity"
             )));
         }
-        let block = exports.first().map_or(512, |(_, ns)| ns.block_size());
-        if opened.backend.size() != meta.size || opened.backend.required_block_size().is_some_and(|b| b != block) {
+        // Unexported, the volume has no block size of its own yet: it takes the target's
+        // when it is exported there.
+        let block = exports.first().map(|(_, ns)| ns.block_size());
+        let required = opened.backend.required_block_size();
+        if opened.backend.size() != meta.size {
             return Err(Error::precondition(format!(
-                "the target {target} has {} bytes in {}-byte blocks; the volume has {} bytes in {block}-byte blocks",
+                "the target {target} has {} bytes; the volume has {}: create it with the volume's size",
                 opened.backend.size(),
-                opened.backend.required_block_size().unwrap_or(0),
                 meta.size
+            )));
+        }
+        if let (Some(block), Some(required)) = (block, required)
+            && block != required
+        {
+            return Err(Error::precondition(format!(
+                "the target {target} has {required}-byte blocks; the volume is exported with {block}-byte blocks"
             )));
         }
         let target_queue = TargetQueue::connect(remote::resolve(&addr)?, &nqn, nsid, env.host_nqn)
@@ -366,6 +375,11 @@ impl Migrations {
         self.job(pool, name).filter(|j| j.running()).ok_or_else(|| {
             Error::not_found(format!("volume {pool}/{name} is not moving: start a migration with `migration_start`"))
         })
+    }
+
+    /// Whether volume `pool/name` is moving (copying or switching).
+    pub fn moving(&self, pool: &str, name: &str) -> bool {
+        self.job(pool, name).is_some_and(|j| j.running())
     }
 
     /// A volume whose migration is under way, as `POOL/NAME`, if any.

@@ -251,6 +251,10 @@ fn a_cancelled_or_failed_migration_leaves_the_volume_where_it_was() {
     source.ok("migration_start", start.clone());
     let again = source.call("migration_start", start.clone()).unwrap_err();
     assert_eq!(again.kind, ErrorKind::AlreadyExists, "{again}");
+    // A second export would take writes the migration does not track.
+    let second = json!({ "nqn": NQN, "namespace": { "nsid": 2, "backend": "volume:p/v", "block_size": 4096 } });
+    let e = source.call("namespace_add", second.clone()).unwrap_err();
+    assert!(e.kind == ErrorKind::FailedPrecondition && e.message.contains("is moving"), "{e}");
     let m = source.ok("migration_cancel", json!({ "pool": "p", "name": "v" }));
     assert_eq!((m["state"].as_str(), m["volume_here"].as_bool()), (Some("cancelled"), Some(true)));
     io.write(1, 3, &pattern(99, BLOCK), BLOCK as u32, 8192).unwrap();

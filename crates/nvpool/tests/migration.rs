@@ -1,7 +1,8 @@
 //! Hot migration with real processes: three engines with their agents and one
 //! controller. A host writes to a volume (going over to another path when one goes
 //! away, as a multipath host does) while the controller moves the volume to another
-//! node; then a cancelled move, a move whose target dies, and `--auto`.
+//! node; then a cancelled move, a move rolled back while the owner's engine is away,
+//! a move whose target dies, and `--auto`.
 
 mod cluster;
 
@@ -139,6 +140,38 @@ async fn a_volume_moves_under_a_writing_host_and_failed_moves_leave_it_in_place(
         (!engine_has_volume(&nodes_[2], &format!("pv-{}", v.id))).then_some(())
     })
     .await;
+
+    // A move rolled back while the owner's engine is away. The target's volume goes
+    // (and the node may become an access point again, once the owner is back): until
+    // then no write through it may be taken, which would go with the volume.
+    migrate(&c, "mv", "n3", MIB).await.unwrap();
+    wait_for("the copy to start", Duration::from_secs(30), async || {
+        get(&c, "mv").await.migration.filter(|m| m.phase == "copying").map(|_| ())
+    })
+    .await;
+    nodes_[1].engine.kill();
+    let req = proto::VolumeName { name: "mv".into() };
+    let _ = c.call(async |mut c| c.cancel_migration(req.clone()).await).await;
+    let back = settled(&c, "mv", Duration::from_secs(30)).await;
+    assert_eq!(back.node, "n2", "{}", back.last_migration);
+    let block = nvpool_initiator::pattern(11, BLOCK);
+    let closed_until = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < closed_until {
+        if let Some(mut p) = connect(addr(&nodes_[2]), &nqn) {
+            let wrote = p.io.write(1, BLOCKS - 1, &block, BLOCK as u32, 0);
+            assert!(wrote.is_err(), "n3 took a write while the owner was away");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    nodes_[1].start_engine(true);
+    wait_for("a write through n3 to reach n2", Duration::from_secs(30), async || {
+        let mut p = connect(addr(&nodes_[2]), &nqn)?;
+        p.io.write(1, BLOCKS - 1, &block, BLOCK as u32, 0).ok()
+    })
+    .await;
+    let mut p = connect(addr(&nodes_[1]), &nqn).unwrap();
+    assert!(p.io.read(1, BLOCKS - 1, 1, BLOCK as u32).unwrap() == block, "the write through n3, read through n2");
+    verify(addr(&nodes_[1]), &nqn, &model, "n2 after the move rolled back while its engine was away");
 
     // A move whose target dies: rolled back after the node timeout, the data stays.
     migrate(&c, "mv", "n3", MIB).await.unwrap();

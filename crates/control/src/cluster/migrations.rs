@@ -261,6 +261,10 @@ impl Cluster {
                 return Err(format!("node {} no longer has the volume", v.node));
             }
             "none" | "cancelled" => {
+                if let Err(why) = self.owner_serves(v).await {
+                    self.set_progress(&v.name, None, why);
+                    return Ok(Next::Again);
+                }
                 let started = self
                     .engine_migration(v, "start", m)
                     .await
@@ -317,6 +321,10 @@ impl Cluster {
             _ if !status.volume_here => return self.record_switch(v, m, &status).await,
             "none" | "cancelled" => {
                 // The engine restarted before the switch: copy again, then switch.
+                if let Err(why) = self.owner_serves(v).await {
+                    self.set_progress(&v.name, None, why);
+                    return Ok(Next::Again);
+                }
                 let started = self.engine_migration(v, "start", m).await?;
                 self.set_progress(&v.name, Some(started), "");
             }
@@ -328,6 +336,18 @@ impl Cluster {
             _ => self.set_progress(&v.name, Some(status), ""),
         }
         Ok(Next::Again)
+    }
+
+    /// Whether the owner's engine exports the volume (its agent applied the volume's
+    /// entry without error): a copy starts only from the export, whose writes it
+    /// tracks. After an engine restart the agent exports it again first.
+    async fn owner_serves(&self, v: &VolumeRecord) -> Result<(), String> {
+        let waiting = |why: String| format!("waiting for node {} to serve the volume again: {why}", v.node);
+        match self.apply_node(&v.node).await.map_err(waiting)?.get(&v.id) {
+            Some(r) if r.error.is_empty() => Ok(()),
+            Some(r) => Err(waiting(r.error.clone())),
+            None => Err(waiting("its agent did not report it".into())),
+        }
     }
 
     /// Fails a migration before its switch when a node it needs is down.

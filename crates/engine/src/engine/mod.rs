@@ -44,6 +44,10 @@ pub struct Engine {
     pub local: Arc<LocalDevices>,
     /// Volumes moving to other engines.
     pub migrations: Migrations,
+    /// Held while a namespace takes a backend and while a migration starts: a volume
+    /// exported after its migration took stock of its exports would take writes that
+    /// the migration does not track, and lose them at the switch.
+    exporting: Mutex<()>,
     /// What a hot upgrade keeps: the binary, the management socket, whether it ran.
     upgrades: UpgradeState,
     /// The host NQN `remote:` namespaces present to their owners.
@@ -90,6 +94,7 @@ impl Engine {
             pools: Pools::new(target.clone(), links.clone()),
             local: Arc::new(LocalDevices::new(target.clone(), links.clone())),
             migrations: Migrations::default(),
+            exporting: Mutex::new(()),
             upgrades: UpgradeState::new(),
             target,
             links,
@@ -181,8 +186,22 @@ impl Engine {
     }
 
     /// Opens the backend a namespace spec names (`file:...`, `volume:POOL/NAME`, ...).
+    /// A volume that is moving to another engine is not opened: it is served only
+    /// through the namespace its migration watches.
     fn open_backend(&self, spec: &str) -> Result<backend::Opened> {
+        let volume = spec.strip_prefix("volume:").and_then(|v| v.split_once('/'));
+        if let Some((pool, name)) = volume.filter(|(pool, name)| self.migrations.moving(pool, name)) {
+            return Err(Error::precondition(format!(
+                "volume {pool}/{name} is moving to another engine: export it once its migration ends, or cancel \
+                 the migration"
+            )));
+        }
         self.with_open_env(|env| backend::open(spec, env))
+    }
+
+    /// Serializes exporting volumes with starting migrations (see `exporting`).
+    fn exporting(&self) -> std::sync::MutexGuard<'_, ()> {
+        lock(&self.exporting)
     }
 
     /// Starts moving volume `pool/name` to `target` (`HOST:PORT/NQN/NSID`), another
@@ -195,6 +214,7 @@ impl Engine {
         target: &str,
         rate: Option<u64>,
     ) -> Result<MigrationInfo> {
+        let _exporting = self.exporting();
         self.with_open_env(|env| self.migrations.start(&self.pools, env, pool, name, id, target, rate))
     }
 

@@ -15,6 +15,7 @@ use crate::tls;
 impl Engine {
     /// Creates a subsystem with its hosts and namespaces.
     pub fn add_subsystem(&self, c: &SubsystemConfig) -> Result<()> {
+        let _exporting = self.exporting();
         let serial = c.serial.clone().unwrap_or_else(|| config::derived_serial(&c.nqn));
         let policy = HostPolicy { allow_any: c.allow_any_host, ..HostPolicy::default() };
         let s = Subsystem::new(&c.nqn, &serial, &c.model, policy)?;
@@ -56,6 +57,7 @@ impl Engine {
     /// Adds a namespace to a subsystem at runtime; connected hosts get an event.
     /// Returns the NSID.
     pub fn add_namespace(&self, nqn: &str, n: &NamespaceConfig) -> Result<u32> {
+        let _exporting = self.exporting();
         let s = self.subsystem(nqn)?;
         let nsid = add_namespace_to(self, &s, n)?;
         self.kick();
@@ -66,6 +68,7 @@ impl Engine {
     /// backend must have the namespace's identity (if it has one) and block size, and
     /// at least its size. Refused while the namespace's volume is moving.
     pub fn swap_namespace(&self, nqn: &str, nsid: u32, spec: &str) -> Result<()> {
+        let _exporting = self.exporting();
         let (s, ns) = self.target.namespace(nqn, nsid)?;
         if ns.backend.as_volume().is_some_and(|v| v.gate.busy()) {
             return Err(Error::precondition(format!(
