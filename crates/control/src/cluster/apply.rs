@@ -2,14 +2,14 @@
 //! after every change and again by the background loop until the agent is current.
 
 use crate::cluster::convert::{ana_state, dhchap_proto};
-use crate::cluster::{Cluster, HeldState, Results, State};
+use crate::cluster::{Changed, Cluster, HeldState, Results, State};
 use crate::model::{
     LocalDeviceRecord, MigrationPhase, MigrationRecord, TOMBSTONES, VOLUMES, VolumeRecord, VolumeState, to_json,
 };
 use crate::proto;
 use crate::proto::agent_client::AgentClient;
 use crate::store::Txn;
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tonic::transport::{Channel, Endpoint};
@@ -182,41 +182,111 @@ fn whole_state(st: &State, node: &str, generation: u64) -> proto::NodeState {
 
 /// The node's desired state as changes to the state its agent holds: the entries that
 /// differ from those held or are open, and the IDs of those gone. Only the volumes
-/// that changed since the last state was built (`changed`, by name), are open, or are
-/// not held get their entries built and compared: a node's thousandth volume costs
-/// what its first did.
-fn changes_for(
-    st: &State,
-    node: &str,
-    generation: u64,
-    held: &HeldState,
-    changed: &HashSet<String>,
-) -> proto::NodeState {
+/// that changed since the last state was built (`changed`) and those with work open
+/// get their entries built and compared: a node's thousandth volume costs what its
+/// first did.
+fn changes_for(st: &State, node: &str, generation: u64, held: &HeldState, changed: &Changed) -> proto::NodeState {
+    let open = st.volumes.creating().chain(st.volumes.migrating()).filter(|v| st.volumes.serves_node(node, &v.name));
+    let names: BTreeSet<&str> = changed.names.iter().map(String::as_str).chain(open.map(|v| v.name.as_str())).collect();
     let mut volumes = Vec::new();
-    let mut ids: HashSet<&str> = HashSet::new();
-    for v in st.volumes.of_node(node).filter(|v| serves(v, node)) {
-        ids.insert(&v.id);
-        let open = is_open(v);
-        if open || changed.contains(&v.name) || !held.entries.contains_key(&v.id) {
-            let d = desired_volume(st, v, node);
-            if open || held.entries.get(&v.id) != Some(&d) {
-                volumes.push(d);
-            }
+    let mut here: HashSet<&str> = HashSet::new();
+    for v in names.into_iter().filter_map(|name| st.volumes.get(name)) {
+        if !st.volumes.serves_node(node, &v.name) || !serves(v, node) {
+            continue;
+        }
+        here.insert(&v.id);
+        let d = desired_volume(st, v, node);
+        if is_open(v) || held.entries.get(&v.id) != Some(&d) {
+            volumes.push(d);
         }
     }
-    ids.extend(st.tombstones.values().filter(|t| t.node == node).map(|t| t.id.as_str()));
+    here.extend(st.tombstones.values().filter(|t| t.node == node).map(|t| t.id.as_str()));
     volumes.extend(tombstones_on(st, node));
-    let dropped = held.entries.keys().filter(|id| !ids.contains(id.as_str())).cloned().collect();
-    // Debug builds check that nothing the whole state would change was left out.
+    // Gone: the volumes that left the node and the removals whose tombstone went,
+    // unless an entry of the same ID is here again.
+    let dropped: Vec<String> = changed
+        .left
+        .iter()
+        .chain(&held.removals)
+        .filter(|id| held.entries.contains_key(*id) && !here.contains(id.as_str()))
+        .cloned()
+        .collect::<BTreeSet<String>>()
+        .into_iter()
+        .collect();
+    // Debug builds check that the changes make the whole state of the node.
     #[cfg(debug_assertions)]
-    for d in whole_state(st, node, generation).volumes {
-        debug_assert!(
-            held.entries.get(&d.id) == Some(&d) || volumes.iter().any(|s| s.id == d.id),
-            "node {node}: entry {} changed but was not marked changed",
-            d.id
-        );
+    {
+        let whole = whole_state(st, node, generation).volumes;
+        for d in &whole {
+            debug_assert!(
+                held.entries.get(&d.id) == Some(d) || volumes.iter().any(|s| s.id == d.id),
+                "node {node}: entry {} changed but was not marked changed",
+                d.id
+            );
+        }
+        let ids: HashSet<&str> = whole.iter().map(|d| d.id.as_str()).collect();
+        for id in held.entries.keys().filter(|id| !ids.contains(id.as_str())) {
+            debug_assert!(dropped.contains(id), "node {node}: entry {id} went but was not dropped");
+        }
     }
     proto::NodeState { node: node.to_string(), generation, volumes, changes_since: held.generation, dropped }
+}
+
+/// What one application brought: the results the agent gave (by ID), and whether
+/// every entry the agent holds now stands without error.
+struct Applied {
+    fresh: Vec<proto::VolumeResult>,
+    all_ok: bool,
+}
+
+impl HeldState {
+    /// Takes in a state the agent applied (changes to this one, or whole) and the
+    /// results it gave; keeps the node's connected hosts per entry alongside.
+    fn take_in(
+        &mut self,
+        sent: proto::NodeState,
+        as_changes: bool,
+        results: Vec<proto::VolumeResult>,
+        connected: &mut HashMap<String, Vec<String>>,
+    ) -> Applied {
+        if !as_changes {
+            *self = HeldState::default();
+            connected.clear();
+        }
+        self.generation = sent.generation;
+        let held_results = Arc::make_mut(&mut self.results);
+        for id in &sent.dropped {
+            self.entries.remove(id);
+            held_results.remove(id);
+            self.failing.remove(id);
+            self.removals.remove(id);
+            connected.remove(id);
+        }
+        for d in sent.volumes {
+            if d.present {
+                self.removals.remove(&d.id);
+            } else {
+                self.removals.insert(d.id.clone());
+            }
+            self.entries.insert(d.id.clone(), d);
+        }
+        // A result of no entry (an export the agent could not remove) counts once.
+        let mut stray_error = false;
+        for r in &results {
+            if !self.entries.contains_key(&r.id) {
+                stray_error |= !r.error.is_empty();
+                continue;
+            }
+            if r.error.is_empty() {
+                self.failing.remove(&r.id);
+            } else {
+                self.failing.insert(r.id.clone());
+            }
+            connected.insert(r.id.clone(), r.connected_hosts.clone());
+            held_results.insert(r.id.clone(), r.clone());
+        }
+        Applied { all_ok: self.failing.is_empty() && !stray_error, fresh: results }
+    }
 }
 
 impl Cluster {
@@ -274,65 +344,69 @@ impl Cluster {
             }
         };
         let generation = sent.generation;
-        let results: Results = {
+        let (applied, results) = {
             let mut st = self.state.lock().unwrap();
             let Some(n) = st.nodes.get_mut(node) else {
                 return Err(format!("unknown node {node}"));
             };
-            // What the agent holds now: the state it held with the changes applied, or
-            // the whole state sent.
-            let (mut entries, mut results) = match (as_changes, n.held.take()) {
-                (true, Some(held)) => (held.entries, held.results),
-                _ => (HashMap::new(), Results::new()),
-            };
-            for id in &sent.dropped {
-                entries.remove(id);
+            match (as_changes, n.held.take()) {
+                // Changes to a state forgotten meanwhile (the node registered again):
+                // what the agent holds is not known, and the next state goes whole.
+                (true, None) => {
+                    let results = reply.results.iter().map(|r| (r.id.clone(), r.clone())).collect();
+                    (Applied { fresh: reply.results, all_ok: false }, Arc::new(results))
+                }
+                (_, held) => {
+                    let mut held = held.unwrap_or_default();
+                    let applied = held.take_in(sent, as_changes, reply.results, &mut n.connected);
+                    let results = held.results.clone();
+                    n.held = Some(held);
+                    (applied, results)
+                }
             }
-            entries.extend(sent.volumes.into_iter().map(|d| (d.id.clone(), d)));
-            results.retain(|id, _| entries.contains_key(id));
-            results.extend(reply.results.into_iter().map(|r| (r.id.clone(), r)));
-            n.connected = results.values().map(|r| (r.id.clone(), r.connected_hosts.clone())).collect();
-            n.held = Some(HeldState { generation, entries, results: results.clone() });
-            results
         };
-        self.absorb(node, generation, &results).await;
+        self.absorb(node, generation, &applied).await;
         Ok(results)
     }
 
-    pub(super) async fn absorb(&self, node: &str, generation: u64, results: &Results) {
+    /// Records what the agent's results settle: creations confirmed or failed, the
+    /// identity or local device an engine reports, removals done. Only the results
+    /// just given count; one whose record cannot be written has its entry sent again,
+    /// so that its result comes back.
+    async fn absorb(&self, node: &str, generation: u64, applied: &Applied) {
         let (mut confirmed, mut failed, mut removed) = (vec![], vec![], vec![]);
         {
             let st = self.state.lock().unwrap();
-            for v in st.volumes.of_node(node).filter(|v| v.node == node) {
-                match results.get(&v.id) {
-                    Some(r)
-                        if r.error.is_empty()
+            for r in &applied.fresh {
+                if let Some(v) = st.volumes.by_id(&r.id).filter(|v| v.node == node) {
+                    match r {
+                        r if r.error.is_empty()
                             && (v.state == VolumeState::Creating || v.uuid != r.uuid || v.nguid != r.nguid) =>
-                    {
-                        let mut now = v.clone();
-                        now.state = VolumeState::Ready;
-                        now.uuid = r.uuid.clone();
-                        now.nguid = r.nguid.clone();
-                        now.local_device = reported_local(v, r);
-                        confirmed.push(now);
+                        {
+                            let mut now = v.clone();
+                            now.state = VolumeState::Ready;
+                            now.uuid = r.uuid.clone();
+                            now.nguid = r.nguid.clone();
+                            now.local_device = reported_local(v, r);
+                            confirmed.push(now);
+                        }
+                        r if !r.error.is_empty() && v.state == VolumeState::Creating => failed.push(v.clone()),
+                        r if r.error.is_empty() && v.local_device != reported_local(v, r) => {
+                            confirmed.push(VolumeRecord { local_device: reported_local(v, r), ..v.clone() });
+                        }
+                        _ => {}
                     }
-                    Some(r) if !r.error.is_empty() && v.state == VolumeState::Creating => failed.push(v.clone()),
-                    Some(r) if r.error.is_empty() && v.local_device != reported_local(v, r) => {
-                        confirmed.push(VolumeRecord { local_device: reported_local(v, r), ..v.clone() });
-                    }
-                    _ => {}
                 }
-            }
-            for t in st.tombstones.values().filter(|t| t.node == node) {
-                if results.get(&t.id).is_some_and(|r| r.error.is_empty()) {
-                    removed.push(t.id.clone());
+                if r.error.is_empty() && st.tombstones.get(&r.id).is_some_and(|t| t.node == node) {
+                    removed.push(r.id.clone());
                 }
             }
         }
-        let all_ok = results.values().all(|r| r.error.is_empty());
         for v in confirmed {
             if self.commit(Txn::default().put(format!("{VOLUMES}{}", v.name), to_json(&v))).await.is_ok() {
                 self.state.lock().unwrap().volumes.insert(v.name.clone(), v);
+            } else {
+                self.state.lock().unwrap().volumes.mark_changed(node, &v.name);
             }
         }
         for v in failed {
@@ -345,7 +419,7 @@ impl Cluster {
         }
         let mut st = self.state.lock().unwrap();
         if let Some(n) = st.nodes.get_mut(node)
-            && all_ok
+            && applied.all_ok
         {
             n.applied_generation = n.applied_generation.max(generation);
         }

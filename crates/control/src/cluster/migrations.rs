@@ -424,14 +424,22 @@ impl Cluster {
         if engine.round_bytes.len() > 12 {
             rounds.push(format!("... {}", mib(*engine.round_bytes.last().unwrap_or(&0))));
         }
-        moved.last_migration = format!(
-            "moved from {from} to {} in {secs:.1} s: {} rounds ({} MiB), {} MiB copied, I/O paused {:.1} ms",
-            m.to_node,
-            engine.round,
-            rounds.join(", "),
-            mib(engine.copied_bytes),
-            engine.pause_us as f64 / 1000.0
-        );
+        moved.last_migration = if engine.round == 0 {
+            // The old owner's engine restarted after the switch: its figures went with it.
+            format!(
+                "moved from {from} to {} in {secs:.1} s (the copy's figures went with {from}'s engine, which restarted after the switch)",
+                m.to_node
+            )
+        } else {
+            format!(
+                "moved from {from} to {} in {secs:.1} s: {} rounds ({} MiB), {} MiB copied, I/O paused {:.1} ms",
+                m.to_node,
+                engine.round,
+                rounds.join(", "),
+                mib(engine.copied_bytes),
+                engine.pause_us as f64 / 1000.0
+            )
+        };
         self.put_volume(&moved).await.map_err(|e| e.message().to_string())?;
         tracing::info!(volume = %v.name, "{}", moved.last_migration);
         let mut order = vec![m.to_node.clone()];

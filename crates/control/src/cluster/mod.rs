@@ -172,9 +172,20 @@ struct Volumes {
     /// What every attachment puts on each node as an access point: choosing an
     /// attachment's paths then costs the nodes, not every volume.
     path_loads: access::PathLoads,
-    /// Per node, the volumes (by name) that changed since its last state was built:
-    /// a state sent as changes builds their entries alone (`apply::changes_for`).
-    changed: HashMap<String, HashSet<String>>,
+    /// Per node, what changed since its last state was built: a state sent as changes
+    /// builds the entries of these volumes alone (`apply::changes_for`).
+    changed: HashMap<String, Changed>,
+    /// The name of each volume ID: an agent's results come by ID.
+    by_id: HashMap<String, String>,
+}
+
+/// What changed of one node's volumes: the names of those whose entries are to be
+/// built again, and the IDs of those that left it (removed, moved away, or replaced
+/// by a volume of the same name), whose entries go unless built again.
+#[derive(Default)]
+struct Changed {
+    names: HashSet<String>,
+    left: HashSet<String>,
 }
 
 /// The attachments of `v`, each with its paths as the access chooser counts them (the
@@ -199,9 +210,10 @@ impl Volumes {
         let old = self.remove(&name);
         for node in v.exporting_nodes() {
             self.views.forget(&node);
-            self.changed.entry(node.clone()).or_default().insert(name.clone());
+            self.changed.entry(node.clone()).or_default().names.insert(name.clone());
             self.by_node.entry(node).or_default().insert(name.clone());
         }
+        self.by_id.insert(v.id.clone(), name.clone());
         if let Some(host) = local_host(&v) {
             self.views.forget(host);
             self.by_host.entry(host.to_string()).or_default().insert(name.clone());
@@ -226,9 +238,12 @@ impl Volumes {
         let old = self.by_name.remove(name)?;
         for node in old.exporting_nodes() {
             self.views.forget(&node);
-            self.changed.entry(node.clone()).or_default().insert(name.to_string());
+            let changed = self.changed.entry(node.clone()).or_default();
+            changed.names.insert(name.to_string());
+            changed.left.insert(old.id.clone());
             unindex(&mut self.by_node, &node, name);
         }
+        self.by_id.remove(&old.id);
         if let Some(host) = local_host(&old) {
             self.views.forget(host);
             unindex(&mut self.by_host, host, name);
@@ -267,9 +282,24 @@ impl Volumes {
         self.by_host.get(node).into_iter().flatten().filter_map(|name| self.by_name.get(name))
     }
 
-    /// The volumes that changed on `node` since the last call, which then forgets them.
-    fn take_changed(&mut self, node: &str) -> HashSet<String> {
+    /// What changed on `node` since the last call, which then forgets it.
+    fn take_changed(&mut self, node: &str) -> Changed {
         self.changed.remove(node).unwrap_or_default()
+    }
+
+    /// Marks a volume's entry on `node` to be built and sent again.
+    fn mark_changed(&mut self, node: &str, name: &str) {
+        self.changed.entry(node.to_string()).or_default().names.insert(name.to_string());
+    }
+
+    /// Whether `node` owns or serves the volume named `name`.
+    fn serves_node(&self, node: &str, name: &str) -> bool {
+        self.by_node.get(node).is_some_and(|names| names.contains(name))
+    }
+
+    /// The volume with ID `id`.
+    fn by_id(&self, id: &str) -> Option<&VolumeRecord> {
+        self.by_id.get(id).and_then(|name| self.by_name.get(name))
     }
 
     /// Marks every volume `node` serves as changed on every node that serves it: their
@@ -280,7 +310,7 @@ impl Volumes {
             self.of_node(node).map(|v| (v.name.clone(), v.exporting_nodes())).collect();
         for (name, nodes) in served {
             for n in nodes {
-                self.changed.entry(n).or_default().insert(name.clone());
+                self.mark_changed(&n, &name);
             }
         }
     }
@@ -374,16 +404,23 @@ const BACKGROUND_APPLIES: usize = 64;
 /// How many nodes a CreateVolume answer explains (the best ones).
 const EXPLAINED_NODES: usize = 32;
 
-/// Outcome of one volume in an Apply.
-type Results = HashMap<String, proto::VolumeResult>;
+/// The outcome of each entry of a node's state, by ID, as last reported. Shared with
+/// the callers of `apply_node` without a copy; changed in place while none holds it.
+type Results = Arc<HashMap<String, proto::VolumeResult>>;
 
 /// A node state an agent applied: its generation, its entries by volume ID, and the
 /// agent's result for each (the last one it gave: an entry sent again only when it
-/// changes keeps the result of its last application).
+/// changes keeps the result of its last application). Kept up to date by the changes
+/// each application brings, so that it costs what changed, not the node's volumes.
+#[derive(Default)]
 struct HeldState {
     generation: u64,
     entries: HashMap<String, proto::DesiredVolume>,
     results: Results,
+    /// The entries whose last result is an error.
+    failing: HashSet<String>,
+    /// The entries that remove a volume (tombstones), which go when their tombstone does.
+    removals: HashSet<String>,
 }
 
 fn store_status(e: impl std::fmt::Display) -> Status {
