@@ -11,12 +11,19 @@ extern "C" fn on_signal(_: libc::c_int) {
     STOP.store(true, Ordering::SeqCst);
 }
 
-/// Blocks until SIGINT or SIGTERM arrives.
-pub fn wait_for_stop() {
+/// From now on SIGINT and SIGTERM ask the process to stop (`wait_for_stop` returns)
+/// instead of ending it. Called first thing: an engine that says it is ready (or took
+/// over in an upgrade) before it catches them would die at once, without stopping
+/// cleanly or telling the service manager, when stopped right then.
+pub fn catch_stop_signals() {
     for sig in [libc::SIGINT, libc::SIGTERM] {
         // SAFETY: installs an async-signal-safe handler that only stores an atomic.
         unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
     }
+}
+
+/// Blocks until SIGINT or SIGTERM arrives (once `catch_stop_signals` was called).
+pub fn wait_for_stop() {
     while !STOP.load(Ordering::SeqCst) {
         std::thread::sleep(Duration::from_millis(100));
     }

@@ -846,6 +846,7 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
 }
 
 fn run_engine(a: EngineArgs) -> Result<(), String> {
+    crate::process::catch_stop_signals();
     crate::process::raise_open_file_limit();
     if a.take_over {
         return run_taken_over();
@@ -898,6 +899,7 @@ fn serve_until_stopped(engine: &Engine, management_socket: &Path) {
 /// The new process of a hot upgrade: takes the running engine over, then serves
 /// until stopped, like any engine.
 fn run_taken_over() -> Result<(), String> {
+    crate::process::catch_stop_signals();
     let env = nvpool_engine::upgrade::TAKEOVER_FD_ENV;
     let fd = std::env::var(env)
         .ok()
