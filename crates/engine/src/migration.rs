@@ -265,6 +265,13 @@ impl Migrations {
                 exports.len()
             )));
         }
+        if let Some((s, ns)) = exports.first().filter(|(_, ns)| ns.reservations.in_use()) {
+            return Err(Error::precondition(format!(
+                "hosts are registered for reservations on namespace {} of {}: a move does not carry reservations \
+                 yet, so it would drop them; unregister them first",
+                ns.nsid, s.nqn
+            )));
+        }
         let (addr, nqn, nsid) = remote::parse(target).map_err(|e| Error::invalid(format!("target {target:?}: {e}")))?;
         let opened = crate::backend::open(&format!("remote:{target}"), env)?;
         if opened.identity != Some((meta.uuid, meta.nguid)) {

@@ -167,9 +167,10 @@ impl Pools {
         for (s, ns) in self.exports(&p, Some(io.id)) {
             let mut grown = self.volume_namespace(pool, name, ns.nsid, ns.block_size())?;
             grown.ana_group = ns.ana_group;
-            // Hosts see the same namespace, grown: its counters and limits go on.
+            // Hosts see the same namespace, grown: its counters, limits and reservations go on.
             grown.stats = ns.stats.clone();
             grown.qos = ns.qos.clone();
+            grown.reservations = ns.reservations.clone();
             s.replace_namespace(grown)?;
         }
         self.kick_all();

@@ -13,6 +13,7 @@ use nvpool_engine::config::{EngineConfig, ListenerConfig};
 use nvpool_engine::error::{Error as ApiError, ErrorKind};
 use nvpool_engine::{Engine, mgmt};
 use nvpool_initiator::{ConnectOptions, Queue, connect_admin, pattern};
+use nvpool_wire::reservation::{Register, RegisterAction, RegisterData};
 use serde_json::{Value, json};
 
 const NQN: &str = "nqn.2024-01.io.nvpool:moving";
@@ -302,5 +303,13 @@ fn bad_migration_requests_say_what_was_wrong() {
     assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}");
     let e = source.call("migration_start", json!({ "pool": "p", "name": "w", "target": "x" })).unwrap_err();
     assert_eq!(e.kind, ErrorKind::NotFound, "{e}");
+    // A move would drop the hosts' registrations: refused while there are any.
+    let (_admin, mut io) = source.queue();
+    let register = Register { action: RegisterAction::Register, ignore_key: false, change_ptpl: 0 };
+    assert!(
+        io.reservation_register(1, register, RegisterData { current_key: 0, new_key: 7 }, true).unwrap().is_success()
+    );
+    let e = start(format!("{}/{NQN}/1", target.addr)).unwrap_err();
+    assert!(e.kind == ErrorKind::FailedPrecondition && e.message.contains("reservations"), "{e}");
     assert_eq!(source.migration()["state"], "none");
 }

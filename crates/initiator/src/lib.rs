@@ -19,6 +19,9 @@ use nvpool_wire::fabrics::{
     CNTLID_DYNAMIC, CONNECT_DATA_SIZE, ConnectCommand, ConnectData, PropertyAccess, cc, csts, property,
 };
 use nvpool_wire::identify::{IdentifyController, IdentifyNamespace};
+use nvpool_wire::reservation::{
+    Acquire, AcquireData, Register, RegisterData, Release, ReleaseData, Report, ReservationStatus,
+};
 use nvpool_wire::tcp::{self, DataHeader, Digests, IcReq, IcResp, Pdu};
 use thiserror::Error;
 
@@ -491,6 +494,44 @@ impl Queue {
             ..Command::default()
         };
         Ok(self.execute_raw(dsm, &range, true)?.cqe.status)
+    }
+}
+
+impl Queue {
+    /// Reservation Register with its keys; returns the command's status.
+    pub fn reservation_register(
+        &mut self,
+        nsid: u32,
+        fields: Register,
+        data: RegisterData,
+        in_capsule: bool,
+    ) -> Result<Status, Error> {
+        let mut cmd = Command { nsid, cid: self.alloc_cid(), ..Command::default() };
+        fields.apply(&mut cmd);
+        Ok(self.execute_raw(cmd, &data.to_vec(), in_capsule)?.cqe.status)
+    }
+
+    /// Reservation Acquire with its keys; returns the command's status.
+    pub fn reservation_acquire(&mut self, nsid: u32, fields: Acquire, data: AcquireData) -> Result<Status, Error> {
+        let mut cmd = Command { nsid, cid: self.alloc_cid(), ..Command::default() };
+        fields.apply(&mut cmd);
+        Ok(self.execute_raw(cmd, &data.to_vec(), true)?.cqe.status)
+    }
+
+    /// Reservation Release with its key; returns the command's status.
+    pub fn reservation_release(&mut self, nsid: u32, fields: Release, data: ReleaseData) -> Result<Status, Error> {
+        let mut cmd = Command { nsid, cid: self.alloc_cid(), ..Command::default() };
+        fields.apply(&mut cmd);
+        Ok(self.execute_raw(cmd, &data.to_vec(), true)?.cqe.status)
+    }
+
+    /// Reservation Report in its extended form (`len` bytes).
+    pub fn reservation_report(&mut self, nsid: u32, len: usize) -> Result<ReservationStatus, Error> {
+        let mut cmd = Command { nsid, ..Command::default() };
+        Report { len, extended: true }.apply(&mut cmd);
+        let r = self.execute(cmd, len as u32)?;
+        ReservationStatus::decode_extended(&r.data)
+            .ok_or_else(|| Error::Protocol(format!("a reservation report of {} bytes", r.data.len())))
     }
 }
 

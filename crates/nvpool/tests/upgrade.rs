@@ -17,6 +17,10 @@ use std::time::{Duration, Instant};
 
 use nvpool_control::testkit::free_port;
 use nvpool_initiator::{ConnectOptions, Queue, connect_admin, pattern};
+use nvpool_wire::Status;
+use nvpool_wire::reservation::{
+    Acquire, AcquireAction, AcquireData, Register, RegisterAction, RegisterData, ReservationType,
+};
 use nvpool_wire::tcp::Digests;
 
 const BIN: &str = env!("CARGO_BIN_EXE_nvpool");
@@ -552,7 +556,7 @@ fn scrape(port: u16) -> String {
 }
 
 #[test]
-fn metrics_and_limits_are_served_across_upgrades() {
+fn metrics_limits_and_reservations_are_served_across_upgrades() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("sock");
     let (port, metrics) = (free_port(), free_port());
@@ -575,6 +579,24 @@ fn metrics_and_limits_are_served_across_upgrades() {
     assert!(scrape(metrics).contains("nvpool_namespace_reads_completed_total{"), "before the upgrade");
     // I/O limits go across too.
     cli(&socket, &["namespace", "qos", NQN, "1", "--iops", "12345"]).unwrap();
+    // And reservations: host A holds Write Exclusive; host B may read, not write.
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let io_of = |hostnqn: &str, id: u8| {
+        let o = ConnectOptions { kato: 0, hostid: [id; 16], ..ConnectOptions::admin(NQN, hostnqn) };
+        let mut admin = connect_admin(addr, &o).unwrap();
+        admin.set_queue_count(1).unwrap();
+        // The admin queue is kept: the controller ends with it.
+        let io = Queue::connect(addr, &o.io(1, admin.cntlid, 15)).unwrap();
+        (admin, io)
+    };
+    let (_a_admin, mut a) = io_of("nqn.2024-01.io.nvpool:upgrade-host-a", 0xA);
+    let register = Register { action: RegisterAction::Register, ignore_key: false, change_ptpl: 0 };
+    let status = a.reservation_register(1, register, RegisterData { current_key: 0, new_key: 0xA1 }, true).unwrap();
+    assert!(status.is_success(), "{status}");
+    let acquire =
+        Acquire { action: AcquireAction::Acquire, ignore_key: false, kind: Some(ReservationType::WriteExclusive) };
+    let status = a.reservation_acquire(1, acquire, AcquireData { current_key: 0xA1, preempt_key: 0 }).unwrap();
+    assert!(status.is_success(), "{status}");
     for _ in 0..2 {
         let report: serde_json::Value = serde_json::from_str(&cli(&socket, &["upgrade", "--json"]).unwrap()).unwrap();
         let new_pid = report["new_pid"].as_u64().unwrap();
@@ -588,6 +610,19 @@ fn metrics_and_limits_are_served_across_upgrades() {
                 assert!(reply.starts_with("HTTP/1.1 200 OK"), "{reply}");
                 assert!(reply.contains(&format!("nvpool_namespace_size_bytes{{subsystem=\"{NQN}\"")), "{reply}");
                 assert!(reply.contains("limit=\"iops\"} 12345"), "the namespace lost its limits:\n{reply}");
+                let (_b_admin, mut b) = io_of("nqn.2024-01.io.nvpool:upgrade-host-b", 0xB);
+                let written = b.write(1, 0, &pattern(1, 512), 512, 8192);
+                assert!(
+                    matches!(written, Err(nvpool_initiator::Error::Command(s)) if s.base() == Status::RESERVATION_CONFLICT),
+                    "pid {new_pid} let host B write past A's reservation: {written:?}"
+                );
+                b.read(1, 0, 1, 512).unwrap();
+                let report = b.reservation_report(1, 4096).unwrap();
+                assert_eq!(report.kind, Some(ReservationType::WriteExclusive));
+                assert_eq!(
+                    report.registrants.iter().map(|r| (r.host_id, r.key)).collect::<Vec<_>>(),
+                    [([0xA; 16], 0xA1)]
+                );
                 break;
             }
             assert!(Instant::now() < deadline, "pid {new_pid} does not serve the metrics:\n{reply}");

@@ -142,6 +142,8 @@ pub const OAES_DISCOVERY_CHANGE: u32 = 1 << 31;
 pub const ONCS_DSM: u16 = 1 << 2;
 /// ONCS bit 3: Write Zeroes.
 pub const ONCS_WRITE_ZEROES: u16 = 1 << 3;
+/// ONCS bit 5: the reservation commands.
+pub const ONCS_RESERVATIONS: u16 = 1 << 5;
 /// VWC bit 0: a volatile write cache is present.
 pub const VWC_PRESENT: u8 = 1;
 /// VWC bits 2:1 = 10b: Flush with NSID FFFFFFFFh is not supported.
@@ -192,6 +194,8 @@ layout! {
         flbas: u8 = 26,
         /// Namespace multi-path I/O and sharing capabilities.
         nmic: u8 = 30,
+        /// Reservation capabilities.
+        rescap: u8 = 31,
         /// Deallocate logical block features.
         dlfeat: u8 = 33,
         /// Namespace optimal I/O boundary in logical blocks.
@@ -209,6 +213,9 @@ layout! {
     }
 }
 
+/// RESCAP: every reservation type (bits 1 to 6) and Ignore Existing Key as NVMe 1.3
+/// and later define it (bit 7); not Persist Through Power Loss (bit 0).
+pub const RESCAP_ALL_TYPES: u8 = 0b1111_1110;
 /// NMIC bit 0: the namespace may be attached to more than one controller.
 pub const NMIC_SHARED: u8 = 1;
 /// NSFEAT bit 0: thin provisioning (NCAP and NUSE may be less than NSZE).

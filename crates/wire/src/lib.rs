@@ -5,7 +5,8 @@
 //! - NVM Express Base Specification 2.0 (commands, completions, Identify, log pages,
 //!   features),
 //! - NVM Command Set Specification 1.0 (Read, Write, Flush, Write Zeroes, Dataset
-//!   Management, the I/O Command Set specific Identify structures),
+//!   Management, the reservation commands, the I/O Command Set specific Identify
+//!   structures),
 //! - NVMe over Fabrics 1.1 (Connect, Property Get/Set, Disconnect, discovery log),
 //! - NVMe/TCP Transport Specification 1.0 (PDUs and digests),
 //! - NVMe RDMA Transport Specification 1.0b (connection private data, keyed SGLs),
@@ -21,6 +22,7 @@ pub mod fabrics;
 pub mod identify;
 pub mod log;
 pub mod rdma;
+pub mod reservation;
 pub mod status;
 pub mod tcp;
 

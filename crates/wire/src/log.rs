@@ -18,6 +18,8 @@ pub mod lid {
     pub const COMMAND_EFFECTS: u8 = 0x05;
     /// Asymmetric Namespace Access.
     pub const ANA: u8 = 0x0C;
+    /// Reservation Notification.
+    pub const RESERVATION_NOTIFICATION: u8 = 0x80;
     /// Discovery (discovery controllers only).
     pub const DISCOVERY: u8 = 0x70;
 }
@@ -300,7 +302,14 @@ pub mod feature {
     pub const ASYNC_EVENT_CONFIG: u8 = 0x0B;
     /// Keep Alive Timer.
     pub const KEEP_ALIVE_TIMER: u8 = 0x0F;
+    /// Reservation Notification Mask (per namespace).
+    pub const RESERVATION_NOTIFICATION_MASK: u8 = 0x81;
+    /// Reservation Persistence (per namespace): Persist Through Power Loss.
+    pub const RESERVATION_PERSISTENCE: u8 = 0x82;
 }
+
+/// Bytes of the Reservation Notification log page (one entry).
+pub const RESERVATION_NOTIFICATION_SIZE: usize = 64;
 
 layout! {
     /// The Discovery log page header (NVMe-oF 1.1 Figure 38).

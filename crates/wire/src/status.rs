@@ -56,6 +56,9 @@ impl Status {
     pub const CAPACITY_EXCEEDED: Status = status(SCT_GENERIC, 0x81);
     /// The namespace is not ready.
     pub const NAMESPACE_NOT_READY: Status = status(SCT_GENERIC, 0x82);
+    /// A reservation keeps this host from the command, or a reservation command's key
+    /// or registration does not match.
+    pub const RESERVATION_CONFLICT: Status = status(SCT_GENERIC, 0x83);
 
     /// The queue identifier is invalid (Connect for a queue that does not exist).
     pub const INVALID_QUEUE_IDENTIFIER: Status = status(SCT_COMMAND_SPECIFIC, 0x01);
@@ -136,6 +139,7 @@ impl Status {
             Status::LBA_OUT_OF_RANGE => "LBA out of range",
             Status::CAPACITY_EXCEEDED => "capacity exceeded",
             Status::NAMESPACE_NOT_READY => "namespace not ready",
+            Status::RESERVATION_CONFLICT => "reservation conflict",
             Status::INVALID_QUEUE_IDENTIFIER => "invalid queue identifier",
             Status::INVALID_QUEUE_SIZE => "invalid queue size",
             Status::AER_LIMIT_EXCEEDED => "asynchronous event request limit exceeded",

@@ -75,6 +75,22 @@ nvme read $D -n 1 -s 3000 -c 15 -z 8192 -d /tmp/dsm >/dev/null || fail "nvme rea
 cmp -n 8192 /tmp/dsm /dev/zero || fail "deallocated blocks do not read as zeroes"
 echo "flush, write-zeroes and deallocate OK"
 
+step "reservations with the kernel's passthrough: nvme resv-register, resv-acquire, resv-report, resv-release"
+nvme id-ns $D | grep -E "^rescap" | tee rescap.txt
+nvme resv-register $D -n 1 --nrkey=1234567 --rrega=0 || fail "nvme resv-register"
+nvme resv-acquire $D -n 1 --crkey=1234567 --rtype=1 --racqa=0 || fail "nvme resv-acquire (Write Exclusive)"
+nvme resv-report $D -n 1 --eds -o json | tee resv-report.json
+tr -d ' \n' < resv-report.json | grep -q '"rtype":1,' || fail "the report does not show Write Exclusive held"
+grep -q 1234567 resv-report.json || fail "the report does not list the key"
+dd if=/dev/urandom of=$D bs=512 seek=5000 count=8 oflag=direct 2>/dev/null || fail "the holder's write"
+nvme resv-acquire $D -n 1 --crkey=7654321 --rtype=1 --racqa=0 2>resv-wrong-key.txt && fail "acquired with a wrong key"
+cat resv-wrong-key.txt
+nvme resv-release $D -n 1 --crkey=1234567 --rtype=1 --rrela=0 || fail "nvme resv-release"
+nvme resv-register $D -n 1 --crkey=1234567 --rrega=1 || fail "nvme resv-register (unregister)"
+nvme resv-report $D -n 1 --eds -o json | tee resv-report-after.json
+tr -d ' \n' < resv-report-after.json | grep -q '"regctl":0' || fail "a registration is left"
+echo "reservations OK"
+
 step "a namespace added while connected appears (AEN)"
 touch /host/req-add-ns
 wait_for 60 test -b /dev/${C}n2 || fail "namespace 2 did not appear"

@@ -110,6 +110,11 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn as_volume(&self) -> Option<&volume::VolumeBackend> {
         None
     }
+
+    /// Whether the data is another engine's, which this one forwards to.
+    fn forwards(&self) -> bool {
+        false
+    }
 }
 
 /// How a backend opens again in a new engine process.

@@ -431,6 +431,7 @@ impl Engine {
             let mut ns = Namespace::new(n.nsid, backend, n.block_size, n.uuid, n.nguid)?;
             ns.ana_group = n.ana_group;
             ns.qos.set(n.qos);
+            ns.reservations.restore(&n.reservations);
             s.add_namespace(ns)?;
         }
         s.restore_ana(&i.ana);

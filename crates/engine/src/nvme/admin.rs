@@ -11,6 +11,7 @@ use nvpool_wire::identify::{
 use nvpool_wire::log::{
     self, EFFECT_LBCC, EFFECT_NCC, EFFECT_SUPPORTED, ErrorLogEntry, FwSlotLog, GetLogPage, SmartLog, feature, lid,
 };
+use nvpool_wire::reservation;
 
 use super::ana::{ANA_TRANSITION_TIME_S, MAX_ANA_GROUP};
 use super::data_pointer::{self, Direction, Length};
@@ -214,7 +215,7 @@ pub fn identify_controller(target: &Target, ctrl: &Controller) -> IdentifyContro
         cqes: 0x44,
         nn: MAX_NSID,
         mnan: MAX_NSID,
-        oncs: identify::ONCS_DSM | identify::ONCS_WRITE_ZEROES,
+        oncs: identify::ONCS_DSM | identify::ONCS_WRITE_ZEROES | identify::ONCS_RESERVATIONS,
         vwc: identify::VWC_PRESENT | identify::VWC_NO_BROADCAST_FLUSH,
         anatt: ANA_TRANSITION_TIME_S,
         anacap: identify::ANACAP_ALL_STATES | identify::ANACAP_FIXED_GROUP_ID,
@@ -236,6 +237,7 @@ pub fn identify_namespace(ns: &Namespace) -> IdentifyNamespace {
         nlbaf: 0,
         flbas: 0,
         nmic: identify::NMIC_SHARED,
+        rescap: if ns.serves_reservations() { identify::RESCAP_ALL_TYPES } else { 0 },
         dlfeat: if ns.backend.deallocated_reads_zeroes() { identify::DLFEAT_READS_ZEROES } else { 0 },
         anagrpid: ns.ana_group,
         nguid: ns.nguid,
@@ -262,6 +264,8 @@ fn get_log_page(target: &Target, ctrl: &Controller, cmd: &Command) -> AdminOutco
             b
         }
         lid::COMMAND_EFFECTS => command_effects(),
+        // No notices are queued yet: the page says so (a count of 0).
+        lid::RESERVATION_NOTIFICATION => vec![0; log::RESERVATION_NOTIFICATION_SIZE],
         lid::ANA => {
             ctrl.ana_log_read(g.rae);
             // LSP bit 0: Return Groups Only.
@@ -310,6 +314,10 @@ fn command_effects() -> Vec<u8> {
         (io_opcode::READ, EFFECT_SUPPORTED),
         (io_opcode::WRITE_ZEROES, EFFECT_SUPPORTED | EFFECT_LBCC),
         (io_opcode::DATASET_MANAGEMENT, EFFECT_SUPPORTED | EFFECT_LBCC | EFFECT_NCC),
+        (reservation::opcode::REGISTER, EFFECT_SUPPORTED),
+        (reservation::opcode::REPORT, EFFECT_SUPPORTED),
+        (reservation::opcode::ACQUIRE, EFFECT_SUPPORTED),
+        (reservation::opcode::RELEASE, EFFECT_SUPPORTED),
     ];
     let mut b = vec![0; log::COMMAND_EFFECTS_SIZE];
     log::encode_command_effects(&admin, &io, &mut b);
@@ -344,6 +352,10 @@ fn set_features(target: &Target, ctrl: &Controller, cmd: &Command) -> AdminOutco
             ctrl.set_kato_ms(v, target.now_ms());
             done(Status::SUCCESS)
         }
+        // Persisting reservations through a power loss is not offered (RESCAP bit 0).
+        feature::RESERVATION_PERSISTENCE if v & 1 != 0 => done(Status::INVALID_FIELD.with_dnr()),
+        // Accepted: no notice is sent yet, so there is nothing to mask.
+        feature::RESERVATION_PERSISTENCE | feature::RESERVATION_NOTIFICATION_MASK => done(Status::SUCCESS),
         // Accepted and ignored: these have no effect on a fabrics target.
         feature::ARBITRATION
         | feature::POWER_MANAGEMENT
@@ -368,6 +380,7 @@ fn get_features(ctrl: &Controller, cmd: &Command) -> AdminOutcome {
         // Over-temperature threshold 0x0157 (343 K) as controllers report by default.
         feature::TEMPERATURE_THRESHOLD => 0x0157,
         feature::ARBITRATION | feature::POWER_MANAGEMENT | feature::INTERRUPT_COALESCING => 0,
+        feature::RESERVATION_NOTIFICATION_MASK | feature::RESERVATION_PERSISTENCE => 0,
         _ => return done(Status::INVALID_FIELD.with_dnr()),
     };
     done_result(u64::from(value))

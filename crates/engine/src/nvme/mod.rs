@@ -11,6 +11,7 @@ pub mod data_pointer;
 pub mod discovery;
 pub mod fabrics;
 pub mod nvm;
+pub mod reservation;
 pub mod stats;
 pub mod subsystem;
 

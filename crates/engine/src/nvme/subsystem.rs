@@ -16,6 +16,7 @@ use super::{Controller, MAX_NSID};
 use crate::backend::{Backend, Handover};
 use crate::error::{Error, Result};
 use crate::io::{BlockIo, DiskQueue};
+use crate::nvme::reservation::{NamespaceReservations, ReservationsImage};
 use crate::qos::Qos;
 use crate::sync::{lock, read, write};
 use crate::tls::HostPsk;
@@ -42,6 +43,8 @@ pub struct Namespace {
     pub stats: Arc<NamespaceStats>,
     /// I/O limits, kept when the backend is swapped.
     pub qos: Arc<Qos>,
+    /// Registrations and the reservation, kept when the backend is swapped.
+    pub reservations: Arc<NamespaceReservations>,
 }
 
 impl Namespace {
@@ -97,12 +100,20 @@ impl Namespace {
             ana_group: nsid,
             stats: Arc::default(),
             qos: Arc::default(),
+            reservations: Arc::default(),
         })
     }
 
     /// Block size in bytes.
     pub fn block_size(&self) -> u32 {
         1 << self.block_shift
+    }
+
+    /// Whether the namespace keeps reservations: where it forwards to the owner of
+    /// the data, reservations are the owner's, and this engine cannot tell its
+    /// hosts apart there, so it offers none.
+    pub fn serves_reservations(&self) -> bool {
+        !self.backend.forwards()
     }
 }
 
@@ -350,7 +361,13 @@ impl Subsystem {
                 self.nqn
             )));
         }
-        let swapped = Namespace { backend, stats: old.stats.clone(), qos: old.qos.clone(), ..**old };
+        let swapped = Namespace {
+            backend,
+            stats: old.stats.clone(),
+            qos: old.qos.clone(),
+            reservations: old.reservations.clone(),
+            ..**old
+        };
         let mut map = (**guard).clone();
         map.insert(nsid, Arc::new(swapped));
         *guard = Arc::new(map);
@@ -433,6 +450,7 @@ impl Subsystem {
                 nguid: ns.nguid,
                 ana_group: ns.ana_group,
                 qos: ns.qos.limits(),
+                reservations: ns.reservations.image(),
             })
             .collect();
         SubsystemImage {
@@ -542,6 +560,9 @@ pub struct NamespaceImage {
     /// I/O limits (none from an engine that had none).
     #[serde(default)]
     pub qos: nvpool_api::QosLimits,
+    /// Registrations and the reservation (none from an engine that had none).
+    #[serde(default)]
+    pub reservations: ReservationsImage,
 }
 
 /// How a backend opens in the new process.

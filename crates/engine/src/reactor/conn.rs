@@ -25,9 +25,9 @@ use crate::nvme::admin::{self, AdminOutcome};
 use crate::nvme::ana;
 use crate::nvme::auth::{self, Handled, Outcome, Transaction};
 use crate::nvme::data_pointer::Source;
-use crate::nvme::nvm;
 use crate::nvme::subsystem::NamespaceMap;
 use crate::nvme::{ADMIN_IN_CAPSULE_DATA, Controller, IO_IN_CAPSULE_DATA, Namespace, Transport, fabrics};
+use crate::nvme::{nvm, reservation};
 use crate::plan::{IoPlan, MAX_TRANSFER};
 use serde::{Deserialize, Serialize};
 
@@ -363,7 +363,8 @@ impl Conn {
             // Logged when the queue closes, with the host's address.
             return self.respond(r, idx, cmd.cid, Status::AUTH_REQUIRED.with_dnr(), 0);
         }
-        if (fabrics || qid == 0)
+        // Reservation commands carry a few bytes of keys, fetched as an admin command's.
+        if (fabrics || qid == 0 || reservation::is_reservation_command(cmd.opcode))
             && let Some(len) = host_data_outside_capsule(cmd)
         {
             return self.fetch_then_run(r, idx, cmd, len);
@@ -600,6 +601,13 @@ impl Conn {
         if let Some(status) = ana::io_status(q.controller.ana_state(ns.ana_group)) {
             return self.respond(r, idx, cmd.cid, status, 0);
         }
+        if reservation::is_reservation_command(cmd.opcode) {
+            let ns = ns.clone();
+            return self.on_reservation(r, idx, cmd, data, &ns);
+        }
+        if !ns.reservations.allows(&q.controller.hostid, reservation::access_of(cmd.opcode)) {
+            return self.respond(r, idx, cmd.cid, Status::RESERVATION_CONFLICT.with_dnr(), 0);
+        }
         let (plan, source) = match nvm::plan(ns, cmd, data.len()) {
             Ok(p) => p,
             Err(s) => {
@@ -647,6 +655,24 @@ impl Conn {
         match &mut self.wire {
             Wire::Tcp(s) => s.request_data(cmd.cid, tag, host_len as u32),
             Wire::Rdma(_) => self.fetch_by_rdma_read(r, idx, tag, cmd.cid, host_len),
+        }
+    }
+
+    /// Runs a reservation command on the namespace, at once: it touches only the
+    /// namespace's reservation state, never its data.
+    fn on_reservation(&mut self, r: &mut Reactor, idx: u32, cmd: &Command, data: &[u8], ns: &Namespace) {
+        let Some(q) = &self.queue else { return };
+        if !ns.serves_reservations() {
+            return self.respond(r, idx, cmd.cid, Status::INVALID_OPCODE.with_dnr(), 0);
+        }
+        match ns.reservations.execute(&q.controller.hostid, cmd, data) {
+            Ok(report) => {
+                if let Some(d) = report.filter(|d| !d.is_empty()) {
+                    self.send_data(r, cmd.cid, Payload::Owned(d), false);
+                }
+                self.respond(r, idx, cmd.cid, Status::SUCCESS, 0);
+            }
+            Err(status) => self.respond(r, idx, cmd.cid, status, 0),
         }
     }
 

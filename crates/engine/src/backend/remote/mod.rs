@@ -412,6 +412,10 @@ impl Backend for RemoteBackend {
         self.reads_zeroes
     }
 
+    fn forwards(&self) -> bool {
+        true
+    }
+
     fn start(&self, io: &mut BlockIo, queue: &mut DiskQueue<'_>) {
         if let IoPlan::Read { len, .. } = io.plan {
             queue.give_buf(io, len as usize);
