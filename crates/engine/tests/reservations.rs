@@ -96,6 +96,7 @@ fn reservations_keep_out_whom_they_should_and_follow_the_host_not_the_controller
     let mut b = host(e.addr, "nqn.2024-01.io.nvpool:host-b", 0xB);
     let ctrl = a.admin.identify_controller().unwrap();
     assert_ne!(ctrl.oncs & ONCS_RESERVATIONS, 0, "Identify Controller offers the reservation commands");
+    assert_ne!(ctrl.ctratt & identify::CTRATT_HOST_ID_128, 0, "and says host IDs are 128 bits (extended reports)");
     let ns = a.admin.identify_namespace(1).unwrap();
     assert_eq!(ns.rescap, identify::RESCAP_ALL_TYPES);
 

@@ -142,6 +142,8 @@ pub const OAES_DISCOVERY_CHANGE: u32 = 1 << 31;
 pub const ONCS_DSM: u16 = 1 << 2;
 /// ONCS bit 3: Write Zeroes.
 pub const ONCS_WRITE_ZEROES: u16 = 1 << 3;
+/// CTRATT bit 0: 128-bit Host Identifiers.
+pub const CTRATT_HOST_ID_128: u32 = 1;
 /// ONCS bit 5: the reservation commands.
 pub const ONCS_RESERVATIONS: u16 = 1 << 5;
 /// VWC bit 0: a volatile write cache is present.

@@ -216,6 +216,9 @@ pub fn identify_controller(target: &Target, ctrl: &Controller) -> IdentifyContro
         nn: MAX_NSID,
         mnan: MAX_NSID,
         oncs: identify::ONCS_DSM | identify::ONCS_WRITE_ZEROES | identify::ONCS_RESERVATIONS,
+        // Host Identifiers are 128 bits on a fabric: hosts ask for the extended
+        // reservation report, the only one that can carry them.
+        ctratt: identify::CTRATT_HOST_ID_128,
         vwc: identify::VWC_PRESENT | identify::VWC_NO_BROADCAST_FLUSH,
         anatt: ANA_TRANSITION_TIME_S,
         anacap: identify::ANACAP_ALL_STATES | identify::ANACAP_FIXED_GROUP_ID,
