@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use nvpool_engine::config::{EngineConfig, ListenerConfig, NamespaceConfig, SubsystemConfig};
 use nvpool_initiator::{ConnectOptions, Error, Queue, connect_admin, pattern};
 use nvpool_wire::Status;
-use nvpool_wire::command::Command;
+use nvpool_wire::command::{Command, io_opcode};
 use nvpool_wire::identify::{self, ONCS_RESERVATIONS};
 use nvpool_wire::reservation::{
     Acquire, AcquireAction, AcquireData, Register, RegisterAction, RegisterData, Release, ReleaseAction, ReleaseData,
@@ -124,9 +124,15 @@ fn reservations_keep_out_whom_they_should_and_follow_the_host_not_the_controller
     // B cannot take it without A's key, nor release what it does not hold.
     assert_eq!(b.acquire(AcquireAction::Acquire, 0xB1, 0, ReservationType::WriteExclusive), CONFLICT.with_dnr());
 
-    // B registers and preempts A's key: A's registration goes, and with it its writes.
+    // B registers and preempts A's key: A's registration goes, and with it its writes,
+    // even one that A sent before and whose data (by R2T) comes only after.
+    let cid = a.io.alloc_cid();
+    let late = Command::read_write(io_opcode::WRITE, cid, 1, 9, 1, BLOCK);
+    a.io.submit(late, &pattern(99, BLOCK as usize), false).unwrap();
     assert_eq!(b.register(RegisterAction::Register, 0, 0xB1), OK);
     assert_eq!(b.acquire(AcquireAction::Preempt, 0xB1, 0xA1, ReservationType::ExclusiveAccess), OK);
+    assert_eq!(a.io.next_reply().unwrap().cqe.status, CONFLICT.with_dnr(), "the write whose data came late");
+    assert_ne!(b.io.read(1, 9, 1, BLOCK).unwrap(), pattern(99, BLOCK as usize), "and it did not land");
     assert_eq!(a.write_read(5), (CONFLICT.with_dnr(), CONFLICT.with_dnr()), "Exclusive Access keeps reads out");
     assert_eq!(b.write_read(5), (OK, OK));
     let report = a.io.reservation_report(1, 4096).unwrap();

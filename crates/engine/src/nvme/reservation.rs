@@ -293,12 +293,6 @@ pub fn is_reservation_command(opcode: u8) -> bool {
     matches!(opcode, opcode::REGISTER | opcode::REPORT | opcode::ACQUIRE | opcode::RELEASE)
 }
 
-/// What a command does to the data, as reservations see it: reads read, every other
-/// command (Write, Write Zeroes, Dataset Management, Flush) writes.
-pub fn access_of(opcode: u8) -> Access {
-    if opcode == nvpool_wire::command::io_opcode::READ { Access::Read } else { Access::Write }
-}
-
 /// A namespace's reservations as the I/O path uses them: shared by the namespace's
 /// forms (a swapped backend, a grown volume keep them) and by every queue of every
 /// controller. While nothing is held, a command's check is one atomic load.

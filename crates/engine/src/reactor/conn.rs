@@ -25,9 +25,10 @@ use crate::nvme::admin::{self, AdminOutcome};
 use crate::nvme::ana;
 use crate::nvme::auth::{self, Handled, Outcome, Transaction};
 use crate::nvme::data_pointer::Source;
+use crate::nvme::nvm;
+use crate::nvme::reservation::{self, Access};
 use crate::nvme::subsystem::NamespaceMap;
 use crate::nvme::{ADMIN_IN_CAPSULE_DATA, Controller, IO_IN_CAPSULE_DATA, Namespace, Transport, fabrics};
-use crate::nvme::{nvm, reservation};
 use crate::plan::{IoPlan, MAX_TRANSFER};
 use serde::{Deserialize, Serialize};
 
@@ -605,9 +606,6 @@ impl Conn {
             let ns = ns.clone();
             return self.on_reservation(r, idx, cmd, data, &ns);
         }
-        if !ns.reservations.allows(&q.controller.hostid, reservation::access_of(cmd.opcode)) {
-            return self.respond(r, idx, cmd.cid, Status::RESERVATION_CONFLICT.with_dnr(), 0);
-        }
         let (plan, source) = match nvm::plan(ns, cmd, data.len()) {
             Ok(p) => p,
             Err(s) => {
@@ -680,6 +678,14 @@ impl Conn {
     pub(super) fn start_io(&mut self, r: &mut Reactor, idx: u32, tag: u16) {
         let slot = &mut self.slots[usize::from(tag)];
         let Some(ns) = slot.ns.as_ref() else { return };
+        // Checked here, as the command reaches the data, not when it arrived: a write
+        // whose data came by R2T after its host was preempted must not land.
+        let host = self.queue.as_ref().map(|q| &q.controller.hostid);
+        let access = if matches!(slot.io.plan, IoPlan::Read { .. }) { Access::Read } else { Access::Write };
+        if host.is_some_and(|h| !ns.reservations.allows(h, access)) {
+            slot.io.status = Status::RESERVATION_CONFLICT.with_dnr();
+            return self.finish(r, idx, tag);
+        }
         if let IoPlan::DatasetManagement { ranges, .. } = slot.io.plan
             && let Err(status) = nvm::check_dsm_ranges(ns, slot.io.data().unwrap_or_default(), ranges)
         {
