@@ -183,3 +183,45 @@ fn a_namespace_that_forwards_leaves_reservations_to_its_owner() {
     assert_eq!(h.register(RegisterAction::Register, 0, 1), Status::INVALID_OPCODE.with_dnr());
     assert_eq!(h.write_read(1), (OK, OK));
 }
+
+/// Writes of this namespace the engine completed.
+fn writes_completed(e: &TestEngine) -> u64 {
+    let s = e.engine.subsystems().into_iter().find(|s| s.nqn == NQN).unwrap();
+    s.namespaces[0].stats.writes
+}
+
+#[test]
+fn preempt_and_abort_completes_after_the_preempted_hosts_writes_in_flight() {
+    let e = engine("memory:4MiB", BLOCK);
+    // Four writes a second: A's writes wait in the namespace's limits, with the
+    // backend, while B preempts A.
+    let limits = nvpool_api::QosLimits { write_iops: 4, ..Default::default() };
+    e.engine.set_namespace_qos(NQN, 1, limits).unwrap();
+    let mut a = host(e.addr, "nqn.2024-01.io.nvpool:host-a", 0xA);
+    let mut b = host(e.addr, "nqn.2024-01.io.nvpool:host-b", 0xB);
+    assert_eq!(a.register(RegisterAction::Register, 0, 0xA1), OK);
+    assert_eq!(a.acquire(AcquireAction::Acquire, 0xA1, 0, ReservationType::WriteExclusive), OK);
+    assert_eq!(b.register(RegisterAction::Register, 0, 0xB1), OK);
+    let base = writes_completed(&e);
+    const WRITES: u64 = 8;
+    for lba in 0..WRITES {
+        let cid = a.io.alloc_cid();
+        let w = Command::read_write(io_opcode::WRITE, cid, 1, lba, 1, BLOCK);
+        a.io.submit(w, &pattern(lba, BLOCK as usize), true).unwrap();
+    }
+    // Let them reach the namespace (all but the first wait for their budget).
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert_eq!(b.acquire(AcquireAction::PreemptAndAbort, 0xB1, 0xA1, ReservationType::WriteExclusive), OK);
+    let done_at_preempt = writes_completed(&e) - base;
+    let mut landed = 0;
+    for _ in 0..WRITES {
+        match a.io.next_reply().unwrap().cqe.status {
+            s if s.is_success() => landed += 1,
+            s => assert_eq!(s, CONFLICT.with_dnr()),
+        }
+    }
+    println!("{landed} of A's {WRITES} writes landed; {done_at_preempt} had when B's Preempt and Abort completed");
+    assert!(landed > 1, "writes were with the backend when B preempted A");
+    assert_eq!(done_at_preempt, landed, "a write of A landed after the Preempt and Abort completed");
+    assert_eq!(a.write_read(20), (CONFLICT.with_dnr(), OK));
+}

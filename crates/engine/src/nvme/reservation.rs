@@ -5,7 +5,7 @@
 //! and the I/O path asks `allows` only while a reservation is held.
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use nvpool_wire::Status;
 use nvpool_wire::command::Command;
@@ -296,10 +296,62 @@ pub fn is_reservation_command(opcode: u8) -> bool {
 /// A namespace's reservations as the I/O path uses them: shared by the namespace's
 /// forms (a swapped backend, a grown volume keep them) and by every queue of every
 /// controller. While nothing is held, a command's check is one atomic load.
-#[derive(Debug, Default)]
+///
+/// While any host is registered, the commands with the backend are counted, per
+/// reactor and per epoch (its parity), so that a Preempt and Abort completes only
+/// once every command that went to the backend before it is done: then no write of a
+/// preempted host lands after it. It flips the epoch and waits for the old one's
+/// count to reach zero; one that comes while another waits takes its turn after it.
+#[derive(Debug)]
 pub struct NamespaceReservations {
     held: AtomicBool,
+    /// Hosts are registered: commands are counted.
+    tracking: AtomicBool,
+    epoch: AtomicU64,
+    /// The epoch (plus one) whose commands a Preempt and Abort waits for; 0 for none,
+    /// `CLAIMED` while one is flipping the epoch.
+    drain: AtomicU64,
+    in_flight: Box<[EpochCounts]>,
     state: Mutex<Reservations>,
+}
+
+/// One reactor's commands with the backend, by the parity of the epoch they went in.
+#[derive(Debug, Default)]
+#[repr(align(64))]
+struct EpochCounts([AtomicU64; 2]);
+
+impl Default for NamespaceReservations {
+    fn default() -> Self {
+        NamespaceReservations {
+            held: AtomicBool::new(false),
+            tracking: AtomicBool::new(false),
+            epoch: AtomicU64::new(0),
+            drain: AtomicU64::new(0),
+            in_flight: (0..crate::nvme::stats::reactor_shards()).map(|_| EpochCounts::default()).collect(),
+            state: Mutex::default(),
+        }
+    }
+}
+
+/// A Preempt and Abort waiting to complete (see `NamespaceReservations`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Abort {
+    /// Another one is waiting: this one flips the epoch after it.
+    Queued,
+    /// Waiting for the commands of this epoch (plus one, as `drain` holds it).
+    Draining(u64),
+}
+
+/// `drain` while a Preempt and Abort flips the epoch.
+const CLAIMED: u64 = u64::MAX;
+
+/// What a reservation command gives back.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Executed {
+    /// Complete, with a report's data if it is one.
+    Done(Option<Vec<u8>>),
+    /// A Preempt and Abort: it completes once `NamespaceReservations::advance` says so.
+    Aborting(Abort),
 }
 
 impl NamespaceReservations {
@@ -308,10 +360,75 @@ impl NamespaceReservations {
         !self.held.load(Ordering::Acquire) || lock(&self.state).allows(host, access)
     }
 
+    fn counts(&self, reactor: usize) -> &EpochCounts {
+        &self.in_flight[reactor.min(self.in_flight.len() - 1)]
+    }
+
+    /// Counts a command that goes to the backend on `reactor` while hosts are
+    /// registered; the mark it returns goes back to `done` when the backend is done.
+    /// Called before the command is checked against the reservation, so that a
+    /// command is either refused by a preemption or counted before it.
+    pub fn enter(&self, reactor: usize) -> Option<u8> {
+        if !self.tracking.load(Ordering::Acquire) {
+            return None;
+        }
+        loop {
+            let epoch = self.epoch.load(Ordering::SeqCst);
+            let parity = (epoch & 1) as u8;
+            self.counts(reactor).0[usize::from(parity)].fetch_add(1, Ordering::SeqCst);
+            if self.epoch.load(Ordering::SeqCst) == epoch {
+                return Some(parity);
+            }
+            // The epoch flipped meanwhile: counted in the old one, nobody may wait
+            // for it there.
+            self.counts(reactor).0[usize::from(parity)].fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// A command `enter` counted is done with the backend.
+    pub fn done(&self, reactor: usize, mark: u8) {
+        self.counts(reactor).0[usize::from(mark)].fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Whether every command of epoch `epoch` is done with the backend.
+    fn drained(&self, epoch: u64) -> bool {
+        let parity = (epoch & 1) as usize;
+        self.in_flight.iter().all(|c| c.0[parity].load(Ordering::SeqCst) == 0)
+    }
+
+    /// Moves a waiting Preempt and Abort on; true once it may complete. The wait of
+    /// an earlier one ends when its epoch's commands are done, whether or not its
+    /// connection is still there to see it.
+    pub fn advance(&self, abort: &mut Abort) -> bool {
+        if *abort == Abort::Queued {
+            match self.drain.load(Ordering::SeqCst) {
+                CLAIMED => return false,
+                0 => {}
+                earlier if self.drained(earlier - 1) => {
+                    let _ = self.drain.compare_exchange(earlier, 0, Ordering::SeqCst, Ordering::SeqCst);
+                }
+                _ => return false,
+            }
+            if self.drain.compare_exchange(0, CLAIMED, Ordering::SeqCst, Ordering::SeqCst).is_err() {
+                return false;
+            }
+            let before = self.epoch.fetch_add(1, Ordering::SeqCst);
+            self.drain.store(before + 1, Ordering::SeqCst);
+            *abort = Abort::Draining(before + 1);
+        }
+        let Abort::Draining(mine) = *abort else { return false };
+        if !self.drained(mine - 1) {
+            return false;
+        }
+        let _ = self.drain.compare_exchange(mine, 0, Ordering::SeqCst, Ordering::SeqCst);
+        true
+    }
+
     /// Runs a reservation command of `host` whose host data (Register, Acquire,
-    /// Release) is `data`; returns the data a Report sends back.
-    pub fn execute(&self, host: &HostId, cmd: &Command, data: &[u8]) -> Result<Option<Vec<u8>>, Status> {
+    /// Release) is `data`.
+    pub fn execute(&self, host: &HostId, cmd: &Command, data: &[u8]) -> Result<Executed, Status> {
         let mut state = lock(&self.state);
+        let mut aborting = false;
         let outcome = match cmd.opcode {
             opcode::REGISTER => {
                 let fields = Register::from_command(cmd).ok_or(Status::INVALID_FIELD.with_dnr())?;
@@ -319,6 +436,7 @@ impl NamespaceReservations {
             }
             opcode::ACQUIRE => {
                 let fields = Acquire::from_command(cmd).ok_or(Status::INVALID_FIELD.with_dnr())?;
+                aborting = fields.action == AcquireAction::PreemptAndAbort;
                 state.acquire(host, fields, decoded(AcquireData::decode(host_data(cmd, data, AcquireData::SIZE)?))?)
             }
             opcode::RELEASE => {
@@ -333,14 +451,15 @@ impl NamespaceReservations {
                     return Err(Status::HOST_ID_INCONSISTENT.with_dnr());
                 }
                 data_pointer::check(&cmd.dptr, Direction::ToHost, Length::Exactly(report.len as u64), 0)?;
-                return Ok(Some(state.status().encode_extended(report.len)));
+                return Ok(Executed::Done(Some(state.status().encode_extended(report.len))));
             }
             _ => return Err(Status::INVALID_OPCODE.with_dnr()),
         };
         // The notices (log pages and events for the hosts affected) are not sent yet.
         outcome.map_err(|s| s.with_dnr())?;
         self.held.store(state.held(), Ordering::Release);
-        Ok(None)
+        self.tracking.store(!state.registrants.is_empty(), Ordering::Release);
+        Ok(if aborting { Executed::Aborting(Abort::Queued) } else { Executed::Done(None) })
     }
 
     /// Whether any host is registered.
@@ -366,6 +485,7 @@ impl NamespaceReservations {
             image.holder.and_then(|(host, code)| ReservationType::from_code(code).map(|kind| Holder { host, kind }));
         state.generation = image.generation;
         self.held.store(state.held(), Ordering::Release);
+        self.tracking.store(!state.registrants.is_empty(), Ordering::Release);
     }
 }
 
@@ -428,6 +548,33 @@ mod tests {
     fn release(r: &mut Reservations, host: &HostId, key: u64, kind: ReservationType) -> Result<Notices, Status> {
         let cmd = Release { action: ReleaseAction::Release, ignore_key: false, kind_code: kind.code() };
         r.release(host, cmd, ReleaseData { current_key: key })
+    }
+
+    #[test]
+    fn preempt_and_abort_waits_for_the_commands_before_it_and_in_turn() {
+        let r = NamespaceReservations::default();
+        assert_eq!(r.enter(0), None, "nobody registered: nothing is counted");
+        r.tracking.store(true, Ordering::SeqCst);
+        let before = r.enter(0).unwrap();
+        let mut first = Abort::Queued;
+        assert!(!r.advance(&mut first), "a command went to the backend before it");
+        let after = r.enter(1).unwrap();
+        let mut second = Abort::Queued;
+        assert!(!r.advance(&mut second), "the second waits for the first");
+        r.done(0, before);
+        assert!(r.advance(&mut first), "the command before the first is done");
+        assert!(!r.advance(&mut second), "the second waits for the command before it");
+        r.done(1, after);
+        assert!(r.advance(&mut second));
+
+        // A first one whose connection went away: the next one ends its wait itself.
+        let before = r.enter(0).unwrap();
+        let mut abandoned = Abort::Queued;
+        assert!(!r.advance(&mut abandoned));
+        let mut next = Abort::Queued;
+        assert!(!r.advance(&mut next));
+        r.done(0, before);
+        assert!(r.advance(&mut next));
     }
 
     #[test]

@@ -21,6 +21,12 @@ const OWNED_SHARDS: usize = 64;
 /// shard each and no more (each shard carries three histograms).
 static REACTORS: AtomicUsize = AtomicUsize::new(OWNED_SHARDS);
 
+/// Shards a per-reactor count of a namespace made now has: one per reactor up to
+/// `OWNED_SHARDS`, and one that the reactors past them share.
+pub fn reactor_shards() -> usize {
+    REACTORS.load(Ordering::Relaxed) + 1
+}
+
 /// Sizes the shards of namespaces made from now on for `reactors` reactors.
 pub fn set_reactor_count(reactors: usize) {
     REACTORS.store(reactors.clamp(1, OWNED_SHARDS), Ordering::Relaxed);

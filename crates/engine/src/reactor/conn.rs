@@ -26,7 +26,7 @@ use crate::nvme::ana;
 use crate::nvme::auth::{self, Handled, Outcome, Transaction};
 use crate::nvme::data_pointer::Source;
 use crate::nvme::nvm;
-use crate::nvme::reservation::{self, Access};
+use crate::nvme::reservation::{self, Abort, Access, Executed, NamespaceReservations};
 use crate::nvme::subsystem::NamespaceMap;
 use crate::nvme::{ADMIN_IN_CAPSULE_DATA, Controller, IO_IN_CAPSULE_DATA, Namespace, Transport, fabrics};
 use crate::plan::{IoPlan, MAX_TRANSFER};
@@ -143,11 +143,23 @@ pub(super) struct Slot {
     /// is in, as an I/O command goes to its backend then. Boxed: rare, and every I/O
     /// slot would carry it.
     pub(super) command: Option<Box<Command>>,
+    /// Counted among the namespace's commands with the backend, for a Preempt and
+    /// Abort to wait for (the epoch's parity), while hosts are registered.
+    pub(super) fence: Option<u8>,
 }
 
 impl Slot {
     pub(super) fn free() -> Slot {
-        Slot { state: SlotState::Free, cid: 0, ns: None, io: BlockIo::idle(), expected: 0, received: 0, command: None }
+        Slot {
+            state: SlotState::Free,
+            cid: 0,
+            ns: None,
+            io: BlockIo::idle(),
+            expected: 0,
+            received: 0,
+            command: None,
+            fence: None,
+        }
     }
 }
 
@@ -178,6 +190,8 @@ pub(super) struct Conn {
     /// Set while a hot upgrade parks the connection: it finishes what it took and
     /// takes nothing new (see `park_step`).
     pub(super) parking: bool,
+    /// Preempt and Abort commands waiting for the commands before them to be done.
+    pub(super) aborts: Vec<(u16, Arc<NamespaceReservations>, Abort)>,
 }
 
 impl Conn {
@@ -194,6 +208,7 @@ impl Conn {
             free_slots: Vec::new(),
             aers: Vec::new(),
             parking: false,
+            aborts: Vec::new(),
         }
     }
 
@@ -664,13 +679,34 @@ impl Conn {
             return self.respond(r, idx, cmd.cid, Status::INVALID_OPCODE.with_dnr(), 0);
         }
         match ns.reservations.execute(&q.controller.hostid, cmd, data) {
-            Ok(report) => {
+            Ok(Executed::Done(report)) => {
                 if let Some(d) = report.filter(|d| !d.is_empty()) {
                     self.send_data(r, cmd.cid, Payload::Owned(d), false);
                 }
                 self.respond(r, idx, cmd.cid, Status::SUCCESS, 0);
             }
+            Ok(Executed::Aborting(abort)) => {
+                self.aborts.push((cmd.cid, ns.reservations.clone(), abort));
+                self.complete_aborts(r, idx);
+            }
             Err(status) => self.respond(r, idx, cmd.cid, status, 0),
+        }
+    }
+
+    /// Completes the Preempt and Abort commands whose wait is over (see
+    /// `NamespaceReservations`): checked at once and then at every check of the
+    /// connection, the timer's at the latest.
+    pub(super) fn complete_aborts(&mut self, r: &mut Reactor, idx: u32) {
+        let mut i = 0;
+        while i < self.aborts.len() {
+            let (cid, reservations, abort) = &mut self.aborts[i];
+            if reservations.advance(abort) {
+                let cid = *cid;
+                self.aborts.remove(i);
+                self.respond(r, idx, cid, Status::SUCCESS, 0);
+            } else {
+                i += 1;
+            }
         }
     }
 
@@ -680,9 +716,14 @@ impl Conn {
         let Some(ns) = slot.ns.as_ref() else { return };
         // Checked here, as the command reaches the data, not when it arrived: a write
         // whose data came by R2T after its host was preempted must not land.
+        // Counted first, so that a Preempt and Abort either refuses it or waits for it.
+        slot.fence = ns.reservations.enter(r.ring.id);
         let host = self.queue.as_ref().map(|q| &q.controller.hostid);
         let access = if matches!(slot.io.plan, IoPlan::Read { .. }) { Access::Read } else { Access::Write };
         if host.is_some_and(|h| !ns.reservations.allows(h, access)) {
+            if let Some(mark) = slot.fence.take() {
+                ns.reservations.done(r.ring.id, mark);
+            }
             slot.io.status = Status::RESERVATION_CONFLICT.with_dnr();
             return self.finish(r, idx, tag);
         }
@@ -723,6 +764,9 @@ impl Conn {
             // Nobody waits for the answer, but the backend lets go of the command.
             if slot.io.is_idle() {
                 ns.backend.finished(&mut slot.io, r.ring.id);
+                if let Some(mark) = slot.fence.take() {
+                    ns.reservations.done(r.ring.id, mark);
+                }
             }
             return;
         }
@@ -750,8 +794,13 @@ impl Conn {
         if let Some(ns) = slot.ns.as_ref() {
             ns.backend.finished(&mut slot.io, r.ring.id);
         }
+        let fenced = slot.fence.take().map(|mark| (mark, slot.ns.clone()));
         if self.phase != Phase::Closed {
             self.finish(r, idx, tag);
+        }
+        // Last: a Preempt and Abort waiting for this command sees it counted done.
+        if let Some((mark, Some(ns))) = fenced {
+            ns.reservations.done(r.ring.id, mark);
         }
     }
 
@@ -869,6 +918,9 @@ impl Conn {
                     self.deliver_events(r, idx);
                 }
             }
+        }
+        if !self.aborts.is_empty() {
+            self.complete_aborts(r, idx);
         }
     }
 }

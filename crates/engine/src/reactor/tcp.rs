@@ -320,11 +320,16 @@ impl Conn {
             && !s.send_posted
             && self.ops_in_flight == u32::from(s.recv_posted)
             && self.slots.iter().all(|s| s.state == SlotState::Free)
+            && self.aborts.is_empty()
     }
 
     /// Moves parking on: once quiet, the posted receive is taken back. Returns whether
     /// the connection is parked (quiet, nothing posted).
     pub(super) fn park_step(&mut self, r: &mut Reactor, idx: u32) -> bool {
+        // A Preempt and Abort taken before the pause completes before it.
+        if !self.aborts.is_empty() {
+            self.complete_aborts(r, idx);
+        }
         if !self.parking || !self.quiet() {
             return false;
         }
