@@ -320,12 +320,24 @@ pub fn host_writer(
     })
 }
 
+/// Reads every block the model knows through `at` and fails naming each block that
+/// does not hold its last write (and whether it reads as zeroes, never written).
 pub fn verify(at: SocketAddr, nqn: &str, model: &Model, through: &str) {
     let mut p = connect(at, nqn).unwrap_or_else(|| panic!("connect through {through}"));
+    let mut wrong = Vec::new();
     for (&lba, &seed) in model.lock().unwrap().iter() {
         let got = p.io.read(1, lba, 1, BLOCK as u32).unwrap_or_else(|e| panic!("read {lba} through {through}: {e}"));
-        assert!(got == pattern(seed, BLOCK), "block {lba} through {through} is not what was last written");
+        if got != pattern(seed, BLOCK) {
+            let zeroes = got.iter().all(|&b| b == 0);
+            wrong.push(format!("{lba}{}", if zeroes { " (zeroes)" } else { "" }));
+        }
     }
+    assert!(
+        wrong.is_empty(),
+        "{} blocks through {through} are not what was last written: {}",
+        wrong.len(),
+        wrong.iter().take(20).cloned().collect::<Vec<_>>().join(", ")
+    );
 }
 
 /// Keeps an admin connection to the volume's subsystem on every node that exports
