@@ -464,7 +464,7 @@ impl NamespaceReservations {
 
     /// Whether any host is registered.
     pub fn in_use(&self) -> bool {
-        !lock(&self.state).registrants.is_empty()
+        self.tracking.load(Ordering::Acquire)
     }
 
     /// What a hot upgrade hands on.
