@@ -265,6 +265,13 @@ impl Migrations {
                 exports.len()
             )));
         }
+        if let Some((s, ns)) = exports.first().filter(|(_, ns)| ns.backend.as_mirror().is_some()) {
+            return Err(Error::precondition(format!(
+                "volume {pool}/{name} is one replica of namespace {} of {}, which mirrors it: moving a replica is \
+                 not supported yet",
+                ns.nsid, s.nqn
+            )));
+        }
         if let Some((s, ns)) = exports.first().filter(|(_, ns)| ns.reservations.in_use()) {
             return Err(Error::precondition(format!(
                 "hosts are registered for reservations on namespace {} of {}: a move does not carry reservations \

@@ -162,8 +162,15 @@ impl Pools {
     /// Grows a volume; namespaces serving it take the new size and hosts are told.
     pub fn resize_volume(&self, pool: &str, name: &str, size: u64) -> Result<VolumeInfo> {
         let p = self.get(pool)?;
-        let info = p.resize_volume(name, size)?;
         let (io, _) = p.open_volume(name)?;
+        if let Some((s, ns)) = self.exports(&p, Some(io.id)).iter().find(|(_, ns)| ns.backend.as_mirror().is_some()) {
+            return Err(Error::precondition(format!(
+                "volume {pool}/{name} is one replica of namespace {} of {}, which mirrors it: a replicated volume \
+                 cannot grow yet",
+                ns.nsid, s.nqn
+            )));
+        }
+        let info = p.resize_volume(name, size)?;
         for (s, ns) in self.exports(&p, Some(io.id)) {
             let mut grown = self.volume_namespace(pool, name, ns.nsid, ns.block_size())?;
             grown.ana_group = ns.ana_group;

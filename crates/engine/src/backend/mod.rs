@@ -12,6 +12,7 @@
 //! | [`file`](mod@file) | `file:PATH[:SIZE]` | a file or block device, with `O_DIRECT` where possible |
 //! | [`volume`] | `volume:POOL/NAME` | a logical volume of a disk pool, split at cluster boundaries |
 //! | [`remote`] | `remote:HOST:PORT/NQN/NSID` | another engine's namespace, forwarded over NVMe/TCP |
+//! | [`mirror`] | `mirror:LEG LEG ...` | a replicated volume: writes go to every leg (replica) |
 //!
 //! A new backend is one file here that implements [`Backend`] and exports a
 //! [`BackendType`], plus its line in [`TYPES`].
@@ -19,6 +20,7 @@
 pub mod file;
 pub mod gate;
 pub mod memory;
+pub mod mirror;
 pub mod null;
 pub mod remote;
 pub mod volume;
@@ -36,7 +38,7 @@ pub use crate::io::{BlockIo, DiskQueue};
 use crate::pool::Pool;
 
 /// Every kind of backend a namespace spec may name.
-pub const TYPES: &[BackendType] = &[null::TYPE, memory::TYPE, file::TYPE, volume::TYPE, remote::TYPE];
+pub const TYPES: &[BackendType] = &[null::TYPE, memory::TYPE, file::TYPE, volume::TYPE, remote::TYPE, mirror::TYPE];
 
 /// The storage behind a namespace, shared by every reactor that serves it.
 pub trait Backend: Send + Sync + fmt::Debug {
@@ -111,10 +113,19 @@ pub trait Backend: Send + Sync + fmt::Debug {
         None
     }
 
+    /// The mirror this is, for the management of its replicas.
+    fn as_mirror(&self) -> Option<&mirror::MirrorBackend> {
+        None
+    }
+
     /// Whether the data is another engine's, which this one forwards to.
     fn forwards(&self) -> bool {
         false
     }
+
+    /// The namespace is served by `next` from now on, or by nothing: a backend that
+    /// holds commands decides what becomes of them.
+    fn retired(&self, _next: Option<&dyn Backend>) {}
 }
 
 /// How a backend opens again in a new engine process.

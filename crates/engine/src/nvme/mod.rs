@@ -156,6 +156,7 @@ impl Target {
         for c in s.controllers() {
             c.fail("subsystem removed");
         }
+        s.retire_namespaces();
         self.discovery_changed();
         Ok(())
     }

@@ -307,14 +307,18 @@ impl Subsystem {
     /// replaces the map (queues see the new generation) and connected controllers are
     /// told (namespace attribute changed).
     fn change_namespace<R>(&self, nsid: u32, change: impl FnOnce(&mut NamespaceMap) -> Result<R>) -> Result<R> {
-        let r = {
+        let (r, before, after) = {
             let mut guard = write(&self.namespaces);
             let mut map = (**guard).clone();
             let r = change(&mut map)?;
-            *guard = Arc::new(map);
+            let after = map.get(&nsid).cloned();
+            let before = std::mem::replace(&mut *guard, Arc::new(map)).get(&nsid).cloned();
             self.generation.fetch_add(1, Ordering::AcqRel);
-            r
+            (r, before, after)
         };
+        if let Some(old) = before {
+            retire(&old, after.as_deref());
+        }
         self.namespace_changed(nsid);
         Ok(r)
     }
@@ -369,10 +373,21 @@ impl Subsystem {
             ..**old
         };
         let mut map = (**guard).clone();
-        map.insert(nsid, Arc::new(swapped));
+        let swapped = Arc::new(swapped);
+        if let Some(old) = map.insert(nsid, swapped.clone()) {
+            retire(&old, Some(&swapped));
+        }
         *guard = Arc::new(map);
         self.generation.fetch_add(1, Ordering::AcqRel);
         Ok(())
+    }
+
+    /// Tells every namespace's backend that nothing serves it any more (the
+    /// subsystem is removed).
+    pub fn retire_namespaces(&self) {
+        for ns in read(&self.namespaces).values() {
+            retire(ns, None);
+        }
     }
 
     /// Removes a namespace and notifies connected controllers.
@@ -572,6 +587,16 @@ pub enum BackendImage {
     Spec(String),
     /// RAM: the memfd sent and mapped before the pause, so the data stays.
     Memory,
+}
+
+/// Tells `old`'s backend that `next` serves its namespace from now on (unless it is
+/// the same backend, as when a namespace only grew).
+fn retire(old: &Namespace, next: Option<&Namespace>) {
+    match next {
+        Some(n) if Arc::ptr_eq(&n.backend, &old.backend) => {}
+        Some(n) => old.backend.retired(Some(&*n.backend)),
+        None => old.backend.retired(None),
+    }
 }
 
 #[cfg(test)]

@@ -143,9 +143,9 @@ struct EngineArgs {
     /// NQN of the subsystem to serve.
     #[arg(long, requires = "namespace")]
     subsystem: Option<String>,
-    /// A namespace: memory:SIZE, null:SIZE, file:PATH, file:PATH:SIZE, volume:POOL/NAME or
-    /// remote:HOST:PORT/NQN/NSID
-    /// (repeatable).
+    /// A namespace: memory:SIZE, null:SIZE, file:PATH, file:PATH:SIZE, volume:POOL/NAME,
+    /// remote:HOST:PORT/NQN/NSID or "mirror:LEG LEG ..." (replicas: each write goes to
+    /// every leg) (repeatable).
     #[arg(long)]
     namespace: Vec<String>,
     /// Block size of the namespaces: 512, 4096, or 0 for 4096 where the storage writes
@@ -215,8 +215,9 @@ enum NamespaceVerb {
     Add {
         /// Subsystem NQN.
         nqn: String,
-        /// Backend: memory:SIZE, null:SIZE, file:PATH, file:PATH:SIZE, volume:POOL/NAME or
-        /// remote:HOST:PORT/NQN/NSID (another engine's namespace, forwarded).
+        /// Backend: memory:SIZE, null:SIZE, file:PATH, file:PATH:SIZE, volume:POOL/NAME,
+        /// remote:HOST:PORT/NQN/NSID (another engine's namespace, forwarded) or
+        /// "mirror:LEG LEG ..." (a replicated volume: each write goes to every leg).
         backend: String,
         /// Namespace ID (the next free one by default).
         #[arg(long)]

@@ -1,0 +1,258 @@
+//! The mirror's fan-out on one reactor: a ring client that takes each command the
+//! mirror hands it and issues it to the legs, one command per leg, as a connection
+//! issues commands to a backend (`me | CLIENT_OWNER`, a tag per command and leg).
+//!
+//! The issuer's buffer goes to the first leg; every other leg gets a copy of the
+//! write data (a leg may hand its buffer to another engine's queue, so two legs never
+//! share one). When every leg has answered, the command is answered, or held if it
+//! missed a leg (see the module above).
+
+use nvpool_wire::Status;
+
+use super::{MAX_LEGS, Mirror, fans_out};
+use crate::backend::{BlockIo, DiskQueue};
+use crate::bufpool::Buf;
+use crate::plan::IoPlan;
+use crate::ring::{CLIENT_OWNER, Handed, Ring, RingClient};
+use std::sync::Arc;
+
+/// Tags per command: one per leg, rounded up to a power of two.
+const LEG_TAGS: usize = 4;
+/// Most commands a fan-out has under way at once (their tags fit in 16 bits).
+const MAX_COMMANDS: usize = u16::MAX as usize / LEG_TAGS;
+
+/// One command of the issuer's, spread over the legs.
+struct Fanned {
+    owner: u32,
+    tag: u16,
+    plan: IoPlan,
+    /// Each leg's command.
+    legs: [BlockIo; MAX_LEGS],
+    /// Legs whose command is under way.
+    waiting: usize,
+    /// The leg that has the issuer's buffer.
+    carrier: usize,
+    /// The issuer's buffer, once its leg is done.
+    buf: Option<Buf>,
+    /// A bit per leg the command did not reach: faulted before, or failed it now.
+    missed: u8,
+    /// How a read ended (a write's outcome is decided by `missed`).
+    status: Status,
+}
+
+impl Fanned {
+    fn idle() -> Fanned {
+        Fanned {
+            owner: 0,
+            tag: 0,
+            plan: IoPlan::Flush,
+            legs: std::array::from_fn(|_| BlockIo::idle()),
+            waiting: 0,
+            carrier: 0,
+            buf: None,
+            missed: 0,
+            status: Status::SUCCESS,
+        }
+    }
+}
+
+/// A mirror's fan-out on one reactor.
+pub(super) struct Fanout {
+    mirror: Arc<Mirror>,
+    commands: Vec<Fanned>,
+    free: Vec<u16>,
+    /// Commands taken and not answered yet, held ones included.
+    busy: usize,
+    /// Commands done on the legs they reached, waiting for the mirror to retire.
+    held: Vec<u16>,
+}
+
+fn leg_tag(command: u16, leg: usize) -> u16 {
+    command * LEG_TAGS as u16 + leg as u16
+}
+
+fn split_tag(tag: u16) -> (u16, usize) {
+    (tag / LEG_TAGS as u16, usize::from(tag) % LEG_TAGS)
+}
+
+impl Fanout {
+    pub(super) fn new(mirror: Arc<Mirror>) -> Fanout {
+        Fanout { mirror, commands: Vec::new(), free: Vec::new(), busy: 0, held: Vec::new() }
+    }
+
+    /// A free command slot, if the fan-out has not reached its limit.
+    fn slot(&mut self) -> Option<u16> {
+        if let Some(c) = self.free.pop() {
+            return Some(c);
+        }
+        if self.commands.len() >= MAX_COMMANDS {
+            return None;
+        }
+        self.commands.push(Fanned::idle());
+        Some(self.commands.len() as u16 - 1)
+    }
+
+    /// Answers command `c` to its issuer and frees its slot.
+    fn answer(&mut self, ring: &mut Ring, c: u16, status: Status) {
+        let f = &mut self.commands[usize::from(c)];
+        ring.answer(f.owner, f.tag, status, f.buf.take());
+        self.free.push(c);
+        self.busy -= 1;
+    }
+
+    /// Leg `leg` of command `c` has nothing in flight any more.
+    fn leg_done(&mut self, ring: &mut Ring, c: u16, leg: usize) {
+        let f = &mut self.commands[usize::from(c)];
+        let io = &mut f.legs[leg];
+        self.mirror.legs[leg].backend.finished(io, ring.id);
+        if !io.status.is_success() {
+            if fans_out(&f.plan) {
+                self.mirror.fault(leg, io.status);
+                f.missed |= 1 << leg;
+            } else {
+                f.status = io.status;
+            }
+        }
+        match io.take_buf() {
+            Some(b) if leg == f.carrier => f.buf = Some(b),
+            Some(b) => ring.pool.put(b),
+            None => {}
+        }
+        f.waiting -= 1;
+        if f.waiting == 0 {
+            self.complete(ring, c);
+        }
+    }
+
+    /// Every leg command `c` went to has answered.
+    fn complete(&mut self, ring: &mut Ring, c: u16) {
+        let f = &self.commands[usize::from(c)];
+        if !fans_out(&f.plan) {
+            let status = f.status;
+            return self.answer(ring, c, status);
+        }
+        let all = (1u8 << self.mirror.legs.len()) - 1;
+        if f.missed == all {
+            // No replica has it: the host writes it again.
+            self.answer(ring, c, Status::ANA_INACCESSIBLE);
+        } else if f.missed != 0 {
+            self.held.push(c);
+            self.release_held(ring);
+        } else {
+            self.answer(ring, c, Status::SUCCESS);
+        }
+    }
+
+    /// Answers the held commands once the mirror is retired.
+    fn release_held(&mut self, ring: &mut Ring) {
+        let mut i = 0;
+        while i < self.held.len() {
+            let c = self.held[i];
+            match self.mirror.held_outcome(self.commands[usize::from(c)].missed) {
+                Some(status) => {
+                    self.held.swap_remove(i);
+                    self.answer(ring, c, status);
+                }
+                None => i += 1,
+            }
+        }
+    }
+}
+
+impl RingClient for Fanout {
+    fn on_complete(&mut self, _ring: &mut Ring, _me: u32, _tag: u32, _res: i32, _flags: u32) {}
+
+    fn take(&mut self, ring: &mut Ring, me: u32, mut cmd: Handed) {
+        let mirror = self.mirror.clone();
+        let fan = fans_out(&cmd.plan);
+        let healthy: Vec<usize> = (0..mirror.legs.len()).filter(|&i| mirror.healthy(i)).collect();
+        let targets: &[usize] = if fan { &healthy } else { &healthy[..healthy.len().min(1)] };
+        let Some((&carrier, c)) = targets.first().zip(self.slot()) else {
+            // No replica left to serve it (or no room): the host retries it later.
+            ring.answer(cmd.owner, cmd.tag, Status::ANA_INACCESSIBLE, cmd.buf);
+            return;
+        };
+        self.busy += 1;
+        let f = &mut self.commands[usize::from(c)];
+        f.owner = cmd.owner;
+        f.tag = cmd.tag;
+        f.plan = cmd.plan;
+        f.waiting = targets.len();
+        f.carrier = carrier;
+        f.status = Status::SUCCESS;
+        f.missed =
+            if fan { (0..mirror.legs.len()).filter(|i| !targets.contains(i)).fold(0, |m, i| m | 1 << i) } else { 0 };
+        let data_len = cmd.plan.host_data_len() as usize;
+        for &leg in targets {
+            let io = &mut f.legs[leg];
+            io.reset(cmd.plan, ring.pass_ns);
+            if leg != carrier
+                && data_len > 0
+                && let Some(data) = cmd.buf.as_ref()
+            {
+                let mut copy = ring.io_buf(data_len);
+                copy.as_mut_slice()[..data_len].copy_from_slice(&data.as_slice()[..data_len]);
+                io.set_buf(copy);
+            }
+        }
+        if let Some(b) = cmd.buf.take() {
+            f.legs[carrier].set_buf(b);
+        }
+        // Every leg starts before any is counted done, so that a leg that ends at
+        // once does not complete the command while others have not started.
+        let mut done_now = [false; MAX_LEGS];
+        for &leg in targets {
+            let mut queue = DiskQueue::new(ring, me | CLIENT_OWNER, leg_tag(c, leg), true);
+            mirror.legs[leg].backend.start(&mut f.legs[leg], &mut queue);
+            queue.finish();
+            done_now[leg] = f.legs[leg].is_idle();
+        }
+        for leg in (0..MAX_LEGS).filter(|&l| done_now[l]) {
+            self.leg_done(ring, c, leg);
+        }
+    }
+
+    fn on_disk(&mut self, ring: &mut Ring, _me: u32, tag: u16, res: i32) {
+        let (c, leg) = split_tag(tag);
+        let Some(f) = self.commands.get_mut(usize::from(c)) else { return };
+        if f.legs[leg].op_done(res) && f.legs[leg].is_idle() {
+            self.leg_done(ring, c, leg);
+        }
+    }
+
+    fn on_answer(&mut self, ring: &mut Ring, me: u32, tag: u16, status: Status, buf: Option<Buf>) {
+        let (c, leg) = split_tag(tag);
+        let Some(f) = self.commands.get_mut(usize::from(c)) else { return };
+        let io = &mut f.legs[leg];
+        if let Some(b) = buf {
+            io.set_buf(b);
+        }
+        io.deferred_done();
+        let mut queue = DiskQueue::new(ring, me | CLIENT_OWNER, tag, true);
+        self.mirror.legs[leg].backend.resume(io, status, &mut queue);
+        queue.finish();
+        if io.is_idle() {
+            self.leg_done(ring, c, leg);
+        }
+    }
+
+    fn tick(&mut self, ring: &mut Ring, _me: u32) {
+        self.release_held(ring);
+    }
+
+    /// Held commands keep a hot upgrade waiting until the mirror is retired: they
+    /// are acknowledged to nobody yet.
+    fn parked(&self) -> bool {
+        self.busy == 0
+    }
+
+    fn stop(&mut self, ring: &mut Ring, _me: u32) {
+        for c in std::mem::take(&mut self.held) {
+            self.answer(ring, c, Status::ANA_INACCESSIBLE);
+        }
+    }
+
+    fn ended(&self) -> bool {
+        self.busy == 0 && self.mirror.closed.load(std::sync::atomic::Ordering::Acquire)
+    }
+}

@@ -1,0 +1,285 @@
+//! `mirror:LEG LEG ...`: a replicated volume as its serving engine sees it. Each leg
+//! is a replica: the engine's own (`volume:POOL/NAME`) and the others' (`remote:`, an
+//! engine-to-engine queue on the same reactor). Every command that changes data
+//! (Write, Write Zeroes, Deallocate) and every Flush goes to every leg and completes
+//! when all have it; a read goes to the first leg alone (the local replica comes
+//! first), or to the first leg that has not failed.
+//!
+//! A leg that fails a command leaves the mirror for good (it is *faulted*): later
+//! commands skip it. A write that did not reach every leg is held, completed on the
+//! others but not answered, until the namespace is served by another backend: the
+//! new one (a mirror of the legs left, after the controller recorded the smaller
+//! in-sync set) lets the held writes complete; any other ends them with a path error,
+//! so the host writes them again. So a write never completes to a host while a
+//! replica the cluster still counts as in sync lacks it.
+//!
+//! The fan-out runs on the reactor: a ring client per reactor and mirror
+//! ([`fanout`]) issues the legs' commands as any issuer does, so a remote leg's
+//! command is on its way while the local leg's write is on the disk.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use nvpool_wire::Status;
+
+use super::{Backend, BackendType, BlockIo, DiskQueue, Handover, OpenEnv, Opened};
+use crate::error::{Error, Result};
+use crate::plan::IoPlan;
+use crate::sync::lock;
+
+mod fanout;
+
+/// The kind.
+pub const TYPE: BackendType = BackendType { name: "mirror", usage: "mirror:LEG LEG ...", check, open };
+
+/// Most legs a mirror has: a volume has at most three replicas.
+pub const MAX_LEGS: usize = 3;
+
+/// The route of a command the mirror handed to its fan-out (`BlockIo::route`); a read
+/// served by the first leg directly carries that leg's route.
+const ROUTE_FANNED_OUT: u8 = u8::MAX;
+
+/// The legs of a `mirror:` argument.
+fn legs(arg: &str) -> impl Iterator<Item = &str> {
+    arg.split(' ').filter(|l| !l.is_empty())
+}
+
+fn check(arg: &str) -> std::result::Result<(), String> {
+    let count = legs(arg).count();
+    if count == 0 || count > MAX_LEGS {
+        return Err(format!("a mirror has 1 to {MAX_LEGS} legs, separated by spaces; this one has {count}"));
+    }
+    for leg in legs(arg) {
+        match leg.split_once(':').map(|(kind, _)| kind) {
+            Some("mirror") => return Err("a mirror's leg cannot be a mirror".into()),
+            Some("memory" | "null") => {
+                return Err(format!("leg {leg:?} keeps nothing: a replica is a volume, a file or a remote namespace"));
+            }
+            _ => super::check(leg)?,
+        }
+    }
+    Ok(())
+}
+
+fn open(arg: &str, env: &OpenEnv<'_>) -> Result<Opened> {
+    let mut opened = Vec::new();
+    for leg in legs(arg) {
+        opened.push(super::open(leg, env)?);
+    }
+    let identity = opened.iter().find_map(|o| o.identity);
+    if let Some(o) = opened.iter().find(|o| o.identity.is_some_and(|id| Some(id) != identity)) {
+        return Err(Error::invalid(format!(
+            "leg {} is another namespace than the first (its UUID or NGUID differ): replicas share one identity",
+            o.backend.description()
+        )));
+    }
+    let size = opened[0].backend.size();
+    if let Some(o) = opened.iter().find(|o| o.backend.size() < size) {
+        return Err(Error::invalid(format!(
+            "leg {} has {} bytes, fewer than the first leg's {size}",
+            o.backend.description(),
+            o.backend.size()
+        )));
+    }
+    let block_sizes: Vec<u32> = opened.iter().filter_map(|o| o.backend.required_block_size()).collect();
+    if block_sizes.windows(2).any(|w| w[0] != w[1]) {
+        return Err(Error::invalid(format!("the legs' block sizes differ ({block_sizes:?}): replicas share one")));
+    }
+    let legs = opened.into_iter().map(|o| Leg { backend: o.backend, faulted: AtomicBool::new(false) }).collect();
+    let mirror = Arc::new(Mirror {
+        key: crate::ring::new_client_key(),
+        legs,
+        size,
+        next_legs: OnceLock::new(),
+        closed: AtomicBool::new(false),
+        faults: Mutex::new(Vec::new()),
+    });
+    Ok(Opened { backend: Arc::new(MirrorBackend(mirror)), identity })
+}
+
+/// One replica of the mirror.
+struct Leg {
+    backend: Arc<dyn Backend>,
+    /// Set once, when a command failed on it: no command goes to it any more.
+    faulted: AtomicBool,
+}
+
+/// What the backend and its fan-outs (one per reactor) share.
+pub(super) struct Mirror {
+    /// The fan-outs' key as ring clients.
+    key: u64,
+    legs: Vec<Leg>,
+    size: u64,
+    /// Once the namespace is served by another backend: that backend's legs (a
+    /// mirror's, or the one it is), or `None` if nothing serves it any more.
+    next_legs: OnceLock<Option<Vec<String>>>,
+    /// Set when the backend is gone: the fan-outs leave their rings once idle.
+    closed: AtomicBool,
+    /// The faulted legs and why, in the order they failed.
+    faults: Mutex<Vec<(String, Status)>>,
+}
+
+impl Mirror {
+    /// Whether leg `i` still takes commands.
+    fn healthy(&self, i: usize) -> bool {
+        !self.legs[i].faulted.load(Ordering::Acquire)
+    }
+
+    /// Takes leg `i` out for good after it answered `status`.
+    fn fault(&self, i: usize, status: Status) {
+        if !self.legs[i].faulted.swap(true, Ordering::AcqRel) {
+            let leg = self.legs[i].backend.description();
+            tracing::warn!(
+                leg,
+                ?status,
+                "a replica failed a command and leaves the mirror; writes wait until the volume is served without it"
+            );
+            lock(&self.faults).push((leg, status));
+        }
+    }
+
+    /// The outcome of a held write that missed the legs in `missed` (a bit per leg),
+    /// once the mirror is retired; `None` while it serves. It completes if the next
+    /// backend has none of those legs (the cluster no longer counts them), and ends
+    /// with a path error otherwise, so that the host writes it again.
+    fn held_outcome(&self, missed: u8) -> Option<Status> {
+        let next = self.next_legs.get()?;
+        let counted = |i: usize| next.as_ref().is_none_or(|n| n.contains(&self.legs[i].backend.description()));
+        let complete = next.is_some() && !(0..self.legs.len()).any(|i| missed & 1 << i != 0 && counted(i));
+        Some(if complete { Status::SUCCESS } else { Status::ANA_INACCESSIBLE })
+    }
+}
+
+/// A replicated namespace's backend.
+pub struct MirrorBackend(Arc<Mirror>);
+
+impl std::fmt::Debug for MirrorBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MirrorBackend").field("legs", &self.description()).finish_non_exhaustive()
+    }
+}
+
+impl Drop for MirrorBackend {
+    fn drop(&mut self) {
+        self.0.closed.store(true, Ordering::Release);
+    }
+}
+
+impl MirrorBackend {
+    fn first(&self) -> &Arc<dyn Backend> {
+        &self.0.legs[0].backend
+    }
+
+    /// The faulted legs (their specs) and the status each failed with.
+    pub fn faults(&self) -> Vec<(String, Status)> {
+        lock(&self.0.faults).clone()
+    }
+}
+
+/// Whether a command changes data or asks for durability: it goes to every leg.
+fn fans_out(plan: &IoPlan) -> bool {
+    !matches!(plan, IoPlan::Read { .. } | IoPlan::DatasetManagement { deallocate: false, .. })
+}
+
+impl Backend for MirrorBackend {
+    fn kind(&self) -> &'static str {
+        "mirror"
+    }
+
+    fn size(&self) -> u64 {
+        self.0.size
+    }
+
+    fn description(&self) -> String {
+        let legs: Vec<String> = self.0.legs.iter().map(|l| l.backend.description()).collect();
+        format!("mirror:{}", legs.join(" "))
+    }
+
+    /// Every leg opens again from its spec (no leg keeps its data in memory).
+    fn handover(&self) -> Handover<'_> {
+        Handover::Spec(self.description())
+    }
+
+    fn direct_io(&self) -> bool {
+        self.first().direct_io()
+    }
+
+    fn power_fail_atomic_bytes(&self) -> u32 {
+        self.0.legs.iter().map(|l| l.backend.power_fail_atomic_bytes()).min().unwrap_or(512)
+    }
+
+    fn required_block_size(&self) -> Option<u32> {
+        self.0.legs.iter().find_map(|l| l.backend.required_block_size())
+    }
+
+    fn deallocated_reads_zeroes(&self) -> bool {
+        self.0.legs.iter().all(|l| l.backend.deallocated_reads_zeroes())
+    }
+
+    fn start(&self, io: &mut BlockIo, queue: &mut DiskQueue<'_>) {
+        if !fans_out(&io.plan) && self.0.healthy(0) {
+            return self.first().start(io, queue);
+        }
+        io.route = ROUTE_FANNED_OUT;
+        let mirror = &self.0;
+        queue.hand_to(io, mirror.key, 0, || Box::new(fanout::Fanout::new(mirror.clone())));
+    }
+
+    fn resume(&self, io: &mut BlockIo, status: Status, queue: &mut DiskQueue<'_>) {
+        if io.route == ROUTE_FANNED_OUT {
+            io.status = status;
+        } else {
+            self.first().resume(io, status, queue);
+        }
+    }
+
+    fn finished(&self, io: &mut BlockIo, reactor: usize) {
+        if io.route != ROUTE_FANNED_OUT {
+            self.first().finished(io, reactor);
+        }
+    }
+
+    /// The volume of the engine's own replica (the first leg), so that the pool
+    /// knows it is exported.
+    fn as_volume(&self) -> Option<&super::volume::VolumeBackend> {
+        self.first().as_volume()
+    }
+
+    fn as_mirror(&self) -> Option<&MirrorBackend> {
+        Some(self)
+    }
+
+    fn retired(&self, next: Option<&dyn Backend>) {
+        let next_legs = next.map(|b| {
+            let spec = b.description();
+            legs(spec.strip_prefix("mirror:").unwrap_or(&spec)).map(str::to_string).collect()
+        });
+        let _ = self.0.next_legs.set(next_legs);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mirror_names_one_to_three_replicas_that_keep_data() {
+        assert!(check("volume:fast/db").is_ok());
+        assert!(check("volume:fast/db remote:10.0.0.2:4420/nqn.2024-01.io.nvpool:r/1").is_ok());
+        assert!(check("").unwrap_err().contains("1 to 3 legs"));
+        assert!(check("volume:a/b volume:a/c volume:a/d volume:a/e").unwrap_err().contains("1 to 3 legs"));
+        assert!(check("volume:a/b mirror:volume:a/c").unwrap_err().contains("cannot be a mirror"));
+        assert!(check("memory:1GiB").unwrap_err().contains("keeps nothing"));
+        assert!(check("volume:a").unwrap_err().contains("POOL/NAME"));
+    }
+
+    #[test]
+    fn only_data_changes_and_flushes_go_to_every_leg() {
+        assert!(!fans_out(&IoPlan::Read { offset: 0, len: 4096 }));
+        assert!(fans_out(&IoPlan::Write { offset: 0, len: 4096, fua: false }));
+        assert!(fans_out(&IoPlan::Flush));
+        assert!(fans_out(&IoPlan::WriteZeroes { offset: 0, len: 4096 }));
+        assert!(fans_out(&IoPlan::DatasetManagement { ranges: 1, deallocate: true, block_shift: 9 }));
+        assert!(!fans_out(&IoPlan::DatasetManagement { ranges: 1, deallocate: false, block_shift: 9 }));
+    }
+}

@@ -1,0 +1,195 @@
+//! The mirror backend: a replicated volume served by one engine, whose writes reach
+//! its own replica and the other engines' replicas before they complete, and whose
+//! failed replica holds writes until the namespace is served without it.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use nvpool_engine::config::{EngineConfig, ListenerConfig, NamespaceConfig, SubsystemConfig};
+use nvpool_initiator::{ConnectOptions, Error, Queue, connect_admin, pattern};
+use nvpool_wire::Status;
+use nvpool_wire::command::{Command, io_opcode};
+
+mod common;
+use common::{TestEngine, namespace};
+
+const NQN: &str = "nqn.2024-01.io.nvpool:mirror";
+const REPLICA_NQN: &str = "nqn.2024-01.io.nvpool:mirror-replica";
+const HOST: &str = "nqn.2024-01.io.nvpool:mirror-host";
+const BLOCK: u32 = 512;
+const SIZE: u64 = 16 << 20;
+const IN_CAPSULE: usize = 8192;
+
+fn engine(nqn: &str, backend: &str, reactors: usize) -> TestEngine {
+    let cfg = EngineConfig {
+        reactors: Some(reactors),
+        listeners: vec![ListenerConfig {
+            address: "127.0.0.1:0".parse().unwrap(),
+            tls: Default::default(),
+            transport: Default::default(),
+        }],
+        subsystems: vec![SubsystemConfig {
+            nqn: nqn.into(),
+            serial: None,
+            model: "nvpool".into(),
+            allow_any_host: true,
+            hosts: vec![],
+            dhchap: vec![],
+            tls_psk: vec![],
+            namespaces: vec![NamespaceConfig { nsid: Some(1), ..namespace(backend, BLOCK) }],
+        }],
+        ..EngineConfig::default()
+    };
+    TestEngine::start(&cfg)
+}
+
+/// An engine holding one replica in RAM, under the replicas' subsystem.
+fn replica() -> TestEngine {
+    engine(REPLICA_NQN, &format!("memory:{SIZE}"), 1)
+}
+
+fn remote_leg(r: &TestEngine) -> String {
+    format!("remote:{}/{REPLICA_NQN}/1", r.addr)
+}
+
+fn file_leg(path: &Path) -> String {
+    format!("file:{}:{SIZE}", path.display())
+}
+
+fn io_queue(addr: SocketAddr, nqn: &str) -> (Queue, Queue) {
+    let o = ConnectOptions { kato: 0, ..ConnectOptions::admin(nqn, HOST) };
+    let mut admin = connect_admin(addr, &o).unwrap();
+    admin.set_queue_count(1).unwrap();
+    let io = Queue::connect(addr, &o.io(1, admin.cntlid, 63)).unwrap();
+    (admin, io)
+}
+
+fn write_zeroes(q: &mut Queue, slba: u64, nlb: u32) {
+    let cdw = [slba as u32, (slba >> 32) as u32, nlb - 1, 0, 0, 0];
+    q.execute(Command { opcode: io_opcode::WRITE_ZEROES, nsid: 1, cdw, ..Command::default() }, 0).unwrap();
+}
+
+/// A replica's whole content, read from its own engine.
+fn content_of(r: &TestEngine) -> Vec<u8> {
+    let (_admin, mut io) = io_queue(r.addr, REPLICA_NQN);
+    let chunk = 256u32;
+    (0..SIZE / u64::from(BLOCK))
+        .step_by(chunk as usize)
+        .flat_map(|lba| io.read(1, lba, chunk, BLOCK).unwrap())
+        .collect()
+}
+
+fn status_of(e: Error) -> Status {
+    match e {
+        Error::Command(s) => s,
+        other => panic!("expected a command status, got {other}"),
+    }
+}
+
+#[test]
+fn writes_reach_every_replica_and_reads_come_from_the_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let local = dir.path().join("local");
+    let (r1, r2) = (replica(), replica());
+    let spec = format!("mirror:{} {} {}", file_leg(&local), remote_leg(&r1), remote_leg(&r2));
+    let serving = engine(NQN, &spec, 2);
+    let (mut admin, mut io) = io_queue(serving.addr, NQN);
+    let ns = admin.identify_namespace(1).unwrap();
+    assert_eq!(ns.nsze << 9, SIZE);
+
+    // In-capsule and R2T writes, a FUA write, zeroes, a deallocation and a flush.
+    for (lba, len, seed) in [(0u64, 4096usize, 1u64), (64, 128 * 1024, 2), (4000, 512, 3), (9000, 64 * 1024, 4)] {
+        io.write(1, lba, &pattern(seed, len), BLOCK, IN_CAPSULE).unwrap();
+    }
+    let cid = 77;
+    let mut fua = Command::read_write(io_opcode::WRITE, cid, 1, 20000, 8, 4096);
+    fua.cdw[2] |= 1 << 30;
+    let r = io.execute_raw(fua, &pattern(5, 4096), true).unwrap();
+    assert!(r.cqe.status.is_success());
+    write_zeroes(&mut io, 72, 16);
+    assert_eq!(io.deallocate(1, 9000, 32).unwrap(), Status::SUCCESS);
+    io.flush(1).unwrap();
+    assert_eq!(io.read(1, 64, 256, BLOCK).unwrap()[..4096], pattern(2, 128 * 1024)[..4096]);
+
+    // Every replica holds the same bytes.
+    let first = std::fs::read(&local).unwrap();
+    assert_eq!(first.len() as u64, SIZE);
+    assert_eq!(&first[..4096], &pattern(1, 4096)[..]);
+    assert_eq!(&first[72 * 512..88 * 512], &[0u8; 16 * 512][..], "zeroed on the first replica");
+    for (name, r) in [("second", &r1), ("third", &r2)] {
+        assert!(content_of(r) == first, "the {name} replica differs from the first");
+    }
+}
+
+/// Writes through `io` in a thread; returns its outcome once it completes.
+fn write_in_background(
+    mut io: Queue,
+    lba: u64,
+    seed: u64,
+) -> std::sync::mpsc::Receiver<(Queue, std::result::Result<(), Error>)> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let r = io.write(1, lba, &pattern(seed, 4096), BLOCK, IN_CAPSULE);
+        let _ = tx.send((io, r));
+    });
+    rx
+}
+
+#[test]
+fn a_failed_replica_holds_writes_until_the_volume_is_served_without_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let local = dir.path().join("local");
+    let r1 = replica();
+    let serving = engine(NQN, &format!("mirror:{} {}", file_leg(&local), remote_leg(&r1)), 1);
+    let (_admin, mut io) = io_queue(serving.addr, NQN);
+    io.write(1, 8, &pattern(1, 4096), BLOCK, IN_CAPSULE).unwrap();
+    assert_eq!(content_of(&r1)[8 * 512..16 * 512], pattern(1, 4096));
+
+    // The second replica's engine goes: a write reaches the first replica only, so it
+    // is held, whatever the wait (the remote queue gives up on a lost replica in 5 s).
+    drop(r1);
+    let outcome = write_in_background(io, 16, 2);
+    assert!(outcome.recv_timeout(Duration::from_secs(7)).is_err(), "a write that missed a replica completed");
+    // The cluster recorded the mirror without it: the namespace is served by the
+    // first replica alone, and the held write completes.
+    serving.engine.swap_namespace(NQN, 1, &format!("mirror:{}", file_leg(&local))).unwrap();
+    let started = Instant::now();
+    let (mut io, r) = outcome.recv_timeout(Duration::from_secs(5)).expect("the held write completes");
+    r.unwrap();
+    println!("held write released {:?} after the swap", started.elapsed());
+    assert_eq!(std::fs::read(&local).unwrap()[16 * 512..24 * 512], pattern(2, 4096));
+    io.write(1, 24, &pattern(3, 4096), BLOCK, IN_CAPSULE).unwrap();
+    assert_eq!(io.read(1, 8, 24, BLOCK).unwrap(), [pattern(1, 4096), pattern(2, 4096), pattern(3, 4096)].concat());
+}
+
+#[test]
+fn a_held_write_fails_over_when_nothing_serves_the_volume_without_the_failed_replica() {
+    let dir = tempfile::tempdir().unwrap();
+    let local = dir.path().join("local");
+    let r1 = replica();
+    let serving = engine(NQN, &format!("mirror:{} {}", file_leg(&local), remote_leg(&r1)), 1);
+    let (_admin, io) = io_queue(serving.addr, NQN);
+    drop(r1);
+    let outcome = write_in_background(io, 16, 2);
+    assert!(outcome.recv_timeout(Duration::from_secs(7)).is_err(), "a write that missed a replica completed");
+    // The namespace goes (say the engine lost the serving role): the held write was
+    // never on every replica, so the host gets a path error and writes it elsewhere.
+    serving.engine.remove_namespace(NQN, 1).unwrap();
+    let (_io, r) = outcome.recv_timeout(Duration::from_secs(5)).expect("the held write ends");
+    assert_eq!(status_of(r.unwrap_err()), Status::ANA_INACCESSIBLE);
+}
+
+#[test]
+fn a_mirror_refuses_replicas_that_are_not_one_namespace() {
+    let dir = tempfile::tempdir().unwrap();
+    let serving = engine(NQN, &file_leg(&dir.path().join("plain")), 1);
+    let e = serving.engine.add_namespace(NQN, &namespace("mirror:memory:16MiB", BLOCK)).unwrap_err();
+    assert!(e.to_string().contains("keeps nothing"), "{e}");
+    // Another subsystem's namespace has another identity.
+    const OTHER: &str = "nqn.2024-01.io.nvpool:mirror-other";
+    let (r1, other) = (replica(), engine(OTHER, &format!("memory:{SIZE}"), 1));
+    let spec = format!("mirror:{} remote:{}/{OTHER}/1", remote_leg(&r1), other.addr);
+    let e = serving.engine.add_namespace(NQN, &namespace(&spec, BLOCK)).unwrap_err();
+    assert!(e.to_string().contains("another namespace"), "{e}");
+}
