@@ -342,6 +342,19 @@ pub struct NamespaceInfo {
     pub qos: QosLimits,
     /// I/O counters.
     pub stats: StatsSnapshot,
+    /// The replicas (legs) of a mirrored namespace that failed a command and get no
+    /// more: writes that missed them wait until the namespace is served without them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub faulted_legs: Vec<FaultedLeg>,
+}
+
+/// A replica a mirrored namespace no longer writes to.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FaultedLeg {
+    /// The leg's backend spec.
+    pub leg: String,
+    /// The status of the command it failed.
+    pub error: String,
 }
 
 /// An ANA state (NVMe Base 2.0 §8.1.3) of a group as a host sees it through one engine.

@@ -264,6 +264,12 @@ pub fn derived_uuid(nqn: &str, nsid: u32) -> uuid::Uuid {
     uuid::Uuid::new_v5(&NVPOOL_UUID_NAMESPACE, format!("{nqn}/ns/{nsid}").as_bytes())
 }
 
+/// The host identifier an engine presents with its host NQN to other engines: one per
+/// host NQN, so that another engine's reservations tell engines apart.
+pub fn derived_host_id(host_nqn: &str) -> [u8; 16] {
+    *uuid::Uuid::new_v5(&NVPOOL_UUID_NAMESPACE, format!("hostid/{host_nqn}").as_bytes()).as_bytes()
+}
+
 /// The NGUID of a namespace with this UUID: derived, so it is stable too.
 pub fn derived_nguid(uuid: &uuid::Uuid) -> [u8; 16] {
     *uuid::Uuid::new_v5(&NVPOOL_UUID_NAMESPACE, format!("nguid/{uuid}").as_bytes()).as_bytes()

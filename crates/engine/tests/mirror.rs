@@ -22,7 +22,13 @@ const SIZE: u64 = 16 << 20;
 const IN_CAPSULE: usize = 8192;
 
 fn engine(nqn: &str, backend: &str, reactors: usize) -> TestEngine {
+    engine_as("nqn.2024-01.io.nvpool:engine:mirror-test", nqn, backend, reactors)
+}
+
+/// An engine that presents `host_nqn` to the engines whose replicas it writes.
+fn engine_as(host_nqn: &str, nqn: &str, backend: &str, reactors: usize) -> TestEngine {
     let cfg = EngineConfig {
+        host_nqn: Some(host_nqn.into()),
         reactors: Some(reactors),
         listeners: vec![ListenerConfig {
             address: "127.0.0.1:0".parse().unwrap(),
@@ -78,6 +84,12 @@ fn content_of(r: &TestEngine) -> Vec<u8> {
         .step_by(chunk as usize)
         .flat_map(|lba| io.read(1, lba, chunk, BLOCK).unwrap())
         .collect()
+}
+
+fn faulted_legs(e: &TestEngine) -> Vec<nvpool_api::FaultedLeg> {
+    let subsystems = e.engine.subsystems();
+    let s = subsystems.iter().find(|s| s.nqn == NQN).unwrap();
+    s.namespaces[0].faulted_legs.clone()
 }
 
 fn status_of(e: Error) -> Status {
@@ -141,7 +153,8 @@ fn a_failed_replica_holds_writes_until_the_volume_is_served_without_it() {
     let dir = tempfile::tempdir().unwrap();
     let local = dir.path().join("local");
     let r1 = replica();
-    let serving = engine(NQN, &format!("mirror:{} {}", file_leg(&local), remote_leg(&r1)), 1);
+    let remote_leg_spec = remote_leg(&r1);
+    let serving = engine(NQN, &format!("mirror:{} {remote_leg_spec}", file_leg(&local)), 1);
     let (_admin, mut io) = io_queue(serving.addr, NQN);
     io.write(1, 8, &pattern(1, 4096), BLOCK, IN_CAPSULE).unwrap();
     assert_eq!(content_of(&r1)[8 * 512..16 * 512], pattern(1, 4096));
@@ -151,6 +164,9 @@ fn a_failed_replica_holds_writes_until_the_volume_is_served_without_it() {
     drop(r1);
     let outcome = write_in_background(io, 16, 2);
     assert!(outcome.recv_timeout(Duration::from_secs(7)).is_err(), "a write that missed a replica completed");
+    let faulted = faulted_legs(&serving);
+    assert_eq!(faulted.iter().map(|f| f.leg.as_str()).collect::<Vec<_>>(), [remote_leg_spec.as_str()]);
+    println!("the engine reports {faulted:?}");
     // The cluster recorded the mirror without it: the namespace is served by the
     // first replica alone, and the held write completes.
     serving.engine.swap_namespace(NQN, 1, &format!("mirror:{}", file_leg(&local))).unwrap();
@@ -192,4 +208,46 @@ fn a_mirror_refuses_replicas_that_are_not_one_namespace() {
     let spec = format!("mirror:{} remote:{}/{OTHER}/1", remote_leg(&r1), other.addr);
     let e = serving.engine.add_namespace(NQN, &namespace(&spec, BLOCK)).unwrap_err();
     assert!(e.to_string().contains("another namespace"), "{e}");
+}
+
+/// Where the serving role went to another engine: the new one serves at a later
+/// generation and takes every replica's reservation, and the old one can no longer
+/// write to them (its writes are held, then end in path errors), while an engine with
+/// an older generation cannot take the reservation back.
+#[test]
+fn an_engine_that_lost_the_serving_role_cannot_write_to_the_replicas() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = replica();
+    let mirror_at = |generation: u32, file: &str| {
+        format!("mirror:generation={generation} {} {}", file_leg(&dir.path().join(file)), remote_leg(&r))
+    };
+    let old = engine_as("nqn.2024-01.io.nvpool:engine:old", NQN, &mirror_at(1, "old"), 1);
+    let (_a, mut old_io) = io_queue(old.addr, NQN);
+    old_io.write(1, 8, &pattern(1, 4096), BLOCK, IN_CAPSULE).unwrap();
+
+    let new = engine_as("nqn.2024-01.io.nvpool:engine:new", NQN, &mirror_at(2, "new"), 1);
+    let (_b, mut new_io) = io_queue(new.addr, NQN);
+    new_io.write(1, 8, &pattern(2, 4096), BLOCK, IN_CAPSULE).unwrap();
+    assert_eq!(content_of(&r)[8 * 512..16 * 512], pattern(2, 4096));
+
+    // The old engine's next write is refused by the replica: held, never completed.
+    let outcome = write_in_background(old_io, 8, 3);
+    assert!(outcome.recv_timeout(Duration::from_secs(2)).is_err(), "a fenced engine completed a write");
+    let faulted = faulted_legs(&old);
+    assert_eq!(faulted.len(), 1, "{faulted:?}");
+    assert!(faulted[0].error.to_lowercase().contains("reservation conflict"), "{faulted:?}");
+    assert_eq!(content_of(&r)[8 * 512..16 * 512], pattern(2, 4096), "the fenced write reached the replica");
+    old.engine.remove_namespace(NQN, 1).unwrap();
+    let (_io, result) = outcome.recv_timeout(Duration::from_secs(5)).expect("the held write ends");
+    assert_eq!(status_of(result.unwrap_err()), Status::ANA_INACCESSIBLE);
+
+    // An engine that still serves generation 1 cannot take the reservation back.
+    let stale = engine_as("nqn.2024-01.io.nvpool:engine:stale", NQN, &mirror_at(1, "stale"), 1);
+    let (_c, stale_io) = io_queue(stale.addr, NQN);
+    let outcome = write_in_background(stale_io, 8, 4);
+    assert!(outcome.recv_timeout(Duration::from_secs(7)).is_err(), "a stale engine completed a write");
+    assert_eq!(faulted_legs(&stale).len(), 1);
+    new_io.write(1, 16, &pattern(5, 4096), BLOCK, IN_CAPSULE).unwrap();
+    let replica = content_of(&r);
+    assert_eq!(replica[8 * 512..24 * 512], [pattern(2, 4096), pattern(5, 4096)].concat());
 }

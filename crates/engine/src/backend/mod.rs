@@ -166,6 +166,10 @@ pub struct OpenEnv<'a> {
     pub host_nqn: &'a str,
     /// The links remote namespaces may share.
     pub remote_links: &'a remote::RemoteLinks,
+    /// The reservation key remote namespaces are opened under: each takes its
+    /// namespace's Write Exclusive reservation with it, so that no other engine writes
+    /// there (a mirror's generation). `None` for plain forwarding.
+    pub fence: Option<u64>,
 }
 
 /// A kind of backend: how its spec reads and how it opens.

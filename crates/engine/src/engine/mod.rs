@@ -181,6 +181,7 @@ impl Engine {
             own_listeners,
             host_nqn: self.host_nqn(),
             remote_links: &self.remote_links,
+            fence: None,
         };
         f(&env)
     }

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use nvpool_api::{DhchapKeys, NamespaceInfo, SubsystemInfo};
+use nvpool_api::{DhchapKeys, FaultedLeg, NamespaceInfo, SubsystemInfo};
 
 use super::Engine;
 use crate::config::{self, NamespaceConfig, SubsystemConfig};
@@ -284,6 +284,13 @@ fn namespace_info(ns: &Namespace) -> NamespaceInfo {
         ana_group: ns.ana_group,
         qos: ns.qos.limits(),
         stats: ns.stats.snapshot(),
+        faulted_legs: ns
+            .backend
+            .as_mirror()
+            .map(|m| {
+                m.faults().into_iter().map(|(leg, status)| FaultedLeg { leg, error: status.to_string() }).collect()
+            })
+            .unwrap_or_default(),
     }
 }
 

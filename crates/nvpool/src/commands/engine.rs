@@ -975,7 +975,13 @@ fn subsystem_table(subsystems: &[SubsystemInfo]) -> Vec<Vec<String>> {
             rows.push(vec![
                 sub.nqn.clone(),
                 ns.nsid.to_string(),
-                ns.backend.clone(),
+                match ns.faulted_legs.as_slice() {
+                    [] => ns.backend.clone(),
+                    faulted => {
+                        let legs: Vec<&str> = faulted.iter().map(|f| f.leg.as_str()).collect();
+                        format!("{} (faulted: {})", ns.backend, legs.join(", "))
+                    }
+                },
                 human(ns.size),
                 ns.block_size.to_string(),
                 ns.uuid.clone(),

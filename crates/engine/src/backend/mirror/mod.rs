@@ -5,6 +5,11 @@
 //! when all have it; a read goes to the first leg alone (the local replica comes
 //! first), or to the first leg that has not failed.
 //!
+//! With `generation=G` before its legs, the mirror serves at generation G of the
+//! volume: it opens the other engines' replicas under reservation key G and holds
+//! each one's Write Exclusive reservation (see [`super::remote`]), so that an engine
+//! serving an older generation can no longer write to them.
+//!
 //! A leg that fails a command leaves the mirror for good (it is *faulted*): later
 //! commands skip it. A write that did not reach every leg is held, completed on the
 //! others but not answered, until the namespace is served by another backend: the
@@ -39,17 +44,30 @@ pub const MAX_LEGS: usize = 3;
 /// served by the first leg directly carries that leg's route.
 const ROUTE_FANNED_OUT: u8 = u8::MAX;
 
-/// The legs of a `mirror:` argument.
-fn legs(arg: &str) -> impl Iterator<Item = &str> {
-    arg.split(' ').filter(|l| !l.is_empty())
+/// A `mirror:` argument: the generation it serves at, if given (`generation=G` before
+/// the legs), and the legs.
+fn parse(arg: &str) -> std::result::Result<(Option<u64>, Vec<&str>), String> {
+    let mut words = arg.split(' ').filter(|w| !w.is_empty()).peekable();
+    let generation = match words.peek().and_then(|w| w.strip_prefix("generation=")) {
+        Some(g) => {
+            let g = match g.parse::<u64>() {
+                Ok(g) if g > 0 => g,
+                _ => return Err(format!("generation {g:?} is not a number above 0")),
+            };
+            words.next();
+            Some(g)
+        }
+        None => None,
+    };
+    let legs: Vec<&str> = words.collect();
+    if legs.is_empty() || legs.len() > MAX_LEGS {
+        return Err(format!("a mirror has 1 to {MAX_LEGS} legs, separated by spaces; this one has {}", legs.len()));
+    }
+    Ok((generation, legs))
 }
 
 fn check(arg: &str) -> std::result::Result<(), String> {
-    let count = legs(arg).count();
-    if count == 0 || count > MAX_LEGS {
-        return Err(format!("a mirror has 1 to {MAX_LEGS} legs, separated by spaces; this one has {count}"));
-    }
-    for leg in legs(arg) {
+    for leg in parse(arg)?.1 {
         match leg.split_once(':').map(|(kind, _)| kind) {
             Some("mirror") => return Err("a mirror's leg cannot be a mirror".into()),
             Some("memory" | "null") => {
@@ -62,9 +80,12 @@ fn check(arg: &str) -> std::result::Result<(), String> {
 }
 
 fn open(arg: &str, env: &OpenEnv<'_>) -> Result<Opened> {
+    let (generation, legs) = parse(arg).map_err(Error::invalid)?;
+    // The other engines' replicas are opened under the generation's reservation key.
+    let env = OpenEnv { own_listeners: env.own_listeners.clone(), fence: generation, ..*env };
     let mut opened = Vec::new();
-    for leg in legs(arg) {
-        opened.push(super::open(leg, env)?);
+    for leg in legs {
+        opened.push(super::open(leg, &env)?);
     }
     let identity = opened.iter().find_map(|o| o.identity);
     if let Some(o) = opened.iter().find(|o| o.identity.is_some_and(|id| Some(id) != identity)) {
@@ -88,6 +109,7 @@ fn open(arg: &str, env: &OpenEnv<'_>) -> Result<Opened> {
     let legs = opened.into_iter().map(|o| Leg { backend: o.backend, faulted: AtomicBool::new(false) }).collect();
     let mirror = Arc::new(Mirror {
         key: crate::ring::new_client_key(),
+        generation,
         legs,
         size,
         next_legs: OnceLock::new(),
@@ -108,6 +130,9 @@ struct Leg {
 pub(super) struct Mirror {
     /// The fan-outs' key as ring clients.
     key: u64,
+    /// The generation it serves at: the key of its reservations on the other
+    /// engines' replicas.
+    generation: Option<u64>,
     legs: Vec<Leg>,
     size: u64,
     /// Once the namespace is served by another backend: that backend's legs (a
@@ -192,7 +217,10 @@ impl Backend for MirrorBackend {
 
     fn description(&self) -> String {
         let legs: Vec<String> = self.0.legs.iter().map(|l| l.backend.description()).collect();
-        format!("mirror:{}", legs.join(" "))
+        match self.0.generation {
+            Some(g) => format!("mirror:generation={g} {}", legs.join(" ")),
+            None => format!("mirror:{}", legs.join(" ")),
+        }
     }
 
     /// Every leg opens again from its spec (no leg keeps its data in memory).
@@ -252,7 +280,10 @@ impl Backend for MirrorBackend {
     fn retired(&self, next: Option<&dyn Backend>) {
         let next_legs = next.map(|b| {
             let spec = b.description();
-            legs(spec.strip_prefix("mirror:").unwrap_or(&spec)).map(str::to_string).collect()
+            match spec.strip_prefix("mirror:").map(parse) {
+                Some(Ok((_, legs))) => legs.into_iter().map(str::to_string).collect(),
+                _ => vec![spec],
+            }
         });
         let _ = self.0.next_legs.set(next_legs);
     }
@@ -271,6 +302,9 @@ mod tests {
         assert!(check("volume:a/b mirror:volume:a/c").unwrap_err().contains("cannot be a mirror"));
         assert!(check("memory:1GiB").unwrap_err().contains("keeps nothing"));
         assert!(check("volume:a").unwrap_err().contains("POOL/NAME"));
+        assert_eq!(parse("generation=7 volume:a/b").unwrap(), (Some(7), vec!["volume:a/b"]));
+        assert!(check("generation=0 volume:a/b").unwrap_err().contains("above 0"));
+        assert!(check("generation=7").unwrap_err().contains("1 to 3 legs"));
     }
 
     #[test]

@@ -10,6 +10,11 @@
 //! queue, its commands wait up to [`HOLD_MS`]; then they fail with ANA Inaccessible
 //! (no Do Not Retry), so a multipath host retries them on another path.
 //!
+//! A mirror's link to another engine's replica is *fenced*: before a queue serves, it
+//! takes the replica's Write Exclusive reservation under the mirror's generation
+//! (preempting an older generation's holder), so an engine that lost the serving
+//! role gets Reservation Conflict for its writes (see `Fence`).
+//!
 //! A link is a controller on the owner. By default each remote namespace has its own
 //! (`remote_queues = "per-namespace"`); with `"per-owner"` the namespaces of one
 //! owner subsystem share one, so a reactor keeps one queue to that subsystem however
@@ -236,7 +241,8 @@ fn open(arg: &str, env: &OpenEnv<'_>) -> Result<Opened> {
         )));
     }
     let hostnqn = env.host_nqn;
-    let options = ConnectOptions { kato: 0, ..ConnectOptions::admin(&subnqn, hostnqn) };
+    let hostid = crate::config::derived_host_id(hostnqn);
+    let options = ConnectOptions { kato: 0, hostid, ..ConnectOptions::admin(&subnqn, hostnqn) };
     let unreachable = |e: nvpool_initiator::Error| {
         let hint = match &e {
             nvpool_initiator::Error::Command(s) if s.base() == Status::CONNECT_INVALID_HOST => {
@@ -269,8 +275,12 @@ fn open(arg: &str, env: &OpenEnv<'_>) -> Result<Opened> {
     let namespace = RemoteNamespace { nsid, block_shift: block_size.trailing_zeros() };
     // IOCCSZ counts 16-byte units of the whole capsule, the 64-byte command included.
     let in_capsule = (controller.ioccsz * 16).saturating_sub(64);
+    let fence = env.fence.map(|key| Fence { nsid, key });
     let link = match env.remote_links.mode {
-        RemoteQueues::PerNamespace => start_link(addr, options, admin, in_capsule)?,
+        // A fenced namespace (a replica) has a link of its own, which holds its
+        // reservation.
+        _ if fence.is_some() => start_link(addr, options, admin, in_capsule, fence)?,
+        RemoteQueues::PerNamespace => start_link(addr, options, admin, in_capsule, None)?,
         RemoteQueues::PerOwner => {
             let mut shared = env.remote_links.shared.lock().unwrap_or_else(|e| e.into_inner());
             shared.retain(|_, l| l.strong_count() > 0);
@@ -279,7 +289,7 @@ fn open(arg: &str, env: &OpenEnv<'_>) -> Result<Opened> {
                 // The identify connection goes; the shared controller serves I/O.
                 Some(link) => link,
                 None => {
-                    let link = start_link(addr, options, admin, in_capsule)?;
+                    let link = start_link(addr, options, admin, in_capsule, None)?;
                     shared.insert(key, Arc::downgrade(&link));
                     link
                 }
@@ -298,7 +308,13 @@ fn open(arg: &str, env: &OpenEnv<'_>) -> Result<Opened> {
 }
 
 /// A new link to an owner controller, whose thread takes over the admin queue.
-fn start_link(addr: SocketAddr, options: ConnectOptions, admin: Queue, in_capsule: u32) -> Result<Arc<LinkHandle>> {
+fn start_link(
+    addr: SocketAddr,
+    options: ConnectOptions,
+    admin: Queue,
+    in_capsule: u32,
+    fence: Option<Fence>,
+) -> Result<Arc<LinkHandle>> {
     let (requests, inbox) = mpsc::channel();
     let link = Arc::new(RemoteLink {
         id: crate::ring::new_client_key(),
@@ -306,7 +322,7 @@ fn start_link(addr: SocketAddr, options: ConnectOptions, admin: Queue, in_capsul
         requests: Mutex::new(requests),
         closed: AtomicBool::new(false),
     });
-    let connector = Connector { addr, options, admin: Some(admin), link: link.id };
+    let connector = Connector { addr, options, admin: Some(admin), link: link.id, fence };
     std::thread::Builder::new()
         .name(format!("nvpool-remote-{}", link.id))
         .spawn(move || connector.run(inbox))
@@ -320,6 +336,54 @@ struct Connector {
     options: ConnectOptions,
     admin: Option<Queue>,
     link: u64,
+    fence: Option<Fence>,
+}
+
+/// The reservation a link holds on its namespace: Write Exclusive under `key`.
+#[derive(Clone, Copy, Debug)]
+struct Fence {
+    nsid: u32,
+    key: u64,
+}
+
+impl Fence {
+    /// Takes the namespace's reservation for this engine (its host identifier
+    /// `host_id`) on queue `q`: registered with the key (replacing an older key of
+    /// this engine's), then holding Write Exclusive, preempting a holder whose key is
+    /// older. A holder with a newer key serves the volume at a later generation: this
+    /// engine must not write, and the queue is refused.
+    fn take(&self, q: &mut Queue, host_id: [u8; 16]) -> std::result::Result<(), nvpool_initiator::Error> {
+        use nvpool_initiator::Error;
+        use nvpool_wire::reservation::{
+            Acquire, AcquireAction, AcquireData, Register, RegisterAction, RegisterData, ReservationType,
+        };
+        let succeeded = |s: Status| if s.is_success() { Ok(()) } else { Err(Error::Command(s)) };
+        let register = Register { action: RegisterAction::Register, ignore_key: false, change_ptpl: 0 };
+        let keys = || RegisterData { current_key: 0, new_key: self.key };
+        let status = q.reservation_register(self.nsid, register, keys(), true)?;
+        if status.base() == Status::RESERVATION_CONFLICT {
+            // Registered already, under an older generation's key.
+            let replace = Register { action: RegisterAction::Replace, ignore_key: true, change_ptpl: 0 };
+            succeeded(q.reservation_register(self.nsid, replace, keys(), true)?)?;
+        } else {
+            succeeded(status)?;
+        }
+        let report = q.reservation_report(self.nsid, 4096)?;
+        let (action, preempt_key) = match report.registrants.iter().find(|r| r.holds) {
+            None => (AcquireAction::Acquire, 0),
+            Some(h) if h.host_id == host_id => return Ok(()),
+            Some(h) if h.key < self.key => (AcquireAction::Preempt, h.key),
+            Some(h) => {
+                return Err(Error::Protocol(format!(
+                    "generation {} holds the replica's reservation, later than this engine's {}: another engine \
+                     serves the volume now",
+                    h.key, self.key
+                )));
+            }
+        };
+        let acquire = Acquire { action, ignore_key: false, kind: Some(ReservationType::WriteExclusive) };
+        succeeded(q.reservation_acquire(self.nsid, acquire, AcquireData { current_key: self.key, preempt_key })?)
+    }
 }
 
 impl Connector {
@@ -375,7 +439,10 @@ impl Connector {
         }
         let cntlid = self.admin.as_ref().map_or(0, |a| a.cntlid);
         let qid = reactor as u16 + 1;
-        let q = Queue::connect(self.addr, &self.options.io(qid, cntlid, QUEUE_DEPTH - 1))?;
+        let mut q = Queue::connect(self.addr, &self.options.io(qid, cntlid, QUEUE_DEPTH - 1))?;
+        if let Some(fence) = self.fence {
+            fence.take(&mut q, self.options.hostid)?;
+        }
         let max_h2c_data = q.icresp.maxdata;
         let (stream, digests) = q.into_stream();
         Ok(RemoteSocket { stream, digests, max_h2c_data })
