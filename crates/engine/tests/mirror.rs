@@ -7,9 +7,11 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use nvpool_engine::config::{EngineConfig, ListenerConfig, NamespaceConfig, SubsystemConfig};
+use nvpool_engine::mgmt;
 use nvpool_initiator::{ConnectOptions, Error, Queue, connect_admin, pattern};
 use nvpool_wire::Status;
 use nvpool_wire::command::{Command, io_opcode};
+use serde_json::{Value, json};
 
 mod common;
 use common::{TestEngine, namespace};
@@ -250,4 +252,99 @@ fn an_engine_that_lost_the_serving_role_cannot_write_to_the_replicas() {
     new_io.write(1, 16, &pattern(5, 4096), BLOCK, IN_CAPSULE).unwrap();
     let replica = content_of(&r);
     assert_eq!(replica[8 * 512..24 * 512], [pattern(2, 4096), pattern(5, 4096)].concat());
+}
+
+/// An engine with pool `p` holding one replica `v` of a volume (the identity given, or
+/// a new one), exported to the serving engine as `replica:p/v` under the replicas'
+/// subsystem; the hosts' subsystem is there, empty.
+struct ReplicaNode {
+    node: TestEngine,
+    _disks: tempfile::TempDir,
+}
+
+impl ReplicaNode {
+    fn start(host_nqn: &str, identity: Option<&Value>) -> ReplicaNode {
+        let disks = tempfile::tempdir().unwrap();
+        let disk = disks.path().join("disk");
+        std::fs::File::create(&disk).unwrap().set_len(64 << 20).unwrap();
+        let cfg = EngineConfig {
+            host_nqn: Some(host_nqn.into()),
+            reactors: Some(1),
+            listeners: vec![ListenerConfig {
+                address: "127.0.0.1:0".parse().unwrap(),
+                tls: Default::default(),
+                transport: Default::default(),
+            }],
+            ..EngineConfig::default()
+        };
+        let n = ReplicaNode { node: TestEngine::start(&cfg), _disks: disks };
+        n.ok("pool_create", json!({ "name": "p", "disks": [disk] }));
+        let mut create = json!({ "pool": "p", "name": "v", "size": SIZE, "thin": true });
+        if let Some(id) = identity {
+            create["identity"] = json!({ "uuid": id["uuid"], "nguid": id["nguid"] });
+        }
+        n.ok("volume_create", create);
+        for nqn in [NQN, REPLICA_NQN] {
+            n.ok("subsystem_add", json!({ "nqn": nqn, "allow_any_host": true }));
+        }
+        n.add(REPLICA_NQN, "replica:p/v").unwrap();
+        n
+    }
+
+    fn call(&self, method: &str, params: Value) -> Result<Value, nvpool_engine::error::Error> {
+        mgmt::handle(&self.node.engine, &json!({ "method": method, "params": params }).to_string())
+    }
+
+    fn ok(&self, method: &str, params: Value) -> Value {
+        self.call(method, params).unwrap_or_else(|e| panic!("{method}: {e}"))
+    }
+
+    fn add(&self, nqn: &str, backend: &str) -> Result<Value, nvpool_engine::error::Error> {
+        let namespace = json!({ "nsid": 1, "backend": backend, "block_size": BLOCK });
+        self.call("namespace_add", json!({ "nqn": nqn, "namespace": namespace }))
+    }
+
+    /// Serves the volume to hosts at `generation`, with `other`'s replica as the
+    /// second leg.
+    fn serve(&self, generation: u64, other: &ReplicaNode) {
+        let spec = format!("mirror:generation={generation} volume:p/v remote:{}/{REPLICA_NQN}/1", other.node.addr);
+        self.add(NQN, &spec).unwrap();
+    }
+
+    /// 4 KiB at `lba` of this node's replica, read through its replica export.
+    fn replica_block(&self, lba: u64) -> Vec<u8> {
+        io_queue(self.node.addr, REPLICA_NQN).1.read(1, lba, 8, BLOCK).unwrap()
+    }
+}
+
+/// The serving role moves from one engine to another, each serving its own replica
+/// and writing the other's: from then on the engine that served before writes to
+/// neither, whether it writes its own replica directly or the other's over the fabric.
+#[test]
+fn when_the_serving_role_moves_the_old_engine_writes_no_replica() {
+    let a = ReplicaNode::start("nqn.2024-01.io.nvpool:engine:a", None);
+    let identity = a.ok("volume_list", json!({ "pool": "p" }))[0].clone();
+    let b = ReplicaNode::start("nqn.2024-01.io.nvpool:engine:b", Some(&identity));
+    a.serve(1, &b);
+    let (_a_admin, mut via_a) = io_queue(a.node.addr, NQN);
+    via_a.write(1, 8, &pattern(1, 4096), BLOCK, IN_CAPSULE).unwrap();
+    assert_eq!((a.replica_block(8), b.replica_block(8)), (pattern(1, 4096), pattern(1, 4096)));
+
+    // b serves at generation 2: its first write takes a's replica.
+    b.serve(2, &a);
+    let (_b_admin, mut via_b) = io_queue(b.node.addr, NQN);
+    via_b.write(1, 8, &pattern(2, 4096), BLOCK, IN_CAPSULE).unwrap();
+    // a's write reaches neither replica: both refuse it, and the host is told to
+    // write it through another path.
+    let e = via_a.write(1, 8, &pattern(3, 4096), BLOCK, IN_CAPSULE).unwrap_err();
+    assert_eq!(status_of(e), Status::ANA_INACCESSIBLE);
+    assert_eq!((a.replica_block(8), b.replica_block(8)), (pattern(2, 4096), pattern(2, 4096)));
+    let faulted: Vec<String> = faulted_legs(&a.node).into_iter().map(|f| f.error.to_lowercase()).collect();
+    assert!(faulted.len() == 2 && faulted.iter().all(|e| e.contains("reservation conflict")), "{faulted:?}");
+    // Nor can a serves the volume at its old generation again.
+    a.call("namespace_remove", json!({ "nqn": NQN, "nsid": 1 })).unwrap();
+    let e = a.add(NQN, &format!("mirror:generation=1 volume:p/v remote:{}/{REPLICA_NQN}/1", b.node.addr)).unwrap_err();
+    assert!(e.to_string().contains("generation 2"), "{e}");
+    via_b.write(1, 16, &pattern(4, 4096), BLOCK, IN_CAPSULE).unwrap();
+    assert_eq!((a.replica_block(16), b.replica_block(16)), (pattern(4, 4096), pattern(4, 4096)));
 }

@@ -11,6 +11,7 @@
 //! | [`memory`] | `memory:SIZE` | RAM (a memfd), lost on exit |
 //! | [`file`](mod@file) | `file:PATH[:SIZE]` | a file or block device, with `O_DIRECT` where possible |
 //! | [`volume`] | `volume:POOL/NAME` | a logical volume of a disk pool, split at cluster boundaries |
+//! | [`volume`] | `replica:POOL/NAME` | a volume exported as a replica to the engine that serves it |
 //! | [`remote`] | `remote:HOST:PORT/NQN/NSID` | another engine's namespace, forwarded over NVMe/TCP |
 //! | [`mirror`] | `mirror:LEG LEG ...` | a replicated volume: writes go to every leg (replica) |
 //!
@@ -38,7 +39,8 @@ pub use crate::io::{BlockIo, DiskQueue};
 use crate::pool::Pool;
 
 /// Every kind of backend a namespace spec may name.
-pub const TYPES: &[BackendType] = &[null::TYPE, memory::TYPE, file::TYPE, volume::TYPE, remote::TYPE, mirror::TYPE];
+pub const TYPES: &[BackendType] =
+    &[null::TYPE, memory::TYPE, file::TYPE, volume::TYPE, volume::REPLICA, remote::TYPE, mirror::TYPE];
 
 /// The storage behind a namespace, shared by every reactor that serves it.
 pub trait Backend: Send + Sync + fmt::Debug {
@@ -126,6 +128,10 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// The namespace is served by `next` from now on, or by nothing: a backend that
     /// holds commands decides what becomes of them.
     fn retired(&self, _next: Option<&dyn Backend>) {}
+
+    /// A host took the namespace's reservation with key `key`: for a replica of a
+    /// volume, the generation that serves the volume from now on.
+    fn reservation_taken(&self, _key: u64) {}
 }
 
 /// How a backend opens again in a new engine process.

@@ -7,37 +7,91 @@
 //! Every I/O that reads a cluster map is counted under the pool's epoch until its
 //! operations complete, so a released cluster is never reused under it. Every command
 //! passes the volume's [`Gate`] first, which a migration uses to move the volume.
+//!
+//! A replicated volume has a replica on each of several engines: the serving engine
+//! writes its own as `volume:` under its mirror's generation, and exports each of
+//! the others as `replica:`, whose reservation (held by the serving engine, keyed by
+//! its generation) the volume records, so that an engine whose generation is over
+//! writes neither to another engine's replica nor to its own.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use nvpool_wire::Status;
 
 use super::gate::{Admitted, Gate, ROUTE_HERE};
 use super::{Backend, BackendType, BlockIo, DiskQueue, Handover, OpenEnv, Opened, deallocated_ranges};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::plan::IoPlan;
 use crate::pool::{MetaRequest, Pool, VolumeIo};
 
-/// The registration of `volume:POOL/NAME`.
+/// The registration of `volume:POOL/NAME`. Opened by a mirror serving at a
+/// generation (its local replica), the volume takes that generation, and refuses
+/// writes once a later one took it.
 pub const TYPE: BackendType = BackendType {
     name: "volume",
     usage: "volume:POOL/NAME",
     check: |arg| parse(arg).map(drop),
     open: |arg, env: &OpenEnv<'_>| {
-        let (pool, name) = parse(arg).map_err(crate::error::Error::invalid)?;
+        let (pool, name) = parse(arg).map_err(Error::invalid)?;
         let pool = (env.pool)(pool)?;
-        open(&pool, name)
+        match env.fence {
+            Some(generation) => open_as(&pool, name, Role::Serving(generation)),
+            None => open_as(&pool, name, Role::Plain),
+        }
     },
 };
 
+/// The registration of `replica:POOL/NAME`: a volume exported to the engine that
+/// serves it, whose reservation keys are the volume's generations.
+pub const REPLICA: BackendType = BackendType {
+    name: "replica",
+    usage: "replica:POOL/NAME",
+    check: |arg| parse(arg).map(drop),
+    open: |arg, env: &OpenEnv<'_>| {
+        let (pool, name) = parse(arg).map_err(Error::invalid)?;
+        let pool = (env.pool)(pool)?;
+        open_as(&pool, name, Role::Replica)
+    },
+};
+
+/// What a volume backend is to a replicated volume.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    /// Nothing: a volume with one copy, or one a migration moves.
+    Plain,
+    /// One replica, exported to the engine that serves the volume: the key of the
+    /// reservation that engine takes is its generation, which the volume records.
+    Replica,
+    /// The serving engine's own replica, written by its mirror at this generation.
+    Serving(u64),
+}
+
 /// Opens volume `name` of `pool` as a backend, with the identity stored with it.
 pub fn open(pool: &Pool, name: &str) -> Result<Opened> {
+    open_as(pool, name, Role::Plain)
+}
+
+fn open_as(pool: &Pool, name: &str, role: Role) -> Result<Opened> {
     let (volume, meta) = pool.open_volume(name)?;
+    if let Role::Serving(generation) = role {
+        let latest = volume.map.take_generation(generation);
+        if latest > generation {
+            return Err(Error::precondition(format!(
+                "generation {latest} of volume {}/{name} serves it now, later than {generation}: this engine no \
+                 longer serves it",
+                pool.name
+            )));
+        }
+    }
+    let kind = if role == Role::Replica { "replica" } else { "volume" };
     let backend = VolumeBackend {
         volume,
         size: meta.size,
-        description: format!("volume:{}/{name}", pool.name),
+        description: format!("{kind}:{}/{name}", pool.name),
         gate: Gate::new(meta.size),
+        role,
+        reserved_at: AtomicU64::new(0),
     };
     Ok(Opened { backend: Arc::new(backend), identity: Some((meta.uuid, meta.nguid)) })
 }
@@ -58,9 +112,22 @@ pub struct VolumeBackend {
     description: String,
     /// What a migration holds, marks and forwards.
     pub gate: Gate,
+    role: Role,
+    /// A replica's: the key (generation) of the reservation its writer holds.
+    reserved_at: AtomicU64,
 }
 
 impl VolumeBackend {
+    /// Whether a later generation than its writer's took the volume: its writes are
+    /// refused (the writer no longer serves the volume).
+    fn fenced(&self) -> bool {
+        match self.role {
+            Role::Plain => false,
+            Role::Serving(generation) => self.volume.map.generation() > generation,
+            Role::Replica => self.volume.map.generation() > self.reserved_at.load(Ordering::Acquire),
+        }
+    }
+
     /// Queues a read or write piece by piece; returns whether anything was queued.
     fn transfer(&self, io: &mut BlockIo, queue: &mut DiskQueue<'_>, offset: u64, len: u32, write: bool) -> bool {
         let (pool, map) = (&self.volume.pool, &self.volume.map);
@@ -132,6 +199,10 @@ impl Backend for VolumeBackend {
     }
 
     fn start(&self, io: &mut BlockIo, queue: &mut DiskQueue<'_>) {
+        if !matches!(io.plan, IoPlan::Read { .. }) && self.fenced() {
+            io.status = Status::RESERVATION_CONFLICT;
+            return;
+        }
         // A command already through the gate (a write back from allocation) is not
         // counted or parked twice.
         if io.route != ROUTE_HERE
@@ -202,5 +273,12 @@ impl Backend for VolumeBackend {
 
     fn as_volume(&self) -> Option<&VolumeBackend> {
         Some(self)
+    }
+
+    fn reservation_taken(&self, key: u64) {
+        if self.role == Role::Replica {
+            self.reserved_at.store(key, Ordering::Release);
+            self.volume.map.take_generation(key);
+        }
     }
 }

@@ -432,6 +432,9 @@ impl Engine {
             ns.ana_group = n.ana_group;
             ns.qos.set(n.qos);
             ns.reservations.restore(&n.reservations);
+            if let Some(key) = ns.reservations.holder_key() {
+                ns.backend.reservation_taken(key);
+            }
             s.add_namespace(ns)?;
         }
         s.restore_ana(&i.ana);

@@ -190,8 +190,11 @@ impl Engine {
     /// A volume that is moving to another engine is not opened: it is served only
     /// through the namespace its migration watches.
     fn open_backend(&self, spec: &str) -> Result<backend::Opened> {
-        let volume = spec.strip_prefix("volume:").and_then(|v| v.split_once('/'));
-        if let Some((pool, name)) = volume.filter(|(pool, name)| self.migrations.moving(pool, name)) {
+        // A mirror's legs are specs of their own.
+        let volumes = spec.trim_start_matches("mirror:").split(' ').filter_map(|leg| {
+            leg.strip_prefix("volume:").or(leg.strip_prefix("replica:")).and_then(|v| v.split_once('/'))
+        });
+        if let Some((pool, name)) = volumes.into_iter().find(|(pool, name)| self.migrations.moving(pool, name)) {
             return Err(Error::precondition(format!(
                 "volume {pool}/{name} is moving to another engine: export it once its migration ends, or cancel \
                  the migration"

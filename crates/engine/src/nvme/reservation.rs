@@ -462,6 +462,13 @@ impl NamespaceReservations {
         Ok(if aborting { Executed::Aborting(Abort::Queued) } else { Executed::Done(None) })
     }
 
+    /// The key of the host holding the reservation, if one does.
+    pub fn holder_key(&self) -> Option<u64> {
+        let state = lock(&self.state);
+        let holder = state.holder?;
+        state.registrant(&holder.host).map(|r| r.key)
+    }
+
     /// Whether any host is registered.
     pub fn in_use(&self) -> bool {
         self.tracking.load(Ordering::Acquire)

@@ -36,13 +36,16 @@ pub struct VolumeMap {
     clusters: u64,
     /// Whether writes mark their clusters dirty. Shared by every size of the map.
     tracking: Arc<AtomicBool>,
+    /// The latest generation of the volume that took it as a replica (0: none). A
+    /// mirror serving an older one may no longer write to it. Shared by every size.
+    generation: Arc<AtomicU64>,
 }
 
 impl VolumeMap {
     /// An empty map of `clusters` clusters.
     pub fn new(clusters: u64) -> VolumeMap {
         let pages = (0..clusters.div_ceil(PAGE as u64)).map(|_| PageSlot::default()).collect();
-        VolumeMap { pages, clusters, tracking: Arc::default() }
+        VolumeMap { pages, clusters, tracking: Arc::default(), generation: Arc::default() }
     }
 
     /// The same map grown (or shrunk) to `clusters`, sharing every page it keeps.
@@ -50,7 +53,7 @@ impl VolumeMap {
         let n = clusters.div_ceil(PAGE as u64) as usize;
         let pages =
             (0..n).map(|i| self.pages.get(i).cloned().unwrap_or_default()).collect::<Vec<_>>().into_boxed_slice();
-        VolumeMap { pages, clusters, tracking: self.tracking.clone() }
+        VolumeMap { pages, clusters, tracking: self.tracking.clone(), generation: self.generation.clone() }
     }
 
     /// Number of virtual clusters.
@@ -101,6 +104,17 @@ impl VolumeMap {
     /// Whether dirty tracking is on.
     pub fn tracking(&self) -> bool {
         self.tracking.load(Ordering::SeqCst)
+    }
+
+    /// Records that generation `g` of the volume took it as a replica; returns the
+    /// latest generation that did, `g` or a later one.
+    pub fn take_generation(&self, g: u64) -> u64 {
+        self.generation.fetch_max(g, Ordering::SeqCst).max(g)
+    }
+
+    /// The latest generation that took the volume as a replica (0: none).
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
     }
 
     /// The dirty clusters in ascending order; cleared as they are read if `reset`, so a

@@ -678,7 +678,14 @@ impl Conn {
         if !ns.serves_reservations() {
             return self.respond(r, idx, cmd.cid, Status::INVALID_OPCODE.with_dnr(), 0);
         }
-        match ns.reservations.execute(&q.controller.hostid, cmd, data) {
+        let outcome = ns.reservations.execute(&q.controller.hostid, cmd, data);
+        if outcome.is_ok()
+            && cmd.opcode == nvpool_wire::reservation::opcode::ACQUIRE
+            && let Some(key) = ns.reservations.holder_key()
+        {
+            ns.backend.reservation_taken(key);
+        }
+        match outcome {
             Ok(Executed::Done(report)) => {
                 if let Some(d) = report.filter(|d| !d.is_empty()) {
                     self.send_data(r, cmd.cid, Payload::Owned(d), false);
