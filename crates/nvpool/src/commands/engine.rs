@@ -11,8 +11,8 @@ use nvpool_api::{
     GetEngineInfo, GetMigration, GetVolume, ImportPool, ListAnaGroups, ListListeners, ListLocalDevices, ListPools,
     ListSubsystems, ListVolumes, ListenerInfo, LocalDeviceConfig, LocalDeviceInfo, Method, MigrationInfo, PathAddress,
     PoolInfo, RemoveHost, RemoveListener, RemoveLocalDevice, RemoveNamespace, RemoveSubsystem, ResizeVolume,
-    SetAnaState, SetNamespaceQos, StartMigration, SubsystemInfo, SwitchMigration, TlsMode, TlsPsk, Transport,
-    UpgradeEngine, VolumeDirty, VolumeIdentity, VolumeInfo,
+    SetAnaState, SetNamespaceQos, StartMigration, SubsystemInfo, SwapNamespace, SwitchMigration, TlsMode, TlsPsk,
+    Transport, UpgradeEngine, VolumeDirty, VolumeIdentity, VolumeInfo,
 };
 use nvpool_engine::Engine;
 use nvpool_engine::config::{
@@ -256,6 +256,17 @@ enum NamespaceVerb {
         nqn: String,
         /// Namespace ID.
         nsid: u32,
+    },
+    /// Serve a namespace from another backend from its next command on, invisibly to
+    /// hosts (same identity and blocks): a mirror of the replicas left after one
+    /// failed, a volume's new place.
+    Swap {
+        /// Subsystem NQN.
+        nqn: String,
+        /// Namespace ID.
+        nsid: u32,
+        /// The new backend, as for `add`.
+        backend: String,
     },
 }
 
@@ -581,6 +592,10 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
             NamespaceVerb::Remove { nqn, nsid } => {
                 let message = format!("namespace {nsid} removed from {nqn}");
                 done(&api, RemoveNamespace { nqn, nsid }, &message)
+            }
+            NamespaceVerb::Swap { nqn, nsid, backend } => {
+                let message = format!("namespace {nsid} of {nqn} served by {backend}");
+                done(&api, SwapNamespace { nqn, nsid, backend }, &message)
             }
         },
         EngineVerb::Local { verb, api } => match verb {
