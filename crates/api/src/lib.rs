@@ -296,6 +296,16 @@ methods! {
         /// What to do.
         action: DirtyAction,
     }
+    /// The clusters of a replicated volume written at a generation or later (on the
+    /// engine that served them): what a replica that left at that generation lacks.
+    "volume_written_since" => VolumeWrittenSince -> WrittenClusters {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        name: String,
+        /// The generation.
+        generation: u64,
+    }
     /// Starts moving a volume to another engine: its data is copied there in rounds
     /// (all allocated clusters, then what was written since), engine to engine over
     /// NVMe/TCP, while hosts keep using it here.

@@ -599,6 +599,17 @@ pub struct DirtyReport {
     pub clusters: Vec<u64>,
 }
 
+/// The clusters of a replicated volume written since a generation.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WrittenClusters {
+    /// The latest generation that took the volume (0: none).
+    pub generation: u64,
+    /// Bytes per cluster.
+    pub cluster_size: u64,
+    /// Indexes of the clusters written at the generation asked or later.
+    pub clusters: Vec<u64>,
+}
+
 /// The identity a volume's namespace keeps for life.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VolumeIdentity {

@@ -16,7 +16,7 @@ use nvpool_api::{
     ListSubsystems, ListVolumes, LocalDeviceAdded, METHODS, Method, NamespaceAdded, RemoveHost, RemoveListener,
     RemoveLocalDevice, RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState, SetControllerIdRange,
     SetDiscoveryAddress, SetHostPaths, SetNamespaceQos, StartMigration, SwapNamespace, SwitchMigration, UpgradeEngine,
-    VolumeDirty,
+    VolumeDirty, VolumeWrittenSince,
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -210,6 +210,9 @@ fn reply_text(engine: &Engine, line: &str) -> Result<String> {
         ResizeVolume::NAME => answer(p, |r: ResizeVolume| engine.pools.resize_volume(&r.pool, &r.name, r.size)),
         ListVolumes::NAME => answer(p, |r: ListVolumes| engine.pools.volumes(r.pool.as_deref())),
         VolumeDirty::NAME => answer(p, |r: VolumeDirty| engine.pools.volume_dirty(&r.pool, &r.name, r.action)),
+        VolumeWrittenSince::NAME => {
+            answer(p, |r: VolumeWrittenSince| engine.pools.written_since(&r.pool, &r.name, r.generation))
+        }
         StartMigration::NAME => {
             answer(p, |r: StartMigration| engine.start_migration(&r.pool, &r.name, &r.id, &r.target, r.rate))
         }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use nvpool_api::{DirtyAction, DirtyReport, VolumeIdentity};
+use nvpool_api::{DirtyAction, DirtyReport, VolumeIdentity, WrittenClusters};
 
 use crate::backend::volume;
 use crate::error::{Error, Result};
@@ -212,6 +212,17 @@ impl Pools {
         };
         let info = p.volume(name)?;
         Ok(DirtyReport { tracking: info.dirty_tracking, cluster_size: p.cluster_size(), clusters })
+    }
+
+    /// The clusters of volume `pool/name` written at `generation` or later.
+    pub fn written_since(&self, pool: &str, name: &str, generation: u64) -> Result<WrittenClusters> {
+        let p = self.get(pool)?;
+        let (io, _) = p.open_volume(name)?;
+        Ok(WrittenClusters {
+            generation: io.map.generation(),
+            cluster_size: p.cluster_size(),
+            clusters: io.map.written_since(generation),
+        })
     }
 
     /// Checks a pool's metadata and space accounting.

@@ -348,3 +348,33 @@ fn when_the_serving_role_moves_the_old_engine_writes_no_replica() {
     via_b.write(1, 16, &pattern(4, 4096), BLOCK, IN_CAPSULE).unwrap();
     assert_eq!((a.replica_block(16), b.replica_block(16)), (pattern(4, 4096), pattern(4, 4096)));
 }
+
+/// While a replica is away, its serving engine records what changes: the clusters
+/// written by the writes that missed it and by every later generation, so that it
+/// can come back by copying those alone.
+#[test]
+fn the_serving_engine_records_what_a_replica_that_left_lacks() {
+    let a = ReplicaNode::start("nqn.2024-01.io.nvpool:engine:a", None);
+    let identity = a.ok("volume_list", json!({ "pool": "p" }))[0].clone();
+    let b = ReplicaNode::start("nqn.2024-01.io.nvpool:engine:b", Some(&identity));
+    a.serve(1, &b);
+    let (_admin, mut io) = io_queue(a.node.addr, NQN);
+    let cluster = |c: u64| c * (1 << 20) / u64::from(BLOCK);
+    for c in [0, 2] {
+        io.write(1, cluster(c), &pattern(c, 4096), BLOCK, IN_CAPSULE).unwrap();
+    }
+    drop(b);
+    let outcome = write_in_background(io, cluster(5), 5);
+    assert!(outcome.recv_timeout(Duration::from_secs(7)).is_err(), "a write that missed a replica completed");
+    a.ok("namespace_swap", json!({ "nqn": NQN, "nsid": 1, "backend": "mirror:generation=2 volume:p/v" }));
+    let (mut io, r) = outcome.recv_timeout(Duration::from_secs(5)).expect("the held write completes");
+    r.unwrap();
+    io.write(1, cluster(9), &pattern(9, 4096), BLOCK, IN_CAPSULE).unwrap();
+    let since = |generation: u64| {
+        let r = a.ok("volume_written_since", json!({ "pool": "p", "name": "v", "generation": generation }));
+        assert_eq!(r["generation"], 2);
+        serde_json::from_value::<Vec<u64>>(r["clusters"].clone()).unwrap()
+    };
+    assert_eq!(since(2), [5, 9], "what the replica that left at generation 1 lacks");
+    assert_eq!(since(1), [0, 2, 5, 9]);
+}

@@ -5,7 +5,8 @@
 //! queue keeps its socket and its controller ID), and all data must read back. Upgrades
 //! that fail (a binary that exits at once, one that crashes in the middle of the
 //! handover) must leave the old engine serving. A thousand connections are handed over
-//! at once, and an upgrade while a volume migrates is refused with the reason.
+//! at once, an upgrade while a volume migrates is refused with the reason, and a
+//! mirrored volume is served across upgrades of both its engines.
 #![allow(unsafe_code)]
 
 use std::net::SocketAddr;
@@ -632,4 +633,69 @@ fn metrics_limits_and_reservations_are_served_across_upgrades() {
     let _ = first.wait();
     println!("metrics on port {metrics} from pids {pids:?}");
     drop(serving);
+}
+
+/// A mirrored volume across upgrades of its serving engine and of the engine holding
+/// its other replica: the mirror opens again at its generation, the replica's export
+/// keeps the serving engine's reservation, the host's queue stays, and every write
+/// reaches both replicas.
+#[test]
+fn a_mirrored_volume_is_served_across_upgrades() {
+    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    let ports = [free_port(), free_port()];
+    let mut engines = Vec::new();
+    let mut guards = Vec::new();
+    for (dir, &port) in dirs.iter().zip(&ports) {
+        engines.push(start_engine(dir.path(), port, &[]));
+        let socket = dir.path().join("sock");
+        guards.push(StopOnDrop(socket.clone()));
+        std::fs::File::create(dir.path().join("disk")).unwrap().set_len(256 << 20).unwrap();
+        cli(&socket, &["pool", "create", "p", dir.path().join("disk").to_str().unwrap()]).unwrap();
+    }
+    let (a, b) = (dirs[0].path().join("sock"), dirs[1].path().join("sock"));
+    let v: serde_json::Value =
+        serde_json::from_str(&cli(&a, &["volume", "create", "p", "v", "64MiB", "--json"]).unwrap()).unwrap();
+    let (uuid, nguid) = (v["uuid"].as_str().unwrap(), v["nguid"].as_str().unwrap());
+    cli(&b, &["volume", "create", "p", "v", "64MiB", "--uuid", uuid, "--nguid", nguid]).unwrap();
+    cli(&b, &["namespace", "add", NQN, "replica:p/v", "--nsid", "2"]).unwrap();
+    let mirror = format!("mirror:generation=1 volume:p/v remote:127.0.0.1:{}/{NQN}/2", ports[1]);
+    cli(&a, &["namespace", "add", NQN, &mirror, "--nsid", "2"]).unwrap();
+
+    let addr: SocketAddr = format!("127.0.0.1:{}", ports[0]).parse().unwrap();
+    let h = host(addr, "mirror", Digests::default());
+    let mut q = Queue::connect(addr, &h.io).expect("I/O queue");
+    // The volume's namespaces take the pool's 512-byte sectors.
+    const SECTOR: u32 = 512;
+    let mut written = 0u64;
+    let write_some = |q: &mut Queue, written: &mut u64| {
+        for _ in 0..16 {
+            q.write(2, *written * 8, &pattern(*written, 4096), SECTOR, 8192).unwrap();
+            *written += 1;
+        }
+    };
+    write_some(&mut q, &mut written);
+    for (who, socket) in [("serving", &a), ("replica", &b), ("serving", &a)] {
+        let before = engine_pid(socket);
+        cli(socket, &["upgrade"]).unwrap();
+        assert_ne!(engine_pid(socket), before, "the {who} engine was not replaced");
+        write_some(&mut q, &mut written);
+    }
+    let listed = cli(&a, &["subsystem", "list", "--json"]).unwrap();
+    assert!(listed.contains("mirror:generation=1 volume:p/v remote:"), "{listed}");
+    assert!(!listed.contains("faulted_legs"), "a replica left the mirror across the upgrades: {listed}");
+    let o = ConnectOptions { kato: 0, ..ConnectOptions::admin(NQN, "nqn.2024-01.io.nvpool:upgrade-check") };
+    let b_addr: SocketAddr = format!("127.0.0.1:{}", ports[1]).parse().unwrap();
+    let mut admin = connect_admin(b_addr, &o).unwrap();
+    admin.set_queue_count(1).unwrap();
+    let mut replica = Queue::connect(b_addr, &o.io(1, admin.cntlid, 15)).unwrap();
+    for i in 0..written {
+        let want = pattern(i, 4096);
+        assert_eq!(q.read(2, i * 8, 8, SECTOR).unwrap(), want, "4 KiB {i} through the serving engine");
+        assert_eq!(replica.read(2, i * 8, 8, SECTOR).unwrap(), want, "4 KiB {i} of the other replica");
+    }
+    println!("{written} writes of 4 KiB across three upgrades reached both replicas");
+    drop(guards);
+    for mut e in engines {
+        let _ = e.wait();
+    }
 }

@@ -118,6 +118,16 @@ pub struct VolumeBackend {
 }
 
 impl VolumeBackend {
+    /// Notes that `generation` wrote the clusters `ranges` (bytes) touch.
+    pub fn mark_generation(&self, ranges: &[(u64, u64)], generation: u64) {
+        let shift = self.volume.pool.cluster_shift();
+        for &(offset, len) in ranges.iter().filter(|r| r.1 > 0) {
+            for vc in offset >> shift..=(offset + len - 1) >> shift {
+                self.volume.map.mark_generation(vc, generation);
+            }
+        }
+    }
+
     /// Whether a later generation than its writer's took the volume: its writes are
     /// refused (the writer no longer serves the volume).
     fn fenced(&self) -> bool {
@@ -157,6 +167,9 @@ impl VolumeBackend {
                     queued |= ok;
                     if write {
                         map.mark_written(vc);
+                        if let Role::Serving(generation) = self.role {
+                            map.mark_generation(vc, generation);
+                        }
                     }
                 }
             }
@@ -167,6 +180,9 @@ impl VolumeBackend {
 
     /// Hands zeroing of `ranges` to the metadata thread (it may release clusters).
     fn zero(&self, io: &mut BlockIo, queue: &mut DiskQueue<'_>, ranges: Vec<(u64, u64)>) {
+        if let Role::Serving(generation) = self.role {
+            self.mark_generation(&ranges, generation);
+        }
         let done = queue.defer(io);
         self.volume.pool.request(MetaRequest::Zero { volume: self.volume.id, ranges, done });
     }

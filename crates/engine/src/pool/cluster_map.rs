@@ -17,6 +17,9 @@ pub const PAGE: usize = 1024;
 pub struct MapPage {
     physical: [AtomicU32; PAGE],
     dirty: [AtomicU64; PAGE / 64],
+    /// The latest generation of a replicated volume that wrote each cluster here (0:
+    /// none since the engine started).
+    written_at: [AtomicU32; PAGE],
 }
 
 impl MapPage {
@@ -24,6 +27,7 @@ impl MapPage {
         Box::new(MapPage {
             physical: std::array::from_fn(|_| AtomicU32::new(0)),
             dirty: std::array::from_fn(|_| AtomicU64::new(0)),
+            written_at: std::array::from_fn(|_| AtomicU32::new(0)),
         })
     }
 }
@@ -115,6 +119,29 @@ impl VolumeMap {
     /// The latest generation that took the volume as a replica (0: none).
     pub fn generation(&self) -> u64 {
         self.generation.load(Ordering::SeqCst)
+    }
+
+    /// Notes that generation `g` of the volume wrote (or zeroed) virtual cluster `vc`:
+    /// the record of what a replica that left the volume lacks.
+    pub fn mark_generation(&self, vc: u64, g: u64) {
+        if let Some(p) = self.page(vc) {
+            p.written_at[vc as usize % PAGE].fetch_max(g.min(u64::from(u32::MAX)) as u32, Ordering::Relaxed);
+        }
+    }
+
+    /// The clusters generation `g` or a later one wrote, in ascending order.
+    pub fn written_since(&self, g: u64) -> Vec<u64> {
+        let mut out = Vec::new();
+        for (pi, slot) in self.pages.iter().enumerate() {
+            let Some(p) = slot.get() else { continue };
+            for (i, at) in p.written_at.iter().enumerate() {
+                let vc = (pi * PAGE + i) as u64;
+                if u64::from(at.load(Ordering::Relaxed)) >= g && vc < self.clusters {
+                    out.push(vc);
+                }
+            }
+        }
+        out
     }
 
     /// The dirty clusters in ascending order; cleared as they are read if `reset`, so a

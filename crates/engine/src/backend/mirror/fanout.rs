@@ -12,7 +12,7 @@ use nvpool_wire::Status;
 use super::{MAX_LEGS, Mirror, fans_out};
 use crate::backend::{BlockIo, DiskQueue};
 use crate::bufpool::Buf;
-use crate::plan::IoPlan;
+use crate::plan::{IoPlan, dsm_byte_ranges};
 use crate::ring::{CLIENT_OWNER, Handed, Ring, RingClient};
 use std::sync::Arc;
 
@@ -136,11 +136,32 @@ impl Fanout {
             // No replica has it: the host writes it again.
             self.answer(ring, c, Status::ANA_INACCESSIBLE);
         } else if f.missed != 0 {
+            self.record_missed(c);
             self.held.push(c);
             self.release_held(ring);
         } else {
             self.answer(ring, c, Status::SUCCESS);
         }
+    }
+
+    /// Records what held command `c` changed as written by the next generation, on
+    /// the serving engine's own replica: the mirror that serves without the legs it
+    /// missed is that generation, and a leg that comes back copies what the record
+    /// names from the generation it left at (`VolumeMap::written_since`).
+    fn record_missed(&self, c: u16) {
+        let f = &self.commands[usize::from(c)];
+        let (Some(generation), Some(volume)) = (self.mirror.generation, self.mirror.legs[0].backend.as_volume()) else {
+            return;
+        };
+        let ranges: Vec<(u64, u64)> = match f.plan {
+            IoPlan::Write { offset, len, .. } => vec![(offset, u64::from(len))],
+            IoPlan::WriteZeroes { offset, len } => vec![(offset, len)],
+            IoPlan::DatasetManagement { ranges, block_shift, .. } => {
+                f.buf.as_ref().map(|b| dsm_byte_ranges(b.as_slice(), ranges, block_shift).collect()).unwrap_or_default()
+            }
+            IoPlan::Read { .. } | IoPlan::Flush => Vec::new(),
+        };
+        volume.mark_generation(&ranges, generation + 1);
     }
 
     /// Answers the held commands once the mirror is retired.
