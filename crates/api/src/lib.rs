@@ -306,6 +306,32 @@ methods! {
         /// The generation.
         generation: u64,
     }
+    /// Brings a replica into a mirrored namespace: the mirror takes it as a leg that
+    /// catches up (it gets every write from now on), and what it lacks is copied to it
+    /// from this engine's replica, cluster by cluster, under live writes: the clusters
+    /// written at generation `since` or later, or every cluster when `since` is none.
+    /// Once done, the leg has every write and may join the in-sync set.
+    "replica_rebuild" => StartRebuild -> RebuildInfo {
+        /// Subsystem NQN.
+        nqn: String,
+        /// Namespace ID of the mirror.
+        nsid: u32,
+        /// The replica, as a leg (`remote:HOST:PORT/NQN/NSID`).
+        leg: String,
+        /// The generation it left the in-sync set at (a partial rebuild), or none (full).
+        #[serde(default)]
+        since: Option<u64>,
+        /// Bytes per second the copy may take (none: as fast as it goes).
+        #[serde(default)]
+        rate: Option<u64>,
+    }
+    /// A rebuild's progress.
+    "replica_rebuild_status" => GetRebuild -> RebuildInfo {
+        /// Subsystem NQN.
+        nqn: String,
+        /// Namespace ID of the mirror.
+        nsid: u32,
+    }
     /// Starts moving a volume to another engine: its data is copied there in rounds
     /// (all allocated clusters, then what was written since), engine to engine over
     /// NVMe/TCP, while hosts keep using it here.

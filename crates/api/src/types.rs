@@ -637,6 +637,22 @@ pub enum MigrationState {
     Cancelled,
 }
 
+/// A rebuild's progress.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RebuildInfo {
+    /// The replica, as a leg of the mirror.
+    pub leg: String,
+    /// `copying`, `done`, `failed` or `none` (no rebuild of this namespace).
+    pub state: String,
+    /// Why it failed.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub error: String,
+    /// Bytes to copy (the clusters the rebuild names).
+    pub total_bytes: u64,
+    /// Bytes copied so far.
+    pub copied_bytes: u64,
+}
+
 /// A migration's progress.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MigrationInfo {

@@ -9,6 +9,7 @@
 pub mod backend;
 pub mod bufpool;
 pub mod config;
+mod copy;
 pub mod cpu;
 pub mod disk;
 mod engine;
@@ -26,6 +27,7 @@ pub mod pools;
 pub mod qos;
 pub mod rdma;
 pub mod reactor;
+pub mod rebuild;
 pub mod ring;
 pub mod sync;
 pub mod tls;

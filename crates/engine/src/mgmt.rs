@@ -12,11 +12,11 @@ use std::time::Duration;
 use nvpool_api::{
     AddHost, AddListener, AddLocalDevice, AddNamespace, AddSubsystem, AllowAnyHost, CancelMigration, CheckPool,
     CreatePool, CreateVolume, DeleteVolume, Empty, EngineInfo, ErrorReply, ExportPool, GetEngineInfo, GetMigration,
-    GetSubsystems, GetUsage, GetVolume, ImportPool, ListAnaGroups, ListListeners, ListLocalDevices, ListPools,
-    ListSubsystems, ListVolumes, LocalDeviceAdded, METHODS, Method, NamespaceAdded, RemoveHost, RemoveListener,
-    RemoveLocalDevice, RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState, SetControllerIdRange,
-    SetDiscoveryAddress, SetHostPaths, SetNamespaceQos, StartMigration, SwapNamespace, SwitchMigration, UpgradeEngine,
-    VolumeDirty, VolumeWrittenSince,
+    GetRebuild, GetSubsystems, GetUsage, GetVolume, ImportPool, ListAnaGroups, ListListeners, ListLocalDevices,
+    ListPools, ListSubsystems, ListVolumes, LocalDeviceAdded, METHODS, Method, NamespaceAdded, RemoveHost,
+    RemoveListener, RemoveLocalDevice, RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState,
+    SetControllerIdRange, SetDiscoveryAddress, SetHostPaths, SetNamespaceQos, StartMigration, StartRebuild,
+    SwapNamespace, SwitchMigration, UpgradeEngine, VolumeDirty, VolumeWrittenSince,
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -216,6 +216,10 @@ fn reply_text(engine: &Engine, line: &str) -> Result<String> {
         StartMigration::NAME => {
             answer(p, |r: StartMigration| engine.start_migration(&r.pool, &r.name, &r.id, &r.target, r.rate))
         }
+        StartRebuild::NAME => {
+            answer(p, |r: StartRebuild| engine.start_rebuild(&r.nqn, r.nsid, &r.leg, r.since, r.rate))
+        }
+        GetRebuild::NAME => answer(p, |r: GetRebuild| Ok(engine.rebuilds.info(&r.nqn, r.nsid))),
         GetMigration::NAME => answer(p, |r: GetMigration| Ok(engine.migrations.info(&engine.pools, &r.pool, &r.name))),
         SwitchMigration::NAME => answer(p, |r: SwitchMigration| {
             let pause = r.pause_ms.map(|ms| std::time::Duration::from_millis(u64::from(ms)));

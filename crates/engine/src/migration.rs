@@ -26,31 +26,22 @@
 //! and its pace (the rate limit) is its own, so the reactors' loop stays as it is.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nvpool_api::{MigrationInfo, MigrationState};
-use nvpool_initiator::{ConnectOptions, Queue, connect_admin};
-use nvpool_wire::Status;
-use nvpool_wire::command::{Command, io_opcode};
-use nvpool_wire::identify;
 
 use crate::backend::gate::Gate;
 use crate::backend::{Backend, OpenEnv, remote};
 use crate::bufpool::Buf;
+use crate::copy::{self, TargetQueue};
 use crate::error::{Error, Result};
-use crate::nvme::{MAX_TRANSFER, Namespace, Subsystem};
-use crate::pool::{MAX_REACTORS, Pool, VolumeIo};
+use crate::nvme::{Namespace, Subsystem};
+use crate::pool::{Pool, VolumeIo};
 use crate::pools::Pools;
 use crate::sync::lock;
 
-/// The pool in-flight slot the copy counts its reads under (shared, atomically, with
-/// a reactor of that number, which is sound).
-const COPY_SLOT: usize = MAX_REACTORS - 1;
-/// Writes the copy keeps outstanding at the target.
-const COPY_DEPTH: usize = 16;
 /// Pause a switch may take when none is given.
 const DEFAULT_PAUSE: Duration = Duration::from_millis(100);
 /// Rounds after the switch was asked for before one is tried whatever is left.
@@ -121,90 +112,6 @@ struct Mover {
     throttle: u64,
     allowance: f64,
     paced_at: Instant,
-}
-
-/// The copy's own queue to the target namespace.
-struct TargetQueue {
-    /// Kept so the controller stays associated (no keep-alive: KATO 0).
-    _admin: Queue,
-    io: Queue,
-    nsid: u32,
-    block_shift: u32,
-    outstanding: usize,
-}
-
-impl TargetQueue {
-    fn connect(addr: SocketAddr, nqn: &str, nsid: u32, host_nqn: &str) -> std::result::Result<TargetQueue, String> {
-        let options = ConnectOptions { kato: 0, ..ConnectOptions::admin(nqn, host_nqn) };
-        let mut admin = connect_admin(addr, &options).map_err(|e| e.to_string())?;
-        admin.set_queue_count(1).map_err(|e| e.to_string())?;
-        let ns = admin.identify_namespace(nsid).map_err(|e| e.to_string())?;
-        if ns.nsze == 0 {
-            return Err(format!("it has no namespace {nsid}"));
-        }
-        let block_shift = identify::lba_format_block_size(ns.lbaf0).trailing_zeros();
-        let io =
-            Queue::connect(addr, &options.io(1, admin.cntlid, COPY_DEPTH as u16 * 2)).map_err(|e| e.to_string())?;
-        Ok(TargetQueue { _admin: admin, io, nsid, block_shift, outstanding: 0 })
-    }
-
-    /// Takes one answer; an error status fails the copy.
-    fn reap(&mut self) -> Result<()> {
-        let reply =
-            self.io.next_reply().map_err(|e| Error::unavailable(format!("the target stopped answering: {e}")))?;
-        self.outstanding -= 1;
-        if !reply.cqe.status.is_success() {
-            return Err(target_refused(reply.cqe.status));
-        }
-        Ok(())
-    }
-
-    /// Waits for every outstanding write.
-    fn settle(&mut self) -> Result<()> {
-        while self.outstanding > 0 {
-            self.reap()?;
-        }
-        Ok(())
-    }
-
-    fn write(&mut self, offset: u64, data: &[u8]) -> Result<()> {
-        if self.outstanding == COPY_DEPTH {
-            self.reap()?;
-        }
-        let cid = self.io.alloc_cid();
-        let (slba, nlb) = (offset >> self.block_shift, (data.len() >> self.block_shift) as u32);
-        let cmd = Command::read_write(io_opcode::WRITE, cid, self.nsid, slba, nlb, data.len() as u32);
-        self.io.submit(cmd, data, false).map_err(|e| Error::unavailable(format!("cannot write to the target: {e}")))?;
-        self.outstanding += 1;
-        Ok(())
-    }
-
-    fn deallocate(&mut self, offset: u64, len: u64) -> Result<()> {
-        self.settle()?;
-        let (slba, nlb) = (offset >> self.block_shift, (len >> self.block_shift) as u32);
-        let status = self
-            .io
-            .deallocate(self.nsid, slba, nlb)
-            .map_err(|e| Error::unavailable(format!("cannot deallocate on the target: {e}")))?;
-        if !status.is_success() {
-            return Err(target_refused(status));
-        }
-        Ok(())
-    }
-
-    fn flush(&mut self) -> Result<()> {
-        self.settle()?;
-        self.io.flush(self.nsid).map_err(|e| Error::unavailable(format!("the target did not flush: {e}")))
-    }
-}
-
-fn target_refused(status: Status) -> Error {
-    let why = if status.base() == Status::CAPACITY_EXCEEDED {
-        "the target's pool is full".to_string()
-    } else {
-        format!("the target answered {status}")
-    };
-    Error::unavailable(why)
 }
 
 fn none_info(volume_here: bool) -> MigrationInfo {
@@ -574,7 +481,6 @@ impl Mover {
     /// not is deallocated there. `paced` applies the rate limit.
     fn copy(&mut self, runs: &[(u64, u64)], paced: bool) -> Result<()> {
         let cs = self.pool.cluster_size();
-        let shift = self.pool.shared().cluster_shift();
         let started = Instant::now();
         let mut sent = 0u64;
         for &(offset, len) in runs {
@@ -585,29 +491,9 @@ impl Mover {
                     return Ok(());
                 }
                 self.pace_writes();
-                let (vc, within) = (at >> shift, at & (cs - 1));
+                let within = at & (cs - 1);
                 let n = (cs - within).min(end - at);
-                let pool = self.pool.shared().clone();
-                let epoch = pool.enter(COPY_SLOT);
-                let pc = self.volume.map.get(vc);
-                let read = match pool.locate(pc, within) {
-                    Some((disk, pos)) if pc != 0 => {
-                        Some(disk.read_now(&mut self.buf.as_mut_slice()[..n as usize], pos))
-                    }
-                    _ => None,
-                };
-                pool.leave(COPY_SLOT, epoch);
-                match read {
-                    Some(Ok(())) => {
-                        for piece in (0..n).step_by(MAX_TRANSFER) {
-                            let m = (n - piece).min(MAX_TRANSFER as u64) as usize;
-                            let data = &self.buf.as_slice()[piece as usize..piece as usize + m];
-                            self.target.write(at + piece, data)?;
-                        }
-                    }
-                    Some(Err(e)) => return Err(Error::io(format!("reading volume {}", self.name), e)),
-                    None => self.target.deallocate(at, n)?,
-                }
+                copy::piece(&self.volume, &mut self.buf, &mut self.target, at, n)?;
                 at += n;
                 sent += n;
                 self.job.update(|i| i.copied_bytes += n);

@@ -378,3 +378,131 @@ fn the_serving_engine_records_what_a_replica_that_left_lacks() {
     assert_eq!(since(2), [5, 9], "what the replica that left at generation 1 lacks");
     assert_eq!(since(1), [0, 2, 5, 9]);
 }
+
+/// Writers on their own queues to `addr`, each writing 4 KiB blocks at random within
+/// `clusters` (writer `w` of `n` the blocks equal to `w` modulo `n`, so that each
+/// block has one writer), one at a time, until `stop`.
+struct Writers {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<(std::collections::BTreeMap<u64, u64>, u64)>>,
+}
+
+impl Writers {
+    fn start(addr: SocketAddr, clusters: &[u64], n: u64) -> Writers {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let threads = (0..n)
+            .map(|w| {
+                let (stop, clusters) = (stop.clone(), clusters.to_vec());
+                std::thread::spawn(move || {
+                    let (_admin, mut io) = io_queue(addr, NQN);
+                    let mut last = std::collections::BTreeMap::new();
+                    let mut x = 0x9E37_79B9_7F4A_7C15u64 + w;
+                    let mut writes = 0u64;
+                    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        let within = ((x >> 32) % 256) / n * n + w;
+                        let block = clusters[(x % clusters.len() as u64) as usize] * 256 + within.min(255);
+                        if block % n != w {
+                            continue;
+                        }
+                        io.write(1, block * 8, &pattern(x, 4096), BLOCK, IN_CAPSULE).unwrap();
+                        last.insert(block, x);
+                        writes += 1;
+                    }
+                    (last, writes)
+                })
+            })
+            .collect();
+        Writers { stop, threads }
+    }
+
+    /// Stops them; what each block written holds last, and the writes.
+    fn stop(self) -> (std::collections::BTreeMap<u64, u64>, u64) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut all = std::collections::BTreeMap::new();
+        let mut writes = 0;
+        for t in self.threads {
+            let (last, n) = t.join().unwrap();
+            all.extend(last);
+            writes += n;
+        }
+        (all, writes)
+    }
+}
+
+/// Waits for namespace 1's rebuild on `n` to end; returns its last report.
+fn rebuilt(n: &ReplicaNode) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let info = n.ok("replica_rebuild_status", json!({ "nqn": NQN, "nsid": 1 }));
+        if info["state"] != "copying" {
+            return info;
+        }
+        assert!(Instant::now() < deadline, "the rebuild did not end: {info}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A replica that comes back gets, while the host writes, what it lacks: the
+/// clusters written since it left (partial), or every cluster for one that has
+/// nothing (full); then both replicas are the same, byte for byte.
+#[test]
+fn a_replica_that_comes_back_copies_what_it_lacks_under_live_writes() {
+    let a = ReplicaNode::start("nqn.2024-01.io.nvpool:engine:a", None);
+    let identity = a.ok("volume_list", json!({ "pool": "p" }))[0].clone();
+    let b = ReplicaNode::start("nqn.2024-01.io.nvpool:engine:b", Some(&identity));
+    let b_leg = format!("remote:{}/{REPLICA_NQN}/1", b.node.addr);
+    a.serve(1, &b);
+    let (_admin, mut io) = io_queue(a.node.addr, NQN);
+    let block_of_cluster = |c: u64| c * 256 * 8;
+    for c in [0, 2] {
+        io.write(1, block_of_cluster(c), &pattern(c, 4096), BLOCK, IN_CAPSULE).unwrap();
+    }
+    // b's replica goes away (its export with it): the next write misses it and is
+    // held until a serves the volume alone, at generation 2.
+    b.call("namespace_remove", json!({ "nqn": REPLICA_NQN, "nsid": 1 })).unwrap();
+    let outcome = write_in_background(io, block_of_cluster(5), 5);
+    std::thread::sleep(Duration::from_millis(300));
+    a.ok("namespace_swap", json!({ "nqn": NQN, "nsid": 1, "backend": "mirror:generation=2 volume:p/v" }));
+    let (mut io, r) = outcome.recv_timeout(Duration::from_secs(10)).expect("the held write completes");
+    r.unwrap();
+    io.write(1, block_of_cluster(9), &pattern(9, 4096), BLOCK, IN_CAPSULE).unwrap();
+    drop(io);
+
+    // b is back: a partial rebuild copies clusters 5 and 9 while hosts write into
+    // them.
+    b.add(REPLICA_NQN, "replica:p/v").unwrap();
+    let writers = Writers::start(a.node.addr, &[5, 9], 4);
+    std::thread::sleep(Duration::from_millis(100));
+    let started = a.ok("replica_rebuild", json!({ "nqn": NQN, "nsid": 1, "leg": b_leg, "since": 2 }));
+    assert_eq!(started["state"], "copying");
+    let info = rebuilt(&a);
+    std::thread::sleep(Duration::from_millis(100));
+    let (_, writes) = writers.stop();
+    assert_eq!(info["state"], "done", "{info}");
+    assert_eq!((info["total_bytes"].as_u64(), info["copied_bytes"].as_u64()), (Some(2 << 20), Some(2 << 20)));
+    assert!(content_of(&a.node) == content_of(&b.node), "the replicas differ after the partial rebuild");
+    println!("partial rebuild: {info}; {writes} writes meanwhile");
+
+    // A new, empty replica c gets every cluster (full rebuild), under writes
+    // everywhere.
+    let c = ReplicaNode::start("nqn.2024-01.io.nvpool:engine:c", Some(&identity));
+    let c_leg = format!("remote:{}/{REPLICA_NQN}/1", c.node.addr);
+    let both = format!("mirror:generation=3 volume:p/v {b_leg}");
+    a.ok("namespace_swap", json!({ "nqn": NQN, "nsid": 1, "backend": both }));
+    let writers = Writers::start(a.node.addr, &(0..16).collect::<Vec<_>>(), 4);
+    a.ok("replica_rebuild", json!({ "nqn": NQN, "nsid": 1, "leg": c_leg, "rate": 32 << 20 }));
+    let info = rebuilt(&a);
+    let (last, writes) = writers.stop();
+    assert_eq!(info["state"], "done", "{info}");
+    assert_eq!(info["copied_bytes"].as_u64(), Some(SIZE));
+    let all = content_of(&a.node);
+    assert!(all == content_of(&b.node) && all == content_of(&c.node), "the replicas differ after the full rebuild");
+    let (_admin, mut io) = io_queue(a.node.addr, NQN);
+    for (&block, &seed) in &last {
+        assert_eq!(io.read(1, block * 8, 8, BLOCK).unwrap(), pattern(seed, 4096), "block {block}");
+    }
+    println!("full rebuild: {info}; {writes} writes meanwhile");
+}

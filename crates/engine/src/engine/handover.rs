@@ -52,6 +52,11 @@ impl Engine {
                 "volume {volume} is moving to another engine: upgrade once its migration ends, or cancel it"
             )));
         }
+        if let Some(namespace) = self.rebuilds.running() {
+            return Err(Error::precondition(format!(
+                "a replica of namespace {namespace} is being rebuilt: upgrade once the rebuild ends"
+            )));
+        }
         if let Some(address) = self.listeners.rdma_listener() {
             return Err(Error::precondition(format!(
                 "the engine listens for NVMe over RDMA on {address}, and RDMA queue pairs cannot be handed to another \

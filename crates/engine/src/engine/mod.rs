@@ -16,10 +16,11 @@ use std::os::unix::net::UnixListener;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use nvpool_api::{MigrationInfo, Transport};
+use nvpool_api::{MigrationInfo, RebuildInfo, Transport};
 
 use crate::backend;
 use crate::config::EngineConfig;
+use crate::copy::TargetQueue;
 use crate::cpu;
 use crate::error::{Error, ErrorKind, Result};
 use crate::listen::Listeners;
@@ -28,6 +29,7 @@ use crate::migration::Migrations;
 use crate::nvme::{self, ListenerInfo, Target};
 use crate::pools::Pools;
 use crate::reactor::{self, Links};
+use crate::rebuild::{self, Rebuilds};
 use crate::sync::lock;
 use crate::tls;
 use crate::upgrade::UpgradeState;
@@ -44,6 +46,8 @@ pub struct Engine {
     pub local: Arc<LocalDevices>,
     /// Volumes moving to other engines.
     pub migrations: Migrations,
+    /// Replicas of mirrored namespaces catching up.
+    pub rebuilds: Rebuilds,
     /// Held while a namespace takes a backend and while a migration starts: a volume
     /// exported after its migration took stock of its exports would take writes that
     /// the migration does not track, and lose them at the switch.
@@ -94,6 +98,7 @@ impl Engine {
             pools: Pools::new(target.clone(), links.clone()),
             local: Arc::new(LocalDevices::new(target.clone(), links.clone())),
             migrations: Migrations::default(),
+            rebuilds: Rebuilds::default(),
             exporting: Mutex::new(()),
             upgrades: UpgradeState::new(),
             target,
@@ -222,6 +227,49 @@ impl Engine {
         self.with_open_env(|env| self.migrations.start(&self.pools, env, pool, name, id, target, rate))
     }
 
+    /// Brings replica `leg` (`remote:HOST:PORT/NQN/NSID`) into the mirror that serves
+    /// namespace `nsid` of `nqn`: the mirror takes it as a leg that catches up, and a
+    /// thread copies to it the clusters written at generation `since` or later (every
+    /// cluster when none), at `rate` bytes per second at most.
+    pub fn start_rebuild(
+        &self,
+        nqn: &str,
+        nsid: u32,
+        leg: &str,
+        since: Option<u64>,
+        rate: Option<u64>,
+    ) -> Result<RebuildInfo> {
+        if self.rebuilds.rebuilding(nqn, nsid) {
+            return Err(Error::exists(format!(
+                "namespace {nsid} of {nqn} is being rebuilt already: `replica_rebuild_status` shows how far"
+            )));
+        }
+        let (_, ns) = self.target.namespace(nqn, nsid)?;
+        if ns.backend.as_mirror().is_none() {
+            return Err(Error::precondition(format!(
+                "namespace {nsid} of {nqn} is served by {}, not a mirror: serve it as mirror:... first",
+                ns.backend.description()
+            )));
+        }
+        let (addr, replica_nqn, replica_nsid) = leg
+            .strip_prefix("remote:")
+            .ok_or_else(|| format!("{leg:?} is not a remote:HOST:PORT/NQN/NSID leg"))
+            .and_then(backend::remote::parse)
+            .map_err(|e| Error::invalid(format!("replica {leg:?}: {e}")))?;
+        let current = ns.backend.description();
+        if current.split(' ').any(|l| l.trim_start_matches('+') == leg) {
+            return Err(Error::precondition(format!("{leg} is a leg of namespace {nsid} of {nqn} already")));
+        }
+        self.swap_namespace(nqn, nsid, &format!("{current} +{leg}"))?;
+        let (_, ns) = self.target.namespace(nqn, nsid)?;
+        let target = TargetQueue::connect(backend::remote::resolve(&addr)?, &replica_nqn, replica_nsid, &self.host_nqn)
+            .map_err(|e| Error::unavailable(format!("cannot reach the replica {leg}: {e}")))?;
+        let copy = rebuild::Copy { mirror: ns.backend.clone(), leg: leg.to_string(), target, since, rate };
+        let info = self.rebuilds.start(nqn, nsid, copy)?;
+        tracing::info!(nqn, nsid, leg, ?since, "rebuild started");
+        Ok(info)
+    }
+
     /// The target state.
     pub fn target(&self) -> &Arc<Target> {
         &self.target
@@ -261,6 +309,7 @@ impl Engine {
     /// Stops every reactor and waits for them; connections are closed.
     pub fn stop(&self) {
         self.migrations.stop_all();
+        self.rebuilds.stop_all();
         // A new process that took over keeps the local devices; otherwise they go, so
         // none is left waiting for an engine that will not come.
         if !self.handed_over() {

@@ -8,11 +8,11 @@ use clap::{Args, Subcommand};
 use nvpool_api::{
     AddHost, AddListener, AddLocalDevice, AddNamespace, AddSubsystem, AllowAnyHost, AnaGroupInfo, AnaState,
     CancelMigration, CheckPool, CreatePool, CreateVolume, DeleteVolume, DhchapKeys, DirtyAction, ExportPool,
-    GetEngineInfo, GetMigration, GetVolume, ImportPool, ListAnaGroups, ListListeners, ListLocalDevices, ListPools,
-    ListSubsystems, ListVolumes, ListenerInfo, LocalDeviceConfig, LocalDeviceInfo, Method, MigrationInfo, PathAddress,
-    PoolInfo, RemoveHost, RemoveListener, RemoveLocalDevice, RemoveNamespace, RemoveSubsystem, ResizeVolume,
-    SetAnaState, SetNamespaceQos, StartMigration, SubsystemInfo, SwapNamespace, SwitchMigration, TlsMode, TlsPsk,
-    Transport, UpgradeEngine, VolumeDirty, VolumeIdentity, VolumeInfo,
+    GetEngineInfo, GetMigration, GetRebuild, GetVolume, ImportPool, ListAnaGroups, ListListeners, ListLocalDevices,
+    ListPools, ListSubsystems, ListVolumes, ListenerInfo, LocalDeviceConfig, LocalDeviceInfo, Method, MigrationInfo,
+    PathAddress, PoolInfo, RebuildInfo, RemoveHost, RemoveListener, RemoveLocalDevice, RemoveNamespace,
+    RemoveSubsystem, ResizeVolume, SetAnaState, SetNamespaceQos, StartMigration, StartRebuild, SubsystemInfo,
+    SwapNamespace, SwitchMigration, TlsMode, TlsPsk, Transport, UpgradeEngine, VolumeDirty, VolumeIdentity, VolumeInfo,
 };
 use nvpool_engine::Engine;
 use nvpool_engine::config::{
@@ -252,6 +252,30 @@ enum NamespaceVerb {
     },
     /// Remove a namespace.
     Remove {
+        /// Subsystem NQN.
+        nqn: String,
+        /// Namespace ID.
+        nsid: u32,
+    },
+    /// Bring a replica into the mirror serving a namespace: it gets every write from
+    /// now on, and what it lacks is copied to it under live writes.
+    Rebuild {
+        /// Subsystem NQN.
+        nqn: String,
+        /// Namespace ID of the mirror.
+        nsid: u32,
+        /// The replica: remote:HOST:PORT/NQN/NSID.
+        leg: String,
+        /// The generation it left at: copy only the clusters written since (default:
+        /// every cluster).
+        #[arg(long)]
+        since: Option<u64>,
+        /// Most bytes per second the copy takes, e.g. 200MiB.
+        #[arg(long, value_parser = parse_size)]
+        rate: Option<u64>,
+    },
+    /// Show a namespace's rebuild.
+    Rebuilding {
         /// Subsystem NQN.
         nqn: String,
         /// Namespace ID.
@@ -593,6 +617,10 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
                 let message = format!("namespace {nsid} removed from {nqn}");
                 done(&api, RemoveNamespace { nqn, nsid }, &message)
             }
+            NamespaceVerb::Rebuild { nqn, nsid, leg, since, rate } => {
+                show(&api, StartRebuild { nqn, nsid, leg, since, rate }, rebuild_table)
+            }
+            NamespaceVerb::Rebuilding { nqn, nsid } => show(&api, GetRebuild { nqn, nsid }, rebuild_table),
             NamespaceVerb::Swap { nqn, nsid, backend } => {
                 let message = format!("namespace {nsid} of {nqn} served by {backend}");
                 done(&api, SwapNamespace { nqn, nsid, backend }, &message)
@@ -1071,6 +1099,14 @@ fn pool_table(pools: &[PoolInfo]) -> Vec<Vec<String>> {
         ]);
     }
     rows
+}
+
+fn rebuild_table(r: &RebuildInfo) -> Vec<Vec<String>> {
+    let state = if r.error.is_empty() { r.state.clone() } else { format!("{}: {}", r.state, r.error) };
+    vec![
+        ["STATE", "REPLICA", "COPIED", "OF"].map(String::from).to_vec(),
+        vec![state, r.leg.clone(), human(r.copied_bytes), human(r.total_bytes)],
+    ]
 }
 
 fn migration_table(m: &MigrationInfo) -> Vec<Vec<String>> {

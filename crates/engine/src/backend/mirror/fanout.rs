@@ -14,6 +14,7 @@ use crate::backend::{BlockIo, DiskQueue};
 use crate::bufpool::Buf;
 use crate::plan::{IoPlan, dsm_byte_ranges};
 use crate::ring::{CLIENT_OWNER, Handed, Ring, RingClient};
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 /// Tags per command: one per leg, rounded up to a power of two.
@@ -34,8 +35,11 @@ struct Fanned {
     carrier: usize,
     /// The issuer's buffer, once its leg is done.
     buf: Option<Buf>,
-    /// A bit per leg the command did not reach: faulted before, or failed it now.
+    /// A bit per in-sync leg the command did not reach: faulted before, or failed it
+    /// now.
     missed: u8,
+    /// The copy window's epoch parity it was counted under, if it was (a write).
+    counted: Option<usize>,
     /// How a read ended (a write's outcome is decided by `missed`).
     status: Status,
 }
@@ -51,6 +55,7 @@ impl Fanned {
             carrier: 0,
             buf: None,
             missed: 0,
+            counted: None,
             status: Status::SUCCESS,
         }
     }
@@ -65,6 +70,8 @@ pub(super) struct Fanout {
     busy: usize,
     /// Commands done on the legs they reached, waiting for the mirror to retire.
     held: Vec<u16>,
+    /// Writes to the cluster a rebuild copies, waiting for it to be copied.
+    waiting: VecDeque<Handed>,
 }
 
 fn leg_tag(command: u16, leg: usize) -> u16 {
@@ -77,7 +84,7 @@ fn split_tag(tag: u16) -> (u16, usize) {
 
 impl Fanout {
     pub(super) fn new(mirror: Arc<Mirror>) -> Fanout {
-        Fanout { mirror, commands: Vec::new(), free: Vec::new(), busy: 0, held: Vec::new() }
+        Fanout { mirror, commands: Vec::new(), free: Vec::new(), busy: 0, held: Vec::new(), waiting: VecDeque::new() }
     }
 
     /// A free command slot, if the fan-out has not reached its limit.
@@ -108,7 +115,9 @@ impl Fanout {
         if !io.status.is_success() {
             if fans_out(&f.plan) {
                 self.mirror.fault(leg, io.status);
-                f.missed |= 1 << leg;
+                if self.mirror.in_sync(leg) {
+                    f.missed |= 1 << leg;
+                }
             } else {
                 f.status = io.status;
             }
@@ -126,13 +135,16 @@ impl Fanout {
 
     /// Every leg command `c` went to has answered.
     fn complete(&mut self, ring: &mut Ring, c: u16) {
-        let f = &self.commands[usize::from(c)];
+        let f = &mut self.commands[usize::from(c)];
+        if let Some(parity) = f.counted.take() {
+            self.mirror.window.leave(ring.id, parity);
+        }
         if !fans_out(&f.plan) {
             let status = f.status;
             return self.answer(ring, c, status);
         }
-        let all = (1u8 << self.mirror.legs.len()) - 1;
-        if f.missed == all {
+        let all = (0..self.mirror.legs.len()).filter(|&i| self.mirror.in_sync(i)).fold(0u8, |m, i| m | 1 << i);
+        if f.missed & all == all {
             // No replica has it: the host writes it again.
             self.answer(ring, c, Status::ANA_INACCESSIBLE);
         } else if f.missed != 0 {
@@ -164,45 +176,43 @@ impl Fanout {
         volume.mark_generation(&ranges, generation + 1);
     }
 
-    /// Answers the held commands once the mirror is retired.
-    fn release_held(&mut self, ring: &mut Ring) {
-        let mut i = 0;
-        while i < self.held.len() {
-            let c = self.held[i];
-            match self.mirror.held_outcome(self.commands[usize::from(c)].missed) {
-                Some(status) => {
-                    self.held.swap_remove(i);
-                    self.answer(ring, c, status);
-                }
-                None => i += 1,
-            }
-        }
-    }
-}
-
-impl RingClient for Fanout {
-    fn on_complete(&mut self, _ring: &mut Ring, _me: u32, _tag: u32, _res: i32, _flags: u32) {}
-
-    fn take(&mut self, ring: &mut Ring, me: u32, mut cmd: Handed) {
+    /// Starts a command on its legs, or keeps it waiting while the cluster it writes
+    /// is being copied. It counts in `busy` from `take` to its answer.
+    fn start(&mut self, ring: &mut Ring, me: u32, mut cmd: Handed) {
         let mirror = self.mirror.clone();
         let fan = fans_out(&cmd.plan);
         let healthy: Vec<usize> = (0..mirror.legs.len()).filter(|&i| mirror.healthy(i)).collect();
-        let targets: &[usize] = if fan { &healthy } else { &healthy[..healthy.len().min(1)] };
+        let readable: Vec<usize> = healthy.iter().copied().filter(|&i| mirror.in_sync(i)).take(1).collect();
+        let targets: &[usize] = if fan { &healthy } else { &readable };
         let Some((&carrier, c)) = targets.first().zip(self.slot()) else {
             // No replica left to serve it (or no room): the host retries it later.
+            self.busy -= 1;
             ring.answer(cmd.owner, cmd.tag, Status::ANA_INACCESSIBLE, cmd.buf);
             return;
         };
-        self.busy += 1;
+        let counted = if fan {
+            match mirror.window.enter(ring.id, &cmd.plan) {
+                Some(parity) => Some(parity),
+                None => {
+                    self.free.push(c);
+                    self.waiting.push_back(cmd);
+                    return;
+                }
+            }
+        } else {
+            None
+        };
         let f = &mut self.commands[usize::from(c)];
+        f.counted = counted;
         f.owner = cmd.owner;
         f.tag = cmd.tag;
         f.plan = cmd.plan;
         f.waiting = targets.len();
         f.carrier = carrier;
         f.status = Status::SUCCESS;
-        f.missed =
-            if fan { (0..mirror.legs.len()).filter(|i| !targets.contains(i)).fold(0, |m, i| m | 1 << i) } else { 0 };
+        // In-sync legs it skips (faulted): it must be held. One that catches up may miss it.
+        let skipped = |i: &usize| mirror.in_sync(*i) && !targets.contains(i);
+        f.missed = if fan { (0..mirror.legs.len()).filter(skipped).fold(0, |m, i| m | 1 << i) } else { 0 };
         let data_len = cmd.plan.host_data_len() as usize;
         for &leg in targets {
             let io = &mut f.legs[leg];
@@ -233,12 +243,53 @@ impl RingClient for Fanout {
         }
     }
 
-    fn on_disk(&mut self, ring: &mut Ring, _me: u32, tag: u16, res: i32) {
+    /// Starts the writes that waited for a copied cluster, once it is no longer
+    /// being copied (each at most once per call: one that must wait again goes back).
+    fn start_waiting(&mut self, ring: &mut Ring, me: u32) {
+        for _ in 0..self.waiting.len() {
+            match self.waiting.front() {
+                Some(cmd) if !self.mirror.window.blocks(&cmd.plan) => {
+                    if let Some(cmd) = self.waiting.pop_front() {
+                        self.start(ring, me, cmd);
+                    }
+                }
+                _ => return,
+            }
+        }
+    }
+
+    /// Answers the held commands once the mirror is retired.
+    fn release_held(&mut self, ring: &mut Ring) {
+        let mut i = 0;
+        while i < self.held.len() {
+            let c = self.held[i];
+            match self.mirror.held_outcome(self.commands[usize::from(c)].missed) {
+                Some(status) => {
+                    self.held.swap_remove(i);
+                    self.answer(ring, c, status);
+                }
+                None => i += 1,
+            }
+        }
+    }
+}
+
+impl RingClient for Fanout {
+    fn on_complete(&mut self, _ring: &mut Ring, _me: u32, _tag: u32, _res: i32, _flags: u32) {}
+
+    fn take(&mut self, ring: &mut Ring, me: u32, cmd: Handed) {
+        self.busy += 1;
+        self.start(ring, me, cmd);
+        self.start_waiting(ring, me);
+    }
+
+    fn on_disk(&mut self, ring: &mut Ring, me: u32, tag: u16, res: i32) {
         let (c, leg) = split_tag(tag);
         let Some(f) = self.commands.get_mut(usize::from(c)) else { return };
         if f.legs[leg].op_done(res) && f.legs[leg].is_idle() {
             self.leg_done(ring, c, leg);
         }
+        self.start_waiting(ring, me);
     }
 
     fn on_answer(&mut self, ring: &mut Ring, me: u32, tag: u16, status: Status, buf: Option<Buf>) {
@@ -255,10 +306,12 @@ impl RingClient for Fanout {
         if io.is_idle() {
             self.leg_done(ring, c, leg);
         }
+        self.start_waiting(ring, me);
     }
 
-    fn tick(&mut self, ring: &mut Ring, _me: u32) {
+    fn tick(&mut self, ring: &mut Ring, me: u32) {
         self.release_held(ring);
+        self.start_waiting(ring, me);
     }
 
     /// Held commands keep a hot upgrade waiting until the mirror is retired: they
@@ -270,6 +323,10 @@ impl RingClient for Fanout {
     fn stop(&mut self, ring: &mut Ring, _me: u32) {
         for c in std::mem::take(&mut self.held) {
             self.answer(ring, c, Status::ANA_INACCESSIBLE);
+        }
+        for cmd in std::mem::take(&mut self.waiting) {
+            self.busy -= 1;
+            ring.answer(cmd.owner, cmd.tag, Status::ANA_INACCESSIBLE, cmd.buf);
         }
     }
 

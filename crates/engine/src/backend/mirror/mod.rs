@@ -3,7 +3,10 @@
 //! engine-to-engine queue on the same reactor). Every command that changes data
 //! (Write, Write Zeroes, Deallocate) and every Flush goes to every leg and completes
 //! when all have it; a read goes to the first leg alone (the local replica comes
-//! first), or to the first leg that has not failed.
+//! first), or to the first leg that has not failed. A leg marked `+` catches up (a
+//! rebuild copies to it what it lacks): it gets every write, but serves no read, and a
+//! write that fails there still completes, since the cluster does not count it yet.
+//! While the rebuild copies a cluster, writes to that cluster wait ([`window`]).
 //!
 //! With `generation=G` before its legs, the mirror serves at generation G of the
 //! volume: it opens the other engines' replicas under reservation key G and holds
@@ -33,6 +36,9 @@ use crate::plan::IoPlan;
 use crate::sync::lock;
 
 mod fanout;
+mod window;
+
+use window::CopyWindow;
 
 /// The kind.
 pub const TYPE: BackendType = BackendType { name: "mirror", usage: "mirror:LEG LEG ...", check, open };
@@ -67,7 +73,12 @@ fn parse(arg: &str) -> std::result::Result<(Option<u64>, Vec<&str>), String> {
 }
 
 fn check(arg: &str) -> std::result::Result<(), String> {
-    for leg in parse(arg)?.1 {
+    let legs = parse(arg)?.1;
+    if legs[0].starts_with(CATCHING_UP) {
+        return Err("the first leg serves reads: it cannot be one that catches up".into());
+    }
+    for leg in legs {
+        let leg = leg.trim_start_matches(CATCHING_UP);
         match leg.split_once(':').map(|(kind, _)| kind) {
             Some("mirror") => return Err("a mirror's leg cannot be a mirror".into()),
             Some("memory" | "null") => {
@@ -84,8 +95,8 @@ fn open(arg: &str, env: &OpenEnv<'_>) -> Result<Opened> {
     // The other engines' replicas are opened under the generation's reservation key.
     let env = OpenEnv { own_listeners: env.own_listeners.clone(), fence: generation, ..*env };
     let mut opened = Vec::new();
-    for leg in legs {
-        opened.push(super::open(leg, &env)?);
+    for &leg in &legs {
+        opened.push(super::open(leg.trim_start_matches(CATCHING_UP), &env)?);
     }
     let identity = opened.iter().find_map(|o| o.identity);
     if let Some(o) = opened.iter().find(|o| o.identity.is_some_and(|id| Some(id) != identity)) {
@@ -106,9 +117,19 @@ fn open(arg: &str, env: &OpenEnv<'_>) -> Result<Opened> {
     if block_sizes.windows(2).any(|w| w[0] != w[1]) {
         return Err(Error::invalid(format!("the legs' block sizes differ ({block_sizes:?}): replicas share one")));
     }
-    let legs = opened.into_iter().map(|o| Leg { backend: o.backend, faulted: AtomicBool::new(false) }).collect();
+    let legs: Vec<Leg> = opened
+        .into_iter()
+        .zip(&legs)
+        .map(|(o, spec)| Leg {
+            backend: o.backend,
+            catching_up: spec.starts_with(CATCHING_UP),
+            faulted: AtomicBool::new(false),
+        })
+        .collect();
+    let window = CopyWindow::new(legs_cluster_shift(&legs));
     let mirror = Arc::new(Mirror {
         key: crate::ring::new_client_key(),
+        window,
         generation,
         legs,
         size,
@@ -122,14 +143,34 @@ fn open(arg: &str, env: &OpenEnv<'_>) -> Result<Opened> {
 /// One replica of the mirror.
 struct Leg {
     backend: Arc<dyn Backend>,
+    /// A replica that is not in sync yet: it gets every write, so that it misses
+    /// none while a rebuild copies what it lacks, but no read, and a write that fails
+    /// on it still completes (the cluster does not count it).
+    catching_up: bool,
     /// Set once, when a command failed on it: no command goes to it any more.
     faulted: AtomicBool,
+}
+
+impl Leg {
+    /// Its spec as the mirror's names it (`+` before one that catches up).
+    fn spec(&self) -> String {
+        let spec = self.backend.description();
+        if self.catching_up { format!("{CATCHING_UP}{spec}") } else { spec }
+    }
+}
+
+/// The cluster size of the first leg's volume (a rebuild copies whole clusters), or
+/// a nominal one for a leg that is not a volume.
+fn legs_cluster_shift(legs: &[Leg]) -> u32 {
+    legs[0].backend.as_volume().map_or(20, |v| v.volume.pool.cluster_shift())
 }
 
 /// What the backend and its fan-outs (one per reactor) share.
 pub(super) struct Mirror {
     /// The fan-outs' key as ring clients.
     key: u64,
+    /// The cluster a rebuild copies now, which writes wait for.
+    window: CopyWindow,
     /// The generation it serves at: the key of its reservations on the other
     /// engines' replicas.
     generation: Option<u64>,
@@ -148,6 +189,11 @@ impl Mirror {
     /// Whether leg `i` still takes commands.
     fn healthy(&self, i: usize) -> bool {
         !self.legs[i].faulted.load(Ordering::Acquire)
+    }
+
+    /// Whether leg `i` counts: in sync, so that a write missing it must wait.
+    fn in_sync(&self, i: usize) -> bool {
+        !self.legs[i].catching_up
     }
 
     /// Takes leg `i` out for good after it answered `status`.
@@ -178,6 +224,9 @@ impl Mirror {
 /// A replicated namespace's backend.
 pub struct MirrorBackend(Arc<Mirror>);
 
+/// Marks a leg that catches up (`+remote:...`).
+const CATCHING_UP: char = '+';
+
 impl std::fmt::Debug for MirrorBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MirrorBackend").field("legs", &self.description()).finish_non_exhaustive()
@@ -199,6 +248,24 @@ impl MirrorBackend {
     pub fn faults(&self) -> Vec<(String, Status)> {
         lock(&self.0.faults).clone()
     }
+
+    /// The first leg's volume: the serving engine's own replica, which a rebuild
+    /// copies from.
+    pub fn source(&self) -> Option<&super::volume::VolumeBackend> {
+        self.first().as_volume()
+    }
+
+    /// Whether the leg `spec` names is one that catches up and has not failed.
+    pub fn catching_up(&self, spec: &str) -> Option<bool> {
+        let leg = self.0.legs.iter().find(|l| l.catching_up && l.backend.description() == spec)?;
+        Some(!leg.faulted.load(Ordering::Acquire))
+    }
+
+    /// Makes writes to cluster `vc` wait, and waits for those under way, so that a
+    /// rebuild copies the cluster while nobody changes it; `None` ends that.
+    pub fn hold_cluster(&self, vc: Option<u64>) {
+        self.0.window.hold(vc);
+    }
 }
 
 /// Whether a command changes data or asks for durability: it goes to every leg.
@@ -216,7 +283,7 @@ impl Backend for MirrorBackend {
     }
 
     fn description(&self) -> String {
-        let legs: Vec<String> = self.0.legs.iter().map(|l| l.backend.description()).collect();
+        let legs: Vec<String> = self.0.legs.iter().map(Leg::spec).collect();
         match self.0.generation {
             Some(g) => format!("mirror:generation={g} {}", legs.join(" ")),
             None => format!("mirror:{}", legs.join(" ")),
@@ -305,6 +372,8 @@ mod tests {
         assert_eq!(parse("generation=7 volume:a/b").unwrap(), (Some(7), vec!["volume:a/b"]));
         assert!(check("generation=0 volume:a/b").unwrap_err().contains("above 0"));
         assert!(check("generation=7").unwrap_err().contains("1 to 3 legs"));
+        assert!(check("volume:a/b +volume:a/c").is_ok());
+        assert!(check("+volume:a/b volume:a/c").unwrap_err().contains("first leg"));
     }
 
     #[test]

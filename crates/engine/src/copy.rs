@@ -1,0 +1,141 @@
+//! Copying a volume's clusters to another engine's namespace, off the reactors: what a
+//! migration's rounds and a replica's rebuild both do. The copy reads the volume with
+//! blocking reads (counted in the pool's epoch, so no cluster it reads is reused under
+//! it) and writes the target through the blocking initiator, up to [`COPY_DEPTH`]
+//! writes outstanding.
+
+use std::net::SocketAddr;
+
+use nvpool_initiator::{ConnectOptions, Queue, connect_admin};
+use nvpool_wire::Status;
+use nvpool_wire::command::{Command, io_opcode};
+use nvpool_wire::identify;
+
+use crate::bufpool::Buf;
+use crate::error::{Error, Result};
+use crate::nvme::MAX_TRANSFER;
+use crate::pool::{MAX_REACTORS, VolumeIo};
+
+/// The pool in-flight slot a copy counts its reads under (shared, atomically, with
+/// a reactor of that number, which is sound).
+const COPY_SLOT: usize = MAX_REACTORS - 1;
+/// Writes a copy keeps outstanding at the target.
+const COPY_DEPTH: usize = 16;
+
+/// The copy's own queue to the target namespace.
+pub(crate) struct TargetQueue {
+    /// Kept so the controller stays associated (no keep-alive: KATO 0).
+    _admin: Queue,
+    io: Queue,
+    nsid: u32,
+    block_shift: u32,
+    outstanding: usize,
+}
+
+impl TargetQueue {
+    /// A queue to namespace `nsid` of `nqn` at `addr`, as this engine (its host NQN and
+    /// host identifier, so that a reservation it holds there lets the copy write).
+    pub(crate) fn connect(
+        addr: SocketAddr,
+        nqn: &str,
+        nsid: u32,
+        host_nqn: &str,
+    ) -> std::result::Result<TargetQueue, String> {
+        let hostid = crate::config::derived_host_id(host_nqn);
+        let options = ConnectOptions { kato: 0, hostid, ..ConnectOptions::admin(nqn, host_nqn) };
+        let mut admin = connect_admin(addr, &options).map_err(|e| e.to_string())?;
+        admin.set_queue_count(1).map_err(|e| e.to_string())?;
+        let ns = admin.identify_namespace(nsid).map_err(|e| e.to_string())?;
+        if ns.nsze == 0 {
+            return Err(format!("it has no namespace {nsid}"));
+        }
+        let block_shift = identify::lba_format_block_size(ns.lbaf0).trailing_zeros();
+        let io =
+            Queue::connect(addr, &options.io(1, admin.cntlid, COPY_DEPTH as u16 * 2)).map_err(|e| e.to_string())?;
+        Ok(TargetQueue { _admin: admin, io, nsid, block_shift, outstanding: 0 })
+    }
+
+    /// Takes one answer; an error status fails the copy.
+    fn reap(&mut self) -> Result<()> {
+        let reply =
+            self.io.next_reply().map_err(|e| Error::unavailable(format!("the target stopped answering: {e}")))?;
+        self.outstanding -= 1;
+        if !reply.cqe.status.is_success() {
+            return Err(target_refused(reply.cqe.status));
+        }
+        Ok(())
+    }
+
+    /// Waits for every outstanding write.
+    pub(crate) fn settle(&mut self) -> Result<()> {
+        while self.outstanding > 0 {
+            self.reap()?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn write(&mut self, offset: u64, data: &[u8]) -> Result<()> {
+        if self.outstanding == COPY_DEPTH {
+            self.reap()?;
+        }
+        let cid = self.io.alloc_cid();
+        let (slba, nlb) = (offset >> self.block_shift, (data.len() >> self.block_shift) as u32);
+        let cmd = Command::read_write(io_opcode::WRITE, cid, self.nsid, slba, nlb, data.len() as u32);
+        self.io.submit(cmd, data, false).map_err(|e| Error::unavailable(format!("cannot write to the target: {e}")))?;
+        self.outstanding += 1;
+        Ok(())
+    }
+
+    pub(crate) fn deallocate(&mut self, offset: u64, len: u64) -> Result<()> {
+        self.settle()?;
+        let (slba, nlb) = (offset >> self.block_shift, (len >> self.block_shift) as u32);
+        let status = self
+            .io
+            .deallocate(self.nsid, slba, nlb)
+            .map_err(|e| Error::unavailable(format!("cannot deallocate on the target: {e}")))?;
+        if !status.is_success() {
+            return Err(target_refused(status));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn flush(&mut self) -> Result<()> {
+        self.settle()?;
+        self.io.flush(self.nsid).map_err(|e| Error::unavailable(format!("the target did not flush: {e}")))
+    }
+}
+
+fn target_refused(status: Status) -> Error {
+    let why = if status.base() == Status::CAPACITY_EXCEEDED {
+        "the target's pool is full".to_string()
+    } else {
+        format!("the target answered {status}")
+    };
+    Error::unavailable(why)
+}
+
+/// Copies `n` bytes at `at` of `volume` (within one cluster) to `target` through
+/// `buf`: written there if allocated here, deallocated there if not.
+pub(crate) fn piece(volume: &VolumeIo, buf: &mut Buf, target: &mut TargetQueue, at: u64, n: u64) -> Result<()> {
+    let pool = &volume.pool;
+    let shift = pool.cluster_shift();
+    let (vc, within) = (at >> shift, at & ((1 << shift) - 1));
+    let epoch = pool.enter(COPY_SLOT);
+    let pc = volume.map.get(vc);
+    let read = match pool.locate(pc, within) {
+        Some((disk, pos)) if pc != 0 => Some(disk.read_now(&mut buf.as_mut_slice()[..n as usize], pos)),
+        _ => None,
+    };
+    pool.leave(COPY_SLOT, epoch);
+    match read {
+        Some(Ok(())) => {
+            for offset in (0..n).step_by(MAX_TRANSFER) {
+                let m = (n - offset).min(MAX_TRANSFER as u64) as usize;
+                target.write(at + offset, &buf.as_slice()[offset as usize..offset as usize + m])?;
+            }
+            Ok(())
+        }
+        Some(Err(e)) => Err(Error::io(format!("reading volume {} at {at}", volume.id), e)),
+        None => target.deallocate(at, n),
+    }
+}
