@@ -101,6 +101,10 @@ struct NamespaceFigures {
     size_bytes: u64,
     qos: nvpool_api::QosLimits,
     stats: DetailedStats,
+    /// A mirror's legs: in sync, catching up, faulted.
+    replicas: Option<[u64; 3]>,
+    /// A rebuild's bytes copied and to copy, while one runs or after it ended.
+    rebuild: Option<(u64, u64)>,
 }
 
 /// What a scrape reports, gathered from the engine at once.
@@ -129,6 +133,10 @@ impl Snapshot {
                     size_bytes: ns.blocks << ns.block_shift,
                     qos: ns.qos.limits(),
                     stats: ns.stats.detailed(),
+                    replicas: ns.backend.as_mirror().map(|m| m.leg_counts()),
+                    rebuild: Some(engine.rebuilds.info(&s.nqn, ns.nsid))
+                        .filter(|r| r.state != "none")
+                        .map(|r| (r.copied_bytes, r.total_bytes)),
                 });
             }
         }
@@ -279,6 +287,45 @@ impl prometheus_client::collector::Collector for SnapshotCollector {
             e,
             ("nvpool_namespace_io_now", "Commands in progress", None, MetricType::Gauge),
             per_ns(|d| d.in_flight).map(|(l, v)| (l, v as i64)),
+            gauge,
+        )?;
+        family(
+            e,
+            (
+                "nvpool_namespace_replicas",
+                "A mirrored namespace's replicas by state (in_sync, catching_up, faulted)",
+                None,
+                MetricType::Gauge,
+            ),
+            s.namespaces.iter().flat_map(|n| {
+                let states = ["in_sync", "catching_up", "faulted"];
+                n.replicas.into_iter().flat_map(move |counts| {
+                    states.into_iter().zip(counts).map(move |(state, count)| {
+                        let mut l = ns_labels(n);
+                        l.push(("state", state.to_string()));
+                        (l, count as i64)
+                    })
+                })
+            }),
+            gauge,
+        )?;
+        family(
+            e,
+            (
+                "nvpool_namespace_rebuild",
+                "A replica's rebuild: bytes copied (part=copied) of those to copy (part=total)",
+                Some(Unit::Bytes),
+                MetricType::Gauge,
+            ),
+            s.namespaces.iter().flat_map(|n| {
+                n.rebuild.into_iter().flat_map(move |(copied, total)| {
+                    [("copied", copied), ("total", total)].map(|(part, v)| {
+                        let mut l = ns_labels(n);
+                        l.push(("part", part.to_string()));
+                        (l, v as i64)
+                    })
+                })
+            }),
             gauge,
         )?;
         family(

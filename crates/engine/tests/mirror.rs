@@ -505,4 +505,22 @@ fn a_replica_that_comes_back_copies_what_it_lacks_under_live_writes() {
         assert_eq!(io.read(1, block * 8, 8, BLOCK).unwrap(), pattern(seed, 4096), "block {block}");
     }
     println!("full rebuild: {info}; {writes} writes meanwhile");
+
+    // The metrics say the same: two replicas in sync, one caught up (the controller
+    // makes it a full leg), and what its rebuild copied.
+    let metrics = nvpool_engine::metrics::serve(a.node.engine.clone(), "127.0.0.1:0".parse().unwrap()).unwrap();
+    let mut scrape = std::net::TcpStream::connect(metrics).unwrap();
+    std::io::Write::write_all(&mut scrape, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut body = String::new();
+    std::io::Read::read_to_string(&mut scrape, &mut body).unwrap();
+    let value = |name: &str, label: &str| {
+        let line = body
+            .lines()
+            .find(|l| l.starts_with(name) && l.contains(&format!("subsystem=\"{NQN}\"")) && l.contains(label));
+        line.and_then(|l| l.rsplit(' ').next()).unwrap_or_else(|| panic!("no {name} {label} in:\n{body}")).to_string()
+    };
+    assert_eq!(value("nvpool_namespace_replicas", "state=\"in_sync\""), "2");
+    assert_eq!(value("nvpool_namespace_replicas", "state=\"catching_up\""), "1");
+    assert_eq!(value("nvpool_namespace_replicas", "state=\"faulted\""), "0");
+    assert_eq!(value("nvpool_namespace_rebuild_bytes", "part=\"copied\""), SIZE.to_string());
 }

@@ -249,6 +249,22 @@ impl MirrorBackend {
         lock(&self.0.faults).clone()
     }
 
+    /// Its legs by state: in sync, catching up, faulted.
+    pub fn leg_counts(&self) -> [u64; 3] {
+        let mut counts = [0; 3];
+        for (i, leg) in self.0.legs.iter().enumerate() {
+            let state = if !self.0.healthy(i) {
+                2
+            } else if leg.catching_up {
+                1
+            } else {
+                0
+            };
+            counts[state] += 1;
+        }
+        counts
+    }
+
     /// The first leg's volume: the serving engine's own replica, which a rebuild
     /// copies from.
     pub fn source(&self) -> Option<&super::volume::VolumeBackend> {
