@@ -15,21 +15,10 @@ asserted. Standard library only.
 """
 import argparse, os, signal, statistics, subprocess, tempfile
 
-from suite import BIN, NQN, bench, cpu_seconds, free_port, own_network, wait_port
+from suite import BIN, NQN, bench, cpu_seconds, free_port, own_network, start_engine, wait_port
 
 WORKLOADS = [("randread", 4096, 1), ("randwrite", 4096, 1), ("randread", 4096, 32), ("randwrite", 4096, 32),
              ("read", 131072, 8), ("write", 131072, 8)]
-
-
-def start(namespace, core, tmp, busy_poll_us):
-    port = free_port()
-    cmd = [BIN, "engine", "--listen", f"127.0.0.1:{port}", "--subsystem", NQN, "--namespace", namespace,
-           "--cores", str(core), "--discovery-port", "0", "--mgmt-socket", f"{tmp}/{port}.sock"]
-    if busy_poll_us is not None:
-        cmd += ["--busy-poll-us", str(busy_poll_us)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_port(port)
-    return proc, port
 
 
 def main():
@@ -47,8 +36,8 @@ def main():
     own_network()
     tmp = tempfile.mkdtemp(prefix="nvpool-remote-")
     proxy_core = args.target_core if args.proxy_core is None else args.proxy_core
-    owner, owner_port = start("memory:1GiB", args.target_core, tmp, args.busy_poll_us)
-    proxy, proxy_port = start(f"remote:127.0.0.1:{owner_port}/{NQN}/1", proxy_core, tmp, args.busy_poll_us)
+    owner, owner_port, _ = start_engine(["memory:1GiB"], args.target_core, tmp, args.busy_poll_us)
+    proxy, proxy_port, _ = start_engine([f"remote:127.0.0.1:{owner_port}/{NQN}/1"], proxy_core, tmp, args.busy_poll_us)
     bare_port = free_port()
     bare = subprocess.Popen([BIN, "responder", "--listen", f"127.0.0.1:{bare_port}", "--core", str(args.target_core),
                              "--bare"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -17,23 +17,9 @@ are reported, never asserted. Standard library only.
 """
 import argparse, json, os, signal, socket, statistics, subprocess, tempfile
 
-from suite import BIN, NQN, cpu_seconds, free_port, own_network, wait_port
+from suite import BIN, NQN, cpu_seconds, own_network, start_engine
 
 WORKLOADS = [("randread", 4096, 1), ("randwrite", 4096, 1), ("randread", 4096, 8), ("randwrite", 4096, 8)]
-
-
-def start(namespaces, core, tmp, busy_poll_us, remote_queues=None):
-    port = free_port()
-    sock = f"{tmp}/{port}.sock"
-    cmd = [BIN, "engine", "--listen", f"127.0.0.1:{port}", "--subsystem", NQN, "--cores", str(core),
-           "--discovery-port", "0", "--mgmt-socket", sock, "--busy-poll-us", str(busy_poll_us)]
-    for ns in namespaces:
-        cmd += ["--namespace", ns]
-    if remote_queues:
-        cmd += ["--remote-queues", remote_queues]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_port(port)
-    return proc, port, sock
 
 
 def connections(sock):
@@ -79,12 +65,12 @@ def main():
     own_network()
     k = args.namespaces
     tmp = tempfile.mkdtemp(prefix="nvpool-remote-queues-")
-    owner, owner_port, owner_sock = start(["memory:256MiB"] * k, args.target_core, tmp, args.busy_poll_us)
+    owner, owner_port, owner_sock = start_engine(["memory:256MiB"] * k, args.target_core, tmp, args.busy_poll_us)
     remote = [f"remote:127.0.0.1:{owner_port}/{NQN}/{n}" for n in range(1, k + 1)]
     proxies = {}
     for mode in ("per-namespace", "per-owner"):
         before = connections(owner_sock)
-        proxies[mode] = start(remote, args.target_core, tmp, args.busy_poll_us, mode)
+        proxies[mode] = start_engine(remote, args.target_core, tmp, args.busy_poll_us, mode)
         # One request per namespace opens the queues; count what the proxy keeps.
         bench_all(proxies[mode][1], k, "randread", 4096, 1, argparse.Namespace(
             duration=0.2, warmup=0.1, bench_core=args.bench_core))

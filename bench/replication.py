@@ -17,21 +17,11 @@ Timings are reported, never asserted. Standard library only.
 """
 import argparse, os, signal, statistics, subprocess, tempfile
 
-from suite import BIN, NQN, bench, free_port, own_network, wait_port
+from suite import BIN, NQN, bench, free_port, own_network, start_engine, wait_port
 
 WORKLOADS = [("randwrite", 4096, 1), ("randwrite", 4096, 32), ("randread", 4096, 1), ("randread", 4096, 32),
              ("write", 131072, 8)]
 REPLICAS = (1, 2, 3)
-
-
-def start(namespace, core, tmp, busy_poll_us):
-    port = free_port()
-    cmd = [BIN, "engine", "--listen", f"127.0.0.1:{port}", "--subsystem", NQN, "--namespace", namespace,
-           "--cores", str(core), "--discovery-port", "0", "--mgmt-socket", f"{tmp}/{port}.sock",
-           "--busy-poll-us", str(busy_poll_us)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_port(port)
-    return proc, port
 
 
 def main():
@@ -53,7 +43,7 @@ def main():
     procs = []
 
     def engine(namespace):
-        proc, port = start(namespace, args.target_core, tmp, args.busy_poll_us)
+        proc, port, _ = start_engine([namespace], args.target_core, tmp, args.busy_poll_us)
         procs.append(proc)
         return port
 

@@ -48,6 +48,24 @@ def wait_port(port, timeout=10):
     raise SystemExit(f"nothing listens on port {port}")
 
 
+def start_engine(namespaces, core, tmp, busy_poll_us=None, remote_queues=None):
+    """An engine on one core serving `namespaces` under NQN on a free port; returns the
+    process, the port and its management socket."""
+    port = free_port()
+    sock = f"{tmp}/{port}.sock"
+    cmd = [BIN, "engine", "--listen", f"127.0.0.1:{port}", "--subsystem", NQN, "--cores", str(core),
+           "--discovery-port", "0", "--mgmt-socket", sock]
+    for ns in namespaces:
+        cmd += ["--namespace", ns]
+    if busy_poll_us is not None:
+        cmd += ["--busy-poll-us", str(busy_poll_us)]
+    if remote_queues:
+        cmd += ["--remote-queues", remote_queues]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_port(port)
+    return proc, port, sock
+
+
 def cpu_seconds(pid):
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

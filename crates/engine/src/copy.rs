@@ -5,6 +5,9 @@
 //! writes outstanding.
 
 use std::net::SocketAddr;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
 
 use nvpool_initiator::{ConnectOptions, Queue, connect_admin};
 use nvpool_wire::Status;
@@ -15,6 +18,43 @@ use crate::bufpool::Buf;
 use crate::error::{Error, Result};
 use crate::nvme::MAX_TRANSFER;
 use crate::pool::{MAX_REACTORS, VolumeIo};
+use crate::sync::lock;
+
+/// A copy's thread and what it reports (`I`), shared by the thread and the engine's
+/// calls: a migration's, a rebuild's.
+pub(crate) struct CopyJob<I> {
+    pub info: Mutex<I>,
+    pub cancel: AtomicBool,
+    pub thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl<I> CopyJob<I> {
+    pub(crate) fn new(info: I) -> CopyJob<I> {
+        CopyJob { info: Mutex::new(info), cancel: AtomicBool::new(false), thread: Mutex::new(None) }
+    }
+
+    pub(crate) fn update(&self, f: impl FnOnce(&mut I)) {
+        f(&mut lock(&self.info));
+    }
+
+    /// Whether the engine asked the copy to stop.
+    pub(crate) fn cancelled(&self) -> bool {
+        self.cancel.load(Ordering::SeqCst)
+    }
+
+    /// Whether its thread still runs.
+    pub(crate) fn alive(&self) -> bool {
+        lock(&self.thread).as_ref().is_some_and(|t| !t.is_finished())
+    }
+
+    /// Asks the copy to stop and waits for its thread.
+    pub(crate) fn stop(&self) {
+        self.cancel.store(true, Ordering::SeqCst);
+        if let Some(t) = lock(&self.thread).take() {
+            let _ = t.join();
+        }
+    }
+}
 
 /// The pool in-flight slot a copy counts its reads under (shared, atomically, with
 /// a reactor of that number, which is sound).

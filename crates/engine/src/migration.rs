@@ -26,7 +26,7 @@
 //! and its pace (the rate limit) is its own, so the reactors' loop stays as it is.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -35,7 +35,7 @@ use nvpool_api::{MigrationInfo, MigrationState};
 use crate::backend::gate::Gate;
 use crate::backend::{Backend, OpenEnv, remote};
 use crate::bufpool::Buf;
-use crate::copy::{self, TargetQueue};
+use crate::copy::{self, CopyJob, TargetQueue};
 use crate::error::{Error, Result};
 use crate::nvme::{Namespace, Subsystem};
 use crate::pool::{Pool, VolumeIo};
@@ -62,18 +62,20 @@ pub struct Migrations {
 
 /// One migration: what it reports and what it is asked.
 struct Job {
-    info: Mutex<MigrationInfo>,
+    copy: CopyJob<MigrationInfo>,
     /// The longest pause allowed, once the switch was asked for.
     switch: Mutex<Option<Duration>>,
-    cancel: AtomicBool,
-    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl std::ops::Deref for Job {
+    type Target = CopyJob<MigrationInfo>;
+
+    fn deref(&self) -> &CopyJob<MigrationInfo> {
+        &self.copy
+    }
 }
 
 impl Job {
-    fn update(&self, f: impl FnOnce(&mut MigrationInfo)) {
-        f(&mut lock(&self.info));
-    }
-
     fn running(&self) -> bool {
         matches!(lock(&self.info).state, MigrationState::Copying | MigrationState::Switching)
     }
@@ -219,12 +221,7 @@ impl Migrations {
         info.state = MigrationState::Copying;
         info.target = target.to_string();
         info.allocated_bytes = volume.map.allocated() * p.cluster_size();
-        let job = Arc::new(Job {
-            info: Mutex::new(info.clone()),
-            switch: Mutex::new(None),
-            cancel: AtomicBool::new(false),
-            thread: Mutex::new(None),
-        });
+        let job = Arc::new(Job { copy: CopyJob::new(info.clone()), switch: Mutex::new(None) });
         let mover = Mover {
             buf: Buf::new((p.cluster_size() as usize).div_ceil(4096)),
             pool: p,
@@ -285,10 +282,7 @@ impl Migrations {
             Some(job) => job,
             None => return Ok(self.info(pools, pool, name)),
         };
-        job.cancel.store(true, Ordering::SeqCst);
-        if let Some(t) = lock(&job.thread).take() {
-            let _ = t.join();
-        }
+        job.stop();
         Ok(self.info(pools, pool, name))
     }
 
@@ -305,10 +299,7 @@ impl Migrations {
 
     /// A volume whose migration is under way, as `POOL/NAME`, if any.
     pub fn running(&self) -> Option<String> {
-        lock(&self.jobs)
-            .iter()
-            .find(|(_, job)| lock(&job.thread).as_ref().is_some_and(|t| !t.is_finished()))
-            .map(|((pool, name), _)| format!("{pool}/{name}"))
+        lock(&self.jobs).iter().find(|(_, job)| job.alive()).map(|((pool, name), _)| format!("{pool}/{name}"))
     }
 
     /// Cancels every running migration (the engine stops).
@@ -318,9 +309,7 @@ impl Migrations {
             job.cancel.store(true, Ordering::SeqCst);
         }
         for job in jobs {
-            if let Some(t) = lock(&job.thread).take() {
-                let _ = t.join();
-            }
+            job.stop();
         }
     }
 }
@@ -331,7 +320,7 @@ impl Mover {
     }
 
     fn cancelled(&self) -> bool {
-        self.job.cancel.load(Ordering::SeqCst)
+        self.job.cancelled()
     }
 
     fn run(mut self) {

@@ -13,7 +13,7 @@
 //! with blocking reads and the blocking initiator (`copy`).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -21,7 +21,7 @@ use nvpool_api::RebuildInfo;
 
 use crate::backend::Backend;
 use crate::bufpool::Buf;
-use crate::copy::{self, TargetQueue};
+use crate::copy::{self, CopyJob, TargetQueue};
 use crate::error::{Error, Result};
 use crate::sync::lock;
 
@@ -31,21 +31,7 @@ pub struct Rebuilds {
     jobs: Mutex<HashMap<(String, u32), Arc<Job>>>,
 }
 
-struct Job {
-    info: Mutex<RebuildInfo>,
-    cancel: AtomicBool,
-    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
-}
-
-impl Job {
-    fn update(&self, f: impl FnOnce(&mut RebuildInfo)) {
-        f(&mut lock(&self.info));
-    }
-
-    fn running(&self) -> bool {
-        lock(&self.thread).as_ref().is_some_and(|t| !t.is_finished())
-    }
-}
+type Job = CopyJob<RebuildInfo>;
 
 /// What a rebuild works with: the mirror (as the namespace serves it) and a queue to
 /// the replica.
@@ -78,12 +64,12 @@ impl Rebuilds {
 
     /// A namespace with a rebuild under way, if any (`NQN/NSID`).
     pub fn running(&self) -> Option<String> {
-        lock(&self.jobs).iter().find(|(_, job)| job.running()).map(|((nqn, nsid), _)| format!("{nqn}/{nsid}"))
+        lock(&self.jobs).iter().find(|(_, job)| job.alive()).map(|((nqn, nsid), _)| format!("{nqn}/{nsid}"))
     }
 
     /// Whether namespace `nsid` of `nqn` is being rebuilt.
     pub fn rebuilding(&self, nqn: &str, nsid: u32) -> bool {
-        lock(&self.jobs).get(&(nqn.to_string(), nsid)).is_some_and(|j| j.running())
+        lock(&self.jobs).get(&(nqn.to_string(), nsid)).is_some_and(|j| j.alive())
     }
 
     /// Starts copying `copy` on a thread of its own.
@@ -95,8 +81,7 @@ impl Rebuilds {
             total_bytes: 0,
             copied_bytes: 0,
         };
-        let job =
-            Arc::new(Job { info: Mutex::new(info.clone()), cancel: AtomicBool::new(false), thread: Mutex::new(None) });
+        let job = Arc::new(Job::new(info.clone()));
         let worker = job.clone();
         let thread = std::thread::Builder::new()
             .name(format!("nvpool-rebuild-{nsid}"))
@@ -125,9 +110,7 @@ impl Rebuilds {
             job.cancel.store(true, Ordering::SeqCst);
         }
         for job in jobs {
-            if let Some(t) = lock(&job.thread).take() {
-                let _ = t.join();
-            }
+            job.stop();
         }
     }
 }
@@ -150,7 +133,7 @@ fn run(job: &Job, mut copy: Copy) -> Result<()> {
     let started = Instant::now();
     let mut sent = 0u64;
     for vc in clusters {
-        if job.cancel.load(Ordering::SeqCst) {
+        if job.cancelled() {
             return Err(Error::unavailable("cancelled: the engine stops"));
         }
         if mirror.catching_up(&copy.leg) != Some(true) {

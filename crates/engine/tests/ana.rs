@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 
 use nvpool_api::AnaState;
-use nvpool_engine::config::{EngineConfig, Limits, ListenerConfig, NamespaceConfig, SubsystemConfig};
+use nvpool_engine::config::{EngineConfig, Limits, NamespaceConfig, SubsystemConfig};
 use nvpool_engine::error::ErrorKind;
 use nvpool_engine::nvme::ana::{MAX_ANA_GROUP, MAX_LOG_PAGE};
 use nvpool_initiator::{ConnectOptions, Error, Queue, connect_admin, pattern};
@@ -39,11 +39,6 @@ fn start(limits: Limits) -> TestEngine {
     let cfg = EngineConfig {
         reactors: Some(1),
         limits,
-        listeners: vec![ListenerConfig {
-            address: "127.0.0.1:0".parse().unwrap(),
-            tls: Default::default(),
-            transport: Default::default(),
-        }],
         subsystems: vec![SubsystemConfig {
             nqn: NQN.into(),
             serial: None,

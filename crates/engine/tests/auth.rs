@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 
 use nvpool_auth::chap::{self, Proof};
 use nvpool_auth::{DhGroup, Hash, KeyPair, Secret};
-use nvpool_engine::config::{EngineConfig, ListenerConfig, SubsystemConfig};
+use nvpool_engine::config::{EngineConfig, SubsystemConfig};
 use nvpool_engine::{DhchapKeys, SubsystemInfo};
 use nvpool_initiator::{ConnectOptions, Error, HostAuth, Queue, connect_admin, pattern};
 use nvpool_wire::Status;
@@ -33,11 +33,6 @@ fn keys(secret: &Secret, ctrl: Option<&Secret>, hash: Option<Hash>, group: DhGro
 fn start(k: DhchapKeys) -> TestEngine {
     let cfg = EngineConfig {
         reactors: Some(2),
-        listeners: vec![ListenerConfig {
-            address: "127.0.0.1:0".parse().unwrap(),
-            tls: Default::default(),
-            transport: Default::default(),
-        }],
         subsystems: vec![SubsystemConfig {
             nqn: NQN.into(),
             serial: None,

@@ -3,7 +3,7 @@
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 
-use nvpool_engine::config::{EngineConfig, ListenerConfig, SubsystemConfig};
+use nvpool_engine::config::{EngineConfig, SubsystemConfig};
 use nvpool_initiator::{ConnectOptions, Queue, connect_admin, pattern};
 
 mod common;
@@ -31,11 +31,6 @@ fn sample(body: &str, prefix: &str) -> f64 {
 fn counts_agree_with_the_io_done() {
     let cfg = EngineConfig {
         reactors: Some(2),
-        listeners: vec![ListenerConfig {
-            address: "127.0.0.1:0".parse().unwrap(),
-            tls: Default::default(),
-            transport: Default::default(),
-        }],
         subsystems: vec![SubsystemConfig {
             nqn: NQN.into(),
             serial: None,

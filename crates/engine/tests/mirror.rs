@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use nvpool_engine::config::{EngineConfig, ListenerConfig, NamespaceConfig, SubsystemConfig};
+use nvpool_engine::config::{EngineConfig, NamespaceConfig, SubsystemConfig};
 use nvpool_engine::mgmt;
 use nvpool_initiator::{ConnectOptions, Error, Queue, connect_admin, pattern};
 use nvpool_wire::Status;
@@ -32,11 +32,6 @@ fn engine_as(host_nqn: &str, nqn: &str, backend: &str, reactors: usize) -> TestE
     let cfg = EngineConfig {
         host_nqn: Some(host_nqn.into()),
         reactors: Some(reactors),
-        listeners: vec![ListenerConfig {
-            address: "127.0.0.1:0".parse().unwrap(),
-            tls: Default::default(),
-            transport: Default::default(),
-        }],
         subsystems: vec![SubsystemConfig {
             nqn: nqn.into(),
             serial: None,
@@ -267,16 +262,7 @@ impl ReplicaNode {
         let disks = tempfile::tempdir().unwrap();
         let disk = disks.path().join("disk");
         std::fs::File::create(&disk).unwrap().set_len(64 << 20).unwrap();
-        let cfg = EngineConfig {
-            host_nqn: Some(host_nqn.into()),
-            reactors: Some(1),
-            listeners: vec![ListenerConfig {
-                address: "127.0.0.1:0".parse().unwrap(),
-                tls: Default::default(),
-                transport: Default::default(),
-            }],
-            ..EngineConfig::default()
-        };
+        let cfg = EngineConfig { host_nqn: Some(host_nqn.into()), reactors: Some(1), ..EngineConfig::default() };
         let n = ReplicaNode { node: TestEngine::start(&cfg), _disks: disks };
         n.ok("pool_create", json!({ "name": "p", "disks": [disk] }));
         let mut create = json!({ "pool": "p", "name": "v", "size": SIZE, "thin": true });

@@ -4,7 +4,7 @@
 
 use std::net::SocketAddr;
 
-use nvpool_engine::config::{EngineConfig, ListenerConfig, NamespaceConfig, SubsystemConfig};
+use nvpool_engine::config::{EngineConfig, NamespaceConfig, SubsystemConfig};
 use nvpool_initiator::{ConnectOptions, Error, Queue, connect_admin, pattern};
 use nvpool_wire::Status;
 use nvpool_wire::command::{Command, io_opcode};
@@ -23,11 +23,6 @@ const BLOCK: u32 = 512;
 fn engine(backend: &str, block_size: u32) -> TestEngine {
     let cfg = EngineConfig {
         reactors: Some(2),
-        listeners: vec![ListenerConfig {
-            address: "127.0.0.1:0".parse().unwrap(),
-            tls: Default::default(),
-            transport: Default::default(),
-        }],
         subsystems: vec![SubsystemConfig {
             nqn: NQN.into(),
             serial: None,

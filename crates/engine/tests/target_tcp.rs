@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nvpool_engine::config::{EngineConfig, ListenerConfig, NamespaceConfig, SubsystemConfig};
+use nvpool_engine::config::{EngineConfig, NamespaceConfig, SubsystemConfig};
 use nvpool_initiator::{ConnectOptions, Error, Queue, connect_admin, pattern};
 use nvpool_wire::Status;
 use nvpool_wire::command::{Command, admin_opcode, io_opcode};
@@ -24,11 +24,6 @@ const IN_CAPSULE: usize = 8192;
 fn start_with(namespaces: Vec<NamespaceConfig>, allow_any_host: bool, reactors: usize) -> TestEngine {
     let cfg = EngineConfig {
         reactors: Some(reactors),
-        listeners: vec![ListenerConfig {
-            address: "127.0.0.1:0".parse().unwrap(),
-            tls: Default::default(),
-            transport: Default::default(),
-        }],
         subsystems: vec![SubsystemConfig {
             nqn: NQN.into(),
             serial: None,

@@ -356,24 +356,57 @@ fn a_thousand_connections_are_handed_over() {
     drop(serving);
 }
 
+/// Two engines, each with pool `p` on a 256 MiB file and volume `v` of 64 MiB, one
+/// volume under one identity (made on the first, then on the second with its UUID and
+/// NGUID): a migration's source and target, or two replicas. Stopped when dropped.
+struct EnginePair {
+    dirs: [tempfile::TempDir; 2],
+    ports: [u16; 2],
+    engines: Vec<Child>,
+    guards: Vec<StopOnDrop>,
+}
+
+impl EnginePair {
+    fn start() -> EnginePair {
+        let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+        let ports = [free_port(), free_port()];
+        let mut engines = Vec::new();
+        let mut guards = Vec::new();
+        for (dir, &port) in dirs.iter().zip(&ports) {
+            engines.push(start_engine(dir.path(), port, &[]));
+            let socket = dir.path().join("sock");
+            guards.push(StopOnDrop(socket.clone()));
+            std::fs::File::create(dir.path().join("disk")).unwrap().set_len(256 << 20).unwrap();
+            cli(&socket, &["pool", "create", "p", dir.path().join("disk").to_str().unwrap()]).unwrap();
+        }
+        let pair = EnginePair { dirs, ports, engines, guards };
+        let (a, b) = (pair.socket(0), pair.socket(1));
+        let v: serde_json::Value =
+            serde_json::from_str(&cli(&a, &["volume", "create", "p", "v", "64MiB", "--json"]).unwrap()).unwrap();
+        let (uuid, nguid) = (v["uuid"].as_str().unwrap(), v["nguid"].as_str().unwrap());
+        cli(&b, &["volume", "create", "p", "v", "64MiB", "--uuid", uuid, "--nguid", nguid]).unwrap();
+        pair
+    }
+
+    /// Engine `i`'s management socket.
+    fn socket(&self, i: usize) -> std::path::PathBuf {
+        self.dirs[i].path().join("sock")
+    }
+}
+
+impl Drop for EnginePair {
+    fn drop(&mut self) {
+        self.guards.clear();
+        for e in &mut self.engines {
+            let _ = e.wait();
+        }
+    }
+}
+
 #[test]
 fn an_upgrade_is_refused_while_a_volume_migrates() {
-    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
-    let ports = [free_port(), free_port()];
-    let mut engines = Vec::new();
-    let mut guards = Vec::new();
-    for (dir, &port) in dirs.iter().zip(&ports) {
-        engines.push(start_engine(dir.path(), port, &[]));
-        let socket = dir.path().join("sock");
-        guards.push(StopOnDrop(socket.clone()));
-        std::fs::File::create(dir.path().join("disk")).unwrap().set_len(256 << 20).unwrap();
-        cli(&socket, &["pool", "create", "p", dir.path().join("disk").to_str().unwrap()]).unwrap();
-    }
-    let (a, b) = (dirs[0].path().join("sock"), dirs[1].path().join("sock"));
-    let v: serde_json::Value =
-        serde_json::from_str(&cli(&a, &["volume", "create", "p", "v", "64MiB", "--json"]).unwrap()).unwrap();
-    let (uuid, nguid) = (v["uuid"].as_str().unwrap(), v["nguid"].as_str().unwrap());
-    cli(&b, &["volume", "create", "p", "v", "64MiB", "--uuid", uuid, "--nguid", nguid]).unwrap();
+    let pair = EnginePair::start();
+    let (a, b, ports) = (pair.socket(0), pair.socket(1), pair.ports);
     for socket in [&a, &b] {
         cli(socket, &["namespace", "add", NQN, "volume:p/v", "--nsid", "2"]).unwrap();
     }
@@ -388,10 +421,6 @@ fn an_upgrade_is_refused_while_a_volume_migrates() {
         std::thread::sleep(Duration::from_millis(100));
     }
     println!("an upgrade during a migration was refused: {}", e.trim());
-    drop(guards);
-    for mut e in engines {
-        let _ = e.wait();
-    }
 }
 
 /// The service manager's side, as systemd sees it: the engine says it is ready and
@@ -641,22 +670,8 @@ fn metrics_limits_and_reservations_are_served_across_upgrades() {
 /// reaches both replicas.
 #[test]
 fn a_mirrored_volume_is_served_across_upgrades() {
-    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
-    let ports = [free_port(), free_port()];
-    let mut engines = Vec::new();
-    let mut guards = Vec::new();
-    for (dir, &port) in dirs.iter().zip(&ports) {
-        engines.push(start_engine(dir.path(), port, &[]));
-        let socket = dir.path().join("sock");
-        guards.push(StopOnDrop(socket.clone()));
-        std::fs::File::create(dir.path().join("disk")).unwrap().set_len(256 << 20).unwrap();
-        cli(&socket, &["pool", "create", "p", dir.path().join("disk").to_str().unwrap()]).unwrap();
-    }
-    let (a, b) = (dirs[0].path().join("sock"), dirs[1].path().join("sock"));
-    let v: serde_json::Value =
-        serde_json::from_str(&cli(&a, &["volume", "create", "p", "v", "64MiB", "--json"]).unwrap()).unwrap();
-    let (uuid, nguid) = (v["uuid"].as_str().unwrap(), v["nguid"].as_str().unwrap());
-    cli(&b, &["volume", "create", "p", "v", "64MiB", "--uuid", uuid, "--nguid", nguid]).unwrap();
+    let pair = EnginePair::start();
+    let (a, b, ports) = (pair.socket(0), pair.socket(1), pair.ports);
     cli(&b, &["namespace", "add", NQN, "replica:p/v", "--nsid", "2"]).unwrap();
     let mirror = format!("mirror:generation=1 volume:p/v remote:127.0.0.1:{}/{NQN}/2", ports[1]);
     cli(&a, &["namespace", "add", NQN, &mirror, "--nsid", "2"]).unwrap();
@@ -694,8 +709,4 @@ fn a_mirrored_volume_is_served_across_upgrades() {
         assert_eq!(replica.read(2, i * 8, 8, SECTOR).unwrap(), want, "4 KiB {i} of the other replica");
     }
     println!("{written} writes of 4 KiB across three upgrades reached both replicas");
-    drop(guards);
-    for mut e in engines {
-        let _ = e.wait();
-    }
 }

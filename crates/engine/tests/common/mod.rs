@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use nvpool_engine::Engine;
-use nvpool_engine::config::{EngineConfig, NamespaceConfig};
+use nvpool_engine::config::{EngineConfig, ListenerConfig, NamespaceConfig};
 
 /// An engine and where it listens.
 pub struct TestEngine {
@@ -14,9 +14,18 @@ pub struct TestEngine {
 }
 
 impl TestEngine {
-    /// Starts an engine; its first listener is the address tests connect to.
+    /// Starts an engine; its first listener is the address tests connect to (a free
+    /// port of 127.0.0.1 if the configuration names none).
     pub fn start(cfg: &EngineConfig) -> TestEngine {
-        let engine = Engine::start(cfg).expect("engine starts");
+        let mut cfg = cfg.clone();
+        if cfg.listeners.is_empty() {
+            cfg.listeners.push(ListenerConfig {
+                address: "127.0.0.1:0".parse().unwrap(),
+                tls: Default::default(),
+                transport: Default::default(),
+            });
+        }
+        let engine = Engine::start(&cfg).expect("engine starts");
         let l = &engine.listeners()[0];
         let addr = SocketAddr::new(l.addr, l.port);
         TestEngine { engine, addr }
