@@ -56,6 +56,16 @@ impl<I> CopyJob<I> {
     }
 }
 
+/// Stops every job of `jobs` (the engine stops): asks them all, then waits for each.
+pub(crate) fn stop_all<'a, I: 'a>(jobs: impl IntoIterator<Item = &'a CopyJob<I>> + Clone) {
+    for job in jobs.clone() {
+        job.cancel.store(true, Ordering::SeqCst);
+    }
+    for job in jobs {
+        job.stop();
+    }
+}
+
 /// The pool in-flight slot a copy counts its reads under (shared, atomically, with
 /// a reactor of that number, which is sound).
 const COPY_SLOT: usize = MAX_REACTORS - 1;

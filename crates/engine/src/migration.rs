@@ -26,7 +26,6 @@
 //! and its pace (the rate limit) is its own, so the reactors' loop stays as it is.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -305,12 +304,7 @@ impl Migrations {
     /// Cancels every running migration (the engine stops).
     pub fn stop_all(&self) {
         let jobs: Vec<Arc<Job>> = lock(&self.jobs).values().cloned().collect();
-        for job in &jobs {
-            job.cancel.store(true, Ordering::SeqCst);
-        }
-        for job in jobs {
-            job.stop();
-        }
+        copy::stop_all(jobs.iter().map(|j| &j.copy));
     }
 }
 

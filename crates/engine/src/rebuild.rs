@@ -13,7 +13,6 @@
 //! with blocking reads and the blocking initiator (`copy`).
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -106,12 +105,7 @@ impl Rebuilds {
     /// Stops every rebuild (the engine stops).
     pub fn stop_all(&self) {
         let jobs: Vec<Arc<Job>> = lock(&self.jobs).values().cloned().collect();
-        for job in &jobs {
-            job.cancel.store(true, Ordering::SeqCst);
-        }
-        for job in jobs {
-            job.stop();
-        }
+        copy::stop_all(jobs.iter().map(|j| &**j));
     }
 }
 
