@@ -476,9 +476,14 @@ fn a_replica_that_comes_back_copies_what_it_lacks_under_live_writes() {
     // everywhere.
     let c = ReplicaNode::start("nqn.2024-01.io.nvpool:engine:c", Some(&identity));
     let c_leg = format!("remote:{}/{REPLICA_NQN}/1", c.node.addr);
+    // b joins the in-sync set at generation 3 while hosts write: the writes the
+    // generation-2 mirror still has on its way finish (no leg faults, no write fails).
+    let writers = Writers::start(a.node.addr, &(0..16).collect::<Vec<_>>(), 4);
+    std::thread::sleep(Duration::from_millis(100));
     let both = format!("mirror:generation=3 volume:p/v {b_leg}");
     a.ok("namespace_swap", json!({ "nqn": NQN, "nsid": 1, "backend": both }));
-    let writers = Writers::start(a.node.addr, &(0..16).collect::<Vec<_>>(), 4);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(faulted_legs(&a.node).is_empty(), "{:?}", faulted_legs(&a.node));
     a.ok("replica_rebuild", json!({ "nqn": NQN, "nsid": 1, "leg": c_leg, "rate": 32 << 20 }));
     let info = rebuilt(&a);
     let (last, writes) = writers.stop();

@@ -129,11 +129,14 @@ impl VolumeBackend {
     }
 
     /// Whether a later generation than its writer's took the volume: its writes are
-    /// refused (the writer no longer serves the volume).
+    /// refused (the writer no longer serves the volume). The serving engine's own leg
+    /// is fenced by another engine's generation only; a replica export by any later one.
     fn fenced(&self) -> bool {
         match self.role {
             Role::Plain => false,
-            Role::Serving(generation) => self.volume.map.generation() > generation,
+            // Not `generation()`: this engine's own mirror of the next generation takes
+            // the same replica while the old one's writes finish, and they may.
+            Role::Serving(generation) => self.volume.map.fenced_at() > generation,
             Role::Replica => self.volume.map.generation() > self.reserved_at.load(Ordering::Acquire),
         }
     }
@@ -294,7 +297,7 @@ impl Backend for VolumeBackend {
     fn reservation_taken(&self, key: u64) {
         if self.role == Role::Replica {
             self.reserved_at.store(key, Ordering::Release);
-            self.volume.map.take_generation(key);
+            self.volume.map.fence(key);
         }
     }
 }

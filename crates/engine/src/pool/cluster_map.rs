@@ -40,16 +40,20 @@ pub struct VolumeMap {
     clusters: u64,
     /// Whether writes mark their clusters dirty. Shared by every size of the map.
     tracking: Arc<AtomicBool>,
-    /// The latest generation of the volume that took it as a replica (0: none). A
-    /// mirror serving an older one may no longer write to it. Shared by every size.
+    /// The latest generation of the volume that took it as a replica (0: none): a
+    /// writer of an older one may no longer write through its replica export. Shared
+    /// by every size.
     generation: Arc<AtomicU64>,
+    /// The latest generation another engine took it at, through its replica export's
+    /// reservation: this engine's own mirror of an older one may no longer write to it.
+    fenced_at: Arc<AtomicU64>,
 }
 
 impl VolumeMap {
     /// An empty map of `clusters` clusters.
     pub fn new(clusters: u64) -> VolumeMap {
         let pages = (0..clusters.div_ceil(PAGE as u64)).map(|_| PageSlot::default()).collect();
-        VolumeMap { pages, clusters, tracking: Arc::default(), generation: Arc::default() }
+        VolumeMap { pages, clusters, tracking: Arc::default(), generation: Arc::default(), fenced_at: Arc::default() }
     }
 
     /// The same map grown (or shrunk) to `clusters`, sharing every page it keeps.
@@ -57,7 +61,13 @@ impl VolumeMap {
         let n = clusters.div_ceil(PAGE as u64) as usize;
         let pages =
             (0..n).map(|i| self.pages.get(i).cloned().unwrap_or_default()).collect::<Vec<_>>().into_boxed_slice();
-        VolumeMap { pages, clusters, tracking: self.tracking.clone(), generation: self.generation.clone() }
+        VolumeMap {
+            pages,
+            clusters,
+            tracking: self.tracking.clone(),
+            generation: self.generation.clone(),
+            fenced_at: self.fenced_at.clone(),
+        }
     }
 
     /// Number of virtual clusters.
@@ -119,6 +129,18 @@ impl VolumeMap {
     /// The latest generation that took the volume as a replica (0: none).
     pub fn generation(&self) -> u64 {
         self.generation.load(Ordering::SeqCst)
+    }
+
+    /// Records that another engine took the volume at generation `g` (its replica
+    /// export's reservation): this engine's mirrors of older generations are fenced.
+    pub fn fence(&self, g: u64) {
+        self.fenced_at.fetch_max(g, Ordering::SeqCst);
+        self.take_generation(g);
+    }
+
+    /// The latest generation another engine took the volume at (0: none).
+    pub fn fenced_at(&self) -> u64 {
+        self.fenced_at.load(Ordering::SeqCst)
     }
 
     /// Notes that generation `g` of the volume wrote (or zeroed) virtual cluster `vc`:
