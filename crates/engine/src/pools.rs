@@ -12,6 +12,7 @@ use nvpool_api::{DirtyAction, DirtyReport, VolumeIdentity, WrittenClusters};
 use crate::backend::volume;
 use crate::error::{Error, Result};
 use crate::nvme::{Namespace, Subsystem, Target};
+use crate::pool::cluster_map::GenerationRecord;
 use crate::pool::{CreateOptions, DEFAULT_CLUSTER_SIZE, Pool, PoolInfo, VolumeInfo};
 use crate::reactor::Links;
 use crate::sync::lock;
@@ -241,6 +242,22 @@ impl Pools {
     /// The disks of every pool, by pool (a hot upgrade's image).
     pub fn disk_paths(&self) -> Vec<Vec<PathBuf>> {
         lock(&self.pools).values().map(|p| p.disk_paths()).collect()
+    }
+
+    /// The generation records of replicated volumes, as (pool, volume, record): what a
+    /// hot upgrade hands on so that a replica that is away can still come back with a
+    /// partial rebuild.
+    pub fn generation_records(&self) -> Vec<(String, String, GenerationRecord)> {
+        let pools = lock(&self.pools);
+        pools
+            .iter()
+            .flat_map(|(name, p)| p.generation_records().into_iter().map(|(v, r)| (name.clone(), v, r)))
+            .collect()
+    }
+
+    /// Gives a volume back its generation record (the new process of a hot upgrade).
+    pub fn restore_generation_record(&self, pool: &str, volume: &str, record: &GenerationRecord) -> Result<()> {
+        self.get(pool)?.restore_generation_record(volume, record)
     }
 
     /// Checkpoints every pool (a hot upgrade's new process replays no journal).

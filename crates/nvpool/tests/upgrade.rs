@@ -689,10 +689,20 @@ fn a_mirrored_volume_is_served_across_upgrades() {
         }
     };
     write_some(&mut q, &mut written);
+    // What the serving engine recorded as written (a replica that left would copy
+    // it) goes across its upgrades too.
+    let record = |socket: &Path| {
+        let r: serde_json::Value =
+            serde_json::from_str(&cli(socket, &["volume", "written-since", "p", "v", "1", "--json"]).unwrap()).unwrap();
+        (r["generation"].as_u64(), r["clusters"].as_array().map(Vec::len))
+    };
+    let recorded = record(&a);
+    assert!(recorded.0 == Some(1) && recorded.1 > Some(0), "{recorded:?}");
     for (who, socket) in [("serving", &a), ("replica", &b), ("serving", &a)] {
         let before = engine_pid(socket);
         cli(socket, &["upgrade"]).unwrap();
         assert_ne!(engine_pid(socket), before, "the {who} engine was not replaced");
+        assert_eq!(record(&a), recorded, "the record of what was written, after the {who} engine's upgrade");
         write_some(&mut q, &mut written);
     }
     let listed = cli(&a, &["subsystem", "list", "--json"]).unwrap();

@@ -209,6 +209,7 @@ impl Engine {
         let management = self.upgrades.management()?;
         let management_fd = fds.push(management);
         let pools = self.pools.disk_paths();
+        let generation_records = self.pools.generation_records();
         let mut listeners = Vec::new();
         for (port_id, address, socket) in self.listeners.tcp_sockets().map_err(|e| copy("listener", e))? {
             let tls = self.target.listener_tls(port_id);
@@ -237,6 +238,7 @@ impl Engine {
             cntlid_cursor: self.target.cntlid_cursor(),
             discovery_generation: self.target.discovery_generation(),
             discovery_address: self.target.discovery_address(),
+            generation_records,
             subsystems,
             controllers,
             connections,
@@ -372,6 +374,9 @@ fn rebuild(
         engine.target.set_discovery_address(image.discovery_address);
         for disks in &image.pools {
             engine.pools.import(disks)?;
+        }
+        for (pool, volume, record) in &image.generation_records {
+            engine.pools.restore_generation_record(pool, volume, record)?;
         }
         for s in &image.subsystems {
             engine.restore_subsystem(s, &mut mapped)?;

@@ -10,6 +10,16 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
+/// A replicated volume's generations and which generation last wrote each cluster
+/// (`VolumeMap::generation_record`), as a hot upgrade hands it on.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct GenerationRecord {
+    pub generation: u64,
+    pub fenced_at: u64,
+    /// (virtual cluster, generation) of every cluster a generation wrote.
+    pub written: Vec<(u64, u32)>,
+}
+
 /// Virtual clusters per map page.
 pub const PAGE: usize = 1024;
 
@@ -141,6 +151,36 @@ impl VolumeMap {
     /// The latest generation another engine took the volume at (0: none).
     pub fn fenced_at(&self) -> u64 {
         self.fenced_at.load(Ordering::SeqCst)
+    }
+
+    /// What a hot upgrade hands on for a volume a generation took: the generation,
+    /// the one another engine took it at, and the clusters written with the
+    /// generation that wrote each last. `None` for a volume no generation took.
+    pub fn generation_record(&self) -> Option<GenerationRecord> {
+        let generation = self.generation();
+        if generation == 0 {
+            return None;
+        }
+        let mut written = Vec::new();
+        for (pi, slot) in self.pages.iter().enumerate() {
+            let Some(p) = slot.get() else { continue };
+            for (i, at) in p.written_at.iter().enumerate() {
+                let at = at.load(Ordering::Relaxed);
+                if at != 0 {
+                    written.push(((pi * PAGE + i) as u64, at));
+                }
+            }
+        }
+        Some(GenerationRecord { generation, fenced_at: self.fenced_at(), written })
+    }
+
+    /// Takes back what `generation_record` gave (in the new process of a hot upgrade).
+    pub fn restore_generation_record(&self, record: &GenerationRecord) {
+        self.take_generation(record.generation);
+        self.fenced_at.fetch_max(record.fenced_at, Ordering::SeqCst);
+        for &(vc, at) in &record.written {
+            self.mark_generation(vc, u64::from(at));
+        }
     }
 
     /// Notes that generation `g` of the volume wrote (or zeroed) virtual cluster `vc`:

@@ -37,7 +37,7 @@ use crate::disk::Disk;
 use crate::error::{Error, Result};
 use crate::sync::lock;
 use alloc::FreeClusters;
-use cluster_map::VolumeMap;
+use cluster_map::{GenerationRecord, VolumeMap};
 use format::{BLOCK, Member, MetaLayout, PoolState, Record, Superblock, VolumeMeta};
 use journal::{MetaIo, MetaStore};
 
@@ -490,6 +490,21 @@ impl Pool {
             nguid: v.meta.nguid.iter().map(|b| format!("{b:02x}")).collect(),
             dirty_tracking: inner.maps.get(&id).is_some_and(|m| m.tracking()),
         }
+    }
+
+    /// The generation records of the volumes a generation took, by volume name.
+    pub fn generation_records(&self) -> Vec<(String, GenerationRecord)> {
+        let inner = lock(&self.inner);
+        let name = |id: &u32| inner.state.volumes.get(id).map(|v| v.meta.name.clone());
+        inner.maps.iter().filter_map(|(id, map)| Some((name(id)?, map.generation_record()?))).collect()
+    }
+
+    /// Gives volume `name` back the generation record a hot upgrade handed on.
+    pub fn restore_generation_record(&self, name: &str, record: &GenerationRecord) -> Result<()> {
+        let inner = lock(&self.inner);
+        let id = self.volume_id(&inner, name)?;
+        inner.maps[&id].restore_generation_record(record);
+        Ok(())
     }
 
     /// Every volume.

@@ -121,6 +121,10 @@ pub struct EngineImage {
     /// Local devices, which the new process takes back once this one has exited.
     #[serde(default)]
     pub local: Vec<nvpool_api::LocalDeviceConfig>,
+    /// Replicated volumes' generations and records of what changed, as (pool, volume,
+    /// record). An older image has none: replicas away then rebuild in full.
+    #[serde(default)]
+    pub generation_records: Vec<(String, String, crate::pool::cluster_map::GenerationRecord)>,
 }
 
 /// A listener.

@@ -13,6 +13,7 @@ use nvpool_api::{
     PathAddress, PoolInfo, RebuildInfo, RemoveHost, RemoveListener, RemoveLocalDevice, RemoveNamespace,
     RemoveSubsystem, ResizeVolume, SetAnaState, SetNamespaceQos, StartMigration, StartRebuild, SubsystemInfo,
     SwapNamespace, SwitchMigration, TlsMode, TlsPsk, Transport, UpgradeEngine, VolumeDirty, VolumeIdentity, VolumeInfo,
+    VolumeWrittenSince,
 };
 use nvpool_engine::Engine;
 use nvpool_engine::config::{
@@ -445,6 +446,16 @@ enum EngineVolumeVerb {
         #[arg(value_parser = parse_dirty_action)]
         action: DirtyAction,
     },
+    /// The clusters of a replicated volume written at a generation or later: what a
+    /// replica that left at the generation before lacks.
+    WrittenSince {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        name: String,
+        /// The generation.
+        generation: u64,
+    },
     /// Move a volume to another engine under running hosts: copy it in rounds to the
     /// target namespace (a volume of the same size and identity there, exported to
     /// this engine's host NQN), until `switch` and `cancel`.
@@ -743,6 +754,19 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
             }
             EngineVolumeVerb::Stats { pool, name } => {
                 show(&api, GetVolume { pool, name }, |r| volume_table(std::slice::from_ref(r)))
+            }
+            EngineVolumeVerb::WrittenSince { pool, name, generation } => {
+                let r = api.call(VolumeWrittenSince { pool, name, generation })?;
+                print_or(api.json, &r, || {
+                    format!(
+                        "generation {}; {} clusters of {} written at generation {generation} or later ({})",
+                        r.generation,
+                        r.clusters.len(),
+                        human(r.cluster_size),
+                        human(r.clusters.len() as u64 * r.cluster_size)
+                    )
+                });
+                Ok(())
             }
             EngineVolumeVerb::Dirty { pool, name, action } => {
                 let r = api.call(VolumeDirty { pool, name, action })?;
