@@ -193,6 +193,10 @@ pub trait RingClient {
     /// The reactor's tick (every 100 ms, also while a hot upgrade holds it).
     fn tick(&mut self, _ring: &mut Ring, _me: u32) {}
 
+    /// The issuer `owner` (a closed connection) gives up the commands it handed: those
+    /// that have not left the engine are answered now (aborted), never sent later.
+    fn withdraw(&mut self, _ring: &mut Ring, _me: u32, _owner: u32) {}
+
     /// A hot upgrade parks the reactor: finish what was taken, take nothing new.
     fn park(&mut self, _ring: &mut Ring, _me: u32) {}
 
@@ -593,6 +597,12 @@ impl Ring {
         } else {
             self.clients[slot as usize] = Some(client);
         }
+    }
+
+    /// Withdraws, from every client, the commands `owner` handed that have not left
+    /// the engine (see `RingClient::withdraw`).
+    pub fn withdraw(&mut self, owner: u32) {
+        self.each_client(|ring, slot, c| c.withdraw(ring, slot, owner));
     }
 
     /// Runs `f` on every client.

@@ -9,6 +9,7 @@ use nvpool_engine::config::{EngineConfig, ListenerConfig, NamespaceConfig, Subsy
 use nvpool_engine::error::ErrorKind;
 use nvpool_initiator::{ConnectOptions, Error, Queue, connect_admin, pattern};
 use nvpool_wire::Status;
+use nvpool_wire::command::{Command, io_opcode};
 
 mod common;
 use common::{TestEngine, namespace};
@@ -172,6 +173,42 @@ fn a_lost_owner_is_a_path_error_and_a_returning_owner_is_used_again() {
         }
     }
     assert_eq!(io.read(1, 0, 8, 512).unwrap(), pattern(2, 4096));
+}
+
+/// A write the proxy could not send yet (its owner refuses it for a while) is dropped
+/// when its host's connection closes: the host takes its outcome as unknown, writes it
+/// again through another path and may write the block anew after that, so the proxy
+/// sending it once the owner takes it again would land an old write over a newer one.
+#[test]
+fn a_write_not_yet_forwarded_is_dropped_when_its_host_goes() {
+    let owner = engine("127.0.0.1:0", vec![one_namespace("memory:16MiB", 512)], 1);
+    let spec = format!("remote:{}/{NQN}/1", owner.addr);
+    let proxy = engine("127.0.0.1:0", vec![one_namespace(&spec, 0)], 1);
+    let proxy_host = proxy.engine.host_nqn().to_string();
+    owner.engine.add_host(NQN, HOST, None, None).unwrap();
+    owner.engine.add_host(NQN, &proxy_host, None, None).unwrap();
+    owner.engine.set_allow_any_host(NQN, false).unwrap();
+    // The owner drops the proxy: its queues end, and it cannot connect new ones.
+    owner.engine.remove_host(NQN, &proxy_host).unwrap();
+    {
+        let (_admin, mut io) = io_queue(proxy.addr);
+        let cid = io.alloc_cid();
+        let write = Command::read_write(io_opcode::WRITE, cid, 1, 8, 8, 4096);
+        io.submit(write, &pattern(1, 4096), true).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        // The host goes with its write unanswered.
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    owner.engine.add_host(NQN, &proxy_host, None, None).unwrap();
+    // The proxy's link connects again within its backoff (2 s at most).
+    std::thread::sleep(Duration::from_millis(3000));
+    let (_admin, mut direct) = io_queue(owner.addr);
+    let block = direct.read(1, 8, 8, 512).unwrap();
+    assert!(block.iter().all(|&b| b == 0), "a write its host gave up landed later");
+    // The proxy still forwards the writes of a host that stays.
+    let (_admin, mut io) = io_queue(proxy.addr);
+    io.write(1, 16, &pattern(2, 4096), 512, IN_CAPSULE).unwrap();
+    assert_eq!(direct.read(1, 16, 8, 512).unwrap(), pattern(2, 4096));
 }
 
 #[test]

@@ -192,6 +192,9 @@ pub(super) struct Conn {
     pub(super) parking: bool,
     /// Preempt and Abort commands waiting for the commands before them to be done.
     pub(super) aborts: Vec<(u16, Arc<NamespaceReservations>, Abort)>,
+    /// Set once, after it closed, the commands it handed to ring clients (queues to
+    /// other engines) that had not left yet were withdrawn (see `withdraw_handed`).
+    pub(super) withdrawn: bool,
 }
 
 impl Conn {
@@ -209,6 +212,7 @@ impl Conn {
             aers: Vec::new(),
             parking: false,
             aborts: Vec::new(),
+            withdrawn: false,
         }
     }
 
@@ -256,6 +260,17 @@ impl Conn {
             Wire::Rdma(w) => Some(w.serial),
             Wire::Tcp(_) => None,
         }
+    }
+
+    /// Whether the commands this connection handed to ring clients are to be
+    /// withdrawn now: it closed with some under way. Its host takes their outcome as
+    /// unknown and writes them again through another path, and may write the same
+    /// blocks anew after that: a write forwarded later would land over those.
+    /// True once.
+    pub(super) fn withdraw_handed(&mut self) -> bool {
+        let now = self.phase == Phase::Closed && self.ops_in_flight > 0 && !self.withdrawn;
+        self.withdrawn |= now;
+        now
     }
 
     /// Whether the connection is closed and nothing references its memory any more.

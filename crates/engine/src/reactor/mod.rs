@@ -516,6 +516,9 @@ impl Reactor {
             return;
         };
         f(self, &mut conn);
+        if conn.withdraw_handed() {
+            self.ring.withdraw(c);
+        }
         if conn.can_free() {
             self.free_conn(c, conn);
         } else {

@@ -309,6 +309,17 @@ impl RingClient for Fanout {
         self.start_waiting(ring, me);
     }
 
+    /// Answers the commands of `owner` that wait for the copy window (not started on
+    /// any leg): its host gave them up.
+    fn withdraw(&mut self, ring: &mut Ring, _me: u32, owner: u32) {
+        let (gone, kept) = std::mem::take(&mut self.waiting).into_iter().partition(|c| c.owner == owner);
+        self.waiting = kept;
+        for cmd in gone {
+            self.busy -= 1;
+            ring.answer(cmd.owner, cmd.tag, Status::ABORT_REQUESTED, cmd.buf);
+        }
+    }
+
     fn tick(&mut self, ring: &mut Ring, me: u32) {
         self.release_held(ring);
         self.start_waiting(ring, me);

@@ -352,6 +352,16 @@ impl RingClient for HostQueue {
         self.send_waiting(ring, me);
     }
 
+    /// Answers the commands `owner` handed that wait for a queue or a command ID
+    /// (not sent): its host gave them up, and may write their blocks anew elsewhere.
+    fn withdraw(&mut self, ring: &mut Ring, _me: u32, owner: u32) {
+        let (gone, kept) = std::mem::take(&mut self.waiting).into_iter().partition(|c| c.owner == owner);
+        self.waiting = kept;
+        for c in gone {
+            ring.answer(c.owner, c.tag, Status::ABORT_REQUESTED, c.buf);
+        }
+    }
+
     /// Fails commands that waited for a queue longer than the hold limit, and closes
     /// an idle queue whose namespace is gone.
     fn tick(&mut self, ring: &mut Ring, _me: u32) {
