@@ -126,7 +126,7 @@ fn open(arg: &str, env: &OpenEnv<'_>) -> Result<Opened> {
             faulted: AtomicBool::new(false),
         })
         .collect();
-    let window = CopyWindow::new(legs_cluster_shift(&legs));
+    let window = CopyWindow::new(copy_cluster_shift(&legs));
     let mirror = Arc::new(Mirror {
         key: crate::ring::new_client_key(),
         window,
@@ -152,16 +152,16 @@ struct Leg {
 }
 
 impl Leg {
-    /// Its spec as the mirror's names it (`+` before one that catches up).
+    /// Its spec as the mirror's spec names it (`+` before one that catches up).
     fn spec(&self) -> String {
         let spec = self.backend.description();
         if self.catching_up { format!("{CATCHING_UP}{spec}") } else { spec }
     }
 }
 
-/// The cluster size of the first leg's volume (a rebuild copies whole clusters), or
-/// a nominal one for a leg that is not a volume.
-fn legs_cluster_shift(legs: &[Leg]) -> u32 {
+/// The clusters a rebuild copies, one at a time: the first leg's volume's (1 MiB when
+/// the first leg is not a volume, which no rebuild copies from).
+fn copy_cluster_shift(legs: &[Leg]) -> u32 {
     legs[0].backend.as_volume().map_or(20, |v| v.volume.pool.cluster_shift())
 }
 
@@ -249,20 +249,12 @@ impl MirrorBackend {
         lock(&self.0.faults).clone()
     }
 
-    /// Its legs by state: in sync, catching up, faulted.
+    /// How many legs are in sync, catching up, and faulted.
     pub fn leg_counts(&self) -> [u64; 3] {
-        let mut counts = [0; 3];
-        for (i, leg) in self.0.legs.iter().enumerate() {
-            let state = if !self.0.healthy(i) {
-                2
-            } else if leg.catching_up {
-                1
-            } else {
-                0
-            };
-            counts[state] += 1;
-        }
-        counts
+        let legs = &self.0.legs;
+        let faulted = (0..legs.len()).filter(|&i| !self.0.healthy(i)).count();
+        let catching_up = (0..legs.len()).filter(|&i| self.0.healthy(i) && legs[i].catching_up).count();
+        [legs.len() - faulted - catching_up, catching_up, faulted].map(|n| n as u64)
     }
 
     /// The first leg's volume: the serving engine's own replica, which a rebuild
