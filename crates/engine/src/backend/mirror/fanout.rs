@@ -179,42 +179,52 @@ impl Fanout {
     /// Starts a command on its legs, or keeps it waiting while the cluster it writes
     /// is being copied. It counts in `busy` from `take` to its answer.
     fn start(&mut self, ring: &mut Ring, me: u32, mut cmd: Handed) {
-        let mirror = self.mirror.clone();
         let fan = fans_out(&cmd.plan);
-        let healthy: Vec<usize> = (0..mirror.legs.len()).filter(|&i| mirror.healthy(i)).collect();
-        let readable: Vec<usize> = healthy.iter().copied().filter(|&i| mirror.in_sync(i)).take(1).collect();
-        let targets: &[usize] = if fan { &healthy } else { &readable };
-        let Some((&carrier, c)) = targets.first().zip(self.slot()) else {
+        // The legs it goes to, a bit each: every healthy leg for a change, the first
+        // healthy in-sync leg for a read.
+        let targets = {
+            let m = &self.mirror;
+            let healthy = (0..m.legs.len()).filter(|&i| m.healthy(i)).fold(0u8, |t, i| t | 1 << i);
+            if fan {
+                healthy
+            } else {
+                (0..m.legs.len()).find(|&i| healthy & 1 << i != 0 && m.in_sync(i)).map_or(0, |i| 1 << i)
+            }
+        };
+        let Some(c) = (targets != 0).then(|| self.slot()).flatten() else {
             // No replica left to serve it (or no room): the host retries it later.
             self.busy -= 1;
             ring.answer(cmd.owner, cmd.tag, Status::ANA_INACCESSIBLE, cmd.buf);
             return;
         };
+        let Fanout { mirror, commands, free, waiting, .. } = self;
         let counted = if fan {
             match mirror.window.enter(ring.id, &cmd.plan) {
                 Some(parity) => Some(parity),
                 None => {
-                    self.free.push(c);
-                    self.waiting.push_back(cmd);
+                    free.push(c);
+                    waiting.push_back(cmd);
                     return;
                 }
             }
         } else {
             None
         };
-        let f = &mut self.commands[usize::from(c)];
+        let aimed = |leg: &usize| targets & 1 << leg != 0;
+        let carrier = targets.trailing_zeros() as usize;
+        let f = &mut commands[usize::from(c)];
         f.counted = counted;
         f.owner = cmd.owner;
         f.tag = cmd.tag;
         f.plan = cmd.plan;
-        f.waiting = targets.len();
+        f.waiting = targets.count_ones() as usize;
         f.carrier = carrier;
         f.status = Status::SUCCESS;
         // In-sync legs it skips (faulted): it must be held. One that catches up may miss it.
-        let skipped = |i: &usize| mirror.in_sync(*i) && !targets.contains(i);
+        let skipped = |i: &usize| mirror.in_sync(*i) && !aimed(i);
         f.missed = if fan { (0..mirror.legs.len()).filter(skipped).fold(0, |m, i| m | 1 << i) } else { 0 };
         let data_len = cmd.plan.host_data_len() as usize;
-        for &leg in targets {
+        for leg in (0..mirror.legs.len()).filter(aimed) {
             let io = &mut f.legs[leg];
             io.reset(cmd.plan, ring.pass_ns);
             if leg != carrier
@@ -232,7 +242,7 @@ impl Fanout {
         // Every leg starts before any is counted done, so that a leg that ends at
         // once does not complete the command while others have not started.
         let mut done_now = [false; MAX_LEGS];
-        for &leg in targets {
+        for leg in (0..mirror.legs.len()).filter(aimed) {
             let mut queue = DiskQueue::new(ring, me | CLIENT_OWNER, leg_tag(c, leg), true);
             mirror.legs[leg].backend.start(&mut f.legs[leg], &mut queue);
             queue.finish();
