@@ -37,6 +37,10 @@ type Job = CopyJob<RebuildInfo>;
 pub(crate) struct Copy {
     /// The namespace's backend, a mirror whose first leg is this engine's volume.
     pub mirror: Arc<dyn Backend>,
+    /// The mirror it replaced, which lacks the replica: its writes still under way
+    /// reach the other legs only, so the copy starts once they are done.
+    /// Let go of once drained.
+    pub previous: Option<Arc<dyn Backend>>,
     /// The replica, as the mirror names the leg.
     pub leg: String,
     pub target: TargetQueue,
@@ -121,6 +125,12 @@ fn run(job: &Job, mut copy: Copy) -> Result<()> {
         Some(generation) => volume.map.written_since(generation),
         None => (0..size.div_ceil(cluster)).collect(),
     };
+    // A new command takes the namespace's backend anew, so only those started before
+    // the swap are on the mirror without the replica; a cluster copied before one of
+    // their writes landed would lack it.
+    if let Some(mirror) = copy.previous.take().as_deref().and_then(|p| p.as_mirror()) {
+        mirror.drain();
+    }
     let bytes = |vc: u64| cluster.min(size - (vc << shift));
     job.update(|i| i.total_bytes = clusters.iter().map(|&vc| bytes(vc)).sum());
     let mut buf = Buf::new((cluster as usize).div_ceil(4096));

@@ -260,11 +260,12 @@ impl Engine {
         if current.split(' ').any(|l| l.trim_start_matches('+') == leg) {
             return Err(Error::precondition(format!("{leg} is a leg of namespace {nsid} of {nqn} already")));
         }
+        let previous = Some(ns.backend.clone());
         self.swap_namespace(nqn, nsid, &format!("{current} +{leg}"))?;
         let (_, ns) = self.target.namespace(nqn, nsid)?;
         let target = TargetQueue::connect(backend::remote::resolve(&addr)?, &replica_nqn, replica_nsid, &self.host_nqn)
             .map_err(|e| Error::unavailable(format!("cannot reach the replica {leg}: {e}")))?;
-        let copy = rebuild::Copy { mirror: ns.backend.clone(), leg: leg.to_string(), target, since, rate };
+        let copy = rebuild::Copy { mirror: ns.backend.clone(), previous, leg: leg.to_string(), target, since, rate };
         let info = self.rebuilds.start(nqn, nsid, copy)?;
         tracing::info!(nqn, nsid, leg, ?since, "rebuild started");
         Ok(info)

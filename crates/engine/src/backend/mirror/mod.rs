@@ -269,6 +269,12 @@ impl MirrorBackend {
         Some(!leg.faulted.load(Ordering::Acquire))
     }
 
+    /// Waits for the writes under way to finish (a mirror that serves no more: its
+    /// commands already started go on on it).
+    pub fn drain(&self) {
+        self.0.window.drain();
+    }
+
     /// Makes writes to cluster `vc` wait, and waits for those under way, so that a
     /// rebuild copies the cluster while nobody changes it; `None` ends that.
     pub fn hold_cluster(&self, vc: Option<u64>) {

@@ -96,6 +96,11 @@ impl CopyWindow {
             return;
         };
         self.copying.store(vc + 1, Ordering::SeqCst);
+        self.drain();
+    }
+
+    /// Waits for the writes under way now to finish (not for those that start later).
+    pub(super) fn drain(&self) {
         let parity = (self.epoch.fetch_add(1, Ordering::SeqCst) & 1) as usize;
         while self.in_flight.iter().any(|c| c.0[parity].load(Ordering::SeqCst) != 0) {
             std::thread::sleep(Duration::from_micros(50));
