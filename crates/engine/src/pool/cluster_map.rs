@@ -186,8 +186,13 @@ impl VolumeMap {
     /// Notes that generation `g` of the volume wrote (or zeroed) virtual cluster `vc`:
     /// the record of what a replica that left the volume lacks.
     pub fn mark_generation(&self, vc: u64, g: u64) {
-        if let Some(p) = self.page(vc) {
-            p.written_at[vc as usize % PAGE].fetch_max(g.min(u64::from(u32::MAX)) as u32, Ordering::Relaxed);
+        let g = g.min(u64::from(u32::MAX)) as u32;
+        // Read first: a cluster written again at the same generation (the common case)
+        // costs no write to a line the other reactors read.
+        if let Some(at) = self.page(vc).map(|p| &p.written_at[vc as usize % PAGE])
+            && at.load(Ordering::Relaxed) < g
+        {
+            at.fetch_max(g, Ordering::Relaxed);
         }
     }
 
