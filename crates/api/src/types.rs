@@ -454,6 +454,26 @@ pub struct UsageReport {
     pub namespaces: Vec<NamespaceUsage>,
     /// Namespaces removed since `since`.
     pub namespaces_gone: Vec<NamespaceUsage>,
+    /// Every mirrored namespace that needs its controller: one with a faulted leg or
+    /// a leg catching up (always all of them: they are few, and each waits for an
+    /// answer).
+    #[serde(default)]
+    pub mirrors: Vec<MirrorUsage>,
+}
+
+/// A mirrored namespace in a [`UsageReport`]: its faulted legs and its rebuild.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MirrorUsage {
+    /// Subsystem NQN.
+    pub nqn: String,
+    /// Namespace ID.
+    pub nsid: u32,
+    /// The generation the mirror serves at (0: none given).
+    pub generation: u64,
+    /// The legs that failed a command.
+    pub faulted_legs: Vec<FaultedLeg>,
+    /// The rebuild of a leg catching up, if one is.
+    pub rebuild: Option<RebuildInfo>,
 }
 
 /// One volume's space in a [`UsageReport`].

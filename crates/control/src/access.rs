@@ -90,6 +90,10 @@ pub struct Attached<'a> {
 pub struct AccessRequest<'a> {
     pub volume: &'a str,
     pub owner: &'a str,
+    /// The nodes holding the volume's other replicas: after the owner, they come
+    /// first, so that when the owner is lost the host already has a path to the node
+    /// that takes over (an ANA change, not a new connection).
+    pub replicas: &'a [String],
     pub host: &'a str,
     pub policy: AccessPolicy,
     pub group: &'a str,
@@ -254,11 +258,17 @@ pub fn choose(nodes: &[Candidate<'_>], loads: &PathLoads, req: &AccessRequest<'_
     let mut chosen: Vec<usize> = vec![optimized];
     let block = |i: usize| nodes[i].cntlid_block % CNTLID_BLOCKS;
     let fits = |chosen: &[usize], i: usize| usable(i) && chosen.iter().all(|&c| c != i && block(c) != block(i));
-    // Surviving paths first, then the owner (no forwarding hop), then the least loaded.
+    // Surviving paths first, then the owner (no forwarding hop), then the replicas'
+    // nodes, then the least loaded.
     // Only the first few in that order are ever taken: they are found without sorting
     // every node (each key once), and the rest is sorted only if none of them fit.
-    let mut others: Vec<((bool, usize, &str), usize)> =
-        (0..nodes.len()).filter(|&i| usable(i)).map(|i| ((!is_owner(i), load[i].paths, nodes[i].name), i)).collect();
+    let is_replica = |i: usize| req.replicas.iter().any(|r| r == nodes[i].name);
+    // (not the owner, not a replica's node, paths it has, name): lower goes first.
+    type Order<'n> = (bool, bool, usize, &'n str);
+    let mut others: Vec<(Order, usize)> = (0..nodes.len())
+        .filter(|&i| usable(i))
+        .map(|i| ((!is_owner(i), !is_replica(i), load[i].paths, nodes[i].name), i))
+        .collect();
     let first = others.len().min(FIRST_LOOKED_AT);
     if first < others.len() {
         others.select_nth_unstable_by_key(first, |o| o.0);
@@ -345,6 +355,7 @@ mod tests {
         AccessRequest {
             volume: "v",
             owner: "n0",
+            replicas: &[],
             host: "h",
             policy,
             group: "",
@@ -378,6 +389,7 @@ mod tests {
         let req = AccessRequest {
             volume,
             owner,
+            replicas: &[],
             host,
             policy,
             group,
@@ -475,6 +487,7 @@ mod tests {
         let req = |counted| AccessRequest {
             volume: "v3",
             owner: "n1",
+            replicas: &[],
             host: "h1",
             policy: AccessPolicy::Balance,
             group: "g",
@@ -557,7 +570,7 @@ mod tests {
                 let same_group: Vec<String> =
                     book.iter().filter(|((_, g, h), _)| g == group && *h == host).map(|(_, p)| p[0].clone()).collect();
                 let req = AccessRequest {
-                    volume: &volume, owner: &owner, host: &host, policy, group, current: &[], optimized: None, counted: &[],
+                    volume: &volume, owner: &owner, replicas: &[], host: &host, policy, group, current: &[], optimized: None, counted: &[],
                     explain: false,
                 };
                 let result = choose(&n, &loads(&book), &req);

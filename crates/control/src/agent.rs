@@ -13,12 +13,12 @@ use crate::model::VOLUME_NQN_PREFIX;
 use crate::proto::{self, agent_server::AgentServer};
 use nvpool_api::{
     AddHost, AddLocalDevice, AddNamespace, AddSubsystem, AnaState, CancelMigration, CreateVolume, DeleteVolume,
-    DhchapKeys, EngineInfo, ErrorKind, GetEngineInfo, GetMigration, GetSubsystems, GetUsage, GetVolume, ListAnaGroups,
-    ListListeners, ListLocalDevices, ListPools, ListSubsystems, ListVolumes, LocalDeviceConfig, LocalDeviceInfo,
-    Method, NamespaceConfig, NamespaceUsage, PathAddress, QosLimits, RemoveHost, RemoveLocalDevice, RemoveSubsystem,
-    ResizeVolume, SetAnaState, SetControllerIdRange, SetDiscoveryAddress, SetHostPaths, SetNamespaceQos,
-    StartMigration, SubsystemConfig, SubsystemInfo, SwapNamespace, SwitchMigration, UpgradeEngine, UsageReport,
-    VolumeIdentity, VolumeInfo,
+    DhchapKeys, EngineInfo, ErrorKind, GetEngineInfo, GetMigration, GetRebuild, GetSubsystems, GetUsage, GetVolume,
+    ListAnaGroups, ListListeners, ListLocalDevices, ListPools, ListSubsystems, ListVolumes, LocalDeviceConfig,
+    LocalDeviceInfo, Method, NamespaceConfig, NamespaceUsage, PathAddress, QosLimits, RemoveHost, RemoveLocalDevice,
+    RemoveSubsystem, ResizeVolume, SetAnaState, SetControllerIdRange, SetDiscoveryAddress, SetHostPaths,
+    SetNamespaceQos, StartMigration, StartRebuild, SubsystemConfig, SubsystemInfo, SwapNamespace, SwitchMigration,
+    UpgradeEngine, UsageReport, VolumeIdentity, VolumeInfo,
 };
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
@@ -262,7 +262,10 @@ fn reconcile(engine: &Path, state: &proto::NodeState, changes: Option<&Changes>)
         None => call(engine, ListVolumes { pool: None })
             .and_then(|volumes| Ok((volumes, call(engine, ListSubsystems {})?, call(engine, ListLocalDevices {})?))),
         Some(c) => {
-            let nqns = c.listed.iter().chain(&c.dropped).map(|d| d.subsystem_nqn.clone()).collect();
+            // With each entry, its replica's export: one may be there that is no
+            // longer wanted (the node serves the volume now).
+            let nqns =
+                c.listed.iter().chain(&c.dropped).flat_map(|d| [d.subsystem_nqn.clone(), replica_nqn(d)]).collect();
             volumes_of(engine, &c.listed).and_then(|volumes| {
                 Ok((volumes, call(engine, GetSubsystems { nqns })?, call(engine, ListLocalDevices {})?))
             })
@@ -297,13 +300,23 @@ fn reconcile(engine: &Path, state: &proto::NodeState, changes: Option<&Changes>)
     // A subsystem that a present entry serves stays when a removal names it too: a
     // move rolled back leaves its target an access point of the volume, whose copy
     // (the removal) goes once the export forwards to the owner again.
-    let served: HashSet<&str> = state.volumes.iter().filter(|d| d.present).map(|d| d.subsystem_nqn.as_str()).collect();
+    let served: HashSet<&str> = state
+        .volumes
+        .iter()
+        .filter(|d| d.present)
+        .flat_map(|d| {
+            std::iter::once(d.subsystem_nqn.as_str()).chain(d.replica.as_ref().map(|r| r.subsystem_nqn.as_str()))
+        })
+        .collect();
     let mut results: Vec<proto::VolumeResult> = entries
         .iter()
         .map(|d| {
             let subsystem = subsystems.get(d.subsystem_nqn.as_str()).copied();
             let volume = volumes.get(&(d.pool.as_str(), d.engine_name.as_str())).copied();
-            let outcome = if !d.owner_address.is_empty() {
+            let outcome = if let Some(wanted) = d.replica.as_ref().filter(|_| d.present) {
+                let replica_export = subsystems.get(wanted.subsystem_nqn.as_str()).copied();
+                replica(engine, d, wanted, volume, replica_export, subsystem).map(Some)
+            } else if !d.owner_address.is_empty() {
                 forward(engine, d, subsystem).map(|()| None)
             } else if d.present {
                 ensure(engine, d, volume, subsystem).map(Some)
@@ -330,7 +343,13 @@ fn reconcile(engine: &Path, state: &proto::NodeState, changes: Option<&Changes>)
     // A volume's export that the state no longer names is one this node stopped
     // being an access point for (or a volume deleted while the node was away). Given
     // changes, only the exports of dropped entries are candidates.
-    let named: HashSet<&str> = state.volumes.iter().map(|d| d.subsystem_nqn.as_str()).collect();
+    let named: HashSet<&str> = state
+        .volumes
+        .iter()
+        .flat_map(|d| {
+            std::iter::once(d.subsystem_nqn.as_str()).chain(d.replica.as_ref().map(|r| r.subsystem_nqn.as_str()))
+        })
+        .collect();
     for nqn in subsystems.keys().filter(|n| n.starts_with(VOLUME_NQN_PREFIX) && !named.contains(*n)) {
         if let Err(e) = call(engine, RemoveSubsystem { nqn: nqn.to_string() }) {
             results.push(result(nqn, Err(format!("cannot remove the export {nqn}: {e}")), vec![]));
@@ -342,7 +361,7 @@ fn reconcile(engine: &Path, state: &proto::NodeState, changes: Option<&Changes>)
 /// The engine's volumes that these entries own (a volume not there is left out).
 fn volumes_of(engine: &Path, entries: &[proto::DesiredVolume]) -> Result<Vec<VolumeInfo>, String> {
     let mut found = Vec::new();
-    for d in entries.iter().filter(|d| d.owner_address.is_empty()) {
+    for d in entries.iter().filter(|d| d.owner_address.is_empty() || d.replica.is_some()) {
         match nvpool_api::call(engine, &GetVolume { pool: d.pool.clone(), name: d.engine_name.clone() }) {
             Ok(v) => found.push(v),
             Err(e) if e.kind == ErrorKind::NotFound => {}
@@ -571,10 +590,30 @@ fn ensure(
     if info.size < d.size_bytes {
         info = call(engine, ResizeVolume { pool: pool.clone(), name: name.clone(), size: d.size_bytes })?;
     }
+    // A replicated volume is served as a mirror of this node's replica and the
+    // others; while one catches up, the rebuild's mirror stands (it has that leg too).
+    let current = subsystem.and_then(|s| s.namespaces.iter().find(|n| n.nsid == 1)).map(|n| n.backend.as_str());
+    let (backend, rebuilding) = match &d.mirror {
+        None => (format!("volume:{pool}/{name}"), None),
+        Some(m) => {
+            let mut spec = format!("mirror:generation={} volume:{pool}/{name}", m.generation);
+            for leg in &m.legs {
+                spec = format!("{spec} {leg}");
+            }
+            match m.rebuild_leg.as_str() {
+                "" => (spec, None),
+                leg => {
+                    let with_leg = format!("{spec} +{leg}");
+                    let running = current == Some(with_leg.as_str()) && rebuild_alive(engine, d, leg)?;
+                    (if running { with_leg } else { spec }, Some((m, running)))
+                }
+            }
+        }
+    };
     // 4 KiB blocks where the pool's disks write them whole across a power loss.
     let namespace = NamespaceConfig {
         nsid: Some(1),
-        backend: format!("volume:{pool}/{name}"),
+        backend,
         block_size: 0,
         uuid: None,
         allow_torn_writes: false,
@@ -582,6 +621,84 @@ fn ensure(
         qos: limits(d),
     };
     export(engine, d, namespace, subsystem)?;
+    if let Some((m, false)) = rebuilding {
+        call(
+            engine,
+            StartRebuild {
+                nqn: d.subsystem_nqn.clone(),
+                nsid: 1,
+                leg: m.rebuild_leg.clone(),
+                since: (m.rebuild_since > 0).then_some(m.rebuild_since),
+                rate: (m.rebuild_rate > 0).then_some(m.rebuild_rate),
+            },
+        )
+        .map_err(|e| format!("cannot start rebuilding the replica {}: {e}", m.rebuild_leg))?;
+    }
+    Ok(info)
+}
+
+/// Whether the engine's rebuild of `leg` is copying or done (not failed, not another
+/// leg's, not gone with an engine restart).
+fn rebuild_alive(engine: &Path, d: &proto::DesiredVolume, leg: &str) -> Result<bool, String> {
+    let info = call(engine, GetRebuild { nqn: d.subsystem_nqn.clone(), nsid: 1 })?;
+    Ok(info.leg == leg && matches!(info.state.as_str(), "copying" | "done"))
+}
+
+/// The name of a volume's replica export.
+fn replica_nqn(d: &proto::DesiredVolume) -> String {
+    format!("{}-replica", d.subsystem_nqn)
+}
+
+/// Holds a replica of a volume another node serves: the volume (made with the
+/// volume's identity if it is not here), exported as `replica:` to the serving engine
+/// alone, whose reservation then fences any older one; and the access point's
+/// export when the node is one, else none.
+fn replica(
+    engine: &Path,
+    d: &proto::DesiredVolume,
+    wanted: &proto::ReplicaWanted,
+    volume: Option<&VolumeInfo>,
+    replica_export: Option<&SubsystemInfo>,
+    host_facing: Option<&SubsystemInfo>,
+) -> Result<VolumeInfo, String> {
+    let info = match volume {
+        Some(v) => v.clone(),
+        None => {
+            let identity =
+                (!d.uuid.is_empty()).then(|| VolumeIdentity { uuid: d.uuid.clone(), nguid: d.nguid.clone() });
+            let create = CreateVolume {
+                pool: d.pool.clone(),
+                name: d.engine_name.clone(),
+                size: d.size_bytes,
+                thin: d.thin,
+                identity,
+            };
+            call(engine, create)?
+        }
+    };
+    let export_entry = proto::DesiredVolume {
+        subsystem_nqn: wanted.subsystem_nqn.clone(),
+        hosts: Some(wanted.serving_host_nqn.clone()).filter(|h| !h.is_empty()).into_iter().collect(),
+        ana: Vec::new(),
+        access_points: Vec::new(),
+        dhchap: Vec::new(),
+        ..d.clone()
+    };
+    let namespace = NamespaceConfig {
+        nsid: Some(1),
+        backend: format!("replica:{}/{}", d.pool, d.engine_name),
+        block_size: 0,
+        uuid: None,
+        allow_torn_writes: false,
+        ana_group: None,
+        qos: QosLimits::default(),
+    };
+    export(engine, &export_entry, namespace, replica_export)?;
+    if !d.owner_address.is_empty() {
+        forward(engine, d, host_facing)?;
+    } else if host_facing.is_some() {
+        call(engine, RemoveSubsystem { nqn: d.subsystem_nqn.clone() })?;
+    }
     Ok(info)
 }
 
@@ -606,6 +723,7 @@ struct Usage {
     volumes_gone: Vec<String>,
     counters: Vec<proto::VolumeCounters>,
     counters_gone: Vec<String>,
+    mirrors: Vec<proto::MirrorReport>,
     changes_only: bool,
     /// Passed as `since` next time.
     mark: u64,
@@ -660,9 +778,26 @@ fn usage(engine: &Path, version: String, since: Option<u64>) -> Result<Usage, St
         volumes_gone: report.volumes_gone.into_iter().map(|v| v.name).collect(),
         counters,
         counters_gone: report.namespaces_gone.into_iter().filter(of_volume).map(|n| n.nqn).collect(),
+        mirrors: report.mirrors.into_iter().filter(|m| m.nsid == 1).map(mirror_report).collect(),
         changes_only: !report.complete,
         mark: report.mark,
     })
+}
+
+/// A mirror as the engine reports it, for the controller.
+fn mirror_report(m: nvpool_api::MirrorUsage) -> proto::MirrorReport {
+    proto::MirrorReport {
+        subsystem_nqn: m.nqn,
+        generation: m.generation,
+        faulted_legs: m.faulted_legs.into_iter().map(|f| proto::FaultedLeg { leg: f.leg, error: f.error }).collect(),
+        rebuild: m.rebuild.map(|r| proto::RebuildReport {
+            leg: r.leg,
+            state: r.state,
+            error: r.error,
+            total_bytes: r.total_bytes,
+            copied_bytes: r.copied_bytes,
+        }),
+    }
 }
 
 /// Everything an engine without `usage` reports, from its pool, volume and subsystem
@@ -687,6 +822,7 @@ fn listed_usage(engine: &Path) -> Result<UsageReport, String> {
         volumes_gone: Vec::new(),
         namespaces,
         namespaces_gone: Vec::new(),
+        mirrors: Vec::new(),
     })
 }
 
@@ -908,6 +1044,7 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
                         changes_only: u.changes_only,
                         volumes_gone: u.volumes_gone,
                         counters_gone: u.counters_gone,
+                        mirrors: u.mirrors,
                         ..Default::default()
                     }
                 }

@@ -155,6 +155,68 @@ pub struct VolumeRecord {
     /// it went elsewhere: the rebalancer brings it home when it can. Any move clears it.
     #[serde(default)]
     pub awaiting_home: bool,
+    /// A replicated volume's generation: it grows with every change of its in-sync
+    /// set or its serving node, and is the key of the serving engine's reservations
+    /// on the replicas (0: one replica, none).
+    #[serde(default)]
+    pub generation: u64,
+    /// The replicas besides the serving one (which is `node`, `pool`): empty for a
+    /// volume of one copy.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub replicas: Vec<ReplicaRecord>,
+}
+
+/// Where a replica stands.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum ReplicaState {
+    /// It has every write: the serving engine writes to it and waits for it.
+    InSync,
+    /// It gets every write and a rebuild copies what it lacks; it joins the in-sync
+    /// set when the copy is done.
+    CatchingUp,
+    /// It left the in-sync set (its node went, or it failed a command).
+    Faulted,
+}
+
+/// A copy of a replicated volume's data other than the serving one.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ReplicaRecord {
+    pub node: String,
+    pub pool: String,
+    pub state: ReplicaState,
+    /// Why it left the in-sync set.
+    #[serde(default)]
+    pub why: String,
+    /// The generation it left the in-sync set at (0: never).
+    #[serde(default)]
+    pub left_at: u64,
+    /// The serving node when it left: only that node's engine recorded what it lacks.
+    #[serde(default)]
+    pub left_serving: String,
+    /// When it left (milliseconds since the epoch).
+    #[serde(default)]
+    pub left_ms: u64,
+    /// While catching up: the generation from which the rebuild copies what was
+    /// written (0: every cluster).
+    #[serde(default)]
+    pub since: u64,
+}
+
+impl ReplicaRecord {
+    /// A new replica, in sync with an empty volume.
+    pub fn new(node: &str, pool: &str) -> ReplicaRecord {
+        ReplicaRecord {
+            node: node.to_string(),
+            pool: pool.to_string(),
+            state: ReplicaState::InSync,
+            why: String::new(),
+            left_at: 0,
+            left_serving: String::new(),
+            left_ms: 0,
+            since: 0,
+        }
+    }
 }
 
 /// A host's DH-HMAC-CHAP secrets (`DHHC-1` form). `Debug` hides them.
@@ -240,13 +302,29 @@ impl VolumeRecord {
             .map(|n| n.as_str())
     }
 
-    /// Every node that exports the volume: its owner, its access points, and the
-    /// node its migration adds.
+    /// Every node that exports the volume: its owner, its access points, the node
+    /// its migration adds, and its replicas' nodes.
     pub fn exporting_nodes(&self) -> BTreeSet<String> {
         let mut nodes: BTreeSet<String> = self.hosts.iter().flat_map(|h| self.paths_of(h)).collect();
         nodes.insert(self.node.clone());
         nodes.extend(self.migration_path().map(String::from));
+        nodes.extend(self.replicas.iter().map(|r| r.node.clone()));
         nodes
+    }
+
+    /// Copies of the data asked for: the serving one and the others.
+    pub fn replica_count(&self) -> usize {
+        1 + self.replicas.len()
+    }
+
+    /// The replica on `node`, if one is there (the serving one is not in the list).
+    pub fn replica_on(&self, node: &str) -> Option<&ReplicaRecord> {
+        self.replicas.iter().find(|r| r.node == node)
+    }
+
+    /// The export of the replicas (each replica node has its own, of this name).
+    pub fn replica_nqn(&self) -> String {
+        format!("{}-replica", self.subsystem_nqn)
     }
 }
 
@@ -261,6 +339,22 @@ pub struct Tombstone {
     pub subsystem_nqn: String,
     pub size: u64,
     pub thin: bool,
+}
+
+impl Tombstone {
+    /// What a removed volume leaves to remove: its serving copy and each replica. A
+    /// replica's tombstone is named `ID@NODE` (the agent's entries go by that name)
+    /// and removes the replica's export.
+    pub fn all_of(v: &VolumeRecord) -> Vec<Tombstone> {
+        let replicas = v.replicas.iter().map(|r| Tombstone {
+            id: format!("{}@{}", v.id, r.node),
+            node: r.node.clone(),
+            pool: r.pool.clone(),
+            subsystem_nqn: v.replica_nqn(),
+            ..Tombstone::from(v)
+        });
+        std::iter::once(Tombstone::from(v)).chain(replicas).collect()
+    }
 }
 
 impl From<&VolumeRecord> for Tombstone {

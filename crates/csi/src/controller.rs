@@ -274,13 +274,24 @@ impl Controller for ControllerService {
             )));
         }
         let qos = qos_parameters(&req.parameters)?;
-        let known = ["thin", "pinned", "accessPolicy", "volumeGroup", "localPath", DHCHAP];
+        let replicas = match req.parameters.get("replicas").map(String::as_str) {
+            None => 1,
+            Some(n) => match n.parse::<u32>() {
+                Ok(n @ 1..=3) => n,
+                _ => {
+                    return Err(Status::invalid_argument(format!(
+                        "parameter replicas={n:?}: use 1, 2 or 3 (copies of the data, each on its own node)"
+                    )));
+                }
+            },
+        };
+        let known = ["thin", "pinned", "accessPolicy", "volumeGroup", "localPath", "replicas", DHCHAP];
         let known: Vec<&str> = known.into_iter().chain(QOS_PARAMETERS.iter().map(|(name, _)| *name)).collect();
         if let Some(unknown) =
             req.parameters.keys().find(|k| !k.starts_with("csi.storage.k8s.io/") && !known.contains(&k.as_str()))
         {
             return Err(Status::invalid_argument(format!(
-                "unknown parameter {unknown:?}: nvpool takes thin=true|false, pinned=true|false, \
+                "unknown parameter {unknown:?}: nvpool takes thin=true|false, pinned=true|false, replicas=1|2|3, \
                  accessPolicy=inherit|balance, volumeGroup=NAME, localPath=ublk|nvme-tcp, {DHCHAP}=true|false, \
                  and the I/O limits iops, readIops, writeIops (per second), bandwidth, readBandwidth and \
                  writeBandwidth (e.g. 200MiB/s)"
@@ -294,6 +305,7 @@ impl Controller for ControllerService {
             group: req.parameters.get("volumeGroup").cloned().unwrap_or_default(),
             qos: (!qos.is_unlimited()).then(|| qos.into()),
             pinned,
+            replicas,
             ..Default::default()
         };
         self.placement(&req, &mut create).await?;

@@ -121,7 +121,9 @@ fn run(job: &Job, mut copy: Copy) -> Result<()> {
     let volume = &source.volume;
     let shift = volume.pool.cluster_shift();
     let (cluster, size) = (1u64 << shift, copy.mirror.size());
-    let clusters: Vec<u64> = match copy.since {
+    // The record begins where this engine began serving the volume: a replica that
+    // left before that (the engine restarted since) is copied in full.
+    let clusters: Vec<u64> = match copy.since.filter(|&g| volume.map.records_since(g)) {
         Some(generation) => volume.map.written_since(generation),
         None => (0..size.div_ceil(cluster)).collect(),
     };

@@ -209,8 +209,9 @@ fn a_mirror_refuses_replicas_that_are_not_one_namespace() {
 
 /// Where the serving role went to another engine: the new one serves at a later
 /// generation and takes every replica's reservation, and the old one can no longer
-/// write to them (its writes are held, then end in path errors), while an engine with
-/// an older generation cannot take the reservation back.
+/// write to them (its writes end in path errors: the host writes them again through
+/// the new one), while an engine with an older generation cannot take the
+/// reservation back.
 #[test]
 fn an_engine_that_lost_the_serving_role_cannot_write_to_the_replicas() {
     let dir = tempfile::tempdir().unwrap();
@@ -227,16 +228,18 @@ fn an_engine_that_lost_the_serving_role_cannot_write_to_the_replicas() {
     new_io.write(1, 8, &pattern(2, 4096), BLOCK, IN_CAPSULE).unwrap();
     assert_eq!(content_of(&r)[8 * 512..16 * 512], pattern(2, 4096));
 
-    // The old engine's next write is refused by the replica: held, never completed.
+    // The old engine's next write is refused by the replica: a path error at once,
+    // never completed, and so are its later ones, whatever serves it next.
     let outcome = write_in_background(old_io, 8, 3);
-    assert!(outcome.recv_timeout(Duration::from_secs(2)).is_err(), "a fenced engine completed a write");
+    let (old_io, result) = outcome.recv_timeout(Duration::from_secs(5)).expect("the fenced write ends");
+    assert_eq!(status_of(result.unwrap_err()), Status::ANA_INACCESSIBLE);
     let faulted = faulted_legs(&old);
     assert_eq!(faulted.len(), 1, "{faulted:?}");
     assert!(faulted[0].error.to_lowercase().contains("reservation conflict"), "{faulted:?}");
     assert_eq!(content_of(&r)[8 * 512..16 * 512], pattern(2, 4096), "the fenced write reached the replica");
-    old.engine.remove_namespace(NQN, 1).unwrap();
-    let (_io, result) = outcome.recv_timeout(Duration::from_secs(5)).expect("the held write ends");
+    let (_io, result) = write_in_background(old_io, 8, 3).recv_timeout(Duration::from_secs(5)).unwrap();
     assert_eq!(status_of(result.unwrap_err()), Status::ANA_INACCESSIBLE);
+    assert_eq!(content_of(&r)[8 * 512..16 * 512], pattern(2, 4096), "the fenced write reached the replica");
 
     // An engine that still serves generation 1 cannot take the reservation back.
     let stale = engine_as("nqn.2024-01.io.nvpool:engine:stale", NQN, &mirror_at(1, "stale"), 1);

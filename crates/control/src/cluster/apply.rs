@@ -2,7 +2,7 @@
 //! after every change and again by the background loop until the agent is current.
 
 use crate::cluster::convert::{ana_state, dhchap_proto};
-use crate::cluster::{Changed, Cluster, HeldState, Results, State};
+use crate::cluster::{Changed, Cluster, HeldState, Results, State, replicas};
 use crate::model::{
     LocalDeviceRecord, MigrationPhase, MigrationRecord, TOMBSTONES, VOLUMES, VolumeRecord, VolumeState, to_json,
 };
@@ -46,7 +46,7 @@ fn desired_volume(st: &State, v: &VolumeRecord, node: &str) -> proto::DesiredVol
         ublk_id: v.local_device.as_ref().map_or(-1, |d| i64::from(d.ublk_id)),
     });
     let access_points = hosts.iter().filter(|h| v.hosts.contains(h)).map(|h| access_points(st, v, h)).collect();
-    proto::DesiredVolume {
+    let d = proto::DesiredVolume {
         hosts,
         owner_address,
         ana,
@@ -56,7 +56,32 @@ fn desired_volume(st: &State, v: &VolumeRecord, node: &str) -> proto::DesiredVol
         // volume: it must not make a new, empty one.
         keep_only: v.node == node && v.migration.as_ref().is_some_and(|m| m.phase == MigrationPhase::Switching),
         ..present(v, &v.pool)
+    };
+    with_replicas(st, v, node, d)
+}
+
+/// A replicated volume's part of a node's entry: on the serving node the mirror it
+/// serves, on a replica's node the replica's export (and the access point's, if the
+/// node is one); every replica takes the volume's identity.
+fn with_replicas(st: &State, v: &VolumeRecord, node: &str, mut d: proto::DesiredVolume) -> proto::DesiredVolume {
+    if v.replicas.is_empty() {
+        return d;
     }
+    d.uuid = v.uuid.clone();
+    d.nguid = v.nguid.clone();
+    if v.node == node {
+        d.mirror = replicas::mirror_wanted(st, v, st.rebuild_rate);
+    } else if let Some(r) = v.replica_on(node) {
+        d.pool = r.pool.clone();
+        d.replica = Some(replicas::replica_wanted(st, v));
+        if d.ana.is_empty() {
+            // Not an access point: the replica's export alone.
+            d.owner_address.clear();
+            d.hosts.clear();
+            d.access_points.clear();
+        }
+    }
+    d
 }
 
 /// The volume, present in `pool`: what every node that serves it is told.
@@ -146,10 +171,10 @@ fn reported_local(v: &VolumeRecord, r: &proto::VolumeResult) -> Option<LocalDevi
     Some(LocalDeviceRecord { node: v.node.clone(), ublk_id: r.ublk_id, device: r.local_device.clone() })
 }
 
-/// Whether `node` serves `v` now: its owner always; an access point or a move's target
-/// once the volume is ready.
+/// Whether `node` serves `v` now: its owner and its replicas' nodes always; an access
+/// point or a move's target once the volume is ready.
 fn serves(v: &VolumeRecord, node: &str) -> bool {
-    v.node == node || v.state == VolumeState::Ready
+    v.node == node || v.replica_on(node).is_some() || v.state == VolumeState::Ready
 }
 
 /// An entry whose result is awaited each time it is sent: a creation, a move.
@@ -449,6 +474,7 @@ impl Cluster {
         let mut rebalanced = Instant::now();
         loop {
             tokio::time::sleep(self.cfg.heartbeat_interval / 2).await;
+            self.tend_replicas().await;
             self.repath_access_points().await;
             if let Some(every) = self.cfg.rebalance_every
                 && rebalanced.elapsed() >= every
@@ -467,7 +493,7 @@ impl Cluster {
                 let open: HashSet<String> = st
                     .volumes
                     .creating()
-                    .map(|v| v.node.clone())
+                    .flat_map(|v| std::iter::once(v.node.clone()).chain(v.replicas.iter().map(|r| r.node.clone())))
                     .chain(st.tombstones.values().map(|t| t.node.clone()))
                     .collect();
                 let due: Vec<String> = st

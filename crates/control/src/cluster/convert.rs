@@ -2,7 +2,7 @@
 
 use crate::access::AccessPolicy;
 use crate::cluster::{Cluster, State, now_ms};
-use crate::model::{DhchapRecord, MigrationPhase, PoolRecord, VolumeRecord, VolumeState};
+use crate::model::{DhchapRecord, MigrationPhase, PoolRecord, ReplicaState, VolumeRecord, VolumeState};
 use crate::scheduler::{Locality, Request, Score};
 use crate::{proto, scheduler};
 use tonic::Status;
@@ -62,6 +62,7 @@ impl Cluster {
                 .collect(),
             degraded: match st.nodes.get(&v.node) {
                 Some(n) if self.healthy(n) => String::new(),
+                _ if !v.replicas.is_empty() => format!("its serving node {} is down", v.node),
                 _ => format!("its owner {} is down and holds the only copy of its data", v.node),
             },
             migration: v.migration.as_ref().map(|m| {
@@ -91,6 +92,9 @@ impl Cluster {
             last_migration: v.last_migration.clone(),
             pinned: v.pinned,
             awaiting_home: v.awaiting_home,
+            replica_count: v.replica_count() as u32,
+            generation: v.generation,
+            replicas: replicas_proto(st, v),
         }
     }
 
@@ -157,6 +161,43 @@ pub(super) fn no_volume(name: &str) -> Status {
     Status::not_found(format!("no volume {name}: `nvpool volume list` shows the volumes"))
 }
 
+/// Every replica of a replicated volume, the serving one first, with a rebuild's
+/// progress as the serving engine last reported it; none for a volume of one.
+fn replicas_proto(st: &State, v: &VolumeRecord) -> Vec<proto::Replica> {
+    if v.replicas.is_empty() {
+        return Vec::new();
+    }
+    let report = st.nodes.get(&v.node).and_then(|n| n.mirrors.get(&v.subsystem_nqn));
+    let serving = proto::Replica {
+        node: v.node.clone(),
+        pool: v.pool.clone(),
+        state: "in-sync".into(),
+        serving: true,
+        ..Default::default()
+    };
+    let others = v.replicas.iter().map(|r| {
+        let rebuild = report
+            .and_then(|m| m.rebuild.as_ref())
+            .filter(|b| r.state == ReplicaState::CatchingUp && st.replica_leg(v, &r.node).as_deref() == Some(&b.leg));
+        proto::Replica {
+            node: r.node.clone(),
+            pool: r.pool.clone(),
+            state: match r.state {
+                ReplicaState::InSync => "in-sync",
+                ReplicaState::CatchingUp => "rebuilding",
+                ReplicaState::Faulted => "faulted",
+            }
+            .into(),
+            why: r.why.clone(),
+            left_at: r.left_at,
+            serving: false,
+            rebuild_total_bytes: rebuild.map_or(0, |b| b.total_bytes),
+            rebuild_copied_bytes: rebuild.map_or(0, |b| b.copied_bytes),
+        }
+    });
+    std::iter::once(serving).chain(others).collect()
+}
+
 pub(super) fn same_request(v: &VolumeRecord, req: &proto::CreateVolumeRequest, locality: Locality) -> bool {
     v.size == req.size_bytes
         && v.thin == req.thin
@@ -167,6 +208,7 @@ pub(super) fn same_request(v: &VolumeRecord, req: &proto::CreateVolumeRequest, l
         && policy_to(v.access_policy) as i32 == req.access_policy
         && v.group == req.group
         && v.qos == req.qos.unwrap_or_default().into()
+        && v.replica_count() == req.replicas.max(1) as usize
 }
 
 pub(super) fn no_room_message(req: &Request, scores: &[Score], nodes: usize) -> String {

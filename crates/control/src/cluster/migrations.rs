@@ -66,6 +66,12 @@ impl Cluster {
         }
         let guard = self.volume_locks.lock(name).await;
         let v = self.ready_volume(name)?;
+        if !v.replicas.is_empty() {
+            return Err(Status::failed_precondition(format!(
+                "volume {name} has {} replicas, and moving one replica is not built yet: it stays where it is",
+                v.replica_count()
+            )));
+        }
         if !v.local_hosts.is_empty() {
             return Err(Status::failed_precondition(format!(
                 "volume {name} serves {} through a local device on {}: detach those hosts (they can attach over \

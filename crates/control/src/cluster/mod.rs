@@ -28,6 +28,7 @@ mod io;
 mod migrations;
 mod nodes;
 mod rebalance;
+mod replicas;
 mod volumes;
 
 pub use volumes::{VolumeBrief, VolumeTotals};
@@ -59,7 +60,16 @@ pub struct ClusterConfig {
     pub rebalance_every: Option<Duration>,
     /// Most bytes per second each of the rebalancer's copies takes; 0: no limit.
     pub rebalance_rate: u64,
+    /// Most bytes per second each replica's rebuild takes; 0: no limit.
+    pub rebuild_rate: u64,
+    /// How long a faulted replica's node may stay away before the replica is made
+    /// anew on another node.
+    pub replica_timeout: Duration,
 }
+
+/// A rebuild's rate by default: enough to copy 100 GiB in about 20 minutes, little
+/// enough to leave a host most of a node's disk and network.
+pub const DEFAULT_REBUILD_RATE: u64 = 100 << 20;
 
 impl Default for ClusterConfig {
     fn default() -> ClusterConfig {
@@ -73,6 +83,8 @@ impl Default for ClusterConfig {
             metrics: Arc::default(),
             rebalance_every: Some(Duration::from_secs(10)),
             rebalance_rate: 0,
+            rebuild_rate: DEFAULT_REBUILD_RATE,
+            replica_timeout: Duration::from_secs(300),
         }
     }
 }
@@ -105,6 +117,9 @@ struct NodeEntry {
     held: Option<HeldState>,
     /// The I/O of the volumes served here, from the heartbeats.
     io: io::NodeIo,
+    /// The mirrors of replicated volumes served here that have a faulted replica or
+    /// one catching up, by subsystem NQN, as the last heartbeat listed them.
+    mirrors: HashMap<String, proto::MirrorReport>,
 }
 
 impl NodeEntry {
@@ -125,6 +140,7 @@ impl NodeEntry {
             connected: HashMap::new(),
             held: None,
             io: io::NodeIo::default(),
+            mirrors: HashMap::new(),
         }
     }
 }
@@ -148,6 +164,8 @@ struct State {
     /// leader hears of them when the creations are retried).
     wanted_holes: Vec<rebalance::WantedHole>,
     next_generation: u64,
+    /// Bytes per second each rebuild takes (`ClusterConfig::rebuild_rate`).
+    rebuild_rate: u64,
 }
 
 /// The volumes by name, and by the nodes that serve them (the owner, access points, a
@@ -166,6 +184,8 @@ struct Volumes {
     migrating: BTreeSet<String>,
     creating: BTreeSet<String>,
     awaiting_home: BTreeSet<String>,
+    /// Volumes with more than one replica, which the membership pass tends.
+    replicated: BTreeSet<String>,
     /// The scheduler's view of each node, with what its volumes take of its pools,
     /// kept between requests (see `nodes::NodeViews`).
     views: nodes::NodeViews,
@@ -227,6 +247,9 @@ impl Volumes {
         if v.awaiting_home {
             self.awaiting_home.insert(name.clone());
         }
+        if !v.replicas.is_empty() {
+            self.replicated.insert(name.clone());
+        }
         for a in attachments(&v) {
             self.path_loads.add(&a);
         }
@@ -251,6 +274,7 @@ impl Volumes {
         self.migrating.remove(name);
         self.creating.remove(name);
         self.awaiting_home.remove(name);
+        self.replicated.remove(name);
         for a in attachments(&old) {
             self.path_loads.remove(&a);
         }
@@ -265,6 +289,11 @@ impl Volumes {
     /// The volumes still being created.
     fn creating(&self) -> impl Iterator<Item = &VolumeRecord> {
         self.creating.iter().filter_map(|name| self.by_name.get(name))
+    }
+
+    /// The volumes with more than one replica.
+    fn replicated(&self) -> impl Iterator<Item = &VolumeRecord> {
+        self.replicated.iter().filter_map(|name| self.by_name.get(name))
     }
 
     /// The local volumes placed away from their consumers' node, by name.
@@ -518,6 +547,7 @@ impl Cluster {
             progress: HashMap::new(),
             wanted_holes: Vec::new(),
             next_generation: now_ms(),
+            rebuild_rate: cfg.rebuild_rate,
         };
         let names: Vec<String> = state.nodes.keys().cloned().collect();
         for n in names {

@@ -146,6 +146,8 @@ impl Cluster {
             n.usage_complete = true;
         }
         n.io.update(n.last_seen, hb.counters, hb.changes_only, &hb.counters_gone);
+        // Mirrors are listed whole each time: those that need the controller.
+        n.mirrors = hb.mirrors.into_iter().map(|m| (m.subsystem_nqn.clone(), m)).collect();
         let send_everything = !n.usage_complete;
         if ledger_stale {
             st.volumes.views.forget(&hb.node);
@@ -294,7 +296,10 @@ impl Cluster {
         // Creations under way and volumes whose removal is not confirmed yet are few;
         // what the stored volumes take is in each node's ledger.
         let mut pending: HashMap<(&str, &str), (u64, u64)> = HashMap::new();
-        let creating = reserved.values().map(|v| (&v.node, &v.pool, &v.engine_name, v.size, v.thin));
+        let creating = reserved.values().flat_map(|v| {
+            let copies = std::iter::once((&v.node, &v.pool)).chain(v.replicas.iter().map(|r| (&r.node, &r.pool)));
+            copies.map(move |(node, pool)| (node, pool, &v.engine_name, v.size, v.thin))
+        });
         let dying = tombstones.values().map(|t| (&t.node, &t.pool, &t.engine_name, t.size, t.thin));
         for (node, pool, engine_name, size, thin) in creating.chain(dying) {
             if let Some(n) = nodes.get(node) {
@@ -428,6 +433,10 @@ impl NodeLedger {
         for v in volumes.of_node(name) {
             if v.node == name {
                 add(&v.pool, &v.engine_name, v.size, v.thin);
+            }
+            // Each replica takes the volume's room on its node's pool.
+            if let Some(r) = v.replica_on(name) {
+                add(&r.pool, &v.engine_name, v.size, v.thin);
             }
             if let Some(m) = v.migration.as_ref().filter(|m| m.phase != MigrationPhase::Retiring && m.to_node == name) {
                 add(&m.to_pool, &v.engine_name, v.size, v.thin);

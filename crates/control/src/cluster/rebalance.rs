@@ -51,9 +51,14 @@ struct Move {
 }
 
 /// Whether the rebalancer may move the volume at all now: not pinned, ready, not
-/// moving, and not served through a local device.
+/// moving, not served through a local device, and of one replica (a replica does not
+/// move yet).
 fn movable_now(v: &VolumeRecord) -> bool {
-    !v.pinned && v.state == VolumeState::Ready && v.migration.is_none() && v.local_hosts.is_empty()
+    !v.pinned
+        && v.state == VolumeState::Ready
+        && v.migration.is_none()
+        && v.local_hosts.is_empty()
+        && v.replicas.is_empty()
 }
 
 /// Whether the rebalancer may move the volume off its node to make room there.

@@ -7,8 +7,8 @@ use crate::cluster::convert::{
 };
 use crate::cluster::{Cluster, EXPLAINED_NODES, Results, State};
 use crate::model::{
-    DhchapRecord, MAX_VOLUME_SIZE, MigrationPhase, TOMBSTONES, Tombstone, VOLUME_NQN_PREFIX, VOLUMES, VolumeRecord,
-    VolumeState, check_host_nqn, check_name, to_json,
+    DhchapRecord, MAX_VOLUME_SIZE, MigrationPhase, ReplicaRecord, TOMBSTONES, Tombstone, VOLUME_NQN_PREFIX, VOLUMES,
+    VolumeRecord, VolumeState, check_host_nqn, check_name, to_json,
 };
 use crate::scheduler::{Locality, Request, Score};
 use crate::store::{Condition, Txn};
@@ -30,6 +30,13 @@ impl Cluster {
                 req.size_bytes
             )));
         }
+        if req.replicas > 3 {
+            return Err(Status::invalid_argument(format!(
+                "{} replicas asked for: a volume has 1 to 3 (each on its own node)",
+                req.replicas
+            )));
+        }
+        let replica_count = req.replicas.max(1) as usize;
         let locality = locality_from(req.locality)?;
         let access_policy = policy_from(req.access_policy)?;
         if !req.group.is_empty() {
@@ -77,6 +84,13 @@ impl Cluster {
                     None => message,
                 }));
             };
+            let replicas = match self.place_replicas(&st, &views, &request, (&chosen.node, &chosen.pool), replica_count)
+            {
+                Ok(placed) => placed,
+                Err(e) => return Err(Status::resource_exhausted(format!("volume {}: {e}", req.name))),
+            };
+            // Replicas take the volume's identity from the controller, all the same one.
+            let (uuid, nguid) = if replicas.is_empty() { Default::default() } else { super::replicas::new_identity() };
             let record = VolumeRecord {
                 name: req.name.clone(),
                 id: id.clone(),
@@ -89,8 +103,8 @@ impl Cluster {
                 hosts: vec![],
                 readonly_hosts: vec![],
                 subsystem_nqn: format!("{VOLUME_NQN_PREFIX}{id}"),
-                uuid: String::new(),
-                nguid: String::new(),
+                uuid,
+                nguid,
                 locality,
                 host_node: req.host_node.clone(),
                 include: req.include_nodes.clone(),
@@ -108,6 +122,8 @@ impl Cluster {
                 awaiting_home: locality == Locality::Local
                     && chosen.node != req.host_node
                     && views.iter().any(|n| n.name == req.host_node && !n.pools.is_empty()),
+                generation: if replicas.is_empty() { 0 } else { 1 },
+                replicas: replicas.iter().map(|(node, pool)| ReplicaRecord::new(node, pool)).collect(),
             };
             // Reserve the space now, so that concurrent creations see it taken.
             st.reserved.insert(record.name.clone(), record.clone());
@@ -171,6 +187,12 @@ impl Cluster {
         v: &VolumeRecord,
         scores: Vec<Score>,
     ) -> Result<proto::CreateVolumeResponse, Status> {
+        // The replicas first: the serving engine's mirror connects to them.
+        for r in &v.replicas {
+            if let Err(e) = self.apply_node(&r.node).await {
+                tracing::warn!(volume = v.name, node = r.node, "cannot make a replica yet: {e}");
+            }
+        }
         let outcome = self.apply_node(&v.node).await;
         let now = self.state.lock().unwrap().volumes.get(&v.name).cloned();
         match (now, outcome) {
@@ -200,16 +222,17 @@ impl Cluster {
     /// Replaces a volume by a tombstone: the name is free at once, and the node
     /// removes the engine side when it can.
     pub(super) async fn bury(&self, v: &VolumeRecord) -> Result<(), Status> {
-        let tomb = Tombstone::from(v);
-        self.commit(
-            Txn::default()
-                .delete(format!("{VOLUMES}{}", v.name))
-                .put(format!("{TOMBSTONES}{}", tomb.id), to_json(&tomb)),
-        )
-        .await?;
+        let tombs = Tombstone::all_of(v);
+        let mut txn = Txn::default().delete(format!("{VOLUMES}{}", v.name));
+        for tomb in &tombs {
+            txn = txn.put(format!("{TOMBSTONES}{}", tomb.id), to_json(tomb));
+        }
+        self.commit(txn).await?;
         let mut st = self.state.lock().unwrap();
         st.volumes.remove(&v.name);
-        st.tombstones.insert(tomb.id.clone(), tomb);
+        for tomb in tombs {
+            st.tombstones.insert(tomb.id.clone(), tomb);
+        }
         // The access points drop their exports with the volume.
         for node in v.exporting_nodes() {
             st.touch(&node);
@@ -250,6 +273,12 @@ impl Cluster {
         }
         if size <= v.size {
             return Ok(self.volume_proto(&v));
+        }
+        if !v.replicas.is_empty() {
+            return Err(Status::failed_precondition(format!(
+                "volume {name} has {} replicas, and growing a replicated volume is not built yet",
+                v.replica_count()
+            )));
         }
         if size > MAX_VOLUME_SIZE {
             return Err(Status::invalid_argument(format!(
@@ -610,9 +639,11 @@ impl Cluster {
         // The loads count the volume as it is held (`v` may be a copy with changes).
         let held = st.volumes.get(&v.name);
         let counted = held.and_then(|h| super::attachments(h).find(|a| a.host == host)).map_or(&[][..], |a| a.paths);
+        let replicas: Vec<String> = v.replicas.iter().map(|r| r.node.clone()).collect();
         let request = access::AccessRequest {
             volume: &v.name,
             owner: &v.node,
+            replicas: &replicas,
             host,
             policy: v.access_policy,
             group: &v.group,

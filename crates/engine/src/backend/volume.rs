@@ -83,6 +83,7 @@ fn open_as(pool: &Pool, name: &str, role: Role) -> Result<Opened> {
                 pool.name
             )));
         }
+        volume.map.start_record(generation);
     }
     let kind = if role == Role::Replica { "replica" } else { "volume" };
     let backend = VolumeBackend {

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::hash::Hash;
 
-use nvpool_api::{NamespaceUsage, StatsSnapshot, UsageReport, VolumeUsage};
+use nvpool_api::{FaultedLeg, MirrorUsage, NamespaceUsage, StatsSnapshot, UsageReport, VolumeUsage};
 
 use super::Engine;
 use crate::sync::lock;
@@ -56,7 +56,28 @@ impl Engine {
                 nsid: *nsid,
                 stats,
             });
+        let mut mirrors = Vec::new();
+        for s in self.target().subsystems().into_iter().filter(|s| !s.is_discovery()) {
+            for ns in s.namespaces().values() {
+                let Some(m) = ns.backend.as_mirror() else { continue };
+                let faults = m.faults();
+                if faults.is_empty() && !m.has_catching_up() {
+                    continue;
+                }
+                mirrors.push(MirrorUsage {
+                    nqn: s.nqn.clone(),
+                    nsid: ns.nsid,
+                    generation: m.generation().unwrap_or(0),
+                    faulted_legs: faults
+                        .into_iter()
+                        .map(|(leg, status)| FaultedLeg { leg, error: status.to_string() })
+                        .collect(),
+                    rebuild: m.has_catching_up().then(|| self.rebuilds.info(&s.nqn, ns.nsid)),
+                });
+            }
+        }
         let report = UsageReport {
+            mirrors,
             mark: last.mark.wrapping_add(1),
             complete: since_last.is_none(),
             pools: self.pools.list(),

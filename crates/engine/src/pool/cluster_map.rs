@@ -16,6 +16,9 @@ use std::sync::{Arc, OnceLock};
 pub struct GenerationRecord {
     pub generation: u64,
     pub fenced_at: u64,
+    /// The first generation whose writes the record holds (0: none).
+    #[serde(default)]
+    pub recorded_from: u64,
     /// (virtual cluster, generation) of every cluster a generation wrote.
     pub written: Vec<(u64, u32)>,
 }
@@ -57,13 +60,24 @@ pub struct VolumeMap {
     /// The latest generation another engine took it at, through its replica export's
     /// reservation: this engine's own mirror of an older one may no longer write to it.
     fenced_at: Arc<AtomicU64>,
+    /// The first generation this engine served the volume at since it started (0:
+    /// none): the record of what each generation wrote begins there, so a replica
+    /// that left before it can only be rebuilt in full.
+    recorded_from: Arc<AtomicU64>,
 }
 
 impl VolumeMap {
     /// An empty map of `clusters` clusters.
     pub fn new(clusters: u64) -> VolumeMap {
         let pages = (0..clusters.div_ceil(PAGE as u64)).map(|_| PageSlot::default()).collect();
-        VolumeMap { pages, clusters, tracking: Arc::default(), generation: Arc::default(), fenced_at: Arc::default() }
+        VolumeMap {
+            pages,
+            clusters,
+            tracking: Arc::default(),
+            generation: Arc::default(),
+            fenced_at: Arc::default(),
+            recorded_from: Arc::default(),
+        }
     }
 
     /// The same map grown (or shrunk) to `clusters`, sharing every page it keeps.
@@ -77,6 +91,7 @@ impl VolumeMap {
             tracking: self.tracking.clone(),
             generation: self.generation.clone(),
             fenced_at: self.fenced_at.clone(),
+            recorded_from: self.recorded_from.clone(),
         }
     }
 
@@ -148,6 +163,18 @@ impl VolumeMap {
         self.take_generation(g);
     }
 
+    /// Notes that this engine serves the volume at generation `g`: the record of what
+    /// each generation wrote starts with the first one.
+    pub fn start_record(&self, g: u64) {
+        let _ = self.recorded_from.compare_exchange(0, g, Ordering::SeqCst, Ordering::SeqCst);
+    }
+
+    /// Whether the record names every cluster written at generation `g` or later.
+    pub fn records_since(&self, g: u64) -> bool {
+        let from = self.recorded_from.load(Ordering::SeqCst);
+        from != 0 && g >= from
+    }
+
     /// The latest generation another engine took the volume at (0: none).
     pub fn fenced_at(&self) -> u64 {
         self.fenced_at.load(Ordering::SeqCst)
@@ -171,13 +198,17 @@ impl VolumeMap {
                 }
             }
         }
-        Some(GenerationRecord { generation, fenced_at: self.fenced_at(), written })
+        let recorded_from = self.recorded_from.load(Ordering::SeqCst);
+        Some(GenerationRecord { generation, fenced_at: self.fenced_at(), recorded_from, written })
     }
 
     /// Takes back what `generation_record` gave (in the new process of a hot upgrade).
     pub fn restore_generation_record(&self, record: &GenerationRecord) {
         self.take_generation(record.generation);
         self.fenced_at.fetch_max(record.fenced_at, Ordering::SeqCst);
+        if record.recorded_from != 0 {
+            self.start_record(record.recorded_from);
+        }
         for &(vc, at) in &record.written {
             self.mark_generation(vc, u64::from(at));
         }

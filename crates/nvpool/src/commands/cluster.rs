@@ -253,9 +253,13 @@ pub struct AgentArgs {
     /// /etc/nvme/hostnqn, if there is one).
     #[arg(long)]
     local_host_nqn: Option<String>,
-    /// Topology label KEY=VALUE (repeatable), e.g. zone=a.
+    /// Topology label KEY=VALUE (repeatable), e.g. rack=r7.
     #[arg(long, value_parser = parse_label)]
     label: Vec<(String, String)>,
+    /// The node's failure domain (the label zone=Z): the replicas of one volume go to
+    /// distinct zones where there are enough.
+    #[arg(long)]
+    zone: Option<String>,
     /// Mutual TLS: the directory of `nvpool certs init`; the agent presents its node's
     /// certificate (node:NAME) and takes orders only from the controller's.
     #[arg(long, env = "NVPOOL_TLS_DIR")]
@@ -482,6 +486,10 @@ pub enum ClusterVolumeVerb {
         /// The rebalancer never moves this volume (it still moves by hand or by drain).
         #[arg(long)]
         pinned: bool,
+        /// Copies of the data, each on its own node (and zone, where nodes have
+        /// zones): 1 to 3. Writes reach every copy before they complete.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=3))]
+        replicas: u32,
         /// Show every node's score.
         #[arg(long)]
         explain: bool,
@@ -617,7 +625,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
                 local_host_nqn: a.local_host_nqn.unwrap_or_else(|| {
                     std::fs::read_to_string("/etc/nvme/hostnqn").map(|s| s.trim().to_string()).unwrap_or_default()
                 }),
-                labels: a.label.into_iter().collect::<BTreeMap<_, _>>(),
+                labels: a.label.into_iter().chain(a.zone.map(|z| ("zone".to_string(), z))).collect::<BTreeMap<_, _>>(),
                 tls: a.tls_dir.as_deref().map(|d| Tls::load(d, &format!("{NODE_PREFIX}{name}"))).transpose()?,
                 metrics_listen: a.metrics_listen,
                 name,
@@ -778,6 +786,7 @@ async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), Strin
             access_policy,
             group,
             pinned,
+            replicas,
             explain,
             qos,
         } => {
@@ -801,6 +810,7 @@ async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), Strin
                 group,
                 qos: qos.given().then(|| qos.applied_to(Default::default()).into()),
                 pinned,
+                replicas,
             };
             let r = c.call(async |mut c| c.create_volume(req.clone()).await).await.map_err(status)?;
             let v = r.volume.unwrap_or_default();
@@ -878,6 +888,10 @@ async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), Strin
                     policy_name(v.access_policy),
                     if v.group.is_empty() { String::new() } else { format!(", group {}", v.group) }
                 );
+                if !v.replicas.is_empty() {
+                    out += &format!("\n\n{} replicas at generation {}:\n", v.replica_count, v.generation);
+                    out += &render(&replica_table(&v));
+                }
                 if !v.attachments.is_empty() {
                     out += "\n\n";
                     out += &render(&path_table(&v.attachments));
@@ -1151,6 +1165,12 @@ fn volume_json(v: &proto::Volume) -> serde_json::Value {
         })),
         "last_migration": v.last_migration,
         "pinned": v.pinned, "awaiting_home": v.awaiting_home,
+        "replica_count": v.replica_count.max(1), "generation": v.generation,
+        "replicas": v.replicas.iter().map(|r| serde_json::json!({
+            "node": r.node, "pool": r.pool, "state": replica_state(r), "why": r.why, "left_at": r.left_at,
+            "serving": r.serving, "rebuild_total_bytes": r.rebuild_total_bytes,
+            "rebuild_copied_bytes": r.rebuild_copied_bytes,
+        })).collect::<Vec<_>>(),
         "qos": nvpool_api::QosLimits::from(v.qos.unwrap_or_default()),
         "io": io_json(v.io.as_ref()),
     })
@@ -1202,8 +1222,9 @@ fn path_table(attachments: &[proto::Attachment]) -> Vec<Vec<String>> {
 }
 
 fn volume_table(vs: &[proto::Volume]) -> Vec<Vec<String>> {
-    let mut rows =
-        vec![["NAME", "SIZE", "TYPE", "NODE", "POOL", "STATE", "ALLOCATED", "HOSTS"].map(String::from).to_vec()];
+    let mut rows = vec![
+        ["NAME", "SIZE", "TYPE", "NODE", "POOL", "STATE", "REPLICAS", "ALLOCATED", "HOSTS"].map(String::from).to_vec(),
+    ];
     for v in vs {
         rows.push(vec![
             v.name.clone(),
@@ -1213,8 +1234,42 @@ fn volume_table(vs: &[proto::Volume]) -> Vec<Vec<String>> {
             v.pool.clone(),
             // A local volume the rebalancer is to bring home.
             if v.awaiting_home { format!("{}, away from {}", v.state, v.host_node) } else { v.state.clone() },
+            replicas_brief(v),
             human(v.allocated_bytes),
             if v.hosts.is_empty() { "-".into() } else { v.hosts.join(",") },
+        ]);
+    }
+    rows
+}
+
+/// A replica's state as people read it: `in-sync`, `rebuilding 37%`, `faulted: why`.
+fn replica_state(r: &proto::Replica) -> String {
+    match r.state.as_str() {
+        "rebuilding" if r.rebuild_total_bytes > 0 => {
+            format!("rebuilding {}%", r.rebuild_copied_bytes * 100 / r.rebuild_total_bytes)
+        }
+        "faulted" if !r.why.is_empty() => format!("faulted: {}", r.why),
+        s => s.to_string(),
+    }
+}
+
+/// A volume's replicas in one cell: `1`, or `2/3` (in sync of asked for).
+fn replicas_brief(v: &proto::Volume) -> String {
+    let asked = v.replica_count.max(1);
+    let in_sync = v.replicas.iter().filter(|r| r.state == "in-sync").count();
+    if v.replicas.is_empty() { asked.to_string() } else { format!("{in_sync}/{asked}") }
+}
+
+/// Each replica of a replicated volume, a row each.
+fn replica_table(v: &proto::Volume) -> Vec<Vec<String>> {
+    let mut rows = vec![["NODE", "POOL", "ROLE", "STATE", "LEFT AT"].map(String::from).to_vec()];
+    for r in &v.replicas {
+        rows.push(vec![
+            r.node.clone(),
+            r.pool.clone(),
+            if r.serving { "serving" } else { "replica" }.into(),
+            replica_state(r),
+            if r.left_at == 0 { "-".into() } else { format!("generation {}", r.left_at) },
         ]);
     }
     rows
@@ -1298,7 +1353,7 @@ fn pool_json(p: &proto::PoolReport) -> serde_json::Value {
 
 fn node_table(nodes: &[proto::Node]) -> Vec<Vec<String>> {
     let mut rows = vec![
-        ["NODE", "HEALTH", "VERSION", "NVME ADDRESS", "POOLS", "CAPACITY", "USED", "VOLUMES", "LAST SEEN"]
+        ["NODE", "HEALTH", "ZONE", "VERSION", "NVME ADDRESS", "POOLS", "CAPACITY", "USED", "VOLUMES", "LAST SEEN"]
             .map(String::from)
             .to_vec(),
     ];
@@ -1311,6 +1366,7 @@ fn node_table(nodes: &[proto::Node]) -> Vec<Vec<String>> {
                 (false, true) => "unhealthy",
             }
             .into(),
+            n.labels.get("zone").cloned().unwrap_or_else(|| "-".into()),
             n.engine_version.clone(),
             n.nvme_address.clone(),
             n.pools.len().to_string(),

@@ -144,8 +144,9 @@ impl Fanout {
             return self.answer(ring, c, status);
         }
         let all = (0..self.mirror.legs.len()).filter(|&i| self.mirror.in_sync(i)).fold(0u8, |m, i| m | 1 << i);
-        if f.missed & all == all {
-            // No replica has it: the host writes it again.
+        if f.missed & all == all || (f.missed != 0 && self.mirror.is_fenced()) {
+            // No replica has it, or this engine no longer serves the volume: the host
+            // writes it again (through the engine that does).
             self.answer(ring, c, Status::ANA_INACCESSIBLE);
         } else if f.missed != 0 {
             self.record_missed(c);

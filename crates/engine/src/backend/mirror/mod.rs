@@ -136,6 +136,7 @@ fn open(arg: &str, env: &OpenEnv<'_>) -> Result<Opened> {
         next_legs: OnceLock::new(),
         closed: AtomicBool::new(false),
         faults: Mutex::new(Vec::new()),
+        fenced: AtomicBool::new(false),
     });
     Ok(Opened { backend: Arc::new(MirrorBackend(mirror)), identity })
 }
@@ -183,6 +184,9 @@ pub(super) struct Mirror {
     closed: AtomicBool,
     /// The faulted legs and why, in the order they failed.
     faults: Mutex<Vec<(String, Status)>>,
+    /// Set when a leg answered Reservation Conflict: another engine serves the volume
+    /// at a later generation, so no write of this mirror may complete any more.
+    fenced: AtomicBool,
 }
 
 impl Mirror {
@@ -196,8 +200,16 @@ impl Mirror {
         !self.legs[i].catching_up
     }
 
+    /// Whether another engine took the volume over (see `fenced`).
+    fn is_fenced(&self) -> bool {
+        self.fenced.load(Ordering::Acquire)
+    }
+
     /// Takes leg `i` out for good after it answered `status`.
     fn fault(&self, i: usize, status: Status) {
+        if status.base() == Status::RESERVATION_CONFLICT && !self.fenced.swap(true, Ordering::AcqRel) {
+            tracing::warn!("a replica refused this engine's write: another engine serves the volume now");
+        }
         if !self.legs[i].faulted.swap(true, Ordering::AcqRel) {
             let leg = self.legs[i].backend.description();
             tracing::warn!(
@@ -211,9 +223,14 @@ impl Mirror {
 
     /// The outcome of a held write that missed the legs in `missed` (a bit per leg),
     /// once the mirror is retired; `None` while it serves. It completes if the next
-    /// backend has none of those legs (the cluster no longer counts them), and ends
-    /// with a path error otherwise, so that the host writes it again.
+    /// backend serves the same data from here (a mirror, or the volume alone) and has
+    /// none of those legs (the cluster no longer counts them), and ends with a path
+    /// error otherwise, so that the host writes it again. A fenced mirror completes
+    /// none: the engine that took over may count the legs it missed.
     fn held_outcome(&self, missed: u8) -> Option<Status> {
+        if self.is_fenced() {
+            return Some(Status::ANA_INACCESSIBLE);
+        }
         let next = self.next_legs.get()?;
         let counted = |i: usize| next.as_ref().is_none_or(|n| n.contains(&self.legs[i].backend.description()));
         let complete = next.is_some() && !(0..self.legs.len()).any(|i| missed & 1 << i != 0 && counted(i));
@@ -247,6 +264,16 @@ impl MirrorBackend {
     /// The faulted legs (their specs) and the status each failed with.
     pub fn faults(&self) -> Vec<(String, Status)> {
         lock(&self.0.faults).clone()
+    }
+
+    /// The generation it serves at, if given.
+    pub fn generation(&self) -> Option<u64> {
+        self.0.generation
+    }
+
+    /// Whether a leg catches up (a rebuild copies to it).
+    pub fn has_catching_up(&self) -> bool {
+        self.0.legs.iter().any(|l| l.catching_up)
     }
 
     /// How many legs are in sync, catching up, and faulted.
@@ -359,11 +386,16 @@ impl Backend for MirrorBackend {
     }
 
     fn retired(&self, next: Option<&dyn Backend>) {
-        let next_legs = next.map(|b| {
+        // A backend that does not serve the data from here (one that forwards to
+        // another engine) counts as nothing: the held writes end with a path error.
+        let next_legs = next.and_then(|b| {
             let spec = b.description();
             match spec.strip_prefix("mirror:").map(parse) {
-                Some(Ok((_, legs))) => legs.into_iter().map(str::to_string).collect(),
-                _ => vec![spec],
+                Some(Ok((_, legs))) => {
+                    Some(legs.into_iter().map(|l| l.trim_start_matches(CATCHING_UP).to_string()).collect())
+                }
+                _ if b.as_volume().is_some() => Some(vec![spec]),
+                _ => None,
             }
         });
         let _ = self.0.next_legs.set(next_legs);

@@ -1,0 +1,248 @@
+//! Replicated volumes: where their replicas go, what each node serves of them, and
+//! the membership pass that keeps the stored in-sync set true to what the serving
+//! engine reports (docs/ARCHITECTURE.md, "Replicas and snapshots").
+//!
+//! Every change of the in-sync set or of the serving node is committed to the store
+//! with the next generation *before* any node is told of it: the serving engine
+//! answers the writes that skipped a failed replica only once its agent swaps in the
+//! mirror without it, which the agent does on the controller's word alone.
+
+use crate::cluster::{Cluster, State, now_ms};
+use crate::model::{ReplicaRecord, ReplicaState, VolumeRecord, VolumeState};
+use crate::scheduler::{self, Locality, NodeView, Request};
+use crate::{access, proto};
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+impl State {
+    /// The leg by which the serving engine reaches the replica on `node`.
+    pub(super) fn replica_leg(&self, v: &VolumeRecord, node: &str) -> Option<String> {
+        let n = self.nodes.get(node)?;
+        Some(format!("remote:{}/{}/1", n.record.peer(), v.replica_nqn()))
+    }
+}
+
+/// The serving node's mirror: its generation, the other in-sync replicas, and the
+/// one catching up, if any (one at a time: an engine rebuilds one leg of a mirror).
+pub(super) fn mirror_wanted(st: &State, v: &VolumeRecord, rebuild_rate: u64) -> Option<proto::MirrorWanted> {
+    if v.replicas.is_empty() {
+        return None;
+    }
+    let legs = v
+        .replicas
+        .iter()
+        .filter(|r| r.state == ReplicaState::InSync)
+        .filter_map(|r| st.replica_leg(v, &r.node))
+        .collect();
+    let catching_up = v.replicas.iter().find(|r| r.state == ReplicaState::CatchingUp);
+    Some(proto::MirrorWanted {
+        generation: v.generation,
+        legs,
+        rebuild_leg: catching_up.and_then(|r| st.replica_leg(v, &r.node)).unwrap_or_default(),
+        rebuild_since: catching_up.map_or(0, |r| r.since),
+        rebuild_rate,
+    })
+}
+
+/// On a replica's node: its export, which only the serving engine may connect to.
+pub(super) fn replica_wanted(st: &State, v: &VolumeRecord) -> proto::ReplicaWanted {
+    proto::ReplicaWanted {
+        subsystem_nqn: v.replica_nqn(),
+        serving_host_nqn: st.nodes.get(&v.node).map(|n| n.record.host_nqn.clone()).unwrap_or_default(),
+    }
+}
+
+/// A new replicated volume's identity, which every replica takes (hosts see one
+/// namespace whichever replica serves it).
+pub(super) fn new_identity() -> (String, String) {
+    let uuid = uuid::Uuid::new_v4();
+    let nguid = uuid::Uuid::new_v4().simple().to_string();
+    (uuid.to_string(), nguid)
+}
+
+impl Cluster {
+    /// The nodes and pools of a volume's replicas beyond the first one (`first`, the
+    /// node and pool the scheduler chose): each on a node of its own and, while enough
+    /// nodes carry zones, in a zone of its own, chosen by the same scheduler.
+    pub(super) fn place_replicas(
+        &self,
+        st: &State,
+        views: &[NodeView],
+        req: &Request,
+        first: (&str, &str),
+        count: usize,
+    ) -> Result<Vec<(String, String)>, String> {
+        let zone_of = |node: &str| st.nodes.get(node).and_then(|n| n.record.labels.get("zone")).cloned();
+        let mut chosen = vec![(first.0.to_string(), first.1.to_string())];
+        while chosen.len() < count {
+            let taken: Vec<String> = chosen.iter().map(|(n, _)| n.clone()).collect();
+            let zones: BTreeSet<String> = taken.iter().filter_map(|n| zone_of(n)).collect();
+            let apart = Request {
+                locality: Locality::Any,
+                host_node: String::new(),
+                exclude: req.exclude.iter().cloned().chain(taken).collect(),
+                ..req.clone()
+            };
+            let same_zone = st.nodes.keys().filter(|n| zone_of(n).is_some_and(|z| zones.contains(&z))).cloned();
+            let zone_apart =
+                Request { exclude: apart.exclude.iter().cloned().chain(same_zone).collect(), ..apart.clone() };
+            let pick = scheduler::choose(views, &zone_apart, &self.cfg.policy)
+                .or_else(|| scheduler::choose(views, &apart, &self.cfg.policy));
+            let Some((node, pool)) = pick else {
+                return Err(format!(
+                    "{count} replicas need {count} healthy nodes with room, but only {} could be placed ({}): \
+                     add nodes or space, or ask for fewer replicas",
+                    chosen.len(),
+                    chosen.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", ")
+                ));
+            };
+            chosen.push((views[node].name.clone(), views[node].pools[pool].name.clone()));
+        }
+        Ok(chosen.split_off(1))
+    }
+
+    /// Runs on every pass of the background loop: commits each change the replicated
+    /// volumes need (a replica failed, went away, came back, finished its rebuild;
+    /// the serving node was lost) and has the nodes concerned apply it.
+    pub(super) async fn tend_replicas(self: &Arc<Self>) {
+        let due: Vec<String> = {
+            let st = self.state.lock().unwrap();
+            st.volumes
+                .replicated()
+                .filter(|v| self.membership_change(&st, v).is_some())
+                .map(|v| v.name.clone())
+                .collect()
+        };
+        for name in due {
+            let _guard = self.volume_locks.lock(&name).await;
+            let change = {
+                let st = self.state.lock().unwrap();
+                st.volumes.get(&name).and_then(|v| self.membership_change(&st, v).map(|c| (v.clone(), c)))
+            };
+            let Some((old, (next, what))) = change else { continue };
+            if let Err(e) = self.put_volume(&next).await {
+                tracing::warn!(volume = name, "cannot record a change of its replicas ({what}): {e}");
+                continue;
+            }
+            tracing::info!(volume = name, generation = next.generation, "replicas: {what}");
+            // The serving node first: a failover's new one takes its replicas' reservations.
+            let mut nodes = vec![next.node.clone()];
+            nodes.extend(old.exporting_nodes().into_iter().chain(next.exporting_nodes()).filter(|n| *n != next.node));
+            nodes.dedup();
+            let me = self.clone();
+            tokio::spawn(async move {
+                for node in nodes {
+                    let _ = me.apply_node(&node).await;
+                }
+            });
+        }
+    }
+
+    /// The next change a replicated volume needs, with what it is, if any.
+    fn membership_change(&self, st: &State, v: &VolumeRecord) -> Option<(VolumeRecord, String)> {
+        if v.state != VolumeState::Ready || v.migration.is_some() {
+            return None;
+        }
+        let up = |node: &str| st.nodes.get(node).is_some_and(|n| self.healthy(n));
+        // Only what the mirror of this generation reports counts: an older one's
+        // report was taken before the change that followed it.
+        let report = st
+            .nodes
+            .get(&v.node)
+            .and_then(|n| n.mirrors.get(&v.subsystem_nqn))
+            .filter(|m| m.generation == v.generation);
+        let failed = |leg: &str| report.and_then(|m| m.faulted_legs.iter().find(|f| f.leg == leg));
+        let own_leg = format!("volume:{}/{}", v.pool, v.engine_name);
+        let mut next = v.clone();
+        if !up(&v.node) || failed(&own_leg).is_some() {
+            // The serving replica is gone: an in-sync one on a live node takes over,
+            // if there is one; else I/O waits for the serving node (invariant 4).
+            let heir = v.replicas.iter().position(|r| r.state == ReplicaState::InSync && up(&r.node))?;
+            let heir = next.replicas.remove(heir);
+            let why = match failed(&own_leg) {
+                Some(f) => format!("it failed a write: {}", f.error),
+                None => format!("node {} was lost while serving", v.node),
+            };
+            next.replicas.push(ReplicaRecord {
+                state: ReplicaState::Faulted,
+                why,
+                left_at: v.generation,
+                left_serving: v.node.clone(),
+                left_ms: now_ms(),
+                ..ReplicaRecord::new(&v.node, &v.pool)
+            });
+            for r in next.replicas.iter_mut().filter(|r| r.state != ReplicaState::Faulted && !up(&r.node)) {
+                leave(r, v, format!("node {} went away", r.node));
+            }
+            next.node = heir.node.clone();
+            next.pool = heir.pool;
+            // The new serving node becomes every host's optimized path.
+            for paths in next.paths.values_mut() {
+                paths.retain(|n| *n != heir.node);
+                paths.insert(0, heir.node.clone());
+                paths.truncate(access::MAX_PATHS);
+            }
+            next.local_device = None;
+            next.generation += 1;
+            let what = format!("{} serves at generation {} ({} lost)", heir.node, next.generation, v.node);
+            return Some((next, what));
+        }
+        let mut changes = Vec::new();
+        for r in next.replicas.iter_mut() {
+            let leg = st.replica_leg(v, &r.node).unwrap_or_default();
+            let failure = failed(&leg).map(|f| format!("it failed a write: {}", f.error));
+            let rebuild = report.and_then(|m| m.rebuild.as_ref()).filter(|b| b.leg == leg);
+            let gone = (!up(&r.node)).then(|| format!("node {} went away", r.node));
+            match r.state {
+                ReplicaState::InSync => {
+                    if let Some(why) = failure.or(gone) {
+                        changes.push(format!("{} faulted: {why}", r.node));
+                        leave(r, v, why);
+                    }
+                }
+                ReplicaState::CatchingUp => {
+                    let rebuild_failed =
+                        rebuild.filter(|b| b.state == "failed").map(|b| format!("its rebuild failed: {}", b.error));
+                    if let Some(why) = failure.or(gone).or(rebuild_failed) {
+                        changes.push(format!("{} faulted while catching up: {why}", r.node));
+                        r.state = ReplicaState::Faulted;
+                        r.why = why;
+                        r.since = 0;
+                    } else if rebuild.is_some_and(|b| b.state == "done") {
+                        changes.push(format!("{} rebuilt and in sync", r.node));
+                        *r = ReplicaRecord::new(&r.node, &r.pool);
+                    }
+                }
+                ReplicaState::Faulted => {}
+            }
+        }
+        if !changes.is_empty() {
+            next.generation += 1;
+            return Some((next, changes.join("; ")));
+        }
+        // A faulted replica whose node is back catches up, one at a time: only the
+        // clusters written since it left when the serving engine then is the one
+        // serving now (it keeps that record), else every cluster.
+        if next.replicas.iter().any(|r| r.state == ReplicaState::CatchingUp) {
+            return None;
+        }
+        let r = next.replicas.iter_mut().find(|r| r.state == ReplicaState::Faulted && up(&r.node))?;
+        r.state = ReplicaState::CatchingUp;
+        r.since = if r.left_serving == v.node && r.left_at > 0 { r.left_at + 1 } else { 0 };
+        let what = match r.since {
+            0 => format!("{} back: a full rebuild", r.node),
+            since => format!("{} back: rebuilding what generations {since} and later wrote", r.node),
+        };
+        Some((next, what))
+    }
+}
+
+/// Takes an in-sync replica out of the in-sync set of `v` (at its generation).
+fn leave(r: &mut ReplicaRecord, v: &VolumeRecord, why: String) {
+    r.state = ReplicaState::Faulted;
+    r.why = why;
+    r.left_at = v.generation;
+    r.left_serving = v.node.clone();
+    r.left_ms = now_ms();
+    r.since = 0;
+}

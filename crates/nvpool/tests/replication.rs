@@ -1,0 +1,148 @@
+//! Replicated volumes through the controller: a volume of three replicas on three
+//! nodes (one zone each) written by a host the whole time, while a replica's engine
+//! is killed and comes back (the controller takes it out of the in-sync set, then
+//! has it rebuilt from what was written while it was away), and while the serving
+//! node is lost (another replica serves, the host's path turns optimized there). The
+//! host never sees an error that is not a path error, every acknowledged write reads
+//! back, and every replica holds every write.
+
+mod cluster;
+
+use cluster::{
+    BLOCK, HOST, Model, Node, addr, create_request, free_port, host_writer, start_controller, verify, wait_for,
+};
+use nvpool_control::client::Controllers;
+use nvpool_control::proto;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+const MIB: u64 = 1 << 20;
+const VOLUME: &str = "rv";
+const SIZE: u64 = 64 * MIB;
+/// The host writes the first 8 MiB alone: a partial rebuild copies those clusters at
+/// most, a full one all of the volume's.
+const WRITTEN: u64 = 8 * MIB;
+
+async fn volume(c: &Controllers) -> proto::Volume {
+    let req = proto::VolumeName { name: VOLUME.into() };
+    c.call(async |mut c| c.get_volume(req.clone()).await).await.unwrap()
+}
+
+/// Each replica's node and state (`in-sync`, `rebuilding`, `faulted`).
+fn states(v: &proto::Volume) -> HashMap<String, String> {
+    v.replicas.iter().map(|r| (r.node.clone(), r.state.clone())).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replicated_volume_keeps_every_write_through_a_replica_loss_and_a_serving_node_loss() {
+    let keep = std::env::var_os("NVPOOL_KEEP_TEST_DIR").is_some();
+    let root = tempfile::Builder::new().disable_cleanup(keep).tempdir().unwrap();
+    println!("logs in {}", root.path().display());
+    let store = format!("redb:{}", root.path().join("controller.redb").display());
+    let controller = start_controller(root.path(), &store, free_port(), "1");
+    let names = ["n1", "n2", "n3"];
+    let mut nodes: Vec<Node> = names.iter().map(|n| Node::new(root.path(), n, 256 * MIB)).collect();
+    for (n, zone) in nodes.iter_mut().zip(["a", "b", "c"]) {
+        n.start_agent_with(&controller.address, &["--zone", zone]);
+    }
+    let c = Controllers::new(&controller.address).unwrap();
+    cluster::wait_healthy(&c, &names).await;
+    let zones: Vec<String> =
+        cluster::nodes(&c).await.iter().map(|n| n.labels.get("zone").cloned().unwrap_or_default()).collect();
+    assert_eq!(zones, ["a", "b", "c"], "each node carries its zone");
+
+    let req = proto::CreateVolumeRequest { thin: true, replicas: 3, ..create_request(VOLUME, SIZE) };
+    let v = c.call(async |mut c| c.create_volume(req.clone()).await).await.unwrap().volume.unwrap();
+    assert_eq!((v.replica_count, v.generation), (3, 1));
+    let mut on: Vec<&str> = v.replicas.iter().map(|r| r.node.as_str()).collect();
+    on.sort();
+    assert_eq!(on, names, "one replica on each node");
+    assert!(v.replicas.iter().all(|r| r.state == "in-sync"), "{:?}", v.replicas);
+    // Each node's engine holds the volume with one identity.
+    for n in &nodes {
+        let info =
+            n.engine_call(nvpool_api::GetVolume { pool: format!("{}-pool", n.name), name: format!("pv-{}", v.id) });
+        assert_eq!((info.uuid.as_str(), info.nguid.as_str()), (v.uuid.as_str(), v.nguid.as_str()), "{}", n.name);
+    }
+    let attach = proto::AttachRequest { volume: VOLUME.into(), host_nqn: HOST.into(), ..Default::default() };
+    let attached = c.call(async |mut c| c.attach(attach.clone()).await).await.unwrap();
+    println!("attached: {attached:?}");
+    let index = |name: &str| names.iter().position(|n| *n == name).unwrap();
+    let nqn = v.subsystem_nqn.clone();
+    // The host's paths, the optimized (serving) one first, as its multipath tries them.
+    let paths = volume(&c).await.attachments[0].paths.iter().map(|p| p.node.clone()).collect::<Vec<_>>();
+    assert_eq!(paths.len(), 3, "a path through each replica's node: {paths:?}");
+    let addrs = paths.iter().map(|p| addr(&nodes[index(p)])).collect::<Vec<_>>();
+    let model: Model = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = host_writer(addrs, nqn.clone(), model.clone(), stop.clone(), WRITTEN / BLOCK as u64);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    // A replica's engine is lost: the controller takes it out of the in-sync set.
+    let serving = v.node.clone();
+    let lost = v.replicas.iter().find(|r| !r.serving).unwrap().node.clone();
+    println!("killing the engine of {lost} (a replica; {serving} serves)");
+    nodes[index(&lost)].engine.kill();
+    let v2 = wait_for("the lost replica faulted", Duration::from_secs(30), async || {
+        let v = volume(&c).await;
+        (states(&v)[&lost] == "faulted").then_some(v)
+    })
+    .await;
+    assert_eq!(v2.generation, 2, "{:?}", v2.replicas);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Back with its disks: rebuilt from the serving engine's record, then in sync.
+    nodes[index(&lost)].start_engine(true);
+    let v3 = wait_for("the replica back in sync", Duration::from_secs(60), async || {
+        let v = volume(&c).await;
+        v.replicas.iter().all(|r| r.state == "in-sync").then_some(v)
+    })
+    .await;
+    assert!(v3.generation >= 3, "{:?}", v3);
+    let rebuild = nodes[index(&serving)].engine_call(nvpool_api::GetRebuild { nqn: nqn.clone(), nsid: 1 });
+    println!("rebuild of {lost}: {rebuild:?}");
+    assert_eq!(rebuild.state, "done");
+    assert!(rebuild.total_bytes <= WRITTEN, "a partial rebuild copies what was written while away: {rebuild:?}");
+
+    // The serving node is lost (engine and agent): another replica serves.
+    println!("killing {serving} (engine and agent)");
+    nodes[index(&serving)].agent.kill();
+    nodes[index(&serving)].engine.kill();
+    let v4 = wait_for("another node serving", Duration::from_secs(30), async || {
+        let v = volume(&c).await;
+        (v.node != serving).then_some(v)
+    })
+    .await;
+    println!("now served by {} at generation {}: {:?}", v4.node, v4.generation, v4.replicas);
+    assert_eq!(states(&v4)[&serving], "faulted");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The lost node comes back: its replica is rebuilt in full (the serving engine
+    // changed while it was away).
+    nodes[index(&serving)].start_engine(true);
+    nodes[index(&serving)].start_agent_with(&controller.address, &["--zone", "x"]);
+    wait_for("every replica in sync again", Duration::from_secs(60), async || {
+        let v = volume(&c).await;
+        v.replicas.iter().all(|r| r.state == "in-sync").then_some(())
+    })
+    .await;
+    stop.store(true, Ordering::SeqCst);
+    let (writes, errors) = writer.join().unwrap();
+    println!("{writes} writes, {errors} errors");
+    assert_eq!(errors, 0, "the host saw errors");
+    assert!(writes > 100, "the host wrote too little to prove anything: {writes}");
+
+    // Every replica holds every acknowledged write: read each one directly, with the
+    // agents stopped so that nobody changes the exports meanwhile.
+    let v5 = volume(&c).await;
+    for n in &mut nodes {
+        n.agent.kill();
+    }
+    verify(addr(&nodes[index(&v5.node)]), &nqn, &model, "the serving node");
+    let replica_nqn = format!("{nqn}-replica");
+    for r in v5.replicas.iter().filter(|r| !r.serving) {
+        let n = &nodes[index(&r.node)];
+        n.engine_call(nvpool_api::AddHost { nqn: replica_nqn.clone(), host: HOST.into(), dhchap: None, tls_psk: None });
+        verify(addr(n), &replica_nqn, &model, &format!("the replica on {}", r.node));
+    }
+}
