@@ -346,14 +346,19 @@ impl Tombstone {
     /// replica's tombstone is named `ID@NODE` (the agent's entries go by that name)
     /// and removes the replica's export.
     pub fn all_of(v: &VolumeRecord) -> Vec<Tombstone> {
-        let replicas = v.replicas.iter().map(|r| Tombstone {
-            id: format!("{}@{}", v.id, r.node),
-            node: r.node.clone(),
-            pool: r.pool.clone(),
+        let replicas = v.replicas.iter().map(|r| Tombstone::of_replica(v, &r.node, &r.pool));
+        std::iter::once(Tombstone::from(v)).chain(replicas).collect()
+    }
+
+    /// The tombstone of the replica of `v` on `node`.
+    pub fn of_replica(v: &VolumeRecord, node: &str, pool: &str) -> Tombstone {
+        Tombstone {
+            id: format!("{}@{node}", v.id),
+            node: node.to_string(),
+            pool: pool.to_string(),
             subsystem_nqn: v.replica_nqn(),
             ..Tombstone::from(v)
-        });
-        std::iter::once(Tombstone::from(v)).chain(replicas).collect()
+        }
     }
 }
 

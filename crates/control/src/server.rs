@@ -124,6 +124,14 @@ impl proto::controller_server::Controller for Service {
         self.with(async |c| c.set_volume_qos(&r.name, r.qos.unwrap_or_default().into()).await).await
     }
 
+    async fn set_volume_replicas(
+        &self,
+        r: Request<proto::SetVolumeReplicasRequest>,
+    ) -> Result<Response<proto::Volume>, Status> {
+        let r = r.into_inner();
+        self.with(async |c| c.set_volume_replicas(&r.name, r.replicas).await).await
+    }
+
     async fn list_volumes(
         &self,
         r: Request<proto::ListVolumesRequest>,

@@ -8,11 +8,12 @@
 //! mirror without it, which the agent does on the controller's word alone.
 
 use crate::cluster::{Cluster, State, now_ms};
-use crate::model::{ReplicaRecord, ReplicaState, VolumeRecord, VolumeState};
+use crate::model::{ReplicaRecord, ReplicaState, Tombstone, VolumeRecord, VolumeState};
 use crate::scheduler::{self, Locality, NodeView, Request};
 use crate::{access, proto};
 use std::collections::BTreeSet;
 use std::sync::Arc;
+use tonic::Status;
 
 impl State {
     /// The leg by which the serving engine reaches the replica on `node`.
@@ -61,19 +62,20 @@ pub(super) fn new_identity() -> (String, String) {
 }
 
 impl Cluster {
-    /// The nodes and pools of a volume's replicas beyond the first one (`first`, the
-    /// node and pool the scheduler chose): each on a node of its own and, while enough
-    /// nodes carry zones, in a zone of its own, chosen by the same scheduler.
+    /// The nodes and pools of `more` replicas of a volume whose replicas are on the
+    /// nodes `holding` (the serving one first): each on a node of its own and, while
+    /// enough nodes carry zones, in a zone of its own, chosen by the same scheduler.
     pub(super) fn place_replicas(
         &self,
         st: &State,
         views: &[NodeView],
         req: &Request,
-        first: (&str, &str),
-        count: usize,
+        holding: &[String],
+        more: usize,
     ) -> Result<Vec<(String, String)>, String> {
         let zone_of = |node: &str| st.nodes.get(node).and_then(|n| n.record.labels.get("zone")).cloned();
-        let mut chosen = vec![(first.0.to_string(), first.1.to_string())];
+        let count = holding.len() + more;
+        let mut chosen: Vec<(String, String)> = holding.iter().map(|n| (n.clone(), String::new())).collect();
         while chosen.len() < count {
             let taken: Vec<String> = chosen.iter().map(|(n, _)| n.clone()).collect();
             let zones: BTreeSet<String> = taken.iter().filter_map(|n| zone_of(n)).collect();
@@ -98,13 +100,123 @@ impl Cluster {
             };
             chosen.push((views[node].name.clone(), views[node].pools[pool].name.clone()));
         }
-        Ok(chosen.split_off(1))
+        Ok(chosen.split_off(holding.len()))
+    }
+
+    /// Makes a volume hold `count` replicas (1 to 3), online: new ones are placed
+    /// apart from the others and rebuilt in full, one at a time, before they count;
+    /// fewer drops the faulted ones first, then those catching up, then in-sync ones
+    /// (never the serving one).
+    pub async fn set_volume_replicas(self: &Arc<Self>, name: &str, count: u32) -> Result<proto::Volume, Status> {
+        if !(1..=3).contains(&count) {
+            return Err(Status::invalid_argument(format!(
+                "{count} replicas asked for: a volume has 1 to 3 (each on its own node)"
+            )));
+        }
+        let count = count as usize;
+        let _guard = self.volume_locks.lock(name).await;
+        let v = self.ready_volume(name)?;
+        if v.migration.is_some() {
+            return Err(Status::failed_precondition(format!(
+                "volume {name} is moving: change its replicas once the move is over"
+            )));
+        }
+        if count == v.replica_count() {
+            return Ok(self.volume_proto(&v));
+        }
+        let mut next = v.clone();
+        let mut gone = Vec::new();
+        if count > v.replica_count() {
+            let placed = {
+                let mut st = self.state.lock().unwrap();
+                let views = self.node_views(&mut st);
+                self.place_replicas(&st, &views, &request_of(&v), &holding_nodes(&st, &v), count - v.replica_count())
+            };
+            let placed = placed.map_err(|e| Status::resource_exhausted(format!("volume {name}: {e}")))?;
+            next.replicas.extend(placed.iter().map(|(node, pool)| new_replica(node, pool)));
+            if v.replicas.is_empty() {
+                // The volume's identity is the serving engine's; the new replicas take it.
+                next.generation = 1;
+            }
+        } else {
+            let rank = |r: &ReplicaRecord| match r.state {
+                ReplicaState::Faulted => 0,
+                ReplicaState::CatchingUp => 1,
+                ReplicaState::InSync => 2,
+            };
+            next.replicas.sort_by_key(rank);
+            gone = next.replicas.drain(..v.replica_count() - count).collect();
+            next.generation += 1;
+        }
+        let tombs: Vec<Tombstone> = gone.iter().map(|r| Tombstone::of_replica(&v, &r.node, &r.pool)).collect();
+        self.put_volume_and_tombs(&next, tombs).await?;
+        tracing::info!(volume = name, generation = next.generation, "replicas: {} asked for", count);
+        let me = self.clone();
+        let nodes: Vec<String> = next.exporting_nodes().into_iter().chain(gone.into_iter().map(|r| r.node)).collect();
+        tokio::spawn(async move {
+            for node in nodes {
+                let _ = me.apply_node(&node).await;
+            }
+        });
+        Ok(self.volume_proto(&next))
+    }
+
+    /// Replaces each replica whose node stayed away longer than `replica_timeout` by
+    /// a new one on another node (rebuilt in full); the old one is removed when its
+    /// node comes back.
+    async fn replace_lost_replicas(self: &Arc<Self>) {
+        let timeout_ms = self.cfg.replica_timeout.as_millis() as u64;
+        let lost = |st: &State, r: &ReplicaRecord| {
+            r.state == ReplicaState::Faulted
+                && r.left_ms > 0
+                && now_ms().saturating_sub(r.left_ms) >= timeout_ms
+                && !st.nodes.get(&r.node).is_some_and(|n| self.healthy(n))
+        };
+        let due: Vec<String> = {
+            let st = self.state.lock().unwrap();
+            st.volumes
+                .replicated()
+                .filter(|v| v.state == VolumeState::Ready && v.migration.is_none())
+                .filter(|v| v.replicas.iter().any(|r| lost(&st, r)))
+                .map(|v| v.name.clone())
+                .collect()
+        };
+        for name in due {
+            let _guard = self.volume_locks.lock(&name).await;
+            let replaced = {
+                let mut st = self.state.lock().unwrap();
+                let Some(v) = st.volumes.get(&name).cloned() else { continue };
+                let Some(old) = v.replicas.iter().find(|r| lost(&st, r)).cloned() else { continue };
+                let views = self.node_views(&mut st);
+                match self.place_replicas(&st, &views, &request_of(&v), &holding_nodes(&st, &v), 1) {
+                    Ok(placed) => {
+                        let mut next = v.clone();
+                        next.replicas.retain(|r| r.node != old.node);
+                        next.replicas.extend(placed.iter().map(|(node, pool)| new_replica(node, pool)));
+                        Some((next, Tombstone::of_replica(&v, &old.node, &old.pool), old.node))
+                    }
+                    Err(e) => {
+                        tracing::warn!(volume = name, node = old.node, "cannot replace a lost replica yet: {e}");
+                        None
+                    }
+                }
+            };
+            let Some((next, tomb, old_node)) = replaced else { continue };
+            if self.put_volume_and_tombs(&next, vec![tomb]).await.is_ok() {
+                tracing::info!(
+                    volume = name,
+                    node = old_node,
+                    "replicas: a replica away too long is made anew elsewhere"
+                );
+            }
+        }
     }
 
     /// Runs on every pass of the background loop: commits each change the replicated
     /// volumes need (a replica failed, went away, came back, finished its rebuild;
     /// the serving node was lost) and has the nodes concerned apply it.
     pub(super) async fn tend_replicas(self: &Arc<Self>) {
+        self.replace_lost_replicas().await;
         let due: Vec<String> = {
             let st = self.state.lock().unwrap();
             st.volumes
@@ -234,6 +346,41 @@ impl Cluster {
             since => format!("{} back: rebuilding what generations {since} and later wrote", r.node),
         };
         Some((next, what))
+    }
+}
+
+/// A replica made anew: it has nothing yet, so it waits for a full rebuild (the
+/// membership pass starts one once no other replica of the volume catches up).
+fn new_replica(node: &str, pool: &str) -> ReplicaRecord {
+    ReplicaRecord {
+        state: ReplicaState::Faulted,
+        why: "new: waits for its rebuild".into(),
+        left_ms: now_ms(),
+        ..ReplicaRecord::new(node, pool)
+    }
+}
+
+/// The nodes a new replica of `v` may not go to: those holding one, and those whose
+/// dropped replica is still to be removed (the removal would take the new one).
+fn holding_nodes(st: &State, v: &VolumeRecord) -> Vec<String> {
+    let prefix = format!("{}@", v.id);
+    let dropped = st.tombstones.values().filter(|t| t.id.starts_with(&prefix)).map(|t| t.node.clone());
+    let mut nodes: Vec<String> =
+        std::iter::once(v.node.clone()).chain(v.replicas.iter().map(|r| r.node.clone())).chain(dropped).collect();
+    nodes.dedup();
+    nodes
+}
+
+/// What the scheduler places another replica of `v` by: its size and node rules,
+/// anywhere.
+fn request_of(v: &VolumeRecord) -> Request {
+    Request {
+        size: v.size,
+        thin: v.thin,
+        locality: Locality::Any,
+        host_node: String::new(),
+        include: v.include.clone(),
+        exclude: v.exclude.clone(),
     }
 }
 

@@ -84,8 +84,7 @@ impl Cluster {
                     None => message,
                 }));
             };
-            let replicas = match self.place_replicas(&st, &views, &request, (&chosen.node, &chosen.pool), replica_count)
-            {
+            let replicas = match self.place_replicas(&st, &views, &request, &[chosen.node.clone()], replica_count - 1) {
                 Ok(placed) => placed,
                 Err(e) => return Err(Status::resource_exhausted(format!("volume {}: {e}", req.name))),
             };
@@ -772,6 +771,29 @@ impl Cluster {
             return Err(Status::failed_precondition(format!("volume {name} is still being created; retry shortly")));
         }
         Ok(v)
+    }
+
+    /// Records a changed volume with the tombstones of what it no longer holds (a
+    /// replica dropped or replaced), and marks the nodes concerned for an update.
+    pub(super) async fn put_volume_and_tombs(&self, v: &VolumeRecord, tombs: Vec<Tombstone>) -> Result<(), Status> {
+        let mut txn = Txn::default().put(format!("{VOLUMES}{}", v.name), to_json(v));
+        for tomb in &tombs {
+            txn = txn.put(format!("{TOMBSTONES}{}", tomb.id), to_json(tomb));
+        }
+        self.commit(txn).await?;
+        let mut st = self.state.lock().unwrap();
+        let mut nodes = v.exporting_nodes();
+        if let Some(old) = st.volumes.insert(v.name.clone(), v.clone()) {
+            nodes.extend(old.exporting_nodes());
+        }
+        for tomb in tombs {
+            nodes.insert(tomb.node.clone());
+            st.tombstones.insert(tomb.id.clone(), tomb);
+        }
+        for node in nodes {
+            st.touch(&node);
+        }
+        Ok(())
     }
 
     /// Records a changed volume and marks the nodes that export it, before or after,

@@ -209,6 +209,14 @@ pub struct ControllerArgs {
     /// (default: no limit).
     #[arg(long, value_parser = parse_size)]
     rebalance_rate: Option<u64>,
+    /// Most bytes per second each replica's rebuild takes, e.g. 200MiB (0: no
+    /// limit), so that the volume's host keeps its speed.
+    #[arg(long, value_parser = parse_size, default_value_t = nvpool_control::cluster::DEFAULT_REBUILD_RATE)]
+    rebuild_rate: u64,
+    /// How long a replica's node may stay away before the replica is made anew on
+    /// another node (rebuilt in full).
+    #[arg(long, value_parser = parse_duration, default_value = "5m")]
+    replica_timeout: Duration,
     /// Mutual TLS: the directory of `nvpool certs init`; callers then need a
     /// certificate from its CA, and agents their node's.
     #[arg(long, env = "NVPOOL_TLS_DIR")]
@@ -496,6 +504,15 @@ pub enum ClusterVolumeVerb {
         #[command(flatten)]
         qos: QosArgs,
     },
+    /// Change a volume online: its number of replicas (new ones are placed on other
+    /// nodes and rebuilt in full before they count; fewer drops the faulted first).
+    Set {
+        /// Volume name.
+        name: String,
+        /// Copies of the data: 1 to 3.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=3))]
+        replicas: u32,
+    },
     /// Set a volume's I/O limits on every engine that serves it, from their next
     /// command on; hosts stay connected. Limits not given stay as they are.
     Qos {
@@ -599,6 +616,8 @@ pub fn run(cmd: Command) -> Result<(), String> {
                     heartbeat_budget: a.heartbeat_budget,
                     rebalance_every: (!a.rebalance_every.is_zero()).then_some(a.rebalance_every),
                     rebalance_rate: a.rebalance_rate.unwrap_or(0),
+                    rebuild_rate: a.rebuild_rate,
+                    replica_timeout: a.replica_timeout,
                     tls: a.tls_dir.as_deref().map(|d| Tls::load(d, CONTROLLER)).transpose()?,
                     ..ClusterConfig::default()
                 },
@@ -844,6 +863,13 @@ async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), Strin
             let req = proto::ResizeVolumeRequest { name, size_bytes: size };
             let v = c.call(async |mut c| c.resize_volume(req.clone()).await).await.map_err(status)?;
             print_or(api.json, &volume_json(&v), || render(&volume_table(std::slice::from_ref(&v))));
+        }
+        ClusterVolumeVerb::Set { name, replicas } => {
+            let req = proto::SetVolumeReplicasRequest { name, replicas };
+            let v = c.call(async |mut c| c.set_volume_replicas(req.clone()).await).await.map_err(status)?;
+            print_or(api.json, &volume_json(&v), || {
+                format!("{}\n\n{}", render(&volume_table(std::slice::from_ref(&v))), render(&replica_table(&v)))
+            });
         }
         ClusterVolumeVerb::Qos { name, qos, clear } => {
             let current = if clear {
