@@ -222,7 +222,7 @@ impl Pools {
         Ok(WrittenClusters {
             generation: io.map.generation(),
             cluster_size: p.cluster_size(),
-            clusters: io.map.written_since(generation),
+            clusters: io.map.written_since(generation).into_iter().map(|(vc, _)| vc).collect(),
         })
     }
 

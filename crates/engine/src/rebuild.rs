@@ -22,6 +22,7 @@ use crate::backend::Backend;
 use crate::bufpool::Buf;
 use crate::copy::{self, CopyJob, TargetQueue};
 use crate::error::{Error, Result};
+use crate::pool::cluster_map::granule_runs;
 use crate::sync::lock;
 
 /// The engine's rebuilds, by namespace (subsystem NQN and NSID).
@@ -123,9 +124,21 @@ fn run(job: &Job, mut copy: Copy) -> Result<()> {
     let (cluster, size) = (1u64 << shift, copy.mirror.size());
     // The record begins where this engine began serving the volume: a replica that
     // left before that (the engine restarted since) is copied in full.
-    let clusters: Vec<u64> = match copy.since.filter(|&g| volume.map.records_since(g)) {
-        Some(generation) => volume.map.written_since(generation),
-        None => (0..size.div_ceil(cluster)).collect(),
+    // Each cluster with the byte ranges in it to copy: the granules written since
+    // (a partial rebuild), or all of it.
+    let whole = |vc: u64| vec![(0, cluster.min(size - (vc << shift)))];
+    let clusters: Vec<(u64, Vec<(u64, u64)>)> = match copy.since.filter(|&g| volume.map.records_since(g)) {
+        Some(generation) => volume
+            .map
+            .written_since(generation)
+            .into_iter()
+            .map(|(vc, granules)| {
+                let end = cluster.min(size - (vc << shift));
+                let runs = granule_runs(&granules, shift);
+                (vc, runs.into_iter().filter(|r| r.0 < end).map(|(at, n)| (at, n.min(end - at))).collect())
+            })
+            .collect(),
+        None => (0..size.div_ceil(cluster)).map(|vc| (vc, whole(vc))).collect(),
     };
     // A new command takes the namespace's backend anew, so only those started before
     // the swap are on the mirror without the replica; a cluster copied before one of
@@ -133,12 +146,11 @@ fn run(job: &Job, mut copy: Copy) -> Result<()> {
     if let Some(mirror) = copy.previous.take().as_deref().and_then(|p| p.as_mirror()) {
         mirror.drain();
     }
-    let bytes = |vc: u64| cluster.min(size - (vc << shift));
-    job.update(|i| i.total_bytes = clusters.iter().map(|&vc| bytes(vc)).sum());
+    job.update(|i| i.total_bytes = clusters.iter().flat_map(|(_, runs)| runs).map(|r| r.1).sum());
     let mut buf = Buf::new((cluster as usize).div_ceil(4096));
     let started = Instant::now();
     let mut sent = 0u64;
-    for vc in clusters {
+    for (vc, runs) in clusters {
         if job.cancelled() {
             return Err(Error::unavailable("cancelled: the engine stops"));
         }
@@ -149,11 +161,13 @@ fn run(job: &Job, mut copy: Copy) -> Result<()> {
             )));
         }
         mirror.hold_cluster(Some(vc));
-        let copied =
-            copy::piece(volume, &mut buf, &mut copy.target, vc << shift, bytes(vc)).and_then(|()| copy.target.settle());
+        let copied = runs
+            .iter()
+            .try_for_each(|&(at, n)| copy::piece(volume, &mut buf, &mut copy.target, (vc << shift) + at, n))
+            .and_then(|()| copy.target.settle());
         mirror.hold_cluster(None);
         copied?;
-        sent += bytes(vc);
+        sent += runs.iter().map(|r| r.1).sum::<u64>();
         job.update(|i| i.copied_bytes = sent);
         if let Some(rate) = copy.rate {
             let due = Duration::from_secs_f64(sent as f64 / rate as f64);

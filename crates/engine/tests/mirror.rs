@@ -471,7 +471,10 @@ fn a_replica_that_comes_back_copies_what_it_lacks_under_live_writes() {
     std::thread::sleep(Duration::from_millis(100));
     let (_, writes) = writers.stop();
     assert_eq!(info["state"], "done", "{info}");
-    assert_eq!((info["total_bytes"].as_u64(), info["copied_bytes"].as_u64()), (Some(2 << 20), Some(2 << 20)));
+    // What the writers wrote while b was away, in 4 KiB granules of the two clusters
+    // they write: at most those clusters.
+    let total = info["total_bytes"].as_u64().unwrap();
+    assert!(total > 0 && total <= 2 << 20 && info["copied_bytes"].as_u64() == Some(total), "{info}");
     assert!(content_of(&a.node) == content_of(&b.node), "the replicas differ after the partial rebuild");
     println!("partial rebuild: {info}; {writes} writes meanwhile");
 

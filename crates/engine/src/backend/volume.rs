@@ -23,6 +23,7 @@ use super::gate::{Admitted, Gate, ROUTE_HERE};
 use super::{Backend, BackendType, BlockIo, DiskQueue, Handover, OpenEnv, Opened, deallocated_ranges};
 use crate::error::{Error, Result};
 use crate::plan::IoPlan;
+use crate::pool::cluster_map::granules_of;
 use crate::pool::{MetaRequest, Pool, VolumeIo};
 
 /// The registration of `volume:POOL/NAME`. Opened by a mirror serving at a
@@ -123,8 +124,12 @@ impl VolumeBackend {
     pub fn mark_generation(&self, ranges: &[(u64, u64)], generation: u64) {
         let shift = self.volume.pool.cluster_shift();
         for &(offset, len) in ranges.iter().filter(|r| r.1 > 0) {
-            for vc in offset >> shift..=(offset + len - 1) >> shift {
-                self.volume.map.mark_generation(vc, generation);
+            let end = offset + len;
+            for vc in offset >> shift..=(end - 1) >> shift {
+                let start = (vc << shift).max(offset);
+                let stop = ((vc + 1) << shift).min(end);
+                let granules = granules_of(start - (vc << shift), stop - start, shift);
+                self.volume.map.mark_generation(vc, generation, granules);
             }
         }
     }
@@ -172,7 +177,7 @@ impl VolumeBackend {
                     if write {
                         map.mark_written(vc);
                         if let Role::Serving(generation) = self.role {
-                            map.mark_generation(vc, generation);
+                            map.mark_generation(vc, generation, granules_of(within, u64::from(n), shift));
                         }
                     }
                 }

@@ -21,7 +21,22 @@ pub struct GenerationRecord {
     pub recorded_from: u64,
     /// (virtual cluster, generation) of every cluster a generation wrote.
     pub written: Vec<(u64, u32)>,
+    /// The granules written in each of those clusters, in the same order (an image
+    /// without them: every granule).
+    #[serde(default)]
+    pub granules: Vec<Granules>,
 }
+
+/// Granules a cluster is recorded in: a replica that lacks a cluster's writes gets
+/// those granules alone, so a rebuild copies about what was written, not whole
+/// clusters.
+pub const GRANULES: u32 = 256;
+
+/// Which granules of a cluster were written, a bit each.
+pub type Granules = [u64; (GRANULES / 64) as usize];
+
+/// Every granule of a cluster.
+pub const ALL_GRANULES: Granules = [u64::MAX; (GRANULES / 64) as usize];
 
 /// Virtual clusters per map page.
 pub const PAGE: usize = 1024;
@@ -33,6 +48,10 @@ pub struct MapPage {
     /// The latest generation of a replicated volume that wrote each cluster here (0:
     /// none since the engine started).
     written_at: [AtomicU32; PAGE],
+    /// The granules of each cluster that any generation wrote since the engine
+    /// started (bits are only ever set: a record that names more than was written
+    /// since a replica left only copies more).
+    granules: [[AtomicU64; (GRANULES / 64) as usize]; PAGE],
 }
 
 impl MapPage {
@@ -41,6 +60,7 @@ impl MapPage {
             physical: std::array::from_fn(|_| AtomicU32::new(0)),
             dirty: std::array::from_fn(|_| AtomicU64::new(0)),
             written_at: std::array::from_fn(|_| AtomicU32::new(0)),
+            granules: std::array::from_fn(|_| std::array::from_fn(|_| AtomicU64::new(0))),
         })
     }
 }
@@ -188,18 +208,19 @@ impl VolumeMap {
         if generation == 0 {
             return None;
         }
-        let mut written = Vec::new();
+        let (mut written, mut granules) = (Vec::new(), Vec::new());
         for (pi, slot) in self.pages.iter().enumerate() {
             let Some(p) = slot.get() else { continue };
             for (i, at) in p.written_at.iter().enumerate() {
                 let at = at.load(Ordering::Relaxed);
                 if at != 0 {
                     written.push(((pi * PAGE + i) as u64, at));
+                    granules.push(p.granules[i].each_ref().map(|g| g.load(Ordering::Relaxed)));
                 }
             }
         }
         let recorded_from = self.recorded_from.load(Ordering::SeqCst);
-        Some(GenerationRecord { generation, fenced_at: self.fenced_at(), recorded_from, written })
+        Some(GenerationRecord { generation, fenced_at: self.fenced_at(), recorded_from, written, granules })
     }
 
     /// Takes back what `generation_record` gave (in the new process of a hot upgrade).
@@ -209,33 +230,42 @@ impl VolumeMap {
         if record.recorded_from != 0 {
             self.start_record(record.recorded_from);
         }
-        for &(vc, at) in &record.written {
-            self.mark_generation(vc, u64::from(at));
+        for (i, &(vc, at)) in record.written.iter().enumerate() {
+            self.mark_generation(vc, u64::from(at), record.granules.get(i).copied().unwrap_or(ALL_GRANULES));
         }
     }
 
-    /// Notes that generation `g` of the volume wrote (or zeroed) virtual cluster `vc`:
-    /// the record of what a replica that left the volume lacks.
-    pub fn mark_generation(&self, vc: u64, g: u64) {
+    /// Notes that generation `g` of the volume wrote (or zeroed) the granules
+    /// `granules` of virtual cluster `vc`: the record of what a replica that left the
+    /// volume lacks. The granules are set before the generation is raised, so a
+    /// reader that sees the generation sees them.
+    pub fn mark_generation(&self, vc: u64, g: u64, granules: Granules) {
         let g = g.min(u64::from(u32::MAX)) as u32;
-        // Read first: a cluster written again at the same generation (the common case)
-        // costs no write to a line the other reactors read.
-        if let Some(at) = self.page(vc).map(|p| &p.written_at[vc as usize % PAGE])
-            && at.load(Ordering::Relaxed) < g
-        {
-            at.fetch_max(g, Ordering::Relaxed);
+        let Some(p) = self.page(vc) else { return };
+        let i = vc as usize % PAGE;
+        // Read first: granules written again (the common case) cost no write to a
+        // line the other reactors read.
+        for (word, bits) in p.granules[i].iter().zip(granules) {
+            if word.load(Ordering::Relaxed) & bits != bits {
+                word.fetch_or(bits, Ordering::Release);
+            }
+        }
+        let at = &p.written_at[i];
+        if at.load(Ordering::Relaxed) < g {
+            at.fetch_max(g, Ordering::Release);
         }
     }
 
-    /// The clusters generation `g` or a later one wrote, in ascending order.
-    pub fn written_since(&self, g: u64) -> Vec<u64> {
+    /// The clusters generation `g` or a later one wrote, in ascending order, each
+    /// with the granules written in it.
+    pub fn written_since(&self, g: u64) -> Vec<(u64, Granules)> {
         let mut out = Vec::new();
         for (pi, slot) in self.pages.iter().enumerate() {
             let Some(p) = slot.get() else { continue };
             for (i, at) in p.written_at.iter().enumerate() {
                 let vc = (pi * PAGE + i) as u64;
-                if u64::from(at.load(Ordering::Relaxed)) >= g && vc < self.clusters {
-                    out.push(vc);
+                if u64::from(at.load(Ordering::Acquire)) >= g && vc < self.clusters {
+                    out.push((vc, p.granules[i].each_ref().map(|w| w.load(Ordering::Acquire))));
                 }
             }
         }
@@ -275,6 +305,44 @@ impl VolumeMap {
     }
 }
 
+/// A granule's size (as a shift) in a cluster of `1 << shift` bytes: a 256th of it,
+/// and never less than a 4 KiB block, so that each granule is whole blocks.
+fn granule_shift(shift: u32) -> u32 {
+    shift.saturating_sub(GRANULES.trailing_zeros()).max(12)
+}
+
+/// The granules that bytes `within..within + len` of a cluster of `1 << shift` bytes
+/// touch.
+pub fn granules_of(within: u64, len: u64, shift: u32) -> Granules {
+    let mut bits = [0u64; (GRANULES / 64) as usize];
+    if len == 0 {
+        return bits;
+    }
+    let granule_shift = granule_shift(shift);
+    let (first, last) = (within >> granule_shift, (within + len - 1) >> granule_shift);
+    for g in first..=last.min(u64::from(GRANULES) - 1) {
+        bits[(g / 64) as usize] |= 1 << (g % 64);
+    }
+    bits
+}
+
+/// The byte ranges (offset within the cluster, length) of the granules set in
+/// `granules`, runs of adjacent ones merged, for a cluster of `1 << shift` bytes.
+pub fn granule_runs(granules: &Granules, shift: u32) -> Vec<(u64, u64)> {
+    let granule_shift = granule_shift(shift);
+    let set = |g: u32| granules[(g / 64) as usize] & (1 << (g % 64)) != 0;
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    let count = (1u32 << shift.saturating_sub(granule_shift)).min(GRANULES);
+    for g in (0..count).filter(|&g| set(g)) {
+        let at = u64::from(g) << granule_shift;
+        match runs.last_mut() {
+            Some((start, len)) if *start + *len == at => *len += 1 << granule_shift,
+            _ => runs.push((at, 1 << granule_shift)),
+        }
+    }
+    runs
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -293,6 +361,28 @@ mod tests {
         assert_eq!(big.allocated(), 3);
         assert_eq!(big.clear(3), 77);
         assert_eq!(m.get(3), 0);
+    }
+
+    #[test]
+    fn the_record_names_the_granules_each_generation_wrote() {
+        let m = VolumeMap::new(8);
+        for vc in 0..8 {
+            m.set(vc, vc as u32 + 1);
+        }
+        let shift = 20; // 1 MiB clusters: 4 KiB granules
+        m.mark_generation(1, 1, granules_of(0, 4096, shift));
+        m.mark_generation(2, 2, granules_of(8192, 16384, shift));
+        m.mark_generation(2, 2, granules_of((1 << 20) - 4096, 4096, shift));
+        m.mark_generation(3, 3, granules_of(4096, 1, shift));
+        let since: Vec<(u64, Vec<(u64, u64)>)> =
+            m.written_since(2).into_iter().map(|(vc, g)| (vc, granule_runs(&g, shift))).collect();
+        assert_eq!(since, [(2, vec![(8192, 16384), ((1 << 20) - 4096, 4096)]), (3, vec![(4096, 4096)])]);
+        // A later generation writing the cluster again keeps what the earlier wrote.
+        m.mark_generation(2, 4, granules_of(0, 4096, shift));
+        assert_eq!(granule_runs(&m.written_since(4)[0].1, shift), [(0, 4096), (8192, 16384), ((1 << 20) - 4096, 4096)]);
+        // 128 KiB clusters: granules of one 4 KiB block, 32 of them.
+        assert_eq!(granule_runs(&granules_of(0, 128 << 10, 17), 17), [(0, 128 << 10)]);
+        assert_eq!(granule_runs(&granules_of(4096, 512, 17), 17), [(4096, 4096)]);
     }
 
     #[test]
