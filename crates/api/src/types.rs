@@ -459,6 +459,10 @@ pub struct UsageReport {
     /// answer).
     #[serde(default)]
     pub mirrors: Vec<MirrorUsage>,
+    /// The subsystems exporting a replica (`replica:`) that no engine is connected to:
+    /// the engine that writes them is gone (or not there yet). Always all of them.
+    #[serde(default)]
+    pub replicas_unconnected: Vec<String>,
 }
 
 /// A mirrored namespace in a [`UsageReport`]: its faulted legs and its rebuild.

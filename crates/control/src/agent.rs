@@ -724,6 +724,7 @@ struct Usage {
     counters: Vec<proto::VolumeCounters>,
     counters_gone: Vec<String>,
     mirrors: Vec<proto::MirrorReport>,
+    replicas_unconnected: Vec<String>,
     changes_only: bool,
     /// Passed as `since` next time.
     mark: u64,
@@ -779,6 +780,7 @@ fn usage(engine: &Path, version: String, since: Option<u64>) -> Result<Usage, St
         counters,
         counters_gone: report.namespaces_gone.into_iter().filter(of_volume).map(|n| n.nqn).collect(),
         mirrors: report.mirrors.into_iter().filter(|m| m.nsid == 1).map(mirror_report).collect(),
+        replicas_unconnected: report.replicas_unconnected,
         changes_only: !report.complete,
         mark: report.mark,
     })
@@ -823,6 +825,7 @@ fn listed_usage(engine: &Path) -> Result<UsageReport, String> {
         namespaces,
         namespaces_gone: Vec::new(),
         mirrors: Vec::new(),
+        replicas_unconnected: Vec::new(),
     })
 }
 
@@ -1045,6 +1048,7 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
                         volumes_gone: u.volumes_gone,
                         counters_gone: u.counters_gone,
                         mirrors: u.mirrors,
+                        replicas_unconnected: u.replicas_unconnected,
                         ..Default::default()
                     }
                 }

@@ -120,6 +120,8 @@ struct NodeEntry {
     /// The mirrors of replicated volumes served here that have a faulted replica or
     /// one catching up, by subsystem NQN, as the last heartbeat listed them.
     mirrors: HashMap<String, proto::MirrorReport>,
+    /// The replica exports here that no engine is connected to, by NQN.
+    replicas_unconnected: HashSet<String>,
 }
 
 impl NodeEntry {
@@ -141,6 +143,7 @@ impl NodeEntry {
             held: None,
             io: io::NodeIo::default(),
             mirrors: HashMap::new(),
+            replicas_unconnected: HashSet::new(),
         }
     }
 }

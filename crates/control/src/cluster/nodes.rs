@@ -148,6 +148,7 @@ impl Cluster {
         n.io.update(n.last_seen, hb.counters, hb.changes_only, &hb.counters_gone);
         // Mirrors are listed whole each time: those that need the controller.
         n.mirrors = hb.mirrors.into_iter().map(|m| (m.subsystem_nqn.clone(), m)).collect();
+        n.replicas_unconnected = hb.replicas_unconnected.into_iter().collect();
         let send_everything = !n.usage_complete;
         if ledger_stale {
             st.volumes.views.forget(&hb.node);
@@ -271,6 +272,12 @@ impl Cluster {
     /// As `healthy`, at `now`: a pass over every node reads the clock once.
     pub(super) fn healthy_at(&self, n: &NodeEntry, now: Instant) -> bool {
         self.heartbeating_at(n, now) && n.engine_error.is_none()
+    }
+
+    /// The node missed a heartbeat: a sign it may be lost, which others can confirm
+    /// before it times out.
+    pub(super) fn quiet(&self, n: &NodeEntry) -> bool {
+        n.last_seen.elapsed() > n.interval * 3 / 2
     }
 
     /// Heartbeats arrive: the agent takes new states, even while its engine is down.

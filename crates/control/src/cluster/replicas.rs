@@ -266,7 +266,18 @@ impl Cluster {
         let failed = |leg: &str| report.and_then(|m| m.faulted_legs.iter().find(|f| f.leg == leg));
         let own_leg = format!("volume:{}/{}", v.pool, v.engine_name);
         let mut next = v.clone();
-        if !up(&v.node) || failed(&own_leg).is_some() {
+        // The serving node missed a heartbeat and an in-sync replica lost its
+        // engine's connection: lost, without waiting for the node's timeout.
+        let replica_nqn = v.replica_nqn();
+        let orphaned = st.nodes.get(&v.node).is_some_and(|n| self.quiet(n))
+            && v.replicas.iter().any(|r| {
+                r.state == ReplicaState::InSync
+                    && st
+                        .nodes
+                        .get(&r.node)
+                        .is_some_and(|n| self.healthy(n) && n.replicas_unconnected.contains(&replica_nqn))
+            });
+        if !up(&v.node) || orphaned || failed(&own_leg).is_some() {
             // The serving replica is gone: an in-sync one on a live node takes over,
             // if there is one; else I/O waits for the serving node (invariant 4).
             let heir = v.replicas.iter().position(|r| r.state == ReplicaState::InSync && up(&r.node))?;

@@ -199,7 +199,7 @@ impl VolumeBackend {
 
 impl Backend for VolumeBackend {
     fn kind(&self) -> &'static str {
-        "volume"
+        if self.role == Role::Replica { "replica" } else { "volume" }
     }
 
     fn size(&self) -> u64 {

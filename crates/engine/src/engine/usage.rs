@@ -56,9 +56,13 @@ impl Engine {
                 nsid: *nsid,
                 stats,
             });
-        let mut mirrors = Vec::new();
+        let (mut mirrors, mut replicas_unconnected) = (Vec::new(), Vec::new());
         for s in self.target().subsystems().into_iter().filter(|s| !s.is_discovery()) {
-            for ns in s.namespaces().values() {
+            let namespaces = s.namespaces();
+            if s.controllers().is_empty() && namespaces.values().any(|ns| ns.backend.kind() == "replica") {
+                replicas_unconnected.push(s.nqn.clone());
+            }
+            for ns in namespaces.values() {
                 let Some(m) = ns.backend.as_mirror() else { continue };
                 let faults = m.faults();
                 if faults.is_empty() && !m.has_catching_up() {
@@ -78,6 +82,7 @@ impl Engine {
         }
         let report = UsageReport {
             mirrors,
+            replicas_unconnected,
             mark: last.mark.wrapping_add(1),
             complete: since_last.is_none(),
             pools: self.pools.list(),
