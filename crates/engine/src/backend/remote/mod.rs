@@ -95,6 +95,11 @@ pub struct RemoteLink {
     /// Set when the last namespace using the link is gone: reactors close their
     /// queues to the owner.
     closed: AtomicBool,
+    /// Set when a namespace using the link is served by another backend now (an
+    /// access point whose owner was lost, a replica that failed over): commands that
+    /// wait for a queue to the owner end at once with a path error, and the host
+    /// sends them again, to whatever serves the namespace now.
+    retired: AtomicBool,
 }
 
 /// The namespaces' hold on a link: when the last one lets go, the link closes.
@@ -158,6 +163,11 @@ impl RemoteLink {
     /// Whether the namespace is gone.
     pub fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
+    }
+
+    /// Whether a namespace that used the link is served by another backend now.
+    pub fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
     }
 }
 
@@ -285,7 +295,8 @@ fn open(arg: &str, env: &OpenEnv<'_>) -> Result<Opened> {
             let mut shared = env.remote_links.shared.lock().unwrap_or_else(|e| e.into_inner());
             shared.retain(|_, l| l.strong_count() > 0);
             let key = (addr, subnqn.clone());
-            match shared.get(&key).and_then(Weak::upgrade) {
+            // A retired link's waiting commands fail at once: a new namespace gets a new one.
+            match shared.get(&key).and_then(Weak::upgrade).filter(|l| !l.0.is_retired()) {
                 // The identify connection goes; the shared controller serves I/O.
                 Some(link) => link,
                 None => {
@@ -321,6 +332,7 @@ fn start_link(
         in_capsule,
         requests: Mutex::new(requests),
         closed: AtomicBool::new(false),
+        retired: AtomicBool::new(false),
     });
     let connector = Connector { addr, options, admin: Some(admin), link: link.id, fence };
     std::thread::Builder::new()
@@ -452,6 +464,14 @@ impl Connector {
 impl Backend for RemoteBackend {
     fn kind(&self) -> &'static str {
         "remote"
+    }
+
+    /// Commands that wait for a queue to the owner (it is away) are not sent later:
+    /// whatever serves the namespace now takes them when the host sends them again.
+    fn retired(&self, next: Option<&dyn Backend>) {
+        if next.is_none_or(|n| n.description() != self.description()) {
+            self.link.0.retired.store(true, Ordering::Release);
+        }
     }
 
     fn size(&self) -> u64 {

@@ -345,6 +345,10 @@ impl RingClient for HostQueue {
 
     /// Takes a command; sends it now if the queue is up.
     fn take(&mut self, ring: &mut Ring, me: u32, cmd: Handed) {
+        if !self.connected() && self.link.is_retired() {
+            ring.answer(cmd.owner, cmd.tag, Status::ANA_INACCESSIBLE, cmd.buf);
+            return;
+        }
         self.waiting.push_back(cmd);
         if !self.connected() {
             self.ask_for_queue(ring);
@@ -374,7 +378,9 @@ impl RingClient for HostQueue {
             // Its operations complete with errors and `fail` lets go of it.
             let _ = s.shutdown(Shutdown::Both);
         }
-        while self.waiting.front().is_some_and(|f| now_ms.saturating_sub(f.since_ms) > HOLD_MS) {
+        // Those of a retired link that has no queue wait for nothing.
+        let retired = !self.connected() && self.link.is_retired();
+        while self.waiting.front().is_some_and(|f| retired || now_ms.saturating_sub(f.since_ms) > HOLD_MS) {
             if let Some(f) = self.waiting.pop_front() {
                 ring.answer(f.owner, f.tag, Status::ANA_INACCESSIBLE, f.buf);
             }
