@@ -122,6 +122,14 @@ fn run(job: &Job, mut copy: Copy) -> Result<()> {
     let volume = &source.volume;
     let shift = volume.pool.cluster_shift();
     let (cluster, size) = (1u64 << shift, copy.mirror.size());
+    // A new command takes the namespace's backend anew, so only those started before
+    // the swap are on the mirror without the replica: the copy starts once they are
+    // done, and the record is read only then (a write that waited for its cluster to
+    // be allocated is recorded when it is written, and a record read before would
+    // lack it, as a cluster copied before it landed would).
+    if let Some(mirror) = copy.previous.take().as_deref().and_then(|p| p.as_mirror()) {
+        mirror.drain();
+    }
     // The record begins where this engine began serving the volume: a replica that
     // left before that (the engine restarted since) is copied in full.
     // Each cluster with the byte ranges in it to copy: the granules written since
@@ -140,12 +148,6 @@ fn run(job: &Job, mut copy: Copy) -> Result<()> {
             .collect(),
         None => (0..size.div_ceil(cluster)).map(|vc| (vc, whole(vc))).collect(),
     };
-    // A new command takes the namespace's backend anew, so only those started before
-    // the swap are on the mirror without the replica; a cluster copied before one of
-    // their writes landed would lack it.
-    if let Some(mirror) = copy.previous.take().as_deref().and_then(|p| p.as_mirror()) {
-        mirror.drain();
-    }
     job.update(|i| i.total_bytes = clusters.iter().flat_map(|(_, runs)| runs).map(|r| r.1).sum());
     let mut buf = Buf::new((cluster as usize).div_ceil(4096));
     let started = Instant::now();
