@@ -178,5 +178,12 @@ fn run(job: &Job, mut copy: Copy) -> Result<()> {
             }
         }
     }
-    copy.target.flush()
+    copy.target.flush()?;
+    // From here a write that fails on the replica waits (as on any in-sync leg) until
+    // the cluster serves the volume without it, so that none completes without it
+    // between now and the mirror where it is a full leg.
+    if !mirror.caught_up(&copy.leg) {
+        return Err(Error::unavailable(format!("{} failed a write while it caught up", copy.leg)));
+    }
+    Ok(())
 }

@@ -89,18 +89,24 @@ fio_verify in-sync-r3 $D3
 
 step "each volume's replicas read back identical"
 for d in $D2 $D3; do nvme flush $d -n 1 || fail "nvme flush $d"; done
+# A subsystem the host let go of lingers a moment; one connected again meanwhile
+# gets no block device.
+gone() { ! ls /sys/class/nvme-subsystem/ 2>/dev/null | grep -q .; }
 nvme disconnect -n $NQN_R2 > /dev/null || fail "disconnect r2"
 nvme disconnect -n $NQN_R3 > /dev/null || fail "disconnect r3"
+wait_for 30 gone || fail "the host keeps the volumes' subsystems"
 fault freeze 60
 # One export at a time: the replicas carry one identity, which the host refuses to
 # see twice at once ("globally duplicate IDs").
 while read volume nqn port node; do
     nvme connect -t tcp -a $T -s $port -n $nqn > /dev/null || fail "connect the replica of $volume on $node"
     wait_for 20 ctrl_of $nqn > /dev/null || fail "no live controller for $nqn"
+    wait_for 20 head_of $nqn > /dev/null || { nvme list-subsys; ls -R /sys/class/nvme-subsystem/; fail "no block device for $nqn"; }
     dev=/dev/$(head_of $nqn)
     wait_for 20 test -b $dev || fail "no block device $dev"
     echo "$volume $(md5sum < $dev | cut -d' ' -f1) $node" | tee -a sums.txt
     nvme disconnect -n $nqn > /dev/null || fail "disconnect $nqn"
+    wait_for 30 gone || fail "the host keeps $nqn"
 done < /host/replicas.env
 for volume in r2 r3; do
     n=$(grep "^$volume " sums.txt | cut -d' ' -f2 | sort -u | wc -l)

@@ -123,6 +123,7 @@ fn open(arg: &str, env: &OpenEnv<'_>) -> Result<Opened> {
         .map(|(o, spec)| Leg {
             backend: o.backend,
             catching_up: spec.starts_with(CATCHING_UP),
+            caught_up: AtomicBool::new(false),
             faulted: AtomicBool::new(false),
         })
         .collect();
@@ -148,6 +149,10 @@ struct Leg {
     /// none while a rebuild copies what it lacks, but no read, and a write that fails
     /// on it still completes (the cluster does not count it).
     catching_up: bool,
+    /// Set when its rebuild is done: from then on it counts as in sync (a write that
+    /// fails on it waits, as on any in-sync leg), although its spec keeps the `+`
+    /// until the cluster records it in sync and serves a mirror where it is a full leg.
+    caught_up: AtomicBool,
     /// Set once, when a command failed on it: no command goes to it any more.
     faulted: AtomicBool,
 }
@@ -196,8 +201,9 @@ impl Mirror {
     }
 
     /// Whether leg `i` counts: in sync, so that a write missing it must wait.
+    /// (Sequentially consistent with `caught_up`: see `MirrorBackend::caught_up`.)
     fn in_sync(&self, i: usize) -> bool {
-        !self.legs[i].catching_up
+        !self.legs[i].catching_up || self.legs[i].caught_up.load(Ordering::SeqCst)
     }
 
     /// Whether another engine took the volume over (see `fenced`).
@@ -210,7 +216,9 @@ impl Mirror {
         if status.base() == Status::RESERVATION_CONFLICT && !self.fenced.swap(true, Ordering::AcqRel) {
             tracing::warn!("a replica refused this engine's write: another engine serves the volume now");
         }
-        if !self.legs[i].faulted.swap(true, Ordering::AcqRel) {
+        // Sequentially consistent, before the fan-out asks whether the leg counts
+        // (`in_sync`): see `MirrorBackend::caught_up`.
+        if !self.legs[i].faulted.swap(true, Ordering::SeqCst) {
             let leg = self.legs[i].backend.description();
             tracing::warn!(
                 leg,
@@ -294,6 +302,19 @@ impl MirrorBackend {
     pub fn catching_up(&self, spec: &str) -> Option<bool> {
         let leg = self.0.legs.iter().find(|l| l.catching_up && l.backend.description() == spec)?;
         Some(!leg.faulted.load(Ordering::Acquire))
+    }
+
+    /// Makes the leg `spec` names, which a rebuild caught up, count as in sync; false
+    /// if it failed a write meanwhile (that write completed without it). One of the
+    /// two sides sees the other: the fan-out marks a leg faulted before it asks
+    /// whether the leg counts, and this marks it counted before it asks whether it
+    /// faulted.
+    pub fn caught_up(&self, spec: &str) -> bool {
+        let Some(leg) = self.0.legs.iter().find(|l| l.catching_up && l.backend.description() == spec) else {
+            return false;
+        };
+        leg.caught_up.store(true, Ordering::SeqCst);
+        !leg.faulted.load(Ordering::SeqCst)
     }
 
     /// Waits for the writes under way to finish (a mirror that serves no more: its
