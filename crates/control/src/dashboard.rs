@@ -228,6 +228,8 @@ pub struct VolumeRow {
     limits: String,
     attachments: Vec<AttachmentRow>,
     migration: Option<MigrationRow>,
+    /// The other replicas of a replicated volume, each `node: state`.
+    replicas: Vec<String>,
     io: Io,
 }
 
@@ -290,6 +292,17 @@ fn volume_row(v: proto::Volume) -> VolumeRow {
             })
             .collect(),
         migration: v.migration.as_ref().map(|m| migration_row(&v.name, m)),
+        replicas: v
+            .replicas
+            .iter()
+            .filter(|r| !r.serving)
+            .map(|r| match r.state.as_str() {
+                "rebuilding" if r.rebuild_total_bytes > 0 => {
+                    format!("{}: rebuilding {}%", r.node, r.rebuild_copied_bytes * 100 / r.rebuild_total_bytes)
+                }
+                state => format!("{}: {state}", r.node),
+            })
+            .collect(),
         io: Io::of(v.io.as_ref()),
         limits: if limits.is_unlimited() { String::new() } else { limits.describe() },
         name: v.name,

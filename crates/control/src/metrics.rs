@@ -188,6 +188,11 @@ pub struct ClusterFigures {
     pub migrations: i64,
     /// Host attachments over all volumes.
     pub attachments: i64,
+    /// Replicas of replicated volumes besides the serving ones: in sync, catching up
+    /// (rebuilding), faulted.
+    pub replicas: [i64; 3],
+    /// Replicated volumes with fewer replicas in sync than asked for.
+    pub volumes_degraded: i64,
     pub pools: Vec<PoolFigures>,
 }
 
@@ -241,6 +246,24 @@ pub fn register_cluster(r: &mut Registry, f: &ClusterFigures) {
     );
     gauge(r, "nvpool_cluster_migrations", "Volumes moving to another node", None, vec![(vec![], f.migrations)]);
     gauge(r, "nvpool_cluster_attachments", "Hosts attached, over all volumes", None, vec![(vec![], f.attachments)]);
+    gauge(
+        r,
+        "nvpool_cluster_replicas",
+        "Replicas of replicated volumes besides the serving ones, by state",
+        None,
+        ["in-sync", "rebuilding", "faulted"]
+            .iter()
+            .zip(f.replicas)
+            .map(|(s, n)| (vec![("state", s.to_string())], n))
+            .collect(),
+    );
+    gauge(
+        r,
+        "nvpool_cluster_volumes_degraded",
+        "Replicated volumes with fewer replicas in sync than asked for",
+        None,
+        vec![(vec![], f.volumes_degraded)],
+    );
     let per_pool = |read: fn(&PoolFigures) -> i64| {
         f.pools.iter().map(|p| (vec![("node", p.node.clone()), ("pool", p.pool.clone())], read(p))).collect()
     };

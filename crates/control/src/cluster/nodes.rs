@@ -3,7 +3,7 @@
 use crate::cluster::convert::{pool_record, pool_report};
 use crate::cluster::{Cluster, NodeEntry, State, Volumes, heartbeat_pace};
 use crate::metrics::{ClusterFigures, PoolFigures};
-use crate::model::{MigrationPhase, NODES, NodeRecord, VolumeRecord, VolumeState, check_name, to_json};
+use crate::model::{MigrationPhase, NODES, NodeRecord, ReplicaState, VolumeRecord, VolumeState, check_name, to_json};
 use crate::proto::agent_client::AgentClient;
 use crate::scheduler::{NodeView, PoolView};
 use crate::store::Txn;
@@ -227,6 +227,14 @@ impl Cluster {
             volumes_ready: count(&|v| v.state == VolumeState::Ready),
             migrations: count(&|v| v.migration.is_some()),
             attachments: st.volumes.values().map(|v| v.hosts.len() as i64).sum(),
+            replicas: [ReplicaState::InSync, ReplicaState::CatchingUp, ReplicaState::Faulted].map(|state| {
+                st.volumes.replicated().flat_map(|v| &v.replicas).filter(|r| r.state == state).count() as i64
+            }),
+            volumes_degraded: st
+                .volumes
+                .replicated()
+                .filter(|v| v.replicas.iter().any(|r| r.state != ReplicaState::InSync))
+                .count() as i64,
             pools: pools
                 .into_iter()
                 .filter_map(|p| {

@@ -102,7 +102,8 @@ function paths(v) {
 function renderVolumes(t) {
   document.querySelector("#volumes tbody").replaceChildren(...t.items.map((v) => el("tr", { "data-volume": v.name },
     el("td", {}, v.name, v.degraded ? el("div", { class: "bad" }, v.degraded) : ""),
-    el("td", {}, v.node, el("div", { class: "host" }, v.pool)),
+    el("td", {}, v.node, el("div", { class: "host" }, v.pool),
+      ...v.replicas.map((r) => el("div", { class: r.includes("in-sync") ? "host" : "bad" }, `replica ${r}`))),
     el("td", { class: "num" }, bytes(v.size_bytes)),
     el("td", {}, v.migration ? `moving to ${v.migration.to_node}` : v.state),
     el("td", {}, ...paths(v)),

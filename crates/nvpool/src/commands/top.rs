@@ -67,8 +67,19 @@ fn screen(nodes: &mut [proto::Node], volumes: &mut [proto::Volume], rows: usize)
         let hosts = v.attachments.len().to_string();
         let mut row = vec![v.name.clone(), v.node.clone(), hosts];
         row.extend(figures(v.io.as_ref()));
+        // A replicated volume with a replica out of sync says which and how.
+        let out_of_sync: Vec<String> = v
+            .replicas
+            .iter()
+            .filter(|r| r.state != "in-sync")
+            .map(|r| match r.rebuild_total_bytes {
+                0 => format!("{} {}", r.node, r.state),
+                total => format!("{} rebuilding {}%", r.node, r.rebuild_copied_bytes * 100 / total),
+            })
+            .collect();
         row.push(match &v.migration {
             Some(m) => format!("moving to {} ({})", m.to_node, m.phase),
+            None if !out_of_sync.is_empty() => format!("{}; {}", v.state, out_of_sync.join(", ")),
             None => v.state.clone(),
         });
         t.push(row);
