@@ -135,11 +135,14 @@ async fn replicas_keep_every_acknowledged_write_whatever_process_is_killed() {
     let nqn = v.subsystem_nqn.clone();
     let addrs: Vec<_> = nodes.iter().map(addr).collect();
     let model: Model = Arc::default();
-    let stop = Arc::new(AtomicBool::new(false));
-    let writer = host_writer(addrs.clone(), nqn.clone(), model.clone(), stop.clone(), SIZE / BLOCK as u64);
     let mut cl = Cluster { root, store, port, controller, nodes, restarts: 0 };
+    let (mut writes, mut errors) = (0, 0);
 
     for run in 0..RUNS {
+        // A writer for the run: it stops before the volume is read back, so that no
+        // write is on the disk and not yet in the model while the model is compared.
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = host_writer(addrs.clone(), nqn.clone(), model.clone(), stop.clone(), SIZE / BLOCK as u64);
         let v = volume(&c).await.expect("the controller answers");
         let first = VICTIMS[(next(&mut rng) % VICTIMS.len() as u64) as usize];
         tokio::time::sleep(Duration::from_millis(next(&mut rng) % 1000)).await;
@@ -166,11 +169,12 @@ async fn replicas_keep_every_acknowledged_write_whatever_process_is_killed() {
             (healthy && v.replicas.len() == 2 && v.replicas.iter().all(|r| r.state == "in-sync")).then_some(v)
         })
         .await;
+        stop.store(true, Ordering::SeqCst);
+        let (n, e) = writer.join().unwrap();
+        (writes, errors) = (writes + n, errors + e);
         let at = NAMES.iter().position(|n| *n == settled.node).unwrap();
         verify(addrs[at], &nqn, &model, &format!("{} after run {run}", settled.node));
     }
-    stop.store(true, Ordering::SeqCst);
-    let (writes, errors) = writer.join().unwrap();
     println!("{writes} writes, {errors} errors");
     assert_eq!(errors, 0, "the host saw errors that were not path errors");
 
