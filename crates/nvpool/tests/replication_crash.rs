@@ -149,7 +149,8 @@ async fn replicas_keep_every_acknowledged_write_whatever_process_is_killed() {
         let killed = cl.kill(first, &v);
         let away = Duration::from_millis(300 + next(&mut rng) % 1500);
         // Half the runs kill a second process while the first is recovered from.
-        let second = (next(&mut rng) % 2 == 0).then(|| VICTIMS[(next(&mut rng) % VICTIMS.len() as u64) as usize]);
+        let second =
+            next(&mut rng).is_multiple_of(2).then(|| VICTIMS[(next(&mut rng) % VICTIMS.len() as u64) as usize]);
         println!(
             "run {run}: {first:?} on {} ({} serving), back after {away:?}; then {second:?}",
             NAMES[killed.1], v.node

@@ -84,10 +84,12 @@ impl Cluster {
                     None => message,
                 }));
             };
-            let replicas = match self.place_replicas(&st, &views, &request, &[chosen.node.clone()], replica_count - 1) {
-                Ok(placed) => placed,
-                Err(e) => return Err(Status::resource_exhausted(format!("volume {}: {e}", req.name))),
-            };
+            let replicas =
+                match self.place_replicas(&st, &views, &request, std::slice::from_ref(&chosen.node), replica_count - 1)
+                {
+                    Ok(placed) => placed,
+                    Err(e) => return Err(Status::resource_exhausted(format!("volume {}: {e}", req.name))),
+                };
             // Replicas take the volume's identity from the controller, all the same one.
             let (uuid, nguid) = if replicas.is_empty() { Default::default() } else { super::replicas::new_identity() };
             let record = VolumeRecord {
