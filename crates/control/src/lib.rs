@@ -8,6 +8,7 @@ pub mod agent;
 pub mod client;
 pub mod cluster;
 pub mod dashboard;
+pub mod durability;
 pub mod etcd_server;
 pub mod fleet;
 pub mod metadata;

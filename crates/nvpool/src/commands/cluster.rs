@@ -6,6 +6,7 @@ use clap::{Args, Subcommand};
 use nvpool_control::access::AccessPolicy;
 use nvpool_control::client::Controllers;
 use nvpool_control::cluster::ClusterConfig;
+use nvpool_control::durability::{self, DurabilityConfig};
 use nvpool_control::proto;
 use nvpool_control::scheduler::{Policy, Weights};
 use nvpool_control::sim::{self, SimConfig};
@@ -408,6 +409,47 @@ pub struct SimArgs {
     /// Decisions to time with --bench.
     #[arg(long, default_value_t = 20000)]
     decisions: usize,
+    /// Simulate replicated volumes under node failures instead: time back to full
+    /// redundancy and lost volumes, for each --rebuild-rates.
+    #[arg(long)]
+    replication: bool,
+    #[command(flatten)]
+    durability: DurabilityArgs,
+}
+
+/// The replication model's parameters (`nvpool sim --replication`).
+#[derive(Args)]
+pub struct DurabilityArgs {
+    /// Copies of each volume.
+    #[arg(long, default_value_t = DurabilityConfig::default().replicas)]
+    replicas: usize,
+    /// Volumes per node.
+    #[arg(long, default_value_t = DurabilityConfig::default().volumes_per_node)]
+    volumes_per_node: usize,
+    /// Each volume's mean write rate (what a replica away misses), e.g. 1MB.
+    #[arg(long, value_parser = parse_size, default_value = "1MiB")]
+    write_rate: u64,
+    /// Failures per node and year.
+    #[arg(long, default_value_t = DurabilityConfig::default().failures_per_node_year)]
+    failures_per_node_year: f64,
+    /// Mean time a failed node stays away.
+    #[arg(long, value_parser = parse_duration, default_value = "30m")]
+    repair: Duration,
+    /// Share of failures that lose the node's disks.
+    #[arg(long, default_value_t = DurabilityConfig::default().disk_loss_share)]
+    disk_loss_share: f64,
+    /// How long a replica's node may stay away before the replica is made anew.
+    #[arg(long, value_parser = parse_duration, default_value = "5m")]
+    replica_timeout: Duration,
+    /// Rebuilds a node takes at once.
+    #[arg(long, default_value_t = DurabilityConfig::default().rebuild_cap)]
+    rebuild_cap: usize,
+    /// Years to simulate.
+    #[arg(long, default_value_t = DurabilityConfig::default().years)]
+    years: f64,
+    /// The rebuild rates to compare (bytes per second each).
+    #[arg(long, value_delimiter = ',', value_parser = parse_size, default_value = "25MiB,50MiB,100MiB,200MiB,400MiB")]
+    rebuild_rates: Vec<u64>,
 }
 
 #[derive(Subcommand)]
@@ -1436,6 +1478,9 @@ fn pool_table(pools: &[proto::PoolOnNode]) -> Vec<Vec<String>> {
 }
 
 fn run_sim(a: SimArgs) -> Result<(), String> {
+    if a.replication {
+        return run_durability(&a);
+    }
     let cfg = SimConfig {
         nodes: a.nodes,
         heavy_fraction: a.heavy_fraction,
@@ -1657,6 +1702,72 @@ async fn run_fleet(a: FleetArgs) -> Result<(), String> {
             "| after the leader's SIGKILL: nodes given their state again in 120 s | {} of {} |",
             r.failover_reconciled_nodes, r.nodes
         ),
+    }
+    Ok(())
+}
+
+/// `nvpool sim --replication`: the replication model at each rebuild rate.
+fn run_durability(a: &SimArgs) -> Result<(), String> {
+    let d = &a.durability;
+    if d.replicas == 0 || d.replicas >= a.nodes {
+        return Err(format!("--replicas {} needs 1 or more, and fewer than --nodes {}", d.replicas, a.nodes));
+    }
+    let cfg = DurabilityConfig {
+        nodes: a.nodes,
+        volumes_per_node: d.volumes_per_node,
+        replicas: d.replicas,
+        median_size: a.median_size,
+        write_rate: d.write_rate as f64,
+        failures_per_node_year: d.failures_per_node_year,
+        repair_seconds: d.repair.as_secs_f64(),
+        disk_loss_share: d.disk_loss_share,
+        replica_timeout_seconds: d.replica_timeout.as_secs_f64(),
+        rebuild_cap: d.rebuild_cap.max(1),
+        years: d.years,
+        seed: a.seed,
+    };
+    let rates: Vec<f64> = d.rebuild_rates.iter().map(|&r| r as f64).collect();
+    let reports = durability::run(&cfg, &rates);
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&reports).map_err(|e| e.to_string())?);
+        return Ok(());
+    }
+    println!(
+        "Simulated pool: {} nodes, {} volumes of {} copies (log-normal around {}, each writing {}/s), placed at \
+         random on distinct nodes; each node fails {} times a year, stays away {:?} on average, {:.0}% of failures \
+         lose the disks; a replica away {:?} is made anew elsewhere; {} rebuilds at once per node; {} years; seed {}.\n",
+        cfg.nodes,
+        cfg.nodes * cfg.volumes_per_node,
+        cfg.replicas,
+        human(cfg.median_size),
+        human(d.write_rate),
+        cfg.failures_per_node_year,
+        d.repair,
+        cfg.disk_loss_share * 100.0,
+        d.replica_timeout,
+        cfg.rebuild_cap,
+        cfg.years,
+        cfg.seed
+    );
+    println!(
+        "| rebuild rate | failures | back to full redundancy: mean / p99 / max (h) | hours with one copy per volume-year \
+         | hours unavailable per volume-year | volumes lost | lost per million volume-years | rebuilt |"
+    );
+    println!("|---:|---:|---|---:|---:|---:|---:|---:|");
+    for r in &reports {
+        println!(
+            "| {}/s | {} | {:.2} / {:.2} / {:.2} | {:.4} | {:.5} | {} | {:.1} | {} |",
+            human(r.rate as u64),
+            r.failures,
+            r.back_mean_hours,
+            r.back_p99_hours,
+            r.back_max_hours,
+            r.single_copy_hours_per_volume_year,
+            r.unavailable_hours_per_volume_year,
+            r.lost_volumes,
+            r.lost_per_million_volume_years,
+            human(r.rebuilt_bytes as u64)
+        );
     }
     Ok(())
 }
