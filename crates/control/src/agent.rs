@@ -73,6 +73,10 @@ struct Service {
     /// Under mutual TLS, only the controller may give orders.
     tls: bool,
     metrics: AgentMetrics,
+    /// A hot upgrade of the engine is under way: a moment without an answer from it
+    /// is the handover, not a lost engine (which would make the controller take its
+    /// replicas out of their volumes, or fail their volumes over).
+    upgrading: std::sync::atomic::AtomicBool,
 }
 
 impl Service {
@@ -167,14 +171,14 @@ impl proto::agent_server::Agent for Service {
         self.check_controller(&r)?;
         let engine = self.engine.clone();
         let binary = Some(r.into_inner().binary).filter(|b| !b.is_empty()).map(PathBuf::from);
-        let report = tokio::task::spawn_blocking(move || nvpool_api::call(&engine, &UpgradeEngine { binary }))
-            .await
-            .map_err(|e| Status::internal(format!("agent failed: {e}")))?
-            .map_err(|e| match e.kind {
-                ErrorKind::FailedPrecondition => Status::failed_precondition(e.message),
-                ErrorKind::InvalidArgument => Status::invalid_argument(e.message),
-                _ => Status::unavailable(e.message),
-            })?;
+        self.upgrading.store(true, std::sync::atomic::Ordering::SeqCst);
+        let report = tokio::task::spawn_blocking(move || nvpool_api::call(&engine, &UpgradeEngine { binary })).await;
+        self.upgrading.store(false, std::sync::atomic::Ordering::SeqCst);
+        let report = report.map_err(|e| Status::internal(format!("agent failed: {e}")))?.map_err(|e| match e.kind {
+            ErrorKind::FailedPrecondition => Status::failed_precondition(e.message),
+            ErrorKind::InvalidArgument => Status::invalid_argument(e.message),
+            _ => Status::unavailable(e.message),
+        })?;
         Ok(Response::new(proto::UpgradeReply {
             node: String::new(),
             old_pid: report.old_pid,
@@ -898,6 +902,7 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
         applied: Default::default(),
         tls: args.tls.is_some(),
         metrics: AgentMetrics::default(),
+        upgrading: Default::default(),
     });
     if let Some(addr) = args.metrics_listen {
         let service = service.clone();
@@ -1052,6 +1057,14 @@ pub async fn run(args: AgentArgs) -> Result<(), String> {
                         ..Default::default()
                     }
                 }
+                // The engine hands over to its new process: nothing to report but that the
+                // node is here.
+                Err(_) if service.upgrading.load(std::sync::atomic::Ordering::SeqCst) => proto::HeartbeatRequest {
+                    node: args.name.clone(),
+                    applied_generation,
+                    changes_only: true,
+                    ..Default::default()
+                },
                 Err(e) => {
                     if engine_down.is_none() {
                         tracing::warn!(agent = %args.name, "engine at {} does not answer: {e}", engine.display());

@@ -1,5 +1,6 @@
 //! Replicated volumes through the controller: a volume of three replicas on three
-//! nodes (one zone each) written by a host the whole time, while a replica's engine
+//! nodes (one zone each) written by a host the whole time, while every engine is
+//! hot-upgraded (nothing leaves the in-sync set), while a replica's engine
 //! is killed and comes back (the controller takes it out of the in-sync set, then
 //! has it rebuilt from what was written while it was away), and while the serving
 //! node is lost (another replica serves, the host's path turns optimized there). The
@@ -28,6 +29,16 @@ const WRITTEN: u64 = 8 * MIB;
 async fn volume(c: &Controllers) -> proto::Volume {
     let req = proto::VolumeName { name: VOLUME.into() };
     c.call(async |mut c| c.get_volume(req.clone()).await).await.unwrap()
+}
+
+/// SIGKILLs an engine that a hot upgrade started (not a child of the test).
+fn kill(pid: u32) {
+    let status = std::process::Command::new("kill").args(["-KILL", &pid.to_string()]).status().unwrap();
+    assert!(status.success(), "kill {pid}");
+    // Gone before the test goes on: its sockets closed.
+    while std::path::Path::new(&format!("/proc/{pid}")).exists() {
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// Each replica's node and state (`in-sync`, `rebuilding`, `faulted`).
@@ -80,11 +91,26 @@ async fn a_replicated_volume_keeps_every_write_through_a_replica_loss_and_a_serv
     let writer = host_writer(addrs, nqn.clone(), model.clone(), stop.clone(), WRITTEN / BLOCK as u64);
     tokio::time::sleep(Duration::from_secs(1)).await;
 
+    // Hot upgrades of every node's engine, one after the other, under the writes:
+    // nothing leaves the in-sync set, no rebuild follows.
+    // The engines are new processes from here on, not the test's children.
+    let mut upgraded: HashMap<String, u32> = HashMap::new();
+    for name in names {
+        let req = proto::UpgradeNodeRequest { node: name.into(), binary: String::new() };
+        let r = c.call(async |mut c| c.upgrade_node(req.clone()).await).await.unwrap();
+        println!("{name} upgraded: pid {} -> {}", r.old_pid, r.new_pid);
+        upgraded.insert(name.to_string(), r.new_pid);
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let now = volume(&c).await;
+        assert_eq!(now.generation, 1, "an upgrade of {name} changed the replicas: {:?}", now.replicas);
+        assert!(now.replicas.iter().all(|r| r.state == "in-sync"), "{:?}", now.replicas);
+    }
+
     // A replica's engine is lost: the controller takes it out of the in-sync set.
     let serving = v.node.clone();
     let lost = v.replicas.iter().find(|r| !r.serving).unwrap().node.clone();
     println!("killing the engine of {lost} (a replica; {serving} serves)");
-    nodes[index(&lost)].engine.kill();
+    kill(upgraded[&lost]);
     let v2 = wait_for("the lost replica faulted", Duration::from_secs(30), async || {
         let v = volume(&c).await;
         (states(&v)[&lost] == "faulted").then_some(v)
@@ -108,7 +134,7 @@ async fn a_replicated_volume_keeps_every_write_through_a_replica_loss_and_a_serv
     // The serving node is lost (engine and agent): another replica serves.
     println!("killing {serving} (engine and agent)");
     nodes[index(&serving)].agent.kill();
-    nodes[index(&serving)].engine.kill();
+    kill(upgraded[&serving]);
     let v4 = wait_for("another node serving", Duration::from_secs(30), async || {
         let v = volume(&c).await;
         (v.node != serving).then_some(v)

@@ -256,6 +256,9 @@ impl Cluster {
             return None;
         }
         let up = |node: &str| st.nodes.get(node).is_some_and(|n| self.healthy(n));
+        // Up and on time: a node that missed a heartbeat may be the one being lost,
+        // so it takes no new role (serving, a rebuild) until it heartbeats again.
+        let alive = |node: &str| st.nodes.get(node).is_some_and(|n| self.healthy(n) && !self.quiet(n));
         // Only what the mirror of this generation reports counts: an older one's
         // report was taken before the change that followed it.
         let report = st
@@ -280,7 +283,7 @@ impl Cluster {
         if !up(&v.node) || orphaned || failed(&own_leg).is_some() {
             // The serving replica is gone: an in-sync one on a live node takes over,
             // if there is one; else I/O waits for the serving node (invariant 4).
-            let heir = v.replicas.iter().position(|r| r.state == ReplicaState::InSync && up(&r.node))?;
+            let heir = v.replicas.iter().position(|r| r.state == ReplicaState::InSync && alive(&r.node))?;
             let heir = next.replicas.remove(heir);
             let why = match failed(&own_leg) {
                 Some(f) => format!("it failed a write: {}", f.error),
@@ -349,7 +352,7 @@ impl Cluster {
         if next.replicas.iter().any(|r| r.state == ReplicaState::CatchingUp) {
             return None;
         }
-        let r = next.replicas.iter_mut().find(|r| r.state == ReplicaState::Faulted && up(&r.node))?;
+        let r = next.replicas.iter_mut().find(|r| r.state == ReplicaState::Faulted && alive(&r.node))?;
         r.state = ReplicaState::CatchingUp;
         r.since = if r.left_serving == v.node && r.left_at > 0 { r.left_at + 1 } else { 0 };
         let what = match r.since {
