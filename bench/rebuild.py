@@ -58,8 +58,11 @@ def main():
     try:
         nodes = {}
         for name in ("serving", "replica"):
-            proc, port, sock = start_engine([], args.target_core, tmp, args.busy_poll_us)
+            # The engine starts with a placeholder namespace (its subsystem needs one),
+            # which the replica takes the place of.
+            proc, port, sock = start_engine(["null:1MiB"], args.target_core, tmp, args.busy_poll_us)
             procs.append(proc)
+            cli(sock, "namespace", "remove", NQN, "1")
             disk = f"{data_dir}/{name}.img"
             with open(disk, "wb") as f:
                 f.truncate(size + (size >> 2) + (64 << 20))
