@@ -65,6 +65,9 @@ pub struct ClusterConfig {
     /// How long a faulted replica's node may stay away before the replica is made
     /// anew on another node.
     pub replica_timeout: Duration,
+    /// Rebuilds a node takes part in at once (as the serving engine that copies, or
+    /// the replica copied to); the others wait their turn.
+    pub rebuilds_per_node: usize,
 }
 
 /// A rebuild's rate by default: enough to copy 100 GiB in about 20 minutes, little
@@ -85,6 +88,7 @@ impl Default for ClusterConfig {
             rebalance_rate: 0,
             rebuild_rate: DEFAULT_REBUILD_RATE,
             replica_timeout: Duration::from_secs(300),
+            rebuilds_per_node: 2,
         }
     }
 }

@@ -11,7 +11,7 @@ use crate::cluster::{Cluster, State, now_ms};
 use crate::model::{ReplicaRecord, ReplicaState, Tombstone, VolumeRecord, VolumeState};
 use crate::scheduler::{self, Locality, NodeView, Request};
 use crate::{access, proto};
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use tonic::Status;
 
@@ -219,9 +219,10 @@ impl Cluster {
         self.replace_lost_replicas().await;
         let due: Vec<String> = {
             let st = self.state.lock().unwrap();
+            let rebuilds = rebuilds_by_node(&st);
             st.volumes
                 .replicated()
-                .filter(|v| self.membership_change(&st, v).is_some())
+                .filter(|v| self.membership_change(&st, v, &rebuilds).is_some())
                 .map(|v| v.name.clone())
                 .collect()
         };
@@ -229,7 +230,8 @@ impl Cluster {
             let _guard = self.volume_locks.lock(&name).await;
             let change = {
                 let st = self.state.lock().unwrap();
-                st.volumes.get(&name).and_then(|v| self.membership_change(&st, v).map(|c| (v.clone(), c)))
+                let rebuilds = rebuilds_by_node(&st);
+                st.volumes.get(&name).and_then(|v| self.membership_change(&st, v, &rebuilds).map(|c| (v.clone(), c)))
             };
             let Some((old, (next, what))) = change else { continue };
             if let Err(e) = self.put_volume(&next).await {
@@ -251,7 +253,12 @@ impl Cluster {
     }
 
     /// The next change a replicated volume needs, with what it is, if any.
-    fn membership_change(&self, st: &State, v: &VolumeRecord) -> Option<(VolumeRecord, String)> {
+    fn membership_change(
+        &self,
+        st: &State,
+        v: &VolumeRecord,
+        rebuilds: &HashMap<&str, usize>,
+    ) -> Option<(VolumeRecord, String)> {
         if v.state != VolumeState::Ready || v.migration.is_some() {
             return None;
         }
@@ -352,7 +359,13 @@ impl Cluster {
         if next.replicas.iter().any(|r| r.state == ReplicaState::CatchingUp) {
             return None;
         }
-        let r = next.replicas.iter_mut().find(|r| r.state == ReplicaState::Faulted && alive(&r.node))?;
+        // Each node copies from or to at most `rebuilds_per_node` replicas at once.
+        let room = |node: &str| rebuilds.get(node).copied().unwrap_or(0) < self.cfg.rebuilds_per_node;
+        if !room(&v.node) {
+            return None;
+        }
+        let r =
+            next.replicas.iter_mut().find(|r| r.state == ReplicaState::Faulted && alive(&r.node) && room(&r.node))?;
         r.state = ReplicaState::CatchingUp;
         r.since = if r.left_serving == v.node && r.left_at > 0 { r.left_at + 1 } else { 0 };
         let what = match r.since {
@@ -361,6 +374,18 @@ impl Cluster {
         };
         Some((next, what))
     }
+}
+
+/// The rebuilds under way per node, as the source (the serving node) or the target.
+fn rebuilds_by_node(st: &State) -> HashMap<&str, usize> {
+    let mut count = HashMap::new();
+    for v in st.volumes.replicated() {
+        for r in v.replicas.iter().filter(|r| r.state == ReplicaState::CatchingUp) {
+            *count.entry(v.node.as_str()).or_default() += 1;
+            *count.entry(r.node.as_str()).or_default() += 1;
+        }
+    }
+    count
 }
 
 /// A replica made anew: it has nothing yet, so it waits for a full rebuild (the

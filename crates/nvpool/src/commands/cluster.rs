@@ -218,6 +218,9 @@ pub struct ControllerArgs {
     /// another node (rebuilt in full).
     #[arg(long, value_parser = parse_duration, default_value = "5m")]
     replica_timeout: Duration,
+    /// Rebuilds a node takes part in at once (copying from it or to it).
+    #[arg(long, default_value_t = 2)]
+    rebuilds_per_node: usize,
     /// Mutual TLS: the directory of `nvpool certs init`; callers then need a
     /// certificate from its CA, and agents their node's.
     #[arg(long, env = "NVPOOL_TLS_DIR")]
@@ -660,6 +663,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
                     rebalance_rate: a.rebalance_rate.unwrap_or(0),
                     rebuild_rate: a.rebuild_rate,
                     replica_timeout: a.replica_timeout,
+                    rebuilds_per_node: a.rebuilds_per_node.max(1),
                     tls: a.tls_dir.as_deref().map(|d| Tls::load(d, CONTROLLER)).transpose()?,
                     ..ClusterConfig::default()
                 },
