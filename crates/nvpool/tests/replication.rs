@@ -172,3 +172,94 @@ async fn a_replicated_volume_keeps_every_write_through_a_replica_loss_and_a_serv
         verify(addr(n), &replica_nqn, &model, &format!("the replica on {}", r.node));
     }
 }
+
+/// A volume made with one copy gets a second online (`volume set --replicas 2`,
+/// rebuilt in full before it counts); when that replica's node stays away past the
+/// replica timeout, a new replica is made on another node; the old copy goes when its
+/// node is back; and `--replicas 1` drops the second copy again. The host writes the
+/// whole time and loses nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_are_added_replaced_and_dropped_online() {
+    let keep = std::env::var_os("NVPOOL_KEEP_TEST_DIR").is_some();
+    let root = tempfile::Builder::new().disable_cleanup(keep).tempdir().unwrap();
+    println!("logs in {}", root.path().display());
+    let store = format!("redb:{}", root.path().join("controller.redb").display());
+    let controller =
+        cluster::start_controller_with(root.path(), &store, free_port(), "1", &["--replica-timeout", "2s"]);
+    let names = ["n1", "n2", "n3"];
+    let mut nodes: Vec<Node> = names.iter().map(|n| Node::new(root.path(), n, 256 * MIB)).collect();
+    for n in nodes.iter_mut() {
+        n.start_agent(&controller.address);
+    }
+    let c = Controllers::new(&controller.address).unwrap();
+    cluster::wait_healthy(&c, &names).await;
+    let req = proto::CreateVolumeRequest { thin: true, ..create_request(VOLUME, SIZE) };
+    let v = c.call(async |mut c| c.create_volume(req.clone()).await).await.unwrap().volume.unwrap();
+    assert!(v.replicas.is_empty() && v.replica_count == 1, "{v:?}");
+    let attach = proto::AttachRequest { volume: VOLUME.into(), host_nqn: HOST.into(), ..Default::default() };
+    c.call(async |mut c| c.attach(attach.clone()).await).await.unwrap();
+    let index = |name: &str| names.iter().position(|n| *n == name).unwrap();
+    let addrs = nodes.iter().map(addr).collect::<Vec<_>>();
+    let model: Model = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = host_writer(addrs, v.subsystem_nqn.clone(), model.clone(), stop.clone(), WRITTEN / BLOCK as u64);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let set = async |n: u32| {
+        let req = proto::SetVolumeReplicasRequest { name: VOLUME.into(), replicas: n };
+        c.call(async |mut c| c.set_volume_replicas(req.clone()).await).await.unwrap()
+    };
+    let in_sync = async |count: usize| {
+        wait_for(&format!("{count} replicas in sync"), Duration::from_secs(60), async || {
+            let v = volume(&c).await;
+            (v.replicas.len() == count && v.replicas.iter().all(|r| r.state == "in-sync")).then_some(v)
+        })
+        .await
+    };
+
+    // A second copy, online.
+    set(2).await;
+    let two = in_sync(2).await;
+    let second = two.replicas.iter().find(|r| !r.serving).unwrap().node.clone();
+    println!("second replica on {second}, generation {}", two.generation);
+    let engine_name = format!("pv-{}", v.id);
+    let has_volume = |n: &Node| {
+        nvpool_api::call(
+            &n.socket(),
+            &nvpool_api::GetVolume { pool: format!("{}-pool", n.name), name: engine_name.clone() },
+        )
+        .is_ok()
+    };
+    assert!(has_volume(&nodes[index(&second)]));
+
+    // Its node is lost for longer than the replica timeout: a new replica elsewhere.
+    let lost = index(&second);
+    nodes[lost].agent.kill();
+    nodes[lost].engine.kill();
+    let replaced = wait_for("a new replica elsewhere, in sync", Duration::from_secs(60), async || {
+        let v = volume(&c).await;
+        let other = v.replicas.iter().find(|r| !r.serving)?;
+        (other.node != second && other.state == "in-sync").then_some(v)
+    })
+    .await;
+    let third = replaced.replicas.iter().find(|r| !r.serving).unwrap().node.clone();
+    println!("replaced by {third}: {:?}", replaced.replicas);
+    assert_ne!(third, replaced.node);
+    // Back, the lost node gives up its old copy.
+    nodes[lost].start_engine(true);
+    nodes[lost].start_agent(&controller.address);
+    wait_for("the old copy removed", Duration::from_secs(30), async || (!has_volume(&nodes[lost])).then_some(())).await;
+
+    // One copy again: the other replica goes.
+    set(1).await;
+    wait_for("one copy left", Duration::from_secs(30), async || {
+        let v = volume(&c).await;
+        (v.replicas.is_empty() && !has_volume(&nodes[index(&third)])).then_some(())
+    })
+    .await;
+    stop.store(true, Ordering::SeqCst);
+    let (writes, errors) = writer.join().unwrap();
+    println!("{writes} writes, {errors} errors");
+    assert_eq!(errors, 0, "the host saw errors");
+    let v = volume(&c).await;
+    verify(addr(&nodes[index(&v.node)]), &v.subsystem_nqn, &model, "the serving node");
+}
