@@ -262,4 +262,16 @@ async fn replicas_are_added_replaced_and_dropped_online() {
     assert_eq!(errors, 0, "the host saw errors");
     let v = volume(&c).await;
     verify(addr(&nodes[index(&v.node)]), &v.subsystem_nqn, &model, "the serving node");
+
+    // Two copies again, then the volume deleted: no node keeps any of it.
+    set(2).await;
+    in_sync(2).await;
+    c.call(async |mut c| c.detach(proto::DetachRequest { volume: VOLUME.into(), host_nqn: HOST.into() }).await)
+        .await
+        .unwrap();
+    c.call(async |mut c| c.delete_volume(proto::VolumeName { name: VOLUME.into() }).await).await.unwrap();
+    wait_for("every copy removed", Duration::from_secs(30), async || {
+        nodes.iter().all(|n| !has_volume(n)).then_some(())
+    })
+    .await;
 }

@@ -134,10 +134,9 @@ impl Cluster {
             };
             let placed = placed.map_err(|e| Status::resource_exhausted(format!("volume {name}: {e}")))?;
             next.replicas.extend(placed.iter().map(|(node, pool)| new_replica(node, pool)));
-            if v.replicas.is_empty() {
-                // The volume's identity is the serving engine's; the new replicas take it.
-                next.generation = 1;
-            }
+            // Generations only grow: one that served the volume before (it had replicas
+            // once) is later than any engine took it at.
+            next.generation += 1;
         } else {
             let rank = |r: &ReplicaRecord| match r.state {
                 ReplicaState::Faulted => 0,
