@@ -211,6 +211,20 @@ impl Fanout {
         } else {
             None
         };
+        // A change that reaches a mirror another one replaced (a write whose data came
+        // by R2T after the swap: it took the namespace's backend when its capsule came)
+        // must not start on this mirror's legs: the new one may have others (a replica
+        // catching up that a rebuild's record, read once this mirror's writes were
+        // done, would not name). Asked after entering the window, which a rebuild
+        // drains after the swap, so one of the two sees the other. The host sends it
+        // again, to the mirror that serves now.
+        if let Some(parity) = counted.filter(|_| mirror.is_retired()) {
+            mirror.window.leave(ring.id, parity);
+            free.push(c);
+            self.busy -= 1;
+            ring.answer(cmd.owner, cmd.tag, Status::ANA_INACCESSIBLE, cmd.buf);
+            return;
+        }
         let aimed = |leg: &usize| targets & 1 << leg != 0;
         let carrier = targets.trailing_zeros() as usize;
         let f = &mut commands[usize::from(c)];

@@ -206,6 +206,11 @@ impl Mirror {
         !self.legs[i].catching_up || self.legs[i].caught_up.load(Ordering::SeqCst)
     }
 
+    /// Whether another backend serves the namespace now.
+    fn is_retired(&self) -> bool {
+        self.next_legs.get().is_some()
+    }
+
     /// Whether another engine took the volume over (see `fenced`).
     fn is_fenced(&self) -> bool {
         self.fenced.load(Ordering::Acquire)
