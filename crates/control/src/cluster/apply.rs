@@ -415,7 +415,11 @@ impl Cluster {
                             now.local_device = reported_local(v, r);
                             confirmed.push(now);
                         }
-                        r if !r.error.is_empty() && v.state == VolumeState::Creating => failed.push(v.clone()),
+                        // A replicated volume's creation fails until its replicas are
+                        // exported: `finish_create` tries again, and gives it up.
+                        r if !r.error.is_empty() && v.state == VolumeState::Creating && v.replicas.is_empty() => {
+                            failed.push(v.clone())
+                        }
                         r if r.error.is_empty() && v.local_device != reported_local(v, r) => {
                             confirmed.push(VolumeRecord { local_device: reported_local(v, r), ..v.clone() });
                         }

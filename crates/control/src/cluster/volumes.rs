@@ -188,13 +188,40 @@ impl Cluster {
         v: &VolumeRecord,
         scores: Vec<Score>,
     ) -> Result<proto::CreateVolumeResponse, Status> {
-        // The replicas first: the serving engine's mirror connects to them.
-        for r in &v.replicas {
-            if let Err(e) = self.apply_node(&r.node).await {
-                tracing::warn!(volume = v.name, node = r.node, "cannot make a replica yet: {e}");
+        // A replicated volume: the replicas first, since the serving engine's mirror
+        // connects to them; until they are exported (the background loop may apply
+        // the serving node first) its creation fails for a while, and is tried again.
+        let attempts = if v.replicas.is_empty() { 1 } else { 10 };
+        let mut outcome = Err(String::new());
+        for attempt in 0..attempts {
+            if attempt > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            }
+            for r in &v.replicas {
+                if let Err(e) = self.apply_node(&r.node).await {
+                    tracing::warn!(volume = v.name, node = r.node, "cannot make a replica yet: {e}");
+                }
+            }
+            outcome = self.apply_node(&v.node).await;
+            let ready =
+                self.state.lock().unwrap().volumes.get(&v.name).is_some_and(|now| now.state == VolumeState::Ready);
+            if ready || !matches!(&outcome, Ok(results) if results.get(&v.id).is_some_and(|r| !r.error.is_empty())) {
+                break;
             }
         }
-        let outcome = self.apply_node(&v.node).await;
+        if !v.replicas.is_empty()
+            && let Ok(results) = &outcome
+            && let Some(r) = results.get(&v.id).filter(|r| !r.error.is_empty())
+        {
+            // Never made: nothing of it stays on any node.
+            let why = r.error.clone();
+            self.bury(v).await?;
+            return Err(Status::failed_precondition(format!(
+                "node {} could not serve volume {} over its replicas: {why}; nothing was left behind, retry to \
+                 place it again",
+                v.node, v.name
+            )));
+        }
         let now = self.state.lock().unwrap().volumes.get(&v.name).cloned();
         match (now, outcome) {
             (Some(now), _) if now.id == v.id && now.state == VolumeState::Ready => Ok(proto::CreateVolumeResponse {
