@@ -9,7 +9,7 @@
 
 use crate::client::Controllers;
 use crate::metrics::{AgentMetrics, ResultLabels};
-use crate::model::VOLUME_NQN_PREFIX;
+use crate::model::{REPLICA_NQN_SUFFIX, VOLUME_NQN_PREFIX};
 use crate::proto::{self, agent_server::AgentServer};
 use nvpool_api::{
     AddHost, AddLocalDevice, AddNamespace, AddSubsystem, AnaState, CancelMigration, CreateVolume, DeleteVolume,
@@ -650,7 +650,7 @@ fn rebuild_alive(engine: &Path, d: &proto::DesiredVolume, leg: &str) -> Result<b
 
 /// The name of a volume's replica export.
 fn replica_nqn(d: &proto::DesiredVolume) -> String {
-    format!("{}-replica", d.subsystem_nqn)
+    format!("{}{REPLICA_NQN_SUFFIX}", d.subsystem_nqn)
 }
 
 /// Holds a replica of a volume another node serves: the volume (made with the

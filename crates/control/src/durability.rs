@@ -15,6 +15,7 @@
 //! most `rebuild_cap` rebuilds at once, each at `rate`; the others queue. A volume
 //! loses data when every copy that had all its writes is on lost disks.
 
+use crate::sim::Rng;
 use serde::Serialize;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
@@ -85,29 +86,6 @@ pub struct DurabilityReport {
     pub lost_per_million_volume_years: f64,
     /// Bytes the rebuilds copied.
     pub rebuilt_bytes: f64,
-}
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn exponential(&mut self, mean: f64) -> f64 {
-        -mean * (1.0 - self.unit()).ln()
-    }
-    fn normal(&mut self) -> f64 {
-        (-2.0 * (1.0 - self.unit()).ln()).sqrt() * (std::f64::consts::TAU * self.unit()).cos()
-    }
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -278,7 +256,7 @@ impl Sim<'_> {
         // A new replica on a live node without one of this volume.
         let taken: Vec<usize> = self.volumes[v].replicas.iter().map(|r| r.node).collect();
         let node = loop {
-            let n = self.rng.below(self.cfg.nodes);
+            let n = self.rng.below(self.cfg.nodes as u64) as usize;
             if self.up[n] && !taken.contains(&n) {
                 break n;
             }
@@ -359,7 +337,7 @@ pub fn run(cfg: &DurabilityConfig, rates: &[f64]) -> Vec<DurabilityReport> {
 }
 
 fn run_at(cfg: &DurabilityConfig, rate: f64) -> DurabilityReport {
-    let mut rng = Rng(cfg.seed | 1);
+    let mut rng = Rng::new(cfg.seed);
     let count = cfg.nodes * cfg.volumes_per_node;
     let mut on_node = vec![Vec::new(); cfg.nodes];
     let volumes: Vec<Volume> = (0..count)
@@ -367,7 +345,7 @@ fn run_at(cfg: &DurabilityConfig, rate: f64) -> DurabilityReport {
             let size = (cfg.median_size as f64 * rng.normal().exp()).clamp(GIB, 4096.0 * GIB);
             let mut nodes: Vec<usize> = Vec::new();
             while nodes.len() < cfg.replicas {
-                let n = rng.below(cfg.nodes);
+                let n = rng.below(cfg.nodes as u64) as usize;
                 if !nodes.contains(&n) {
                     nodes.push(n);
                 }
@@ -383,7 +361,7 @@ fn run_at(cfg: &DurabilityConfig, rate: f64) -> DurabilityReport {
         cfg,
         rate,
         rng,
-        failures: Rng(cfg.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1),
+        failures: Rng::new(cfg.seed ^ 0x5EED_FA11),
         now: 0.0,
         queue: BinaryHeap::new(),
         events: Vec::new(),
@@ -402,7 +380,7 @@ fn run_at(cfg: &DurabilityConfig, rate: f64) -> DurabilityReport {
     let end = cfg.years * YEAR;
     let failure_gap = YEAR / (cfg.failures_per_node_year * cfg.nodes as f64);
     let first = sim.failures.exponential(failure_gap);
-    let node = sim.failures.below(cfg.nodes);
+    let node = sim.failures.below(cfg.nodes as u64) as usize;
     sim.at(first, Event::Fail(node));
     let mut failures = 0;
     while let Some(Reverse((ms, e))) = sim.queue.pop() {
@@ -415,7 +393,7 @@ fn run_at(cfg: &DurabilityConfig, rate: f64) -> DurabilityReport {
                 failures += 1;
                 sim.fail(node);
                 let next = sim.now + sim.failures.exponential(failure_gap);
-                let node = sim.failures.below(cfg.nodes);
+                let node = sim.failures.below(cfg.nodes as u64) as usize;
                 sim.at(next, Event::Fail(node));
             }
             Event::Return { node, disks_lost } => sim.ret(node, disks_lost),

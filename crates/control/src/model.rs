@@ -19,6 +19,9 @@ pub const LEADER_KEY: &str = "/nvpool/leader";
 /// Volumes are exported as one subsystem each: this prefix and the volume's ID.
 pub const VOLUME_NQN_PREFIX: &str = "nqn.2024-01.io.nvpool:volume:";
 
+/// A replica's export is the volume's NQN with this after it.
+pub const REPLICA_NQN_SUFFIX: &str = "-replica";
+
 /// Largest volume the controller accepts: 1 PiB.
 pub const MAX_VOLUME_SIZE: u64 = 1 << 50;
 
@@ -324,7 +327,7 @@ impl VolumeRecord {
 
     /// The export of the replicas (each replica node has its own, of this name).
     pub fn replica_nqn(&self) -> String {
-        format!("{}-replica", self.subsystem_nqn)
+        format!("{}{REPLICA_NQN_SUFFIX}", self.subsystem_nqn)
     }
 }
 

@@ -10,7 +10,7 @@
 mod cluster;
 
 use cluster::{
-    BLOCK, HOST, Model, Node, addr, create_request, free_port, host_writer, start_controller, verify, wait_for,
+    BLOCK, HOST, Model, Node, addr, create_request, free_port, host_writer, next, start_controller, verify, wait_for,
     wait_healthy,
 };
 use nvpool_control::client::Controllers;
@@ -24,13 +24,6 @@ const RUNS: usize = 30;
 const VOLUME: &str = "cr";
 const SIZE: u64 = 32 * MIB;
 const NAMES: [&str; 3] = ["n1", "n2", "n3"];
-
-fn next(x: &mut u64) -> u64 {
-    *x ^= *x << 13;
-    *x ^= *x >> 7;
-    *x ^= *x << 17;
-    *x
-}
 
 async fn volume(c: &Controllers) -> Option<proto::Volume> {
     let req = proto::VolumeName { name: VOLUME.into() };
@@ -112,12 +105,7 @@ impl Cluster {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_keep_every_acknowledged_write_whatever_process_is_killed() {
-    let keep = std::env::var_os("NVPOOL_KEEP_TEST_DIR").is_some();
-    let root = tempfile::Builder::new().disable_cleanup(keep).tempdir().unwrap();
-    let seed = std::env::var("NVPOOL_CRASH_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
-    });
-    println!("logs in {}; NVPOOL_CRASH_SEED={seed}", root.path().display());
+    let (root, seed) = cluster::crash_run();
     let mut rng = seed;
     let store = format!("redb:{}", root.path().join("controller.redb").display());
     let port = free_port();

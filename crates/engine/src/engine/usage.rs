@@ -33,15 +33,22 @@ impl Engine {
     pub fn usage(&self, since: Option<u64>) -> UsageReport {
         let volumes: HashMap<(String, String), u64> =
             self.pools.allocations().into_iter().map(|(pool, name, bytes)| ((pool, name), bytes)).collect();
-        let namespaces: HashMap<(String, u32), StatsSnapshot> = self
-            .target()
-            .subsystems()
-            .into_iter()
-            .filter(|s| !s.is_discovery())
-            .flat_map(|s| {
-                s.namespaces().values().map(|ns| ((s.nqn.clone(), ns.nsid), ns.stats.snapshot())).collect::<Vec<_>>()
-            })
-            .collect();
+        // One pass over the subsystems: every namespace's counters, the mirrors that need
+        // the controller, and the replica exports nobody writes.
+        let mut namespaces: HashMap<(String, u32), StatsSnapshot> = HashMap::new();
+        let (mut mirrors, mut replicas_unconnected) = (Vec::new(), Vec::new());
+        for s in self.target().subsystems().into_iter().filter(|s| !s.is_discovery()) {
+            let served = s.namespaces();
+            if s.controllers().is_empty() && served.values().any(|ns| ns.backend.kind() == "replica") {
+                replicas_unconnected.push(s.nqn.clone());
+            }
+            for ns in served.values() {
+                namespaces.insert((s.nqn.clone(), ns.nsid), ns.stats.snapshot());
+                if let Some(m) = ns.backend.as_mirror() {
+                    mirrors.extend(self.mirror_usage(&s.nqn, ns.nsid, m));
+                }
+            }
+        }
         let mut last = lock(&self.last_usage);
         let since_last = (since == Some(last.mark)).then_some(&*last);
         let (volumes_changed, volumes_gone) =
@@ -56,30 +63,6 @@ impl Engine {
                 nsid: *nsid,
                 stats,
             });
-        let (mut mirrors, mut replicas_unconnected) = (Vec::new(), Vec::new());
-        for s in self.target().subsystems().into_iter().filter(|s| !s.is_discovery()) {
-            let namespaces = s.namespaces();
-            if s.controllers().is_empty() && namespaces.values().any(|ns| ns.backend.kind() == "replica") {
-                replicas_unconnected.push(s.nqn.clone());
-            }
-            for ns in namespaces.values() {
-                let Some(m) = ns.backend.as_mirror() else { continue };
-                let faults = m.faults();
-                if faults.is_empty() && !m.has_catching_up() {
-                    continue;
-                }
-                mirrors.push(MirrorUsage {
-                    nqn: s.nqn.clone(),
-                    nsid: ns.nsid,
-                    generation: m.generation().unwrap_or(0),
-                    faulted_legs: faults
-                        .into_iter()
-                        .map(|(leg, status)| FaultedLeg { leg, error: status.to_string() })
-                        .collect(),
-                    rebuild: m.has_catching_up().then(|| self.rebuilds.info(&s.nqn, ns.nsid)),
-                });
-            }
-        }
         let report = UsageReport {
             mirrors,
             replicas_unconnected,
@@ -93,6 +76,27 @@ impl Engine {
         };
         *last = LastUsage { mark: report.mark, volumes, namespaces };
         report
+    }
+}
+
+impl Engine {
+    /// A mirror's faulted legs and its rebuild, if it has either (else the controller
+    /// has nothing to do for it).
+    fn mirror_usage(&self, nqn: &str, nsid: u32, m: &crate::backend::mirror::MirrorBackend) -> Option<MirrorUsage> {
+        let faults = m.faults();
+        if faults.is_empty() && !m.has_catching_up() {
+            return None;
+        }
+        Some(MirrorUsage {
+            nqn: nqn.to_string(),
+            nsid,
+            generation: m.generation().unwrap_or(0),
+            faulted_legs: faults
+                .into_iter()
+                .map(|(leg, status)| FaultedLeg { leg, error: status.to_string() })
+                .collect(),
+            rebuild: m.has_catching_up().then(|| self.rebuilds.info(nqn, nsid)),
+        })
     }
 }
 

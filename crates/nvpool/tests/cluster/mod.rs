@@ -357,3 +357,25 @@ pub fn hold_paths(addrs: Vec<SocketAddr>, nqn: String, stop: Arc<AtomicBool>) ->
         }
     })
 }
+
+// ----- crash cycles: a run's directory and its random moments ----------------------
+
+/// The directory of a crash-cycle run (kept with NVPOOL_KEEP_TEST_DIR) and its seed:
+/// NVPOOL_CRASH_SEED replays a run's random moments, else one from the clock.
+pub fn crash_run() -> (tempfile::TempDir, u64) {
+    let keep = std::env::var_os("NVPOOL_KEEP_TEST_DIR").is_some();
+    let root = tempfile::Builder::new().disable_cleanup(keep).tempdir().unwrap();
+    let seed = std::env::var("NVPOOL_CRASH_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
+    });
+    println!("logs in {}; NVPOOL_CRASH_SEED={seed}", root.path().display());
+    (root, seed)
+}
+
+/// The next number of a crash run's random sequence (xorshift).
+pub fn next(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
