@@ -559,6 +559,10 @@ pub struct PoolInfo {
     /// Its metadata journal.
     #[serde(default)]
     pub journal: JournalInfo,
+    /// How many times it was opened after its machine stopped with it open (a power
+    /// loss: its disks may have lost writes they cached).
+    #[serde(default)]
+    pub power_losses: u32,
 }
 
 /// A pool's metadata journal: where allocation changes are made durable before they

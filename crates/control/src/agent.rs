@@ -753,6 +753,7 @@ fn usage(engine: &Path, version: String, since: Option<u64>) -> Result<Usage, St
             cluster_size: p.cluster_size,
             volumes: p.volumes as u32,
             failed: p.failed.unwrap_or_default(),
+            power_losses: p.power_losses,
         })
         .collect();
     let volumes = report

@@ -46,6 +46,9 @@ pub struct PoolRecord {
     pub cluster_size: u64,
     pub volumes: u32,
     pub failed: Option<String>,
+    /// Times the pool was opened after a power loss (see `PoolInfo::power_losses`).
+    #[serde(default)]
+    pub power_losses: u32,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -204,6 +207,11 @@ pub struct ReplicaRecord {
     /// written (0: every cluster).
     #[serde(default)]
     pub since: u64,
+    /// Its pool's power losses when it joined the in-sync set: a later one means its
+    /// disks may have lost writes it had acknowledged, so it leaves the set and
+    /// rebuilds in full.
+    #[serde(default)]
+    pub power_losses: u32,
 }
 
 impl ReplicaRecord {
@@ -218,6 +226,7 @@ impl ReplicaRecord {
             left_serving: String::new(),
             left_ms: 0,
             since: 0,
+            power_losses: 0,
         }
     }
 }

@@ -268,10 +268,11 @@ impl Pools {
         Ok(())
     }
 
-    /// Closes every pool (the engine stops).
-    pub fn close_all(&self) {
+    /// Closes every pool (the engine stops): cleanly, recording that the disks have
+    /// every write, unless a hot upgrade's new process holds them now.
+    pub fn close_all(&self, cleanly: bool) {
         for p in lock(&self.pools).values() {
-            p.close();
+            if cleanly { p.close_cleanly() } else { p.close() }
         }
     }
 

@@ -257,7 +257,8 @@ fn an_engine_that_lost_the_serving_role_cannot_write_to_the_replicas() {
 /// subsystem; the hosts' subsystem is there, empty.
 struct ReplicaNode {
     node: TestEngine,
-    _disks: tempfile::TempDir,
+    host_nqn: String,
+    disks: tempfile::TempDir,
 }
 
 impl ReplicaNode {
@@ -266,7 +267,7 @@ impl ReplicaNode {
         let disk = disks.path().join("disk");
         std::fs::File::create(&disk).unwrap().set_len(64 << 20).unwrap();
         let cfg = EngineConfig { host_nqn: Some(host_nqn.into()), reactors: Some(1), ..EngineConfig::default() };
-        let n = ReplicaNode { node: TestEngine::start(&cfg), _disks: disks };
+        let n = ReplicaNode { node: TestEngine::start(&cfg), host_nqn: host_nqn.into(), disks };
         n.ok("pool_create", json!({ "name": "p", "disks": [disk] }));
         let mut create = json!({ "pool": "p", "name": "v", "size": SIZE, "thin": true });
         if let Some(id) = identity {
@@ -278,6 +279,19 @@ impl ReplicaNode {
         }
         n.add(REPLICA_NQN, "replica:p/v").unwrap();
         n
+    }
+
+    /// Stops the engine and starts a new one on the same disks, exporting the replica
+    /// again (as its agent would): nothing but the pool carries over.
+    fn restart(&mut self) {
+        let cfg = EngineConfig { host_nqn: Some(self.host_nqn.clone()), reactors: Some(1), ..EngineConfig::default() };
+        self.node.engine.stop();
+        self.node = TestEngine::start(&cfg);
+        self.ok("pool_import", json!({ "disks": [self.disks.path().join("disk")] }));
+        for nqn in [NQN, REPLICA_NQN] {
+            self.ok("subsystem_add", json!({ "nqn": nqn, "allow_any_host": true }));
+        }
+        self.add(REPLICA_NQN, "replica:p/v").unwrap();
     }
 
     fn call(&self, method: &str, params: Value) -> Result<Value, nvpool_engine::error::Error> {
@@ -336,6 +350,38 @@ fn when_the_serving_role_moves_the_old_engine_writes_no_replica() {
     assert!(e.to_string().contains("generation 2"), "{e}");
     via_b.write(1, 16, &pattern(4, 4096), BLOCK, IN_CAPSULE).unwrap();
     assert_eq!((a.replica_block(16), b.replica_block(16)), (pattern(4, 4096), pattern(4, 4096)));
+}
+
+/// A replica remembers across a restart of its engine which generation took it: an
+/// engine of an older generation can no longer write to it, nor serve it.
+#[test]
+fn a_replica_stays_fenced_across_a_restart_of_its_engine() {
+    let mut a = ReplicaNode::start("nqn.2024-01.io.nvpool:engine:a", None);
+    let identity = a.ok("volume_list", json!({ "pool": "p" }))[0].clone();
+    let b = ReplicaNode::start("nqn.2024-01.io.nvpool:engine:b", Some(&identity));
+    let old = ReplicaNode::start("nqn.2024-01.io.nvpool:engine:old", Some(&identity));
+    // b serves at generation 2: its first write takes a's replica.
+    b.serve(2, &a);
+    let (_b_admin, mut via_b) = io_queue(b.node.addr, NQN);
+    via_b.write(1, 8, &pattern(1, 4096), BLOCK, IN_CAPSULE).unwrap();
+    drop((_b_admin, via_b));
+    b.call("namespace_remove", json!({ "nqn": NQN, "nsid": 1 })).unwrap();
+
+    a.restart();
+    // An engine still at generation 1 finds the replica refusing its writes...
+    old.serve(1, &a);
+    let (_old_admin, mut via_old) = io_queue(old.node.addr, NQN);
+    let e = via_old.write(1, 8, &pattern(2, 4096), BLOCK, IN_CAPSULE).unwrap_err();
+    assert_eq!(status_of(e), Status::ANA_INACCESSIBLE);
+    assert_eq!(a.replica_block(8), pattern(1, 4096), "the old generation's write landed on the restarted replica");
+    // ...and the restarted engine itself does not serve the volume at generation 1.
+    let e = a.add(NQN, &format!("mirror:generation=1 volume:p/v remote:{}/{REPLICA_NQN}/1", b.node.addr)).unwrap_err();
+    assert!(e.to_string().contains("generation 2"), "{e}");
+    // The current generation's engine takes it again.
+    b.serve(2, &a);
+    let (_b_admin, mut via_b) = io_queue(b.node.addr, NQN);
+    via_b.write(1, 16, &pattern(3, 4096), BLOCK, IN_CAPSULE).unwrap();
+    assert_eq!(a.replica_block(16), pattern(3, 4096));
 }
 
 /// While a replica is away, its serving engine records what changes: the clusters

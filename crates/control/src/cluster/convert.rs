@@ -266,6 +266,7 @@ pub(super) fn pool_record(p: &proto::PoolReport) -> PoolRecord {
         cluster_size: p.cluster_size,
         volumes: p.volumes,
         failed: (!p.failed.is_empty()).then(|| p.failed.clone()),
+        power_losses: p.power_losses,
     }
 }
 
@@ -278,6 +279,7 @@ pub(super) fn pool_report(p: &PoolRecord) -> proto::PoolReport {
         cluster_size: p.cluster_size,
         volumes: p.volumes,
         failed: p.failed.clone().unwrap_or_default(),
+        power_losses: p.power_losses,
     }
 }
 

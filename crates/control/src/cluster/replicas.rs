@@ -325,6 +325,12 @@ impl Cluster {
             let failure = failed(&leg).map(|f| format!("it failed a write: {}", f.error));
             let rebuild = report.and_then(|m| m.rebuild.as_ref()).filter(|b| b.leg == leg);
             let gone = (!up(&r.node)).then(|| format!("node {} went away", r.node));
+            // Its machine stopped with the pool open since it joined (or began to catch
+            // up): the disks may have lost writes they had acknowledged, whatever the
+            // serving engine's record says it has.
+            let lost_power = (power_losses(st, &r.node, &r.pool) > r.power_losses)
+                .then(|| format!("node {} lost power: its disks may lack writes they had acknowledged", r.node));
+            let gone = gone.or(lost_power);
             match r.state {
                 ReplicaState::InSync => {
                     if let Some(why) = failure.or(gone) {
@@ -342,7 +348,7 @@ impl Cluster {
                         r.since = 0;
                     } else if rebuild.is_some_and(|b| b.state == "done") {
                         changes.push(format!("{} rebuilt and in sync", r.node));
-                        *r = ReplicaRecord::new(&r.node, &r.pool);
+                        *r = ReplicaRecord { power_losses: r.power_losses, ..ReplicaRecord::new(&r.node, &r.pool) };
                     }
                 }
                 ReplicaState::Faulted => {}
@@ -366,13 +372,22 @@ impl Cluster {
         let r =
             next.replicas.iter_mut().find(|r| r.state == ReplicaState::Faulted && alive(&r.node) && room(&r.node))?;
         r.state = ReplicaState::CatchingUp;
-        r.since = if r.left_serving == v.node && r.left_at > 0 { r.left_at + 1 } else { 0 };
+        // The record names what it lacks only if the serving engine kept it, and only
+        // if its own disks kept everything it had acknowledged.
+        let power_lost = power_losses(st, &r.node, &r.pool) > r.power_losses;
+        r.power_losses = power_losses(st, &r.node, &r.pool);
+        r.since = if r.left_serving == v.node && r.left_at > 0 && !power_lost { r.left_at + 1 } else { 0 };
         let what = match r.since {
             0 => format!("{} back: a full rebuild", r.node),
             since => format!("{} back: rebuilding what generations {since} and later wrote", r.node),
         };
         Some((next, what))
     }
+}
+
+/// The power losses pool `pool` of node `node` counted, as its last heartbeat said.
+pub(super) fn power_losses(st: &State, node: &str, pool: &str) -> u32 {
+    st.nodes.get(node).and_then(|n| n.pools.iter().find(|p| p.name == pool)).map_or(0, |p| p.power_losses)
 }
 
 /// The rebuilds under way per node, as the source (the serving node) or the target.

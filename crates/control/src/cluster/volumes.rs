@@ -124,7 +124,13 @@ impl Cluster {
                     && chosen.node != req.host_node
                     && views.iter().any(|n| n.name == req.host_node && !n.pools.is_empty()),
                 generation: if replicas.is_empty() { 0 } else { 1 },
-                replicas: replicas.iter().map(|(node, pool)| ReplicaRecord::new(node, pool)).collect(),
+                replicas: replicas
+                    .iter()
+                    .map(|(node, pool)| ReplicaRecord {
+                        power_losses: crate::cluster::replicas::power_losses(&st, node, pool),
+                        ..ReplicaRecord::new(node, pool)
+                    })
+                    .collect(),
             };
             // Reserve the space now, so that concurrent creations see it taken.
             st.reserved.insert(record.name.clone(), record.clone());

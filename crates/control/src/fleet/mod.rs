@@ -138,6 +138,7 @@ impl Fleet {
             cluster_size: pool.cluster_size,
             volumes,
             failed: String::new(),
+            power_losses: 0,
         })
     }
 

@@ -85,6 +85,7 @@ fn open_as(pool: &Pool, name: &str, role: Role) -> Result<Opened> {
             )));
         }
         volume.map.start_record(generation);
+        pool.persist_generations(volume.id)?;
     }
     let kind = if role == Role::Replica { "replica" } else { "volume" };
     let backend = VolumeBackend {
@@ -303,7 +304,26 @@ impl Backend for VolumeBackend {
     fn reservation_taken(&self, key: u64) {
         if self.role == Role::Replica {
             self.reserved_at.store(key, Ordering::Release);
+            let risen = key > self.volume.map.generation();
             self.volume.map.fence(key);
+            // Durable before the Acquire completes, so that a restart of this engine
+            // cannot let an engine of an older generation take the replica again. On
+            // the reactor: a new generation takes a replica once per membership
+            // change, and a journal entry is one small synchronous write.
+            if risen {
+                let (tx, rx) = std::sync::mpsc::sync_channel(1);
+                let done = Box::new(move |status| {
+                    let _ = tx.send(status);
+                });
+                self.volume.pool.request(MetaRequest::PersistGenerations { volume: self.volume.id, done });
+                let status = rx.recv().unwrap_or(Status::NAMESPACE_NOT_READY);
+                if !status.is_success() {
+                    tracing::error!(
+                        "{}: its generation {key} could not be made durable ({status:?})",
+                        self.description
+                    );
+                }
+            }
         }
     }
 }

@@ -327,6 +327,6 @@ impl Engine {
             let _ = t.join();
         }
         drop(rdma);
-        self.pools.close_all();
+        self.pools.close_all(!self.handed_over());
     }
 }

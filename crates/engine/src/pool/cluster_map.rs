@@ -195,6 +195,12 @@ impl VolumeMap {
         from != 0 && g >= from
     }
 
+    /// Takes back the generations the pool's metadata kept (when the pool opens).
+    pub fn restore_generations(&self, g: super::format::Generations) {
+        self.take_generation(g.taken);
+        self.fenced_at.fetch_max(g.fenced_at, Ordering::SeqCst);
+    }
+
     /// The latest generation another engine took the volume at (0: none).
     pub fn fenced_at(&self) -> u64 {
         self.fenced_at.load(Ordering::SeqCst)

@@ -38,6 +38,8 @@ pub const HEADER_LEN: usize = 64;
 const VOLUME_ENTRY: usize = 128;
 /// Bytes of one extent in a checkpoint.
 const EXTENT_ENTRY: usize = 12;
+/// Bytes of a checkpoint's pool-wide fields, after the volumes.
+const POOL_TRAILER: usize = 24;
 
 /// Rounds `v` up to a multiple of [`BLOCK`].
 pub fn block_align(v: u64) -> u64 {
@@ -155,7 +157,9 @@ impl MetaLayout {
     /// bytes: each checkpoint slot holds the largest state such a pool can have.
     pub fn for_pool(clusters: u64, journal_size: u64) -> MetaLayout {
         let checkpoint_size = block_align(
-            HEADER_LEN as u64 + 8 + u64::from(MAX_VOLUMES) * VOLUME_ENTRY as u64 + clusters * EXTENT_ENTRY as u64,
+            (HEADER_LEN + 8 + POOL_TRAILER) as u64
+                + u64::from(MAX_VOLUMES) * VOLUME_ENTRY as u64
+                + clusters * EXTENT_ENTRY as u64,
         );
         MetaLayout {
             checkpoint_offset: BLOCK,
@@ -296,6 +300,26 @@ pub struct VolumeState {
     pub meta: VolumeMeta,
     /// Virtual cluster → physical cluster, for allocated clusters only.
     pub map: BTreeMap<u32, u32>,
+    /// The replica generations it has seen (zero for a volume with one copy).
+    pub generations: Generations,
+}
+
+impl VolumeState {
+    /// A volume with no clusters and no generation.
+    pub fn new(meta: VolumeMeta) -> VolumeState {
+        VolumeState { meta, map: BTreeMap::new(), generations: Generations::default() }
+    }
+}
+
+/// What a replica of a replicated volume must remember across a restart to stay
+/// fenced: the latest generation that took it, and the latest one another engine
+/// took it at (see `VolumeMap::take_generation` and `VolumeMap::fence`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Generations {
+    /// The latest generation of the volume that took it (0: none).
+    pub taken: u64,
+    /// The latest generation another engine took it at (0: none).
+    pub fenced_at: u64,
 }
 
 /// The whole metadata of a pool: what checkpoints store and journal entries change.
@@ -305,6 +329,14 @@ pub struct PoolState {
     pub next_id: u32,
     /// Volumes by ID.
     pub volumes: BTreeMap<u32, VolumeState>,
+    /// The boot (`/proc/sys/kernel/random/boot_id`) of the machine that has the pool
+    /// open, all zeroes once it was closed cleanly: found set to another boot, the
+    /// machine stopped with the pool open (a power loss), and the disks may have lost
+    /// the writes they still cached.
+    pub open_boot: [u8; 16],
+    /// How many times the pool was opened after such a loss: a replica whose pool's
+    /// count grew while it was away may lack writes it had acknowledged.
+    pub power_losses: u32,
 }
 
 /// One change to a [`PoolState`].
@@ -345,6 +377,22 @@ pub enum Record {
         /// Number of clusters.
         count: u32,
     },
+    /// A replica's generations rose.
+    SetGenerations {
+        /// Volume ID.
+        id: u32,
+        /// The generations now.
+        generations: Generations,
+    },
+    /// The pool is open on boot `boot`, after `power_losses` losses.
+    Opened {
+        /// The boot ID.
+        boot: [u8; 16],
+        /// Power losses so far.
+        power_losses: u32,
+    },
+    /// The pool was closed cleanly: its disks have every write.
+    Closed,
 }
 
 impl PoolState {
@@ -357,7 +405,7 @@ impl PoolState {
                     return Err(format!("volume {} exists twice", m.name));
                 }
                 self.next_id = self.next_id.max(m.id + 1);
-                self.volumes.insert(m.id, VolumeState { meta: m.clone(), map: BTreeMap::new() });
+                self.volumes.insert(m.id, VolumeState::new(m.clone()));
             }
             Record::DeleteVolume { id } => {
                 self.volumes.remove(id).ok_or_else(|| format!("deleting unknown volume {id}"))?;
@@ -389,6 +437,15 @@ impl PoolState {
                     v.map.remove(&vc);
                 }
             }
+            Record::SetGenerations { id, generations } => {
+                let v = self.volumes.get_mut(id).ok_or_else(|| format!("fencing unknown volume {id}"))?;
+                v.generations = *generations;
+            }
+            Record::Opened { boot, power_losses } => {
+                self.open_boot = *boot;
+                self.power_losses = *power_losses;
+            }
+            Record::Closed => self.open_boot = [0; 16],
         }
         Ok(())
     }
@@ -502,6 +559,10 @@ pub fn encode_checkpoint(pool_uuid: &[u8; 16], generation: u64, state: &PoolStat
         w.bytes(&v.meta.nguid);
         w.name(&v.meta.name);
         w.u32(ext.len() as u32);
+        // The entry's last 12 bytes: zero in pools written before replicas had
+        // generations, which read as none.
+        w.u64(v.generations.taken);
+        w.u32(v.generations.fenced_at.min(u64::from(u32::MAX)) as u32);
         w.b.resize(start + VOLUME_ENTRY, 0);
         for (vs, ps, n) in ext {
             w.u32(vs);
@@ -509,6 +570,10 @@ pub fn encode_checkpoint(pool_uuid: &[u8; 16], generation: u64, state: &PoolStat
             w.u32(n);
         }
     }
+    // After the volumes (absent in older pools: a pool closed cleanly, no loss).
+    w.bytes(&state.open_boot);
+    w.u32(state.power_losses);
+    w.b.resize(w.b.len() + POOL_TRAILER - 20, 0);
     encode_header(CHECKPOINT_MAGIC, pool_uuid, generation, 0, &p)
 }
 
@@ -525,7 +590,7 @@ pub fn decode_checkpoint(pool_uuid: &[u8; 16], b: &[u8]) -> Option<(u64, PoolSta
     }
     let mut r = Reader { b: &b[..HEADER_LEN + h.payload_len as usize], at: HEADER_LEN };
     let parse = |r: &mut Reader<'_>| -> Result<PoolState, String> {
-        let mut s = PoolState { next_id: r.u32()?, volumes: BTreeMap::new() };
+        let mut s = PoolState { next_id: r.u32()?, ..PoolState::default() };
         let count = r.u32()?;
         for _ in 0..count {
             let start = r.at;
@@ -536,6 +601,7 @@ pub fn decode_checkpoint(pool_uuid: &[u8; 16], b: &[u8]) -> Option<(u64, PoolSta
             let nguid = r.array()?;
             let name = r.name()?;
             let n = r.u32()?;
+            let generations = Generations { taken: r.u64()?, fenced_at: u64::from(r.u32()?) };
             r.skip_to(start + VOLUME_ENTRY)?;
             let mut map = BTreeMap::new();
             for _ in 0..n {
@@ -544,7 +610,12 @@ pub fn decode_checkpoint(pool_uuid: &[u8; 16], b: &[u8]) -> Option<(u64, PoolSta
                     map.insert(vs + i, ps + i);
                 }
             }
-            s.volumes.insert(id, VolumeState { meta: VolumeMeta { id, name, size, thin, uuid, nguid }, map });
+            let meta = VolumeMeta { id, name, size, thin, uuid, nguid };
+            s.volumes.insert(id, VolumeState { meta, map, generations });
+        }
+        if r.at < r.b.len() {
+            s.open_boot = r.array()?;
+            s.power_losses = r.u32()?;
         }
         Ok(s)
     };
@@ -558,6 +629,9 @@ const TAG_DELETE: u8 = 2;
 const TAG_RESIZE: u8 = 3;
 const TAG_MAP: u8 = 4;
 const TAG_UNMAP: u8 = 5;
+const TAG_GENERATIONS: u8 = 6;
+const TAG_OPENED: u8 = 7;
+const TAG_CLOSED: u8 = 8;
 
 /// Encodes a journal entry holding `records`, padded to whole blocks.
 pub fn encode_entry(pool_uuid: &[u8; 16], generation: u64, seq: u64, records: &[Record]) -> Vec<u8> {
@@ -597,6 +671,18 @@ pub fn encode_entry(pool_uuid: &[u8; 16], generation: u64, seq: u64, records: &[
                 w.u32(*vstart);
                 w.u32(*count);
             }
+            Record::SetGenerations { id, generations } => {
+                w.u8(TAG_GENERATIONS);
+                w.u32(*id);
+                w.u64(generations.taken);
+                w.u64(generations.fenced_at);
+            }
+            Record::Opened { boot, power_losses } => {
+                w.u8(TAG_OPENED);
+                w.bytes(boot);
+                w.u32(*power_losses);
+            }
+            Record::Closed => w.u8(TAG_CLOSED),
         }
     }
     encode_header(JOURNAL_MAGIC, pool_uuid, generation, seq, &p)
@@ -632,6 +718,12 @@ pub fn decode_entry(pool_uuid: &[u8; 16], b: &[u8]) -> Option<(Header, Vec<Recor
                 TAG_RESIZE => Record::ResizeVolume { id: r.u32()?, size: r.u64()? },
                 TAG_MAP => Record::Map { id: r.u32()?, vstart: r.u32()?, pstart: r.u32()?, count: r.u32()? },
                 TAG_UNMAP => Record::Unmap { id: r.u32()?, vstart: r.u32()?, count: r.u32()? },
+                TAG_GENERATIONS => Record::SetGenerations {
+                    id: r.u32()?,
+                    generations: Generations { taken: r.u64()?, fenced_at: r.u64()? },
+                },
+                TAG_OPENED => Record::Opened { boot: r.array()?, power_losses: r.u32()? },
+                TAG_CLOSED => Record::Closed,
                 t => return Err(format!("unknown journal record type {t}")),
             });
         }
@@ -698,6 +790,12 @@ mod tests {
                 vstart,
                 count
             }),
+            (any::<u32>(), any::<u64>(), any::<u64>()).prop_map(|(id, taken, fenced_at)| Record::SetGenerations {
+                id,
+                generations: Generations { taken, fenced_at }
+            }),
+            (any::<[u8; 16]>(), any::<u32>()).prop_map(|(boot, power_losses)| Record::Opened { boot, power_losses }),
+            Just(Record::Closed),
         ]
     }
 
@@ -719,11 +817,12 @@ mod tests {
 
         #[test]
         fn checkpoints_round_trip(maps in proptest::collection::vec(proptest::collection::btree_map(0u32..500, 1u32..5000, 0..50), 0..6)) {
-            let mut s = PoolState { next_id: 99, volumes: BTreeMap::new() };
+            let mut s = PoolState { next_id: 99, open_boot: [9; 16], power_losses: 3, ..PoolState::default() };
             for (i, map) in maps.into_iter().enumerate() {
                 let id = i as u32 * 3;
                 let meta = VolumeMeta { id, name: format!("v{i}"), size: 1 << 30, thin: i % 2 == 0, uuid: [i as u8; 16], nguid: [1; 16] };
-                s.volumes.insert(id, VolumeState { meta, map });
+                let generations = Generations { taken: i as u64 * 7, fenced_at: i as u64 };
+                s.volumes.insert(id, VolumeState { meta, map, generations });
             }
             let b = encode_checkpoint(&[5; 16], 42, &s);
             let (g, back) = decode_checkpoint(&[5; 16], &b).unwrap();
@@ -757,7 +856,7 @@ mod tests {
                 uuid: [0; 16],
                 nguid: [0; 16],
             };
-            s.volumes.insert(id, VolumeState { meta, map });
+            s.volumes.insert(id, VolumeState { meta, map, generations: Generations::default() });
         }
         assert!(encode_checkpoint(&[0; 16], 1, &s).len() as u64 <= l.checkpoint_size);
         assert_eq!(l.journal_offset, BLOCK + 2 * l.checkpoint_size);

@@ -27,6 +27,9 @@ impl Pool {
                         let st = self.zero(volume, &ranges);
                         done(st);
                     }
+                    MetaRequest::PersistGenerations { volume, done } => {
+                        done(self.persist_generations(volume).map_or(Status::INTERNAL_ERROR, |()| Status::SUCCESS))
+                    }
                 }
             }
             if !allocs.is_empty() {

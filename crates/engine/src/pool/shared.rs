@@ -42,6 +42,13 @@ pub enum MetaRequest {
         /// Completion.
         done: Done,
     },
+    /// Make a volume's generations durable, if they rose (`Pool::persist_generations`).
+    PersistGenerations {
+        /// Volume ID.
+        volume: u32,
+        /// Completion.
+        done: Done,
+    },
 }
 
 /// One member disk, open.
@@ -104,9 +111,9 @@ impl PoolShared {
         if let Err(mpsc::SendError(r)) = lock(&self.requests).send(r) {
             // The pool was exported: nothing can be allocated any more.
             match r {
-                MetaRequest::Allocate { done, .. } | MetaRequest::Zero { done, .. } => {
-                    done(Status::NAMESPACE_NOT_READY)
-                }
+                MetaRequest::Allocate { done, .. }
+                | MetaRequest::Zero { done, .. }
+                | MetaRequest::PersistGenerations { done, .. } => done(Status::NAMESPACE_NOT_READY),
             }
         }
     }

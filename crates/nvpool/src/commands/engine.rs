@@ -1119,7 +1119,12 @@ fn pool_table(pools: &[PoolInfo]) -> Vec<Vec<String>> {
             human(p.free_bytes),
             human(p.provisioned_bytes),
             p.volumes.to_string(),
-            p.failed.as_ref().map_or("online".to_string(), |f| format!("failed: {f}")),
+            match (&p.failed, p.power_losses) {
+                (Some(f), _) => format!("failed: {f}"),
+                (None, 0) => "online".to_string(),
+                // Said, so that nobody wonders why its replicas were rebuilt in full.
+                (None, n) => format!("online ({n} power losses)"),
+            },
         ]);
     }
     rows

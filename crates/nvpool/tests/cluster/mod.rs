@@ -93,6 +93,9 @@ pub struct Node {
     pub nvme_port: u16,
     pub agent_port: u16,
     pub disk: PathBuf,
+    /// A file holding the boot ID the engine sees instead of the machine's (bound over
+    /// it in a mount namespace of its own): a new one is a reboot of the node.
+    pub boot_id: Option<PathBuf>,
     pub engine: Proc,
     pub agent: Proc,
 }
@@ -100,16 +103,24 @@ pub struct Node {
 impl Node {
     /// Starts the engine and makes its pool of `size` bytes.
     pub fn new(root: &Path, name: &str, size: u64) -> Node {
+        let disk = root.join(name).join("disk0");
+        std::fs::create_dir_all(root.join(name)).unwrap();
+        std::fs::File::create(&disk).unwrap().set_len(size).unwrap();
+        Node::on_disk(root, name, disk, None)
+    }
+
+    /// Starts the engine (seeing boot ID `boot_id`'s, if given) and makes its pool on
+    /// `disk`, which exists.
+    pub fn on_disk(root: &Path, name: &str, disk: PathBuf, boot_id: Option<PathBuf>) -> Node {
         let dir = root.join(name);
         std::fs::create_dir_all(&dir).unwrap();
-        let disk = dir.join("disk0");
-        std::fs::File::create(&disk).unwrap().set_len(size).unwrap();
         let mut n = Node {
             name: name.into(),
             dir,
             nvme_port: free_port(),
             agent_port: free_port(),
             disk,
+            boot_id,
             engine: Proc(None),
             agent: Proc(None),
         };
@@ -141,7 +152,16 @@ impl Node {
         let _ = std::fs::remove_file(&socket);
         // No busy polling: these tests check behaviour, not speed, and share the machine's
         // cores with other tests and builds.
-        let mut cmd = Command::new(BIN);
+        let mut cmd = match &self.boot_id {
+            None => Command::new(BIN),
+            Some(boot_id) => {
+                let mut c = Command::new("unshare");
+                c.args(["--mount", "sh", "-c", r#"mount --bind "$0" /proc/sys/kernel/random/boot_id && exec "$@""#])
+                    .arg(boot_id)
+                    .arg(BIN);
+                c
+            }
+        };
         cmd.args(["engine", "--listen", &format!("127.0.0.1:{}", self.nvme_port), "--discovery-port", "0"])
             .args(["--reactors", "1", "--busy-poll-us", "0", "--host-nqn", &self.host_nqn(), "--mgmt-socket"])
             .arg(&socket)
@@ -281,6 +301,17 @@ pub fn host_writer(
     stop: Arc<AtomicBool>,
     blocks: u64,
 ) -> std::thread::JoinHandle<(u64, u64)> {
+    host_writer_in(paths, nqn, model, stop, 0..blocks)
+}
+
+/// The same, writing the blocks of `range` only.
+pub fn host_writer_in(
+    paths: Vec<SocketAddr>,
+    nqn: String,
+    model: Model,
+    stop: Arc<AtomicBool>,
+    range: std::ops::Range<u64>,
+) -> std::thread::JoinHandle<(u64, u64)> {
     std::thread::spawn(move || {
         let mut current = 0;
         let mut path = connect(paths[current], &nqn);
@@ -290,7 +321,7 @@ pub fn host_writer(
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            let lba = x % blocks;
+            let lba = range.start + x % (range.end - range.start);
             let seed = x | 1;
             let data = pattern(seed, BLOCK);
             let started = Instant::now();
