@@ -636,6 +636,10 @@ pub struct WrittenClusters {
     pub cluster_size: u64,
     /// Indexes of the clusters written at the generation asked or later.
     pub clusters: Vec<u64>,
+    /// Whether this engine recorded every write since that generation (it served the
+    /// volume all along): only then does a rebuild copy those clusters alone.
+    #[serde(default)]
+    pub complete: bool,
 }
 
 /// The identity a volume's namespace keeps for life.

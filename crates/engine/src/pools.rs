@@ -223,6 +223,7 @@ impl Pools {
             generation: io.map.generation(),
             cluster_size: p.cluster_size(),
             clusters: io.map.written_since(generation).into_iter().map(|(vc, _)| vc).collect(),
+            complete: io.map.records_since(generation),
         })
     }
 

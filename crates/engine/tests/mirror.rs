@@ -337,6 +337,10 @@ fn when_the_serving_role_moves_the_old_engine_writes_no_replica() {
     b.serve(2, &a);
     let (_b_admin, mut via_b) = io_queue(b.node.addr, NQN);
     via_b.write(1, 8, &pattern(2, 4096), BLOCK, IN_CAPSULE).unwrap();
+    // a's record of what its generation wrote ends there: b's writes are not in it, so
+    // a replica that left while a served cannot be rebuilt from it if a serves again.
+    let r = a.ok("volume_written_since", json!({ "pool": "p", "name": "v", "generation": 1 }));
+    assert_eq!(r["complete"], false, "{r}");
     // a's write reaches neither replica: both refuse it, and the host is told to
     // write it through another path.
     let e = via_a.write(1, 8, &pattern(3, 4096), BLOCK, IN_CAPSULE).unwrap_err();
@@ -389,7 +393,7 @@ fn a_replica_stays_fenced_across_a_restart_of_its_engine() {
 /// can come back by copying those alone.
 #[test]
 fn the_serving_engine_records_what_a_replica_that_left_lacks() {
-    let a = ReplicaNode::start("nqn.2024-01.io.nvpool:engine:a", None);
+    let mut a = ReplicaNode::start("nqn.2024-01.io.nvpool:engine:a", None);
     let identity = a.ok("volume_list", json!({ "pool": "p" }))[0].clone();
     let b = ReplicaNode::start("nqn.2024-01.io.nvpool:engine:b", Some(&identity));
     a.serve(1, &b);
@@ -412,6 +416,22 @@ fn the_serving_engine_records_what_a_replica_that_left_lacks() {
     };
     assert_eq!(since(2), [5, 9], "what the replica that left at generation 1 lacks");
     assert_eq!(since(1), [0, 2, 5, 9]);
+    drop((_admin, io));
+
+    // The engine restarts (a clean stop): its pool kept the record, and it serves the
+    // volume again at generation 3, recording on.
+    a.restart();
+    a.ok("namespace_remove", json!({ "nqn": REPLICA_NQN, "nsid": 1 }));
+    a.add(NQN, "mirror:generation=3 volume:p/v").unwrap();
+    let (_admin, mut io) = io_queue(a.node.addr, NQN);
+    io.write(1, cluster(11), &pattern(11, 4096), BLOCK, IN_CAPSULE).unwrap();
+    let since = |generation: u64| {
+        let r = a.ok("volume_written_since", json!({ "pool": "p", "name": "v", "generation": generation }));
+        assert_eq!(r["complete"], true, "the record since generation {generation} is whole: {r}");
+        serde_json::from_value::<Vec<u64>>(r["clusters"].clone()).unwrap()
+    };
+    assert_eq!(since(2), [5, 9, 11], "what the replica that left at generation 1 lacks, across the restart");
+    assert_eq!(since(3), [11]);
 }
 
 /// Writers on their own queues to `addr`, each writing 4 KiB blocks at random within

@@ -178,8 +178,13 @@ impl VolumeMap {
 
     /// Records that another engine took the volume at generation `g` (its replica
     /// export's reservation): this engine's mirrors of older generations are fenced.
+    /// The record of what this engine's generations wrote ends there: the other
+    /// engine's writes are not in it, so a replica that left before cannot be rebuilt
+    /// from it (it starts again when this engine serves the volume again).
     pub fn fence(&self, g: u64) {
-        self.fenced_at.fetch_max(g, Ordering::SeqCst);
+        if self.fenced_at.fetch_max(g, Ordering::SeqCst) < g {
+            self.recorded_from.store(0, Ordering::SeqCst);
+        }
         self.take_generation(g);
     }
 
@@ -237,6 +242,11 @@ impl VolumeMap {
             self.start_record(record.recorded_from);
         }
         for (i, &(vc, at)) in record.written.iter().enumerate() {
+            // A cluster written and released since has no page yet here: the record
+            // must still name it (the replica that lacks it deallocates it too).
+            if let Some(slot) = self.pages.get((vc / PAGE as u64) as usize) {
+                slot.get_or_init(MapPage::new);
+            }
             self.mark_generation(vc, u64::from(at), record.granules.get(i).copied().unwrap_or(ALL_GRANULES));
         }
     }

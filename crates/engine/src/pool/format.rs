@@ -337,6 +337,20 @@ pub struct PoolState {
     /// How many times the pool was opened after such a loss: a replica whose pool's
     /// count grew while it was away may lack writes it had acknowledged.
     pub power_losses: u32,
+    /// What serving engines recorded of their volumes' writes, saved at a clean close
+    /// and taken when the pool opens (journal entries only, never in a checkpoint: the
+    /// checkpoint every open writes drops them, so a record is never used twice).
+    pub saved_records: BTreeMap<u32, SavedRecord>,
+}
+
+/// A serving engine's record of which generation last wrote each cluster of a
+/// replicated volume, and which granules (see `VolumeMap::generation_record`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SavedRecord {
+    /// The first generation the record holds the writes of.
+    pub recorded_from: u64,
+    /// (virtual cluster, generation, granules written) of each cluster written.
+    pub written: Vec<(u32, u32, [u64; 4])>,
 }
 
 /// One change to a [`PoolState`].
@@ -393,6 +407,13 @@ pub enum Record {
     },
     /// The pool was closed cleanly: its disks have every write.
     Closed,
+    /// A volume's record of what its generations wrote, at a clean close.
+    SaveRecord {
+        /// Volume ID.
+        id: u32,
+        /// The record.
+        record: SavedRecord,
+    },
 }
 
 impl PoolState {
@@ -446,6 +467,11 @@ impl PoolState {
                 self.power_losses = *power_losses;
             }
             Record::Closed => self.open_boot = [0; 16],
+            Record::SaveRecord { id, record } => {
+                if self.volumes.contains_key(id) {
+                    self.saved_records.insert(*id, record.clone());
+                }
+            }
         }
         Ok(())
     }
@@ -632,6 +658,7 @@ const TAG_UNMAP: u8 = 5;
 const TAG_GENERATIONS: u8 = 6;
 const TAG_OPENED: u8 = 7;
 const TAG_CLOSED: u8 = 8;
+const TAG_SAVE_RECORD: u8 = 9;
 
 /// Encodes a journal entry holding `records`, padded to whole blocks.
 pub fn encode_entry(pool_uuid: &[u8; 16], generation: u64, seq: u64, records: &[Record]) -> Vec<u8> {
@@ -683,6 +710,19 @@ pub fn encode_entry(pool_uuid: &[u8; 16], generation: u64, seq: u64, records: &[
                 w.u32(*power_losses);
             }
             Record::Closed => w.u8(TAG_CLOSED),
+            Record::SaveRecord { id, record } => {
+                w.u8(TAG_SAVE_RECORD);
+                w.u32(*id);
+                w.u64(record.recorded_from);
+                w.u32(record.written.len() as u32);
+                for (vc, generation, granules) in &record.written {
+                    w.u32(*vc);
+                    w.u32(*generation);
+                    for g in granules {
+                        w.u64(*g);
+                    }
+                }
+            }
         }
     }
     encode_header(JOURNAL_MAGIC, pool_uuid, generation, seq, &p)
@@ -724,6 +764,17 @@ pub fn decode_entry(pool_uuid: &[u8; 16], b: &[u8]) -> Option<(Header, Vec<Recor
                 },
                 TAG_OPENED => Record::Opened { boot: r.array()?, power_losses: r.u32()? },
                 TAG_CLOSED => Record::Closed,
+                TAG_SAVE_RECORD => {
+                    let id = r.u32()?;
+                    let recorded_from = r.u64()?;
+                    let n = r.u32()?;
+                    let mut written = Vec::new();
+                    for _ in 0..n {
+                        let (vc, generation) = (r.u32()?, r.u32()?);
+                        written.push((vc, generation, [r.u64()?, r.u64()?, r.u64()?, r.u64()?]));
+                    }
+                    Record::SaveRecord { id, record: SavedRecord { recorded_from, written } }
+                }
                 t => return Err(format!("unknown journal record type {t}")),
             });
         }
@@ -796,6 +847,12 @@ mod tests {
             }),
             (any::<[u8; 16]>(), any::<u32>()).prop_map(|(boot, power_losses)| Record::Opened { boot, power_losses }),
             Just(Record::Closed),
+            (any::<u32>(), any::<u64>(), proptest::collection::vec(any::<(u32, u32, [u64; 4])>(), 0..20)).prop_map(
+                |(id, recorded_from, written)| Record::SaveRecord {
+                    id,
+                    record: SavedRecord { recorded_from, written }
+                }
+            ),
         ]
     }
 

@@ -278,8 +278,12 @@ impl Pool {
         }
         let total = next - 1;
         let meta = open_meta(&found[0].1)?;
-        let (store, state) = MetaStore::open(meta, first.pool_uuid, first.meta, first.cluster_size)
+        let (store, mut state) = MetaStore::open(meta, first.pool_uuid, first.meta, first.cluster_size)
             .map_err(io_err(&format!("reading the metadata of pool {:?}", first.pool_name)))?;
+        // Records saved at a close count only if that close finished: nothing was
+        // written after them.
+        let saved = std::mem::take(&mut state.saved_records);
+        let saved = if state.open_boot == [0; 16] { saved } else { BTreeMap::new() };
         let used = state.used_clusters().map_err(Error::internal)?;
         if used.last().is_some_and(|&c| c > total) {
             return Err(Error::internal(format!(
@@ -297,6 +301,14 @@ impl Pool {
                     m.set(u64::from(vc), pc);
                 }
                 m.restore_generations(v.generations);
+                if let Some(saved) = saved.get(&v.meta.id) {
+                    m.restore_generation_record(&GenerationRecord {
+                        recorded_from: saved.recorded_from,
+                        written: saved.written.iter().map(|&(vc, g, _)| (u64::from(vc), g)).collect(),
+                        granules: saved.written.iter().map(|&(_, _, granules)| granules).collect(),
+                        ..GenerationRecord::default()
+                    });
+                }
                 (v.meta.id, Arc::new(m))
             })
             .collect();
@@ -346,14 +358,31 @@ impl Pool {
     }
 
     /// Makes every write durable and records that the pool was closed cleanly (not
-    /// when a hot upgrade's new process holds it: that one writes its metadata now).
+    /// when a hot upgrade's new process holds it: that one writes its metadata now),
+    /// with what the volumes' serving engines recorded of their generations' writes,
+    /// so that a replica away across the restart still rebuilds only what it lacks.
     pub fn close_cleanly(&self) {
         self.close();
         let mut inner = lock(&self.inner);
-        let synced = self.shared.disks.iter().try_for_each(|d| d.file.sync_now());
-        if let Err(e) =
-            synced.map_err(io_err("syncing its disks")).and_then(|()| self.commit(&mut inner, &[Record::Closed]))
-        {
+        let mut records: Vec<Record> = inner
+            .maps
+            .iter()
+            .filter_map(|(&id, map)| {
+                let r = map.generation_record().filter(|r| r.recorded_from != 0 && !r.written.is_empty())?;
+                let written = r.written.iter().zip(&r.granules).map(|(&(vc, g), &granules)| (vc as u32, g, granules));
+                Some(Record::SaveRecord {
+                    id,
+                    record: format::SavedRecord { recorded_from: r.recorded_from, written: written.collect() },
+                })
+            })
+            .collect();
+        records.push(Record::Closed);
+        let synced = self.shared.disks.iter().try_for_each(|d| d.file.sync_now()).map_err(io_err("syncing its disks"));
+        // An empty journal first, so the records fit in it if they can (in a
+        // checkpoint they would not be kept: the replicas away then rebuild in full).
+        let closed =
+            synced.and_then(|()| self.checkpoint_locked(&mut inner)).and_then(|()| self.commit(&mut inner, &records));
+        if let Err(e) = closed {
             tracing::warn!(pool = %self.name, "cannot record a clean close ({e}): it opens next as after a power loss");
         }
     }
@@ -362,11 +391,14 @@ impl Pool {
     /// a hot upgrade's new process opens the pool right after, while this one holds
     /// it quiet.
     pub fn checkpoint(&self) -> Result<()> {
-        let mut inner = lock(&self.inner);
+        self.checkpoint_locked(&mut lock(&self.inner))
+    }
+
+    fn checkpoint_locked(&self, inner: &mut Inner) -> Result<()> {
         if let Some(why) = &inner.failed {
             return Err(Error::unavailable(format!("pool {:?} stopped taking changes: {why}", self.name)));
         }
-        let Inner { store, state, .. } = &mut *inner;
+        let Inner { store, state, .. } = inner;
         store.checkpoint(state).map_err(io_err(&format!("checkpointing pool {:?}", self.name)))
     }
 
@@ -724,6 +756,42 @@ mod tests {
         assert_eq!((io.map.generation(), io.map.fenced_at()), (7, 7));
         // An older generation cannot take it again.
         assert_eq!(io.map.take_generation(6), 7);
+        pool.check().unwrap();
+    }
+
+    #[test]
+    fn the_record_of_what_generations_wrote_is_kept_by_a_clean_close_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let disks = two_disks(dir.path());
+        let pool = Pool::create("w", &disks, &CreateOptions { cluster_size: CLUSTER, force: false }).unwrap();
+        pool.create_volume("r", 2048 * CLUSTER, true, None).unwrap();
+        let (io, _) = pool.open_volume("r").unwrap();
+        io.map.take_generation(3);
+        io.map.start_record(3);
+        // Cluster 1 written at generation 3; cluster 1500 written at 4 and released:
+        // its page has no mapping when the pool opens again, and the record must
+        // still name it (the replica that lacks it deallocates it too).
+        for (vc, generation, granules) in [(1, 3, [1, 0, 0, 0]), (1500, 4, [0, 2, 0, 0])] {
+            let st = ask(&pool, |done| MetaRequest::Allocate { volume: io.id, first: vc, count: 1, done });
+            assert_eq!(st, Status::SUCCESS);
+            io.map.mark_generation(vc, generation, granules);
+        }
+        let ranges = vec![(1500 * CLUSTER, CLUSTER)];
+        assert_eq!(ask(&pool, |done| MetaRequest::Zero { volume: io.id, ranges, done }), Status::SUCCESS);
+        let written = |pool: &Pool| {
+            let (io, _) = pool.open_volume("r").unwrap();
+            (io.map.records_since(4), io.map.written_since(4))
+        };
+        pool.close_cleanly();
+        drop((pool, io));
+        let pool = Pool::import(&disks).unwrap();
+        assert_eq!(written(&pool), (true, vec![(1500, [0, 2, 0, 0])]));
+        // Opened again and stopped without a clean close: what it saved then is gone
+        // (it was written to after).
+        pool.close();
+        drop(pool);
+        let pool = Pool::import(&disks).unwrap();
+        assert_eq!(written(&pool), (false, vec![]));
         pool.check().unwrap();
     }
 

@@ -758,8 +758,13 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
             EngineVolumeVerb::WrittenSince { pool, name, generation } => {
                 let r = api.call(VolumeWrittenSince { pool, name, generation })?;
                 print_or(api.json, &r, || {
+                    let whole = if r.complete {
+                        ""
+                    } else {
+                        "; this engine did not record every write since then: a rebuild from it copies everything"
+                    };
                     format!(
-                        "generation {}; {} clusters of {} written at generation {generation} or later ({})",
+                        "generation {}; {} clusters of {} written at generation {generation} or later ({}){whole}",
                         r.generation,
                         r.clusters.len(),
                         human(r.cluster_size),
