@@ -591,7 +591,9 @@ fn ensure(
         }
         Some(v) => v.clone(),
     };
-    if info.size < d.size_bytes {
+    // A mirror grows once its replicas have: asked again while it serves less.
+    let served = subsystem.and_then(|s| s.namespaces.iter().find(|n| n.nsid == 1)).map(|n| n.size);
+    if info.size < d.size_bytes || served.is_some_and(|s| s < d.size_bytes) {
         info = call(engine, ResizeVolume { pool: pool.clone(), name: name.clone(), size: d.size_bytes })?;
     }
     // A replicated volume is served as a mirror of this node's replica and the
@@ -666,6 +668,9 @@ fn replica(
     host_facing: Option<&SubsystemInfo>,
 ) -> Result<VolumeInfo, String> {
     let info = match volume {
+        Some(v) if v.size < d.size_bytes => {
+            call(engine, ResizeVolume { pool: d.pool.clone(), name: d.engine_name.clone(), size: d.size_bytes })?
+        }
         Some(v) => v.clone(),
         None => {
             let identity =

@@ -105,6 +105,13 @@ impl TargetQueue {
         Ok(TargetQueue { _admin: admin, io, nsid, block_shift, outstanding: 0 })
     }
 
+    /// Takes the target's reservation at generation `key` for this engine (its host
+    /// NQN), so that a replica fenced by that generation takes the copy's writes.
+    pub(crate) fn take_fence(&mut self, key: u64, host_nqn: &str) -> std::result::Result<(), String> {
+        let host_id = crate::config::derived_host_id(host_nqn);
+        crate::backend::remote::take_fence(&mut self.io, self.nsid, key, host_id).map_err(|e| e.to_string())
+    }
+
     /// Takes one answer; an error status fails the copy.
     fn reap(&mut self) -> Result<()> {
         let reply =

@@ -207,7 +207,7 @@ fn reply_text(engine: &Engine, line: &str) -> Result<String> {
         }),
         DeleteVolume::NAME => answer(p, |r: DeleteVolume| ok(engine.pools.delete_volume(&r.pool, &r.name))),
         GetVolume::NAME => answer(p, |r: GetVolume| engine.pools.volume(&r.pool, &r.name)),
-        ResizeVolume::NAME => answer(p, |r: ResizeVolume| engine.pools.resize_volume(&r.pool, &r.name, r.size)),
+        ResizeVolume::NAME => answer(p, |r: ResizeVolume| engine.resize_volume(&r.pool, &r.name, r.size)),
         ListVolumes::NAME => answer(p, |r: ListVolumes| engine.pools.volumes(r.pool.as_deref())),
         VolumeDirty::NAME => answer(p, |r: VolumeDirty| engine.pools.volume_dirty(&r.pool, &r.name, r.action)),
         VolumeWrittenSince::NAME => {

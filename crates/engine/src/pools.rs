@@ -161,24 +161,31 @@ impl Pools {
     }
 
     /// Grows a volume; namespaces serving it take the new size and hosts are told.
+    /// Grows a volume and the namespaces that serve it as a volume or as a replica
+    /// export; those that mirror it (its serving engine's) are the caller's to grow,
+    /// once the other replicas have grown.
     pub fn resize_volume(&self, pool: &str, name: &str, size: u64) -> Result<VolumeInfo> {
         let p = self.get(pool)?;
         let (io, _) = p.open_volume(name)?;
-        if let Some((s, ns)) = self.exports(&p, Some(io.id)).iter().find(|(_, ns)| ns.backend.as_mirror().is_some()) {
-            return Err(Error::precondition(format!(
-                "volume {pool}/{name} is one replica of namespace {} of {}, which mirrors it: a replicated volume \
-                 cannot grow yet",
-                ns.nsid, s.nqn
-            )));
-        }
         let info = p.resize_volume(name, size)?;
         for (s, ns) in self.exports(&p, Some(io.id)) {
-            let mut grown = self.volume_namespace(pool, name, ns.nsid, ns.block_size())?;
+            if ns.backend.as_mirror().is_some() {
+                continue;
+            }
+            let replica = ns.backend.as_volume().is_some_and(|v| v.is_replica());
+            let opened = if replica { volume::open_replica(&p, name)? } else { volume::open(&p, name)? };
+            let (uuid, nguid) =
+                opened.identity.ok_or_else(|| Error::internal("a volume backend without its identity"))?;
+            let mut grown = Namespace::new(ns.nsid, opened.backend, ns.block_size(), uuid, nguid)?;
             grown.ana_group = ns.ana_group;
             // Hosts see the same namespace, grown: its counters, limits and reservations go on.
             grown.stats = ns.stats.clone();
             grown.qos = ns.qos.clone();
             grown.reservations = ns.reservations.clone();
+            // A replica's writer keeps writing under the reservation it holds.
+            if let Some(key) = grown.reservations.holder_key() {
+                grown.backend.reservation_taken(key);
+            }
             s.replace_namespace(grown)?;
         }
         self.kick_all();

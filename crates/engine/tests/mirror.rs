@@ -434,6 +434,19 @@ fn the_serving_engine_records_what_a_replica_that_left_lacks() {
     assert_eq!(since(3), [11]);
 }
 
+/// Writes as a multipath host does: a path error (a write that reached a mirror
+/// just replaced, which starts it on no leg) is sent again; any other error fails.
+fn write_as_a_host_does(io: &mut Queue, lba: u64, data: &[u8]) {
+    for _ in 0..100 {
+        match io.write(1, lba, data, BLOCK, IN_CAPSULE) {
+            Ok(()) => return,
+            Err(Error::Command(s)) if s.code_type() == 3 => std::thread::sleep(Duration::from_millis(10)),
+            Err(e) => panic!("write at {lba}: {e}"),
+        }
+    }
+    panic!("write at {lba}: a path error 100 times");
+}
+
 /// Writers on their own queues to `addr`, each writing 4 KiB blocks at random within
 /// `clusters` (writer `w` of `n` the blocks equal to `w` modulo `n`, so that each
 /// block has one writer), one at a time, until `stop`.
@@ -462,7 +475,7 @@ impl Writers {
                         if block % n != w {
                             continue;
                         }
-                        io.write(1, block * 8, &pattern(x, 4096), BLOCK, IN_CAPSULE).unwrap();
+                        write_as_a_host_does(&mut io, block * 8, &pattern(x, 4096));
                         last.insert(block, x);
                         writes += 1;
                     }

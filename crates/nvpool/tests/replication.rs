@@ -275,3 +275,73 @@ async fn replicas_are_added_replaced_and_dropped_online() {
     })
     .await;
 }
+
+/// A replicated volume grows online under writes: every replica grows, then the
+/// serving engine's mirror, and the host writes past the old end on both replicas.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replicated_volume_grows_online() {
+    let keep = std::env::var_os("NVPOOL_KEEP_TEST_DIR").is_some();
+    let root = tempfile::Builder::new().disable_cleanup(keep).tempdir().unwrap();
+    println!("logs in {}", root.path().display());
+    let store = format!("redb:{}", root.path().join("controller.redb").display());
+    let controller = start_controller(root.path(), &store, free_port(), "1");
+    let names = ["n1", "n2"];
+    let mut nodes: Vec<Node> = names.iter().map(|n| Node::new(root.path(), n, 256 * MIB)).collect();
+    for n in nodes.iter_mut() {
+        n.start_agent(&controller.address);
+    }
+    let c = Controllers::new(&controller.address).unwrap();
+    cluster::wait_healthy(&c, &names).await;
+    let req = proto::CreateVolumeRequest { thin: true, replicas: 2, ..create_request(VOLUME, 16 * MIB) };
+    let v = c.call(async |mut c| c.create_volume(req.clone()).await).await.unwrap().volume.unwrap();
+    let attach = proto::AttachRequest { volume: VOLUME.into(), host_nqn: HOST.into(), ..Default::default() };
+    c.call(async |mut c| c.attach(attach.clone()).await).await.unwrap();
+    let index = |name: &str| names.iter().position(|n| *n == name).unwrap();
+    let serving = addr(&nodes[index(&v.node)]);
+    let blocks = |bytes: u64| bytes / BLOCK as u64;
+    let model: Model = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let before = cluster::host_writer_in(
+        vec![serving],
+        v.subsystem_nqn.clone(),
+        model.clone(),
+        stop.clone(),
+        0..blocks(16 * MIB),
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let grow = proto::ResizeVolumeRequest { name: VOLUME.into(), size_bytes: 32 * MIB };
+    let grown = c.call(async |mut c| c.resize_volume(grow.clone()).await).await.unwrap();
+    assert_eq!(grown.size_bytes, 32 * MIB);
+    assert_eq!(grown.generation, v.generation, "growing changes no replica's membership: {grown:?}");
+    assert!(grown.replicas.iter().all(|r| r.state == "in-sync"), "{:?}", grown.replicas);
+    for n in &nodes {
+        let info =
+            n.engine_call(nvpool_api::GetVolume { pool: format!("{}-pool", n.name), name: format!("pv-{}", v.id) });
+        assert_eq!(info.size, 32 * MIB, "the replica on {}", n.name);
+    }
+    // Past the old end, beside the writes that went on through the growth.
+    let past = Arc::new(AtomicBool::new(false));
+    let after = cluster::host_writer_in(
+        vec![serving],
+        v.subsystem_nqn.clone(),
+        model.clone(),
+        past.clone(),
+        blocks(16 * MIB)..blocks(32 * MIB),
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.store(true, Ordering::SeqCst);
+    past.store(true, Ordering::SeqCst);
+    let ((w1, e1), (w2, e2)) = (before.join().unwrap(), after.join().unwrap());
+    println!("{w1} writes before and across the growth, {w2} past the old end");
+    assert_eq!((e1, e2), (0, 0), "the host saw errors");
+    assert!(w2 > 10, "too few writes past the old end: {w2}");
+    for n in &mut nodes {
+        n.agent.kill();
+    }
+    verify(serving, &v.subsystem_nqn, &model, "the serving node");
+    let replica_nqn = format!("{}-replica", v.subsystem_nqn);
+    let other = &nodes[1 - index(&v.node)];
+    other.engine_call(nvpool_api::AddHost { nqn: replica_nqn.clone(), host: HOST.into(), dhchap: None, tls_psk: None });
+    verify(addr(other), &replica_nqn, &model, "the other replica");
+}

@@ -7,8 +7,8 @@ use crate::cluster::convert::{
 };
 use crate::cluster::{Cluster, EXPLAINED_NODES, Results, State};
 use crate::model::{
-    DhchapRecord, MAX_VOLUME_SIZE, MigrationPhase, ReplicaRecord, TOMBSTONES, Tombstone, VOLUME_NQN_PREFIX, VOLUMES,
-    VolumeRecord, VolumeState, check_host_nqn, check_name, to_json,
+    DhchapRecord, MAX_VOLUME_SIZE, MigrationPhase, ReplicaRecord, ReplicaState, TOMBSTONES, Tombstone,
+    VOLUME_NQN_PREFIX, VOLUMES, VolumeRecord, VolumeState, check_host_nqn, check_name, to_json,
 };
 use crate::scheduler::{Locality, Request, Score};
 use crate::store::{Condition, Txn};
@@ -308,10 +308,14 @@ impl Cluster {
         if size <= v.size {
             return Ok(self.volume_proto(&v));
         }
-        if !v.replicas.is_empty() {
+        // Every replica grows with it: all must hold the writes so far (a rebuild copies
+        // the size it started with).
+        if let Some(r) = v.replicas.iter().find(|r| r.state != ReplicaState::InSync) {
             return Err(Status::failed_precondition(format!(
-                "volume {name} has {} replicas, and growing a replicated volume is not built yet",
-                v.replica_count()
+                "volume {name}'s replica on {} is not in sync ({:?}{}): grow it once every replica is",
+                r.node,
+                r.state,
+                if r.why.is_empty() { String::new() } else { format!(": {}", r.why) }
             )));
         }
         if size > MAX_VOLUME_SIZE {
@@ -319,14 +323,17 @@ impl Cluster {
                 "volume size {size} bytes is more than the largest volume nvpool makes (1 PiB)"
             )));
         }
-        {
+        let holders: Vec<(String, String)> = std::iter::once((v.node.clone(), v.pool.clone()))
+            .chain(v.replicas.iter().map(|r| (r.node.clone(), r.pool.clone())))
+            .collect();
+        for (node, pool_name) in &holders {
             let mut st = self.state.lock().unwrap();
             let views = self.node_views(&mut st);
-            let pool = views.iter().find(|n| n.name == v.node).and_then(|n| n.pools.iter().find(|p| p.name == v.pool));
+            let pool =
+                views.iter().find(|n| n.name == *node).and_then(|n| n.pools.iter().find(|p| p.name == *pool_name));
             let Some(pool) = pool else {
                 return Err(Status::failed_precondition(format!(
-                    "node {} no longer reports pool {}; check the node with `nvpool node list`",
-                    v.node, v.pool
+                    "node {node} no longer reports pool {pool_name}; check the node with `nvpool node list`"
                 )));
             };
             let room = if v.thin {
@@ -339,14 +346,34 @@ impl Cluster {
             };
             if !room {
                 return Err(Status::resource_exhausted(format!(
-                    "pool {} on node {} has no room to grow volume {} to {size} bytes; free space there or create a \
-                     new volume",
-                    v.pool, v.node, v.name
+                    "pool {pool_name} on node {node} has no room to grow volume {} to {size} bytes; free space there \
+                     or create a new volume",
+                    v.name
                 )));
             }
         }
         let grown = VolumeRecord { size, ..v.clone() };
         self.put_volume(&grown).await?;
+        // The replicas first: the serving engine's mirror grows to what its legs hold.
+        let mut replicas_grown = Ok(());
+        for r in &v.replicas {
+            let outcome = self.apply_node(&r.node).await;
+            if !outcome.as_ref().is_ok_and(|results| results.get(&v.id).is_some_and(|r| r.error.is_empty())) {
+                let why = match outcome {
+                    Ok(results) => results.get(&v.id).map(|r| r.error.clone()).unwrap_or_default(),
+                    Err(e) => format!("the node did not answer: {e}"),
+                };
+                replicas_grown = Err(format!("its replica on {} did not grow: {why}", r.node));
+                break;
+            }
+        }
+        if let Err(why) = replicas_grown {
+            self.put_volume(&v).await?;
+            return Err(Status::unavailable(format!(
+                "volume {} could not grow: {why}; it keeps {} bytes, retry",
+                v.name, v.size
+            )));
+        }
         match self.apply_node(&v.node).await {
             Ok(results) if results.get(&v.id).is_some_and(|r| r.error.is_empty()) => {
                 Ok(self.volume_proto(&self.ready_volume(name)?))

@@ -130,9 +130,15 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn retired(&self, _next: Option<&dyn Backend>) {}
 
     /// A host took the namespace's reservation with key `key`: for a replica of a
-    /// volume, the generation that serves the volume from now on.
-    fn reservation_taken(&self, _key: u64) {}
+    /// volume, the generation that serves the volume from now on. What it returns
+    /// is set once that is durable: the Acquire completes only then.
+    fn reservation_taken(&self, _key: u64) -> Option<Durable> {
+        None
+    }
 }
+
+/// Set, with how it ended, once a change a command made is durable.
+pub type Durable = Arc<std::sync::OnceLock<Status>>;
 
 /// How a backend opens again in a new engine process.
 pub enum Handover<'a> {

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use nvpool_wire::Status;
 
 use super::gate::{Admitted, Gate, ROUTE_HERE};
-use super::{Backend, BackendType, BlockIo, DiskQueue, Handover, OpenEnv, Opened, deallocated_ranges};
+use super::{Backend, BackendType, BlockIo, DiskQueue, Durable, Handover, OpenEnv, Opened, deallocated_ranges};
 use crate::error::{Error, Result};
 use crate::plan::IoPlan;
 use crate::pool::cluster_map::granules_of;
@@ -71,6 +71,18 @@ enum Role {
 /// Opens volume `name` of `pool` as a backend, with the identity stored with it.
 pub fn open(pool: &Pool, name: &str) -> Result<Opened> {
     open_as(pool, name, Role::Plain)
+}
+
+/// Opens volume `name` of `pool` as a replica export (`replica:POOL/NAME`).
+pub fn open_replica(pool: &Pool, name: &str) -> Result<Opened> {
+    open_as(pool, name, Role::Replica)
+}
+
+impl VolumeBackend {
+    /// Whether it is a replica export, whose writer's reservation fences it.
+    pub fn is_replica(&self) -> bool {
+        self.role == Role::Replica
+    }
 }
 
 fn open_as(pool: &Pool, name: &str, role: Role) -> Result<Opened> {
@@ -301,29 +313,30 @@ impl Backend for VolumeBackend {
         Some(self)
     }
 
-    fn reservation_taken(&self, key: u64) {
-        if self.role == Role::Replica {
-            self.reserved_at.store(key, Ordering::Release);
-            let risen = key > self.volume.map.generation();
-            self.volume.map.fence(key);
-            // Durable before the Acquire completes, so that a restart of this engine
-            // cannot let an engine of an older generation take the replica again. On
-            // the reactor: a new generation takes a replica once per membership
-            // change, and a journal entry is one small synchronous write.
-            if risen {
-                let (tx, rx) = std::sync::mpsc::sync_channel(1);
-                let done = Box::new(move |status| {
-                    let _ = tx.send(status);
-                });
-                self.volume.pool.request(MetaRequest::PersistGenerations { volume: self.volume.id, done });
-                let status = rx.recv().unwrap_or(Status::NAMESPACE_NOT_READY);
-                if !status.is_success() {
-                    tracing::error!(
-                        "{}: its generation {key} could not be made durable ({status:?})",
-                        self.description
-                    );
-                }
-            }
+    fn reservation_taken(&self, key: u64) -> Option<Durable> {
+        if self.role != Role::Replica {
+            return None;
         }
+        self.reserved_at.store(key, Ordering::Release);
+        let risen = key > self.volume.map.generation();
+        self.volume.map.fence(key);
+        if !risen {
+            return None;
+        }
+        // Durable before the Acquire completes, so that a restart of this engine
+        // cannot let an engine of an older generation take the replica again. The
+        // metadata thread writes it; the reactor never waits for that thread (its
+        // release of clusters waits for the reactors' I/O).
+        let durable = Durable::default();
+        let set = durable.clone();
+        let description = self.description.clone();
+        let done = Box::new(move |status: Status| {
+            if !status.is_success() {
+                tracing::error!("{description}: its generation {key} could not be made durable ({status:?})");
+            }
+            let _ = set.set(status);
+        });
+        self.volume.pool.request(MetaRequest::PersistGenerations { volume: self.volume.id, done });
+        Some(durable)
     }
 }

@@ -263,8 +263,17 @@ impl Engine {
         let previous = Some(ns.backend.clone());
         self.swap_namespace(nqn, nsid, &format!("{current} +{leg}"))?;
         let (_, ns) = self.target.namespace(nqn, nsid)?;
-        let target = TargetQueue::connect(backend::remote::resolve(&addr)?, &replica_nqn, replica_nsid, &self.host_nqn)
-            .map_err(|e| Error::unavailable(format!("cannot reach the replica {leg}: {e}")))?;
+        let mut target =
+            TargetQueue::connect(backend::remote::resolve(&addr)?, &replica_nqn, replica_nsid, &self.host_nqn)
+                .map_err(|e| Error::unavailable(format!("cannot reach the replica {leg}: {e}")))?;
+        // The copy writes under the mirror's generation itself, whether or not the
+        // mirror's own link to the replica has taken it yet (a replica whose engine
+        // restarted remembers its generation and refuses writers without one).
+        if let Some(generation) = ns.backend.as_mirror().and_then(|m| m.generation()) {
+            target.take_fence(generation, &self.host_nqn).map_err(|e| {
+                Error::unavailable(format!("cannot take the replica {leg} at generation {generation}: {e}"))
+            })?;
+        }
         let copy = rebuild::Copy { mirror: ns.backend.clone(), previous, leg: leg.to_string(), target, since, rate };
         let info = self.rebuilds.start(nqn, nsid, copy)?;
         tracing::info!(nqn, nsid, leg, ?since, "rebuild started");

@@ -92,6 +92,47 @@ impl Engine {
         s.swap_backend(nsid, opened.backend)
     }
 
+    /// Grows volume `pool/name` and every namespace that serves it. A namespace that
+    /// mirrors it (a replicated volume's serving engine) opens its mirror again, over
+    /// legs whose engines grew their replicas first, and takes the size they have in
+    /// common; its hosts are told the namespace changed.
+    pub fn resize_volume(&self, pool: &str, name: &str, size: u64) -> Result<nvpool_api::VolumeInfo> {
+        let _exporting = self.exporting();
+        let info = self.pools.resize_volume(pool, name, size)?;
+        let p = self.pools.get(pool)?;
+        let (volume, _) = p.open_volume(name)?;
+        for (s, ns) in self.pools.exports(&p, Some(volume.id)) {
+            if ns.backend.as_mirror().is_none() || ns.blocks << ns.block_shift >= info.size {
+                continue;
+            }
+            let spec = ns.backend.description();
+            if spec.contains(" +") {
+                return Err(Error::precondition(format!(
+                    "namespace {} of {} has a replica catching up: grow the volume once its rebuild is done",
+                    ns.nsid, s.nqn
+                )));
+            }
+            let opened = self.open_backend(&spec)?;
+            let size = opened.backend.size();
+            if size < info.size {
+                return Err(Error::precondition(format!(
+                    "the replicas of {pool}/{name} hold {size} bytes in common, less than its {} bytes: grow every \
+                     replica first",
+                    info.size
+                )));
+            }
+            s.replace_namespace(Namespace {
+                backend: opened.backend,
+                blocks: info.size >> ns.block_shift,
+                stats: ns.stats.clone(),
+                qos: ns.qos.clone(),
+                reservations: ns.reservations.clone(),
+                ..*ns
+            })?;
+        }
+        Ok(info)
+    }
+
     /// Sets the I/O limits of namespace `nsid` of `nqn`, from its next command on.
     pub fn set_namespace_qos(&self, nqn: &str, nsid: u32, limits: nvpool_api::QosLimits) -> Result<()> {
         let (_, ns) = self.target.namespace(nqn, nsid)?;

@@ -19,6 +19,7 @@ use nvpool_wire::tcp::{FatalError, fes};
 use super::Reactor;
 use super::rdma::RdmaWire;
 use super::tcp::{Sending, Stream};
+use crate::backend::Durable;
 use crate::bufpool::Buf;
 use crate::io::{BlockIo, DiskQueue, Queued};
 use crate::nvme::admin::{self, AdminOutcome};
@@ -192,6 +193,8 @@ pub(super) struct Conn {
     pub(super) parking: bool,
     /// Preempt and Abort commands waiting for the commands before them to be done.
     pub(super) aborts: Vec<(u16, Arc<NamespaceReservations>, Abort)>,
+    /// Acquires that completed, waiting for what they changed to be durable.
+    pub(super) durable_waits: Vec<(u16, Durable)>,
     /// Set once, after it closed, the commands it handed to ring clients (queues to
     /// other engines) that had not left yet were withdrawn (see `withdraw_handed`).
     pub(super) withdrawn: bool,
@@ -212,6 +215,7 @@ impl Conn {
             aers: Vec::new(),
             parking: false,
             aborts: Vec::new(),
+            durable_waits: Vec::new(),
             withdrawn: false,
         }
     }
@@ -694,18 +698,25 @@ impl Conn {
             return self.respond(r, idx, cmd.cid, Status::INVALID_OPCODE.with_dnr(), 0);
         }
         let outcome = ns.reservations.execute(&q.controller.hostid, cmd, data);
+        let mut durable = None;
         if outcome.is_ok()
             && cmd.opcode == nvpool_wire::reservation::opcode::ACQUIRE
             && let Some(key) = ns.reservations.holder_key()
         {
-            ns.backend.reservation_taken(key);
+            durable = ns.backend.reservation_taken(key);
         }
         match outcome {
             Ok(Executed::Done(report)) => {
                 if let Some(d) = report.filter(|d| !d.is_empty()) {
                     self.send_data(r, cmd.cid, Payload::Owned(d), false);
                 }
-                self.respond(r, idx, cmd.cid, Status::SUCCESS, 0);
+                match durable {
+                    Some(durable) => {
+                        self.durable_waits.push((cmd.cid, durable));
+                        self.complete_durable(r, idx);
+                    }
+                    None => self.respond(r, idx, cmd.cid, Status::SUCCESS, 0),
+                }
             }
             Ok(Executed::Aborting(abort)) => {
                 self.aborts.push((cmd.cid, ns.reservations.clone(), abort));
@@ -728,6 +739,22 @@ impl Conn {
                 self.respond(r, idx, cid, Status::SUCCESS, 0);
             } else {
                 i += 1;
+            }
+        }
+    }
+
+    /// Completes the Acquires whose change is durable now: checked at once and then
+    /// at every check of the connection, the timer's at the latest.
+    pub(super) fn complete_durable(&mut self, r: &mut Reactor, idx: u32) {
+        let mut i = 0;
+        while i < self.durable_waits.len() {
+            match self.durable_waits[i].1.get().copied() {
+                Some(status) => {
+                    let (cid, _) = self.durable_waits.remove(i);
+                    let status = if status.is_success() { Status::SUCCESS } else { Status::INTERNAL_ERROR };
+                    self.respond(r, idx, cid, status, 0);
+                }
+                None => i += 1,
             }
         }
     }
@@ -943,6 +970,9 @@ impl Conn {
         }
         if !self.aborts.is_empty() {
             self.complete_aborts(r, idx);
+        }
+        if !self.durable_waits.is_empty() {
+            self.complete_durable(r, idx);
         }
     }
 }

@@ -321,6 +321,7 @@ impl Conn {
             && self.ops_in_flight == u32::from(s.recv_posted)
             && self.slots.iter().all(|s| s.state == SlotState::Free)
             && self.aborts.is_empty()
+            && self.durable_waits.is_empty()
     }
 
     /// Moves parking on: once quiet, the posted receive is taken back. Returns whether
@@ -329,6 +330,9 @@ impl Conn {
         // A Preempt and Abort taken before the pause completes before it.
         if !self.aborts.is_empty() {
             self.complete_aborts(r, idx);
+        }
+        if !self.durable_waits.is_empty() {
+            self.complete_durable(r, idx);
         }
         if !self.parking || !self.quiet() {
             return false;

@@ -351,6 +351,18 @@ struct Connector {
     fence: Option<Fence>,
 }
 
+/// Takes namespace `nsid`'s reservation on queue `q` for this engine (host identifier
+/// `host_id`) at generation `key`, as each link of a mirror does: what a rebuild's
+/// copy writes under.
+pub(crate) fn take_fence(
+    q: &mut Queue,
+    nsid: u32,
+    key: u64,
+    host_id: [u8; 16],
+) -> std::result::Result<(), nvpool_initiator::Error> {
+    Fence { nsid, key }.take(q, host_id)
+}
+
 /// The reservation a link holds on its namespace: Write Exclusive under `key`.
 #[derive(Clone, Copy, Debug)]
 struct Fence {
