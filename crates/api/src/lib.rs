@@ -85,6 +85,15 @@ methods! {
         /// The new backend, as in the configuration (`volume:POOL/NAME`, `remote:...`).
         backend: String,
     }
+    /// Serves a `remote:` or `mirror:` namespace at the size its backend has now, if
+    /// larger (the volume grew on its owner, or on every replica): its backend opens
+    /// again from its spec, and hosts are told the namespace changed.
+    "namespace_grow" => GrowNamespace -> Empty {
+        /// Subsystem NQN.
+        nqn: String,
+        /// Namespace ID.
+        nsid: u32,
+    }
     /// Sets a namespace's I/O limits, from its next command on: connected hosts keep
     /// their connections, and commands waiting for the old budget wait for the new one.
     "namespace_qos_set" => SetNamespaceQos -> Empty {

@@ -14,11 +14,11 @@ use crate::proto::{self, agent_server::AgentServer};
 use nvpool_api::{
     AddHost, AddLocalDevice, AddNamespace, AddSubsystem, AnaState, CancelMigration, CreateVolume, DeleteVolume,
     DhchapKeys, EngineInfo, ErrorKind, GetEngineInfo, GetMigration, GetRebuild, GetSubsystems, GetUsage, GetVolume,
-    ListAnaGroups, ListListeners, ListLocalDevices, ListPools, ListSubsystems, ListVolumes, LocalDeviceConfig,
-    LocalDeviceInfo, Method, NamespaceConfig, NamespaceUsage, PathAddress, QosLimits, RemoveHost, RemoveLocalDevice,
-    RemoveSubsystem, ResizeVolume, SetAnaState, SetControllerIdRange, SetDiscoveryAddress, SetHostPaths,
-    SetNamespaceQos, StartMigration, StartRebuild, SubsystemConfig, SubsystemInfo, SwapNamespace, SwitchMigration,
-    UpgradeEngine, UsageReport, VolumeIdentity, VolumeInfo,
+    GrowNamespace, ListAnaGroups, ListListeners, ListLocalDevices, ListPools, ListSubsystems, ListVolumes,
+    LocalDeviceConfig, LocalDeviceInfo, Method, NamespaceConfig, NamespaceUsage, PathAddress, QosLimits, RemoveHost,
+    RemoveLocalDevice, RemoveSubsystem, ResizeVolume, SetAnaState, SetControllerIdRange, SetDiscoveryAddress,
+    SetHostPaths, SetNamespaceQos, StartMigration, StartRebuild, SubsystemConfig, SubsystemInfo, SwapNamespace,
+    SwitchMigration, UpgradeEngine, UsageReport, VolumeIdentity, VolumeInfo,
 };
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
@@ -416,7 +416,13 @@ fn forward(engine: &Path, d: &proto::DesiredVolume, subsystem: Option<&Subsystem
         ana_group: None,
         qos: limits(d),
     };
-    export(engine, d, namespace, subsystem)
+    export(engine, d, namespace, subsystem)?;
+    // The volume grew on its owner: this path serves the new size once it has.
+    let served = subsystem.and_then(|s| s.namespaces.iter().find(|n| n.nsid == 1)).map(|n| n.size);
+    if served.is_some_and(|s| s < d.size_bytes) {
+        call(engine, GrowNamespace { nqn: d.subsystem_nqn.clone(), nsid: 1 })?;
+    }
+    Ok(())
 }
 
 /// The I/O limits the controller wants every engine serving the volume to enforce.

@@ -12,9 +12,9 @@ use std::time::Duration;
 use nvpool_api::{
     AddHost, AddListener, AddLocalDevice, AddNamespace, AddSubsystem, AllowAnyHost, CancelMigration, CheckPool,
     CreatePool, CreateVolume, DeleteVolume, Empty, EngineInfo, ErrorReply, ExportPool, GetEngineInfo, GetMigration,
-    GetRebuild, GetSubsystems, GetUsage, GetVolume, ImportPool, ListAnaGroups, ListListeners, ListLocalDevices,
-    ListPools, ListSubsystems, ListVolumes, LocalDeviceAdded, METHODS, Method, NamespaceAdded, RemoveHost,
-    RemoveListener, RemoveLocalDevice, RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState,
+    GetRebuild, GetSubsystems, GetUsage, GetVolume, GrowNamespace, ImportPool, ListAnaGroups, ListListeners,
+    ListLocalDevices, ListPools, ListSubsystems, ListVolumes, LocalDeviceAdded, METHODS, Method, NamespaceAdded,
+    RemoveHost, RemoveListener, RemoveLocalDevice, RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState,
     SetControllerIdRange, SetDiscoveryAddress, SetHostPaths, SetNamespaceQos, StartMigration, StartRebuild,
     SwapNamespace, SwitchMigration, UpgradeEngine, VolumeDirty, VolumeWrittenSince,
 };
@@ -169,6 +169,7 @@ fn reply_text(engine: &Engine, line: &str) -> Result<String> {
         }
         SetNamespaceQos::NAME => answer(p, |r: SetNamespaceQos| ok(engine.set_namespace_qos(&r.nqn, r.nsid, r.limits))),
         SwapNamespace::NAME => answer(p, |r: SwapNamespace| ok(engine.swap_namespace(&r.nqn, r.nsid, &r.backend))),
+        GrowNamespace::NAME => answer(p, |r: GrowNamespace| ok(engine.grow_namespace(&r.nqn, r.nsid).map(drop))),
         RemoveNamespace::NAME => answer(p, |r: RemoveNamespace| ok(engine.remove_namespace(&r.nqn, r.nsid))),
         AddLocalDevice::NAME => {
             answer(p, |r: AddLocalDevice| engine.local.add(&r.device).map(|device| LocalDeviceAdded { device }))

@@ -320,22 +320,43 @@ async fn a_replicated_volume_grows_online() {
             n.engine_call(nvpool_api::GetVolume { pool: format!("{}-pool", n.name), name: format!("pv-{}", v.id) });
         assert_eq!(info.size, 32 * MIB, "the replica on {}", n.name);
     }
-    // Past the old end, beside the writes that went on through the growth.
+    // The host's other path, through the other node (an access point), serves the new
+    // size too.
+    let other_node = &nodes[1 - index(&v.node)];
+    let ap_size = || {
+        let subsystems = other_node.engine_call(nvpool_api::ListSubsystems {});
+        let s = subsystems.iter().find(|s| s.nqn == v.subsystem_nqn).expect("the access point's export");
+        s.namespaces[0].size
+    };
+    wait_for("the access point at the new size", Duration::from_secs(20), async || {
+        (ap_size() == 32 * MIB).then_some(())
+    })
+    .await;
+    // Past the old end, beside the writes that went on through the growth, through
+    // both paths.
     let past = Arc::new(AtomicBool::new(false));
+    let through_access_point = cluster::host_writer_in(
+        vec![addr(other_node)],
+        v.subsystem_nqn.clone(),
+        model.clone(),
+        past.clone(),
+        blocks(24 * MIB)..blocks(32 * MIB),
+    );
     let after = cluster::host_writer_in(
         vec![serving],
         v.subsystem_nqn.clone(),
         model.clone(),
         past.clone(),
-        blocks(16 * MIB)..blocks(32 * MIB),
+        blocks(16 * MIB)..blocks(24 * MIB),
     );
     tokio::time::sleep(Duration::from_secs(1)).await;
     stop.store(true, Ordering::SeqCst);
     past.store(true, Ordering::SeqCst);
     let ((w1, e1), (w2, e2)) = (before.join().unwrap(), after.join().unwrap());
-    println!("{w1} writes before and across the growth, {w2} past the old end");
-    assert_eq!((e1, e2), (0, 0), "the host saw errors");
-    assert!(w2 > 10, "too few writes past the old end: {w2}");
+    let (w3, e3) = through_access_point.join().unwrap();
+    println!("{w1} writes before and across the growth, {w2} past the old end, {w3} there through the access point");
+    assert_eq!((e1, e2, e3), (0, 0, 0), "the host saw errors");
+    assert!(w2 > 10 && w3 > 10, "too few writes past the old end: {w2}, {w3}");
     for n in &mut nodes {
         n.agent.kill();
     }

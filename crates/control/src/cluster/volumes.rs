@@ -376,6 +376,21 @@ impl Cluster {
         }
         match self.apply_node(&v.node).await {
             Ok(results) if results.get(&v.id).is_some_and(|r| r.error.is_empty()) => {
+                // The hosts' other paths serve the new size once the serving node does:
+                // their entries go again (unchanged since the replicas grew), and their
+                // agents grow the namespaces that forward to it.
+                for node in grown.exporting_nodes().into_iter().filter(|n| *n != v.node) {
+                    {
+                        let mut st = self.state.lock().unwrap();
+                        if let Some(held) = st.nodes.get_mut(&node).and_then(|n| n.held.as_mut()) {
+                            held.entries.remove(&v.id);
+                        }
+                        st.volumes.mark_changed(&node, &v.name);
+                    }
+                    if let Err(e) = self.apply_node(&node).await {
+                        tracing::warn!(volume = name, node, "its path there serves the new size later: {e}");
+                    }
+                }
                 Ok(self.volume_proto(&self.ready_volume(name)?))
             }
             outcome => {

@@ -97,40 +97,61 @@ impl Engine {
     /// legs whose engines grew their replicas first, and takes the size they have in
     /// common; its hosts are told the namespace changed.
     pub fn resize_volume(&self, pool: &str, name: &str, size: u64) -> Result<nvpool_api::VolumeInfo> {
-        let _exporting = self.exporting();
         let info = self.pools.resize_volume(pool, name, size)?;
         let p = self.pools.get(pool)?;
         let (volume, _) = p.open_volume(name)?;
         for (s, ns) in self.pools.exports(&p, Some(volume.id)) {
-            if ns.backend.as_mirror().is_none() || ns.blocks << ns.block_shift >= info.size {
+            if ns.backend.as_mirror().is_none() {
                 continue;
             }
-            let spec = ns.backend.description();
-            if spec.contains(" +") {
+            let served = self.grow_namespace(&s.nqn, ns.nsid)?;
+            if served < info.size {
                 return Err(Error::precondition(format!(
-                    "namespace {} of {} has a replica catching up: grow the volume once its rebuild is done",
-                    ns.nsid, s.nqn
-                )));
-            }
-            let opened = self.open_backend(&spec)?;
-            let size = opened.backend.size();
-            if size < info.size {
-                return Err(Error::precondition(format!(
-                    "the replicas of {pool}/{name} hold {size} bytes in common, less than its {} bytes: grow every \
+                    "the replicas of {pool}/{name} hold {served} bytes in common, less than its {} bytes: grow every \
                      replica first",
                     info.size
                 )));
             }
-            s.replace_namespace(Namespace {
-                backend: opened.backend,
-                blocks: info.size >> ns.block_shift,
-                stats: ns.stats.clone(),
-                qos: ns.qos.clone(),
-                reservations: ns.reservations.clone(),
-                ..*ns
-            })?;
         }
         Ok(info)
+    }
+
+    /// Serves namespace `nsid` of `nqn` (a `remote:` or `mirror:` one) at the size its
+    /// backend has now, if larger: the backend opens again from its spec (another
+    /// engine's volume grew), and hosts are told the namespace changed. Returns the
+    /// bytes it serves.
+    pub fn grow_namespace(&self, nqn: &str, nsid: u32) -> Result<u64> {
+        let _exporting = self.exporting();
+        let (s, ns) = self.target.namespace(nqn, nsid)?;
+        let spec = ns.backend.description();
+        if !(spec.starts_with("remote:") || spec.starts_with("mirror:")) {
+            return Err(Error::invalid(format!(
+                "namespace {nsid} of {nqn} is served by {spec}: only remote: and mirror: namespaces grow this way (a \
+                 volume grows with `volume resize`)"
+            )));
+        }
+        if spec.contains(" +") {
+            return Err(Error::precondition(format!(
+                "namespace {nsid} of {nqn} has a replica catching up: grow it once its rebuild is done"
+            )));
+        }
+        let opened = self.open_backend(&spec)?;
+        if opened.identity.is_some_and(|id| id != (ns.uuid, ns.nguid)) {
+            return Err(Error::precondition(format!("{spec} is another namespace now: its UUID or NGUID changed")));
+        }
+        let blocks = opened.backend.size() >> ns.block_shift;
+        if blocks <= ns.blocks {
+            return Ok(ns.blocks << ns.block_shift);
+        }
+        s.replace_namespace(Namespace {
+            backend: opened.backend,
+            blocks,
+            stats: ns.stats.clone(),
+            qos: ns.qos.clone(),
+            reservations: ns.reservations.clone(),
+            ..*ns
+        })?;
+        Ok(blocks << ns.block_shift)
     }
 
     /// Sets the I/O limits of namespace `nsid` of `nqn`, from its next command on.
