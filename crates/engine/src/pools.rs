@@ -239,14 +239,6 @@ impl Pools {
         self.get(pool)?.check()
     }
 
-    /// A namespace serving volume `pool/name` with the identity stored with it.
-    pub fn volume_namespace(&self, pool: &str, name: &str, nsid: u32, block_size: u32) -> Result<Namespace> {
-        let pool = self.get(pool)?;
-        let opened = volume::open(&pool, name)?;
-        let (uuid, nguid) = opened.identity.ok_or_else(|| Error::internal("a volume backend without its identity"))?;
-        Namespace::new(nsid, opened.backend, block_size, uuid, nguid)
-    }
-
     /// The disks of every pool, by pool (a hot upgrade's image).
     pub fn disk_paths(&self) -> Vec<Vec<PathBuf>> {
         lock(&self.pools).values().map(|p| p.disk_paths()).collect()

@@ -78,13 +78,6 @@ pub fn open_replica(pool: &Pool, name: &str) -> Result<Opened> {
     open_as(pool, name, Role::Replica)
 }
 
-impl VolumeBackend {
-    /// Whether it is a replica export, whose writer's reservation fences it.
-    pub fn is_replica(&self) -> bool {
-        self.role == Role::Replica
-    }
-}
-
 fn open_as(pool: &Pool, name: &str, role: Role) -> Result<Opened> {
     let (volume, meta) = pool.open_volume(name)?;
     if let Role::Serving(generation) = role {
@@ -133,6 +126,11 @@ pub struct VolumeBackend {
 }
 
 impl VolumeBackend {
+    /// Whether it is a replica export, whose writer's reservation fences it.
+    pub fn is_replica(&self) -> bool {
+        self.role == Role::Replica
+    }
+
     /// Notes that `generation` wrote the clusters `ranges` (bytes) touch.
     pub fn mark_generation(&self, ranges: &[(u64, u64)], generation: u64) {
         let shift = self.volume.pool.cluster_shift();

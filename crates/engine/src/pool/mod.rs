@@ -581,13 +581,11 @@ impl Pool {
         let mut inner = lock(&self.inner);
         let Some(map) = inner.maps.get(&id) else { return Ok(()) };
         let now = Generations { taken: map.generation(), fenced_at: map.fenced_at() };
-        let Some(stored) = inner.state.volumes.get(&id).map(|v| v.generations) else { return Ok(()) };
-        if now.taken <= stored.taken && now.fenced_at <= stored.fenced_at {
+        // The map starts from what is stored and only rises: a difference is a rise.
+        if inner.state.volumes.get(&id).is_none_or(|v| v.generations == now) {
             return Ok(());
         }
-        let generations =
-            Generations { taken: now.taken.max(stored.taken), fenced_at: now.fenced_at.max(stored.fenced_at) };
-        self.commit(&mut inner, &[Record::SetGenerations { id, generations }])
+        self.commit(&mut inner, &[Record::SetGenerations { id, generations: now }])
     }
 
     /// How many times the pool was opened after its machine stopped with it open.
