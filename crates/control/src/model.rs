@@ -212,6 +212,10 @@ pub struct ReplicaRecord {
     /// rebuilds in full.
     #[serde(default)]
     pub power_losses: u32,
+    /// A move's new replica: the node whose replica it replaces, dropped (or, if it
+    /// serves, handing the serving role to this one) once this one is in sync.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub replaces: String,
 }
 
 impl ReplicaRecord {
@@ -227,6 +231,7 @@ impl ReplicaRecord {
             left_ms: 0,
             since: 0,
             power_losses: 0,
+            replaces: String::new(),
         }
     }
 }
@@ -332,6 +337,11 @@ impl VolumeRecord {
     /// The replica on `node`, if one is there (the serving one is not in the list).
     pub fn replica_on(&self, node: &str) -> Option<&ReplicaRecord> {
         self.replicas.iter().find(|r| r.node == node)
+    }
+
+    /// The new replica of a move under way (one replica moving to another node).
+    pub fn replica_move(&self) -> Option<&ReplicaRecord> {
+        self.replicas.iter().find(|r| !r.replaces.is_empty())
     }
 
     /// The export of the replicas (each replica node has its own, of this name).

@@ -28,8 +28,14 @@ async fn get(c: &Controllers, name: &str) -> proto::Volume {
 /// Starts a move; retried while the controller says to retry (an earlier move's copy
 /// on the target is still being removed).
 async fn migrate(c: &Controllers, name: &str, to: &str, rate: u64) -> Result<proto::Volume, tonic::Status> {
-    let req =
-        proto::MigrateVolumeRequest { name: name.into(), to_node: to.into(), auto: to.is_empty(), rate, pause_ms: 500 };
+    let req = proto::MigrateVolumeRequest {
+        name: name.into(),
+        to_node: to.into(),
+        auto: to.is_empty(),
+        rate,
+        pause_ms: 500,
+        from_node: String::new(),
+    };
     let start = Instant::now();
     loop {
         match c.call(async |mut c| c.migrate_volume(req.clone()).await).await {

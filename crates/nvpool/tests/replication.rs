@@ -366,3 +366,158 @@ async fn a_replicated_volume_grows_online() {
     other.engine_call(nvpool_api::AddHost { nqn: replica_nqn.clone(), host: HOST.into(), dhchap: None, tls_psk: None });
     verify(addr(other), &replica_nqn, &model, "the other replica");
 }
+
+/// One replica of a replicated volume moves under writes: by hand (a replica that
+/// does not serve, then the serving one), by a node's drain, and by the rebalancer
+/// making a hole for a volume that fits nowhere. Each move rebuilds a new replica in
+/// full, then drops the old one; the serving one's hands the serving role over at
+/// the next generation. The host never sees an error that is not a path error, and
+/// every replica holds every write at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_moves_by_hand_by_drain_and_by_the_rebalancer() {
+    let keep = std::env::var_os("NVPOOL_KEEP_TEST_DIR").is_some();
+    let root = tempfile::Builder::new().disable_cleanup(keep).tempdir().unwrap();
+    println!("logs in {}", root.path().display());
+    let _logs = cluster::LogsOnFailure(root.path());
+    let store = format!("redb:{}", root.path().join("controller.redb").display());
+    let controller =
+        cluster::start_controller_with(root.path(), &store, free_port(), "1", &["--rebalance-every", "500ms"]);
+    let names = ["n1", "n2", "n3"];
+    let mut nodes: Vec<Node> = names.iter().map(|n| Node::new(root.path(), n, 256 * MIB)).collect();
+    for n in nodes.iter_mut() {
+        n.start_agent(&controller.address);
+    }
+    let c = Controllers::new(&controller.address).unwrap();
+    cluster::wait_healthy(&c, &names).await;
+    let pools = c.call(async |mut c| c.list_pools(proto::ListPoolsRequest {}).await).await.unwrap().pools;
+    let capacity = pools.iter().map(|p| p.pool.as_ref().unwrap().capacity_bytes).min().unwrap();
+    // A share of a pool, in whole 4 MiB.
+    let part = |share: f64| (capacity as f64 * share) as u64 / (4 * MIB) * (4 * MIB);
+    // Thick: every move copies the whole volume, and it counts whole on each pool.
+    let req = proto::CreateVolumeRequest { replicas: 2, ..create_request(VOLUME, part(0.3)) };
+    let v = c.call(async |mut c| c.create_volume(req.clone()).await).await.unwrap().volume.unwrap();
+    let attach = proto::AttachRequest { volume: VOLUME.into(), host_nqn: HOST.into(), ..Default::default() };
+    c.call(async |mut c| c.attach(attach.clone()).await).await.unwrap();
+    let index = |name: &str| names.iter().position(|n| *n == name).unwrap();
+    let addrs = nodes.iter().map(addr).collect::<Vec<_>>();
+    let model: Model = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = host_writer(addrs, v.subsystem_nqn.clone(), model.clone(), stop.clone(), WRITTEN / BLOCK as u64);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let engine_name = format!("pv-{}", v.id);
+    let has_copy = |n: &Node| {
+        nvpool_api::call(
+            &n.socket(),
+            &nvpool_api::GetVolume { pool: format!("{}-pool", n.name), name: engine_name.clone() },
+        )
+        .is_ok()
+    };
+    let holders = |v: &proto::Volume| {
+        let mut h: Vec<String> = v.replicas.iter().map(|r| r.node.clone()).collect();
+        h.sort();
+        h
+    };
+    // The move is over: the copies on `expected` nodes, all in sync, and no other
+    // node keeps a copy.
+    let moved = async |expected: &[&str]| {
+        let v = wait_for(&format!("the replicas on {expected:?}, in sync"), Duration::from_secs(60), async || {
+            let v = volume(&c).await;
+            let settled = v.migration.is_none()
+                && holders(&v) == expected
+                && v.replicas.iter().all(|r| r.state == "in-sync")
+                && names.iter().all(|n| has_copy(&nodes[index(n)]) == expected.contains(n));
+            settled.then_some(v)
+        })
+        .await;
+        println!("{}: serving on {}, generation {}", v.last_migration, v.node, v.generation);
+        assert!(v.last_migration.starts_with("moved"), "{}", v.last_migration);
+        v
+    };
+    let free_node = |v: &proto::Volume| *names.iter().find(|n| !holders(v).iter().any(|h| h == *n)).unwrap();
+    let others = |but: &str| {
+        let mut h: Vec<&str> = names.iter().copied().filter(|n| *n != but).collect();
+        h.sort();
+        h
+    };
+
+    // By hand, a replica that does not serve: to the only node without one.
+    let serving = v.node.clone();
+    let quiet = v.replicas.iter().find(|r| !r.serving).unwrap().node.clone();
+    let req =
+        proto::MigrateVolumeRequest { name: VOLUME.into(), auto: true, from_node: quiet.clone(), ..Default::default() };
+    let started = c.call(async |mut c| c.migrate_volume(req.clone()).await).await.unwrap();
+    let m = started.migration.expect("the move shows as a migration");
+    assert_eq!((m.from_node.as_str(), m.to_node.as_str()), (quiet.as_str(), free_node(&v)));
+    let refused = c
+        .call(async |mut c| {
+            c.set_volume_replicas(proto::SetVolumeReplicasRequest { name: VOLUME.into(), replicas: 3 }).await
+        })
+        .await
+        .unwrap_err();
+    assert!(refused.message().contains("is moving"), "{}", refused.message());
+    let after = moved(&others(&quiet)).await;
+    assert_eq!(after.node, serving, "a replica that does not serve moved: the serving one stays");
+    assert!(after.generation > v.generation);
+
+    // By hand, through the CLI, the serving one: the node it moves to serves.
+    let to = free_node(&after).to_string();
+    let out = std::process::Command::new(cluster::BIN)
+        .args(["volume", "migrate", VOLUME, "--to", &to, "--controller", &controller.address])
+        .output()
+        .unwrap();
+    println!("{}", String::from_utf8_lossy(&out.stdout));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let after = moved(&others(&serving)).await;
+    assert_eq!(after.node, to, "the serving replica moved: its new node serves");
+    assert!(after.attachments[0].paths[0].node == to, "the host's optimized path is the new serving node's");
+
+    // A drain of the node that holds the replica that does not serve.
+    let drained = after.replicas.iter().find(|r| !r.serving).unwrap().node.clone();
+    let out = std::process::Command::new(cluster::BIN)
+        .args(["node", "drain", &drained, "--controller", &controller.address])
+        .output()
+        .unwrap();
+    println!("{}", String::from_utf8_lossy(&out.stdout));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let after = moved(&others(&drained)).await;
+
+    // The rebalancer: a volume that fits nowhere until a replica of this one moves
+    // to the node without one. The others hold 0.3 (a replica) and 0.4 pinned, the
+    // free one 0.65 pinned; 0.5 fits once a replica leaves.
+    let empty = free_node(&after).to_string();
+    for (node, share) in names.iter().map(|n| (*n, if *n == empty { 0.65 } else { 0.4 })) {
+        let req = proto::CreateVolumeRequest {
+            pinned: true,
+            include_nodes: vec![node.into()],
+            ..create_request(&format!("pinned-{node}"), part(share))
+        };
+        c.call(async |mut c| c.create_volume(req.clone()).await).await.unwrap();
+    }
+    let big = create_request("big", part(0.5));
+    let refused = c.call(async |mut c| c.create_volume(big.clone()).await).await.unwrap_err();
+    println!("{}", refused.message());
+    assert!(refused.message().contains("the rebalancer is making room"), "{}", refused.message());
+    let placed = wait_for("big to be created", Duration::from_secs(90), async || {
+        c.call(async |mut c| c.create_volume(big.clone()).await).await.ok()
+    })
+    .await
+    .volume
+    .unwrap();
+    let after = volume(&c).await;
+    println!("big on {}; {VOLUME}: {}", placed.node, after.last_migration);
+    assert!(holders(&after).contains(&empty), "a replica moved to {empty}: {:?}", after.replicas);
+    assert!(!holders(&after).contains(&placed.node), "big took the room the replica left");
+
+    stop.store(true, Ordering::SeqCst);
+    let (writes, errors) = writer.join().unwrap();
+    println!("{writes} writes across four moves, {errors} errors");
+    assert_eq!(errors, 0, "the host saw errors");
+    for n in &mut nodes {
+        n.agent.kill();
+    }
+    verify(addr(&nodes[index(&after.node)]), &after.subsystem_nqn, &model, "the serving replica");
+    let replica_nqn = format!("{}-replica", after.subsystem_nqn);
+    let other = &nodes[index(&after.replicas.iter().find(|r| !r.serving).unwrap().node)];
+    other.engine_call(nvpool_api::AddHost { nqn: replica_nqn.clone(), host: HOST.into(), dhchap: None, tls_psk: None });
+    verify(addr(other), &replica_nqn, &model, "the other replica");
+}

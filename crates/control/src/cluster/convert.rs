@@ -1,7 +1,7 @@
 //! Between the store's records and the gRPC API's messages.
 
 use crate::access::AccessPolicy;
-use crate::cluster::{Cluster, State, now_ms};
+use crate::cluster::{Cluster, State, now_ms, replica_moves};
 use crate::model::{DhchapRecord, MigrationPhase, PoolRecord, ReplicaState, VolumeRecord, VolumeState};
 use crate::scheduler::{Locality, Request, Score};
 use crate::{proto, scheduler};
@@ -65,30 +65,34 @@ impl Cluster {
                 _ if !v.replicas.is_empty() => format!("its serving node {} is down", v.node),
                 _ => format!("its owner {} is down and holds the only copy of its data", v.node),
             },
-            migration: v.migration.as_ref().map(|m| {
-                let p = st.progress.get(&v.name).cloned().unwrap_or_default();
-                proto::Migration {
-                    from_node: m.from_node.clone(),
-                    to_node: m.to_node.clone(),
-                    to_pool: m.to_pool.clone(),
-                    phase: match m.phase {
-                        MigrationPhase::Preparing => "preparing",
-                        MigrationPhase::Copying => "copying",
-                        MigrationPhase::Switching => "switching",
-                        MigrationPhase::Retiring => "retiring",
+            migration: v
+                .migration
+                .as_ref()
+                .map(|m| {
+                    let p = st.progress.get(&v.name).cloned().unwrap_or_default();
+                    proto::Migration {
+                        from_node: m.from_node.clone(),
+                        to_node: m.to_node.clone(),
+                        to_pool: m.to_pool.clone(),
+                        phase: match m.phase {
+                            MigrationPhase::Preparing => "preparing",
+                            MigrationPhase::Copying => "copying",
+                            MigrationPhase::Switching => "switching",
+                            MigrationPhase::Retiring => "retiring",
+                        }
+                        .into(),
+                        round: p.engine.round,
+                        copied_bytes: p.engine.copied_bytes,
+                        dirty_bytes: p.engine.dirty_bytes,
+                        allocated_bytes: p.engine.allocated_bytes,
+                        rate: p.engine.rate,
+                        round_bytes: p.engine.round_bytes,
+                        pause_us: p.engine.pause_us,
+                        started_ms_ago: now_ms().saturating_sub(m.started_ms),
+                        waiting: p.waiting,
                     }
-                    .into(),
-                    round: p.engine.round,
-                    copied_bytes: p.engine.copied_bytes,
-                    dirty_bytes: p.engine.dirty_bytes,
-                    allocated_bytes: p.engine.allocated_bytes,
-                    rate: p.engine.rate,
-                    round_bytes: p.engine.round_bytes,
-                    pause_us: p.engine.pause_us,
-                    started_ms_ago: now_ms().saturating_sub(m.started_ms),
-                    waiting: p.waiting,
-                }
-            }),
+                })
+                .or_else(|| v.replica_move().map(|r| replica_moves::move_proto(st, v, r))),
             last_migration: v.last_migration.clone(),
             pinned: v.pinned,
             awaiting_home: v.awaiting_home,

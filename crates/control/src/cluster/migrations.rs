@@ -67,9 +67,12 @@ impl Cluster {
         let guard = self.volume_locks.lock(name).await;
         let v = self.ready_volume(name)?;
         if !v.replicas.is_empty() {
-            return Err(Status::failed_precondition(format!(
-                "volume {name} has {} replicas, and moving one replica is not built yet: it stays where it is",
-                v.replica_count()
+            return self.move_replica(v, req).await;
+        }
+        if !req.from_node.is_empty() && req.from_node != v.node {
+            return Err(Status::invalid_argument(format!(
+                "volume {name} has one copy, on {}: `--from` names a replica of a replicated volume",
+                v.node
             )));
         }
         if !v.local_hosts.is_empty() {
@@ -151,11 +154,11 @@ impl Cluster {
     }
 
     /// Stops a migration before its switch; the volume stays where it was.
-    pub async fn cancel_migration(&self, name: &str) -> Result<proto::Volume, Status> {
+    pub async fn cancel_migration(self: &Arc<Self>, name: &str) -> Result<proto::Volume, Status> {
         let _guard = self.volume_locks.lock(name).await;
         let v = self.state.lock().unwrap().volumes.get(name).cloned().ok_or_else(|| no_volume(name))?;
         let Some(m) = v.migration.clone() else {
-            return Ok(self.volume_proto(&v));
+            return self.cancel_replica_move(v).await;
         };
         if matches!(m.phase, MigrationPhase::Switching | MigrationPhase::Retiring) {
             return Err(Status::failed_precondition(format!(

@@ -28,6 +28,7 @@ mod io;
 mod migrations;
 mod nodes;
 mod rebalance;
+mod replica_moves;
 mod replicas;
 mod volumes;
 

@@ -12,13 +12,15 @@
 //!   creation, retried, lands there. A local request tries its own node first.
 //!
 //! It never moves a pinned volume, one a node's own pods asked to have there, one
-//! served through a local device, or one that its include list keeps on its node.
+//! served through a local device, or one that its include list keeps on its node. A
+//! replicated volume moves one replica at a time (the one on the node that needs
+//! room), and only while all its replicas are in sync.
 //! Nodes that a migration is leaving or entering wait until it ends, so a pass never
 //! plans on room that is still changing. A pass starts nothing while
 //! [`MOST_IN_FLIGHT`] migrations are under way.
 
 use crate::cluster::{Cluster, State};
-use crate::model::{VolumeRecord, VolumeState};
+use crate::model::{ReplicaState, VolumeRecord, VolumeState};
 use crate::scheduler::{Locality, NodeView, Request};
 use crate::{proto, room, scheduler};
 use std::collections::{HashMap, HashSet};
@@ -42,30 +44,37 @@ pub(super) struct WantedHole {
     making_on: Option<String>,
 }
 
-/// A migration the rebalancer starts: to `to`, or where the scheduler picks.
+/// A migration the rebalancer starts: of the volume's copy on `from`, to `to` or
+/// where the scheduler picks.
 struct Move {
     volume: String,
+    from: String,
     to: Option<String>,
     reason: &'static str,
     bytes: u64,
 }
 
 /// Whether the rebalancer may move the volume at all now: not pinned, ready, not
-/// moving, not served through a local device, and of one replica (a replica does not
-/// move yet).
+/// moving, not served through a local device, and every replica in sync.
 fn movable_now(v: &VolumeRecord) -> bool {
     !v.pinned
         && v.state == VolumeState::Ready
         && v.migration.is_none()
         && v.local_hosts.is_empty()
-        && v.replicas.is_empty()
+        && v.replicas.iter().all(|r| r.state == ReplicaState::InSync && r.replaces.is_empty())
 }
 
-/// Whether the rebalancer may move the volume off its node to make room there.
-fn may_leave(v: &VolumeRecord) -> bool {
+/// Whether the rebalancer may move the volume's copy off `node` to make room there.
+fn may_leave(v: &VolumeRecord, node: &str) -> bool {
     movable_now(v)
-        && !(v.locality == Locality::Local && v.host_node == v.node)
-        && (v.include.is_empty() || v.include.iter().any(|n| *n != v.node))
+        && !(v.locality == Locality::Local && v.host_node == node && v.node == node)
+        && (v.include.is_empty() || v.include.iter().any(|n| *n != node))
+}
+
+/// Each copy of the volume's data: its node and pool (the serving one first).
+fn copies(v: &VolumeRecord) -> impl Iterator<Item = (&str, &str)> {
+    std::iter::once((v.node.as_str(), v.pool.as_str()))
+        .chain(v.replicas.iter().map(|r| (r.node.as_str(), r.pool.as_str())))
 }
 
 /// Whether the volume's own rules allow it on `node`.
@@ -103,12 +112,13 @@ impl Cluster {
                 auto: m.to.is_none(),
                 rate: self.cfg.rebalance_rate,
                 pause_ms: 0,
+                from_node: m.from.clone(),
             };
             match self.migrate_volume(&req).await {
                 Ok(v) => {
                     self.cfg.metrics.rebalanced(m.reason, m.bytes);
                     let to = v.migration.map(|m| m.to_node).unwrap_or_default();
-                    tracing::info!(volume = m.volume, reason = m.reason, from = %v.node, to = %to, "rebalancer: moving");
+                    tracing::info!(volume = m.volume, reason = m.reason, from = %m.from, to = %to, "rebalancer: moving");
                 }
                 Err(e) => {
                     // The rest of the plan counted on this move; the next pass plans again.
@@ -120,7 +130,7 @@ impl Cluster {
     }
 
     fn plan_moves(&self, st: &mut State) -> Vec<Move> {
-        if st.volumes.migrating().count() >= MOST_IN_FLIGHT {
+        if st.volumes.migrating().count() + replica_moves(st).count() >= MOST_IN_FLIGHT {
             return Vec::new();
         }
         let busy = busy_nodes(st);
@@ -139,8 +149,11 @@ impl Cluster {
             st.wanted_holes[i].making_on = Some(node);
             return moves;
         }
+        // A replicated volume with a replica on its consumer's node already is not
+        // moved there: that would take a second copy on one node.
         let awaiting = st.volumes.awaiting_home().filter(|v| {
             movable_now(v)
+                && !copies(v).any(|(node, _)| node == v.host_node)
                 && !busy.contains(&v.host_node)
                 && !busy.contains(&v.node)
                 && allowed_on(&v.include, &v.exclude, &v.host_node)
@@ -156,7 +169,7 @@ impl Cluster {
             };
             if scheduler::choose(&views, &home, policy).is_some() {
                 let to = Some(v.host_node.clone());
-                return vec![Move { volume: v.name.clone(), to, reason: "home", bytes: v.size }];
+                return vec![Move { volume: v.name.clone(), from: v.node.clone(), to, reason: "home", bytes: v.size }];
             }
             if let Some(moves) = self.plan_room(st, &views, &v.host_node, &home, "room") {
                 return moves;
@@ -185,8 +198,10 @@ impl Cluster {
             return Some((home.name.clone(), moves));
         }
         let mut movable: HashMap<&str, u64> = HashMap::new();
-        for v in st.volumes.values().filter(|v| may_leave(v)) {
-            *movable.entry(v.node.as_str()).or_default() += v.size;
+        for v in st.volumes.values() {
+            for (node, _) in copies(v).filter(|(node, _)| may_leave(v, node)) {
+                *movable.entry(node).or_default() += v.size;
+            }
         }
         let candidates = views.iter().filter(|n| usable(n)).filter_map(|n| {
             let deficit = n.pools.iter().filter_map(|p| scheduler::shortfall(p, request, &self.cfg.policy)).min()?;
@@ -219,20 +234,27 @@ impl Cluster {
             let movable: Vec<(u64, &str)> = st
                 .volumes
                 .of_node(node)
-                .filter(|v| v.node == node && v.pool == pool && may_leave(v))
+                .filter(|v| copies(v).any(|copy| copy == (node, pool)) && may_leave(v, node))
                 .map(|v| (v.size, v.name.as_str()))
                 .collect();
             let chosen = room::evictions(movable, deficit, request.size)?;
             let leaving: Vec<&VolumeRecord> = chosen.iter().map(|(_, name)| &st.volumes[*name]).collect();
-            self.all_find_room(views, node, &leaving).then(|| {
-                leaving.iter().map(|v| Move { volume: v.name.clone(), to: None, reason, bytes: v.size }).collect()
+            self.all_find_room(views, &leaving).then(|| {
+                let moving = |v: &&VolumeRecord| Move {
+                    volume: v.name.clone(),
+                    from: node.to_string(),
+                    to: None,
+                    reason,
+                    bytes: v.size,
+                };
+                leaving.iter().map(moving).collect()
             })
         })
     }
 
-    /// Whether the scheduler finds each of these volumes a node other than `node`,
-    /// placing them one after the other.
-    fn all_find_room(&self, views: &[NodeView], node: &str, leaving: &[&VolumeRecord]) -> bool {
+    /// Whether the scheduler finds each of these volumes a node that holds no copy of
+    /// it, placing them one after the other.
+    fn all_find_room(&self, views: &[NodeView], leaving: &[&VolumeRecord]) -> bool {
         let mut views = views.to_vec();
         leaving.iter().all(|v| {
             let request = Request {
@@ -241,7 +263,7 @@ impl Cluster {
                 locality: v.locality,
                 host_node: v.host_node.clone(),
                 include: v.include.clone(),
-                exclude: v.exclude.iter().cloned().chain([node.to_string()]).collect(),
+                exclude: v.exclude.iter().cloned().chain(copies(v).map(|(n, _)| n.to_string())).collect(),
             };
             let Some((n, p)) = scheduler::choose(&views, &request, &self.cfg.policy) else { return false };
             let pool = &mut views[n].pools[p];
@@ -254,11 +276,14 @@ impl Cluster {
     }
 }
 
-/// Nodes that a migration under way leaves or enters.
+/// Nodes that a migration or a replica's move under way leaves or enters.
 fn busy_nodes(st: &State) -> HashSet<String> {
-    st.volumes
-        .migrating()
-        .filter_map(|v| v.migration.as_ref())
-        .flat_map(|m| [m.from_node.clone(), m.to_node.clone()])
-        .collect()
+    let migrations = st.volumes.migrating().filter_map(|v| v.migration.as_ref()).map(|m| (&m.from_node, &m.to_node));
+    let moves = replica_moves(st).map(|r| (&r.replaces, &r.node));
+    migrations.chain(moves).flat_map(|(from, to)| [from.clone(), to.clone()]).collect()
+}
+
+/// The new replicas of the replicas' moves under way.
+fn replica_moves(st: &State) -> impl Iterator<Item = &crate::model::ReplicaRecord> {
+    st.volumes.replicated().filter_map(VolumeRecord::replica_move)
 }

@@ -7,7 +7,7 @@
 //! answers the writes that skipped a failed replica only once its agent swaps in the
 //! mirror without it, which the agent does on the controller's word alone.
 
-use crate::cluster::{Cluster, State, now_ms};
+use crate::cluster::{Cluster, State, now_ms, replica_moves};
 use crate::model::{ReplicaRecord, ReplicaState, Tombstone, VolumeRecord, VolumeState};
 use crate::scheduler::{self, Locality, NodeView, Request};
 use crate::{access, proto};
@@ -116,7 +116,7 @@ impl Cluster {
         let count = count as usize;
         let _guard = self.volume_locks.lock(name).await;
         let v = self.ready_volume(name)?;
-        if v.migration.is_some() {
+        if v.migration.is_some() || v.replica_move().is_some() {
             return Err(Status::failed_precondition(format!(
                 "volume {name} is moving: change its replicas once the move is over"
             )));
@@ -165,18 +165,21 @@ impl Cluster {
     /// node comes back.
     async fn replace_lost_replicas(self: &Arc<Self>) {
         let timeout_ms = self.cfg.replica_timeout.as_millis() as u64;
-        let lost = |st: &State, r: &ReplicaRecord| {
+        // A replica that a move replaces is not made anew: the move's replica is its
+        // replacement already.
+        let lost = |st: &State, v: &VolumeRecord, r: &ReplicaRecord| {
             r.state == ReplicaState::Faulted
                 && r.left_ms > 0
                 && now_ms().saturating_sub(r.left_ms) >= timeout_ms
                 && !st.nodes.get(&r.node).is_some_and(|n| self.healthy(n))
+                && !v.replicas.iter().any(|m| m.replaces == r.node)
         };
         let due: Vec<String> = {
             let st = self.state.lock().unwrap();
             st.volumes
                 .replicated()
                 .filter(|v| v.state == VolumeState::Ready && v.migration.is_none())
-                .filter(|v| v.replicas.iter().any(|r| lost(&st, r)))
+                .filter(|v| v.replicas.iter().any(|r| lost(&st, v, r)))
                 .map(|v| v.name.clone())
                 .collect()
         };
@@ -185,18 +188,33 @@ impl Cluster {
             let replaced = {
                 let mut st = self.state.lock().unwrap();
                 let Some(v) = st.volumes.get(&name).cloned() else { continue };
-                let Some(old) = v.replicas.iter().find(|r| lost(&st, r)).cloned() else { continue };
-                let views = self.node_views(&mut st);
-                match self.place_replicas(&st, &views, &request_of(&v), &holding_nodes(&st, &v), 1) {
-                    Ok(placed) => {
-                        let mut next = v.clone();
-                        next.replicas.retain(|r| r.node != old.node);
-                        next.replicas.extend(placed.iter().map(|(node, pool)| new_replica(node, pool)));
-                        Some((next, Tombstone::of_replica(&v, &old.node, &old.pool), old.node))
-                    }
-                    Err(e) => {
-                        tracing::warn!(volume = name, node = old.node, "cannot replace a lost replica yet: {e}");
-                        None
+                let Some(old) = v.replicas.iter().find(|r| lost(&st, &v, r)).cloned() else { continue };
+                let tomb = Tombstone::of_replica(&v, &old.node, &old.pool);
+                if !old.replaces.is_empty() {
+                    // A move's new replica lost: the move stops, the replica it was to
+                    // replace stays.
+                    let mut next = v.clone();
+                    next.replicas.retain(|r| r.node != old.node);
+                    next.generation += 1;
+                    next.last_migration = format!(
+                        "the move of the replica on {} to {} stopped: {} stayed away longer than the replica \
+                         timeout; the replica stays on {}",
+                        old.replaces, old.node, old.node, old.replaces
+                    );
+                    Some((next, tomb, old.node))
+                } else {
+                    let views = self.node_views(&mut st);
+                    match self.place_replicas(&st, &views, &request_of(&v), &holding_nodes(&st, &v), 1) {
+                        Ok(placed) => {
+                            let mut next = v.clone();
+                            next.replicas.retain(|r| r.node != old.node);
+                            next.replicas.extend(placed.iter().map(|(node, pool)| new_replica(node, pool)));
+                            Some((next, tomb, old.node))
+                        }
+                        Err(e) => {
+                            tracing::warn!(volume = name, node = old.node, "cannot replace a lost replica yet: {e}");
+                            None
+                        }
                     }
                 }
             };
@@ -232,8 +250,8 @@ impl Cluster {
                 let rebuilds = rebuilds_by_node(&st);
                 st.volumes.get(&name).and_then(|v| self.membership_change(&st, v, &rebuilds).map(|c| (v.clone(), c)))
             };
-            let Some((old, (next, what))) = change else { continue };
-            if let Err(e) = self.put_volume(&next).await {
+            let Some((old, (next, what, tombs))) = change else { continue };
+            if let Err(e) = self.put_volume_and_tombs(&next, tombs).await {
                 tracing::warn!(volume = name, "cannot record a change of its replicas ({what}): {e}");
                 continue;
             }
@@ -257,7 +275,7 @@ impl Cluster {
         st: &State,
         v: &VolumeRecord,
         rebuilds: &HashMap<&str, usize>,
-    ) -> Option<(VolumeRecord, String)> {
+    ) -> Option<(VolumeRecord, String, Vec<Tombstone>)> {
         if v.state != VolumeState::Ready || v.migration.is_some() {
             return None;
         }
@@ -317,7 +335,7 @@ impl Cluster {
             next.local_device = None;
             next.generation += 1;
             let what = format!("{} serves at generation {} ({} lost)", heir.node, next.generation, v.node);
-            return Some((next, what));
+            return Some((next, what, Vec::new()));
         }
         let mut changes = Vec::new();
         for r in next.replicas.iter_mut() {
@@ -348,7 +366,14 @@ impl Cluster {
                         r.since = 0;
                     } else if rebuild.is_some_and(|b| b.state == "done") {
                         changes.push(format!("{} rebuilt and in sync", r.node));
-                        *r = ReplicaRecord { power_losses: r.power_losses, ..ReplicaRecord::new(&r.node, &r.pool) };
+                        // A move's replica stays marked: the next pass ends the move.
+                        let moving = !r.replaces.is_empty();
+                        *r = ReplicaRecord {
+                            power_losses: r.power_losses,
+                            replaces: std::mem::take(&mut r.replaces),
+                            left_ms: if moving { r.left_ms } else { 0 },
+                            ..ReplicaRecord::new(&r.node, &r.pool)
+                        };
                     }
                 }
                 ReplicaState::Faulted => {}
@@ -356,7 +381,11 @@ impl Cluster {
         }
         if !changes.is_empty() {
             next.generation += 1;
-            return Some((next, changes.join("; ")));
+            return Some((next, changes.join("; "), Vec::new()));
+        }
+        // A move's replica is in sync: the replica it replaces goes.
+        if let Some(i) = next.replicas.iter().position(|r| !r.replaces.is_empty() && r.state == ReplicaState::InSync) {
+            return Some(replica_moves::finish_move(v, next, i));
         }
         // A faulted replica whose node is back catches up, one at a time: only the
         // clusters written since it left when the serving engine then is the one
@@ -381,7 +410,7 @@ impl Cluster {
             0 => format!("{} back: a full rebuild", r.node),
             since => format!("{} back: rebuilding what generations {since} and later wrote", r.node),
         };
-        Some((next, what))
+        Some((next, what, Vec::new()))
     }
 }
 
@@ -404,7 +433,7 @@ fn rebuilds_by_node(st: &State) -> HashMap<&str, usize> {
 
 /// A replica made anew: it has nothing yet, so it waits for a full rebuild (the
 /// membership pass starts one once no other replica of the volume catches up).
-fn new_replica(node: &str, pool: &str) -> ReplicaRecord {
+pub(super) fn new_replica(node: &str, pool: &str) -> ReplicaRecord {
     ReplicaRecord {
         state: ReplicaState::Faulted,
         why: "new: waits for its rebuild".into(),
@@ -415,7 +444,7 @@ fn new_replica(node: &str, pool: &str) -> ReplicaRecord {
 
 /// The nodes a new replica of `v` may not go to: those holding one, and those whose
 /// dropped replica is still to be removed (the removal would take the new one).
-fn holding_nodes(st: &State, v: &VolumeRecord) -> Vec<String> {
+pub(super) fn holding_nodes(st: &State, v: &VolumeRecord) -> Vec<String> {
     let prefix = format!("{}@", v.id);
     let dropped = st.tombstones.values().filter(|t| t.id.starts_with(&prefix)).map(|t| t.node.clone());
     let mut nodes: Vec<String> =
@@ -426,7 +455,7 @@ fn holding_nodes(st: &State, v: &VolumeRecord) -> Vec<String> {
 
 /// What the scheduler places another replica of `v` by: its size and node rules,
 /// anywhere.
-fn request_of(v: &VolumeRecord) -> Request {
+pub(super) fn request_of(v: &VolumeRecord) -> Request {
     Request {
         size: v.size,
         thin: v.thin,

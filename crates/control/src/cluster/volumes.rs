@@ -501,7 +501,7 @@ impl Cluster {
         let st = self.state.lock().unwrap();
         st.volumes
             .values()
-            .filter(|v| node.is_empty() || v.node == node)
+            .filter(|v| node.is_empty() || v.node == node || v.replica_on(node).is_some())
             .map(|v| self.volume_proto_locked(&st, v))
             .collect()
     }

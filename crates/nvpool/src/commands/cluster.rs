@@ -589,7 +589,7 @@ pub enum ClusterVolumeVerb {
     },
     /// List volumes.
     List {
-        /// Only volumes on this node.
+        /// Only volumes with a copy on this node (serving or a replica).
         #[arg(long, default_value = "")]
         node: String,
     },
@@ -603,6 +603,9 @@ pub enum ClusterVolumeVerb {
         /// Let the scheduler pick the node, by the volume's placement rules.
         #[arg(long, conflicts_with = "cancel")]
         auto: bool,
+        /// A replicated volume: the node whose replica moves (default: the serving one).
+        #[arg(long, conflicts_with = "cancel")]
+        from: Option<String>,
         /// Stop a migration that has not switched; the volume stays where it was.
         #[arg(long)]
         cancel: bool,
@@ -988,29 +991,35 @@ async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), Strin
                 }
             });
         }
-        ClusterVolumeVerb::Migrate { name, to, auto, how, .. } => {
-            migrate(&c, &name, to.unwrap_or_default(), auto, &how, api.json).await?;
+        ClusterVolumeVerb::Migrate { name, to, auto, from, how, .. } => {
+            let whence = Whence { from: from.unwrap_or_default(), to: to.unwrap_or_default(), auto };
+            migrate(&c, &name, whence, &how, api.json).await?;
         }
     }
     Ok(())
 }
 
-/// Starts a volume's migration and, unless told not to wait, follows it to its end:
-/// a progress bar on a terminal, a line per round otherwise, JSON events with --json.
-async fn migrate(
-    c: &Controllers,
-    name: &str,
-    to_node: String,
+/// Which copy of a volume moves, and where to.
+struct Whence {
+    /// A replicated volume's replica on this node; empty: the serving one (or the
+    /// only copy).
+    from: String,
+    /// The node to move to; empty with `auto`.
+    to: String,
     auto: bool,
-    how: &MoveArgs,
-    json: bool,
-) -> Result<(), String> {
+}
+
+/// Starts a volume's migration (a replicated volume's: one replica's move) and,
+/// unless told not to wait, follows it to its end: a progress bar on a terminal, a
+/// line per round otherwise, JSON events with --json.
+async fn migrate(c: &Controllers, name: &str, whence: Whence, how: &MoveArgs, json: bool) -> Result<(), String> {
     let req = proto::MigrateVolumeRequest {
         name: name.to_string(),
-        to_node,
-        auto,
+        to_node: whence.to,
+        auto: whence.auto,
         rate: how.rate.unwrap_or(0),
         pause_ms: how.pause_ms,
+        from_node: whence.from,
     };
     let v = c.call(async |mut c| c.migrate_volume(req.clone()).await).await.map_err(status)?;
     let m = v.migration.clone().unwrap_or_default();
@@ -1088,7 +1097,8 @@ fn progress_line(m: &proto::Migration) -> String {
     line
 }
 
-/// Moves every volume off a node, one after the other.
+/// Moves every volume off a node, one after the other (of a replicated volume, the
+/// replica there).
 async fn drain(node: &str, how: MoveArgs, api: &ControllerApi) -> Result<(), String> {
     let c = api.controllers()?;
     let req = proto::ListVolumesRequest { node: node.to_string() };
@@ -1100,7 +1110,8 @@ async fn drain(node: &str, how: MoveArgs, api: &ControllerApi) -> Result<(), Str
     let how = MoveArgs { no_wait: false, ..how };
     let mut failed = Vec::new();
     for v in &volumes {
-        if let Err(e) = migrate(&c, &v.name, String::new(), true, &how, api.json).await {
+        let whence = Whence { from: node.to_string(), to: String::new(), auto: true };
+        if let Err(e) = migrate(&c, &v.name, whence, &how, api.json).await {
             eprintln!("{e}");
             failed.push(v.name.clone());
         }
