@@ -328,9 +328,16 @@ fn reconcile(engine: &Path, state: &proto::NodeState, changes: Option<&Changes>)
                 let export_goes = subsystem.is_some() && !served.contains(d.subsystem_nqn.as_str());
                 remove(engine, d, volume.is_some(), export_goes).map(|()| None)
             };
+            // The volume's data should be here and is not: reported, never made anew.
+            let copy_lost = volume.is_none()
+                && match d.replica.as_ref().filter(|_| d.present) {
+                    Some(wanted) => !wanted.make,
+                    None => d.present && d.owner_address.is_empty() && d.keep_only,
+                };
             let connected = subsystem.map(|s| s.connected_hosts.clone()).unwrap_or_default();
             let exported = outcome.is_ok();
             let mut r = result(&d.id, outcome, connected);
+            r.copy_lost = copy_lost;
             if exported && d.present && d.owner_address.is_empty() {
                 match local_device(engine, d, &devices) {
                     Ok(Some(dev)) => (r.local_device, r.ublk_id) = (dev.device, dev.ublk_id.unwrap_or_default()),
@@ -584,8 +591,8 @@ fn ensure(
     let mut info = match volume {
         None if d.keep_only => {
             return Err(format!(
-                "volume {pool}/{name} is not on this engine and is not to be made anew (a migration may have moved \
-                 it); the controller decides where it is"
+                "volume {pool}/{name} is not on this engine and is not made anew, empty (its pool was made anew, \
+                 or a migration moved it); the controller decides where it is"
             ));
         }
         None => {
@@ -678,6 +685,13 @@ fn replica(
             call(engine, ResizeVolume { pool: d.pool.clone(), name: d.engine_name.clone(), size: d.size_bytes })?
         }
         Some(v) => v.clone(),
+        None if !wanted.make => {
+            return Err(format!(
+                "replica volume {}/{} is not on this engine though it held the volume's data (its pool was made \
+                 anew?); it is not made anew empty: the controller has it rebuilt in full",
+                d.pool, d.engine_name
+            ));
+        }
         None => {
             let identity =
                 (!d.uuid.is_empty()).then(|| VolumeIdentity { uuid: d.uuid.clone(), nguid: d.nguid.clone() });

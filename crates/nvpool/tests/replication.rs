@@ -10,7 +10,8 @@
 mod cluster;
 
 use cluster::{
-    BLOCK, HOST, Model, Node, addr, create_request, free_port, host_writer, start_controller, verify, wait_for,
+    BLOCK, HOST, Model, Node, addr, create_request, free_port, host_writer, host_writer_in, start_controller, verify,
+    wait_for,
 };
 use nvpool_control::client::Controllers;
 use nvpool_control::proto;
@@ -520,4 +521,126 @@ async fn a_replica_moves_by_hand_by_drain_and_by_the_rebalancer() {
     let other = &nodes[index(&after.replicas.iter().find(|r| !r.serving).unwrap().node)];
     other.engine_call(nvpool_api::AddHost { nqn: replica_nqn.clone(), host: HOST.into(), dhchap: None, tls_psk: None });
     verify(addr(other), &replica_nqn, &model, "the other replica");
+}
+
+/// A replica's node comes back without its disks, under writes: first with no pool
+/// at all (the replica is made anew on another node at once, not after the replica
+/// timeout), then, on the node that took it, with a new, empty pool of the same name
+/// (the replica is rebuilt there in full: a partial rebuild into a volume made anew
+/// would leave it without everything written before it left).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_disks_are_lost_is_rebuilt_in_full() {
+    let keep = std::env::var_os("NVPOOL_KEEP_TEST_DIR").is_some();
+    let root = tempfile::Builder::new().disable_cleanup(keep).tempdir().unwrap();
+    println!("logs in {}", root.path().display());
+    let _logs = cluster::LogsOnFailure(root.path());
+    let store = format!("redb:{}", root.path().join("controller.redb").display());
+    let controller = start_controller(root.path(), &store, free_port(), "1");
+    let names = ["n1", "n2", "n3"];
+    let mut nodes: Vec<Node> = names.iter().map(|n| Node::new(root.path(), n, 256 * MIB)).collect();
+    for n in nodes.iter_mut() {
+        n.start_agent(&controller.address);
+    }
+    let c = Controllers::new(&controller.address).unwrap();
+    cluster::wait_healthy(&c, &names).await;
+    let req = proto::CreateVolumeRequest { thin: true, replicas: 2, ..create_request(VOLUME, 32 * MIB) };
+    let v = c.call(async |mut c| c.create_volume(req.clone()).await).await.unwrap().volume.unwrap();
+    let attach = proto::AttachRequest { volume: VOLUME.into(), host_nqn: HOST.into(), ..Default::default() };
+    c.call(async |mut c| c.attach(attach.clone()).await).await.unwrap();
+    let index = |name: &str| names.iter().position(|n| *n == name).unwrap();
+    let serving = index(&v.node);
+    let model: Model = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = host_writer(
+        vec![addr(&nodes[serving])],
+        v.subsystem_nqn.clone(),
+        model.clone(),
+        stop.clone(),
+        WRITTEN / BLOCK as u64,
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let other = |v: &proto::Volume| v.replicas.iter().find(|r| !r.serving).unwrap().clone();
+    let disks_lost = |n: &mut Node| {
+        n.agent.kill();
+        n.engine.kill();
+        std::fs::remove_file(&n.disk).unwrap();
+        std::fs::File::create(&n.disk).unwrap().set_len(256 * MIB).unwrap();
+        n.start_engine(false);
+    };
+
+    // Back with no pool: its replica is made anew elsewhere at once.
+    let first = index(&other(&v).node);
+    disks_lost(&mut nodes[first]);
+    nodes[first].start_agent(&controller.address);
+    let started = std::time::Instant::now();
+    let replaced = wait_for("the replica made anew on another node, in sync", Duration::from_secs(60), async || {
+        let v = volume(&c).await;
+        let r = other(&v);
+        (r.node != names[first] && r.state == "in-sync").then_some(v)
+    })
+    .await;
+    println!(
+        "{} back without its pool: replica on {} in sync after {:.1?}",
+        names[first],
+        other(&replaced).node,
+        started.elapsed()
+    );
+
+    // Back with a new, empty pool of the same name: rebuilt there in full. The host
+    // writes another region from now on: a rebuild of what was written since the
+    // replica left would leave the first region's blocks missing there.
+    stop.store(true, Ordering::SeqCst);
+    let (writes, errors) = writer.join().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let blocks = WRITTEN / BLOCK as u64;
+    let writer = host_writer_in(
+        vec![addr(&nodes[serving])],
+        v.subsystem_nqn.clone(),
+        model.clone(),
+        stop.clone(),
+        blocks..2 * blocks,
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second = index(&other(&replaced).node);
+    disks_lost(&mut nodes[second]);
+    let out = std::process::Command::new(cluster::BIN)
+        .args(["engine", "pool", "create", &format!("{}-pool", names[second])])
+        .arg(&nodes[second].disk)
+        .arg("--socket")
+        .arg(nodes[second].socket())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "pool create: {}", String::from_utf8_lossy(&out.stderr));
+    nodes[second].start_agent(&controller.address);
+    let faulted = wait_for("the replica faulted", Duration::from_secs(30), async || {
+        let v = volume(&c).await;
+        (other(&v).state != "in-sync").then_some(v)
+    })
+    .await;
+    println!("{} lost its disks: {:?}", names[second], faulted.replicas);
+    let rebuilt = wait_for("the replica rebuilt in place, in sync", Duration::from_secs(60), async || {
+        let v = volume(&c).await;
+        let r = other(&v);
+        (r.node == names[second] && r.state == "in-sync").then_some(v)
+    })
+    .await;
+    println!("{} back with a new pool: {:?}", names[second], rebuilt.replicas);
+
+    stop.store(true, Ordering::SeqCst);
+    let (later, later_errors) = writer.join().unwrap();
+    println!("{writes} writes, then {later} to another region, {} errors", errors + later_errors);
+    assert_eq!(errors + later_errors, 0, "the host saw errors");
+    for n in &mut nodes {
+        n.agent.kill();
+    }
+    verify(addr(&nodes[serving]), &v.subsystem_nqn, &model, "the serving replica");
+    let replica_nqn = format!("{}-replica", v.subsystem_nqn);
+    let holder = &nodes[second];
+    holder.engine_call(nvpool_api::AddHost {
+        nqn: replica_nqn.clone(),
+        host: HOST.into(),
+        dhchap: None,
+        tls_psk: None,
+    });
+    verify(addr(holder), &replica_nqn, &model, "the replica rebuilt on a new pool");
 }

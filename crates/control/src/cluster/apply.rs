@@ -52,9 +52,12 @@ fn desired_volume(st: &State, v: &VolumeRecord, node: &str) -> proto::DesiredVol
         ana,
         local,
         access_points,
-        // Once a switch may have happened, the owner's engine may have deleted the
-        // volume: it must not make a new, empty one.
-        keep_only: v.node == node && v.migration.as_ref().is_some_and(|m| m.phase == MigrationPhase::Switching),
+        // A volume that exists is never made anew, empty, in place of its data (a
+        // pool made anew); once a switch may have happened, the owner's engine may
+        // have deleted it.
+        keep_only: v.node == node
+            && (v.state == VolumeState::Ready
+                || v.migration.as_ref().is_some_and(|m| m.phase == MigrationPhase::Switching)),
         ..present(v, &v.pool)
     };
     with_replicas(st, v, node, d)
@@ -73,7 +76,7 @@ fn with_replicas(st: &State, v: &VolumeRecord, node: &str, mut d: proto::Desired
         d.mirror = replicas::mirror_wanted(st, v, st.rebuild_rate);
     } else if let Some(r) = v.replica_on(node) {
         d.pool = r.pool.clone();
-        d.replica = Some(replicas::replica_wanted(st, v));
+        d.replica = Some(replicas::replica_wanted(st, v, r));
         if d.ana.is_empty() {
             // Not an access point: the replica's export alone.
             d.owner_address.clear();
@@ -447,10 +450,17 @@ impl Cluster {
             }
         }
         let mut st = self.state.lock().unwrap();
-        if let Some(n) = st.nodes.get_mut(node)
-            && applied.all_ok
-        {
+        let Some(n) = st.nodes.get_mut(node) else { return };
+        if applied.all_ok {
             n.applied_generation = n.applied_generation.max(generation);
+        }
+        // The membership pass acts on copies found gone (`replicas.rs`).
+        for r in &applied.fresh {
+            if r.copy_lost {
+                n.lost_copies.insert(r.id.clone());
+            } else {
+                n.lost_copies.remove(&r.id);
+            }
         }
     }
 

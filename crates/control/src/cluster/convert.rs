@@ -61,6 +61,13 @@ impl Cluster {
                 }))
                 .collect(),
             degraded: match st.nodes.get(&v.node) {
+                Some(n) if n.lost_copies.contains(&v.id) && v.migration.is_none() && v.replicas.is_empty() => {
+                    format!(
+                        "its only copy is gone from {} (the pool was made anew or lost it): restore that pool, or \
+                         delete the volume",
+                        v.node
+                    )
+                }
                 Some(n) if self.healthy(n) => String::new(),
                 _ if !v.replicas.is_empty() => format!("its serving node {} is down", v.node),
                 _ => format!("its owner {} is down and holds the only copy of its data", v.node),

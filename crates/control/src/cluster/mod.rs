@@ -127,6 +127,9 @@ struct NodeEntry {
     mirrors: HashMap<String, proto::MirrorReport>,
     /// The replica exports here that no engine is connected to, by NQN.
     replicas_unconnected: HashSet<String>,
+    /// The volumes (by ID) whose copy should be here and is not, as the agent's last
+    /// results said (`VolumeResult.copy_lost`).
+    lost_copies: HashSet<String>,
 }
 
 impl NodeEntry {
@@ -149,6 +152,7 @@ impl NodeEntry {
             io: io::NodeIo::default(),
             mirrors: HashMap::new(),
             replicas_unconnected: HashSet::new(),
+            lost_copies: HashSet::new(),
         }
     }
 }

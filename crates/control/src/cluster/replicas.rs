@@ -46,10 +46,27 @@ pub(super) fn mirror_wanted(st: &State, v: &VolumeRecord, rebuild_rate: u64) -> 
 }
 
 /// On a replica's node: its export, which only the serving engine may connect to.
-pub(super) fn replica_wanted(st: &State, v: &VolumeRecord) -> proto::ReplicaWanted {
+pub(super) fn replica_wanted(st: &State, v: &VolumeRecord, r: &ReplicaRecord) -> proto::ReplicaWanted {
     proto::ReplicaWanted {
         subsystem_nqn: v.replica_nqn(),
         serving_host_nqn: st.nodes.get(&v.node).map(|n| n.record.host_nqn.clone()).unwrap_or_default(),
+        make: copies_in_full(v, r),
+    }
+}
+
+/// Whether the replica's volume may be made, empty, where it is missing: the volume
+/// is being created, or the replica's next (or current) rebuild copies every
+/// cluster. A replica that holds the volume's data, or that a partial rebuild is to
+/// bring up to date, is never made anew: its volume missing is a lost copy
+/// (`lost_copies`).
+fn copies_in_full(v: &VolumeRecord, r: &ReplicaRecord) -> bool {
+    if v.state == VolumeState::Creating {
+        return true;
+    }
+    match r.state {
+        ReplicaState::InSync => false,
+        ReplicaState::CatchingUp => r.since == 0,
+        ReplicaState::Faulted => !(r.left_serving == v.node && r.left_at > 0),
     }
 }
 
@@ -160,18 +177,21 @@ impl Cluster {
         Ok(self.volume_proto(&next))
     }
 
-    /// Replaces each replica whose node stayed away longer than `replica_timeout` by
-    /// a new one on another node (rebuilt in full); the old one is removed when its
-    /// node comes back.
+    /// Replaces each replica whose node stayed away longer than `replica_timeout`, or
+    /// came back without the replica's pool, by a new one on another node (rebuilt in
+    /// full); the old one is removed when its node comes back (if its pool is gone,
+    /// there is nothing to remove).
     async fn replace_lost_replicas(self: &Arc<Self>) {
         let timeout_ms = self.cfg.replica_timeout.as_millis() as u64;
-        // A replica that a move replaces is not made anew: the move's replica is its
+        // Away too long, or back without its pool (its disks lost): made anew at once.
+        // A replica that a move replaces is not: the move's replica is its
         // replacement already.
         let lost = |st: &State, v: &VolumeRecord, r: &ReplicaRecord| {
-            r.state == ReplicaState::Faulted
-                && r.left_ms > 0
+            let away = r.left_ms > 0
                 && now_ms().saturating_sub(r.left_ms) >= timeout_ms
-                && !st.nodes.get(&r.node).is_some_and(|n| self.healthy(n))
+                && !st.nodes.get(&r.node).is_some_and(|n| self.healthy(n));
+            r.state == ReplicaState::Faulted
+                && (away || pool_gone(st, &r.node, &r.pool))
                 && !v.replicas.iter().any(|m| m.replaces == r.node)
         };
         let due: Vec<String> = {
@@ -304,14 +324,16 @@ impl Cluster {
                         .get(&r.node)
                         .is_some_and(|n| self.healthy(n) && n.replicas_unconnected.contains(&replica_nqn))
             });
-        if !up(&v.node) || orphaned || failed(&own_leg).is_some() {
+        let serving_copy_gone = copy_gone(st, v, &v.node, &v.pool);
+        if !up(&v.node) || orphaned || failed(&own_leg).is_some() || serving_copy_gone.is_some() {
             // The serving replica is gone: an in-sync one on a live node takes over,
             // if there is one; else I/O waits for the serving node (invariant 4).
             let heir = v.replicas.iter().position(|r| r.state == ReplicaState::InSync && alive(&r.node))?;
             let heir = next.replicas.remove(heir);
-            let why = match failed(&own_leg) {
-                Some(f) => format!("it failed a write: {}", f.error),
-                None => format!("node {} was lost while serving", v.node),
+            let why = match (failed(&own_leg), serving_copy_gone) {
+                (Some(f), _) => format!("it failed a write: {}", f.error),
+                (None, Some(gone)) => gone,
+                (None, None) => format!("node {} was lost while serving", v.node),
             };
             next.replicas.push(ReplicaRecord {
                 state: ReplicaState::Faulted,
@@ -348,7 +370,11 @@ impl Cluster {
             // serving engine's record says it has.
             let lost_power = (power_losses(st, &r.node, &r.pool) > r.power_losses)
                 .then(|| format!("node {} lost power: its disks may lack writes they had acknowledged", r.node));
-            let gone = gone.or(lost_power);
+            // Its copy is gone (its pool lost or made anew): whatever it held, it is
+            // rebuilt in full, here or (its pool lost) elsewhere.
+            let copy_gone = copy_gone(st, v, &r.node, &r.pool);
+            let in_full = copy_gone.is_some() && !r.left_serving.is_empty();
+            let gone = gone.or(lost_power).or(copy_gone);
             match r.state {
                 ReplicaState::InSync => {
                     if let Some(why) = failure.or(gone) {
@@ -378,6 +404,11 @@ impl Cluster {
                 }
                 ReplicaState::Faulted => {}
             }
+            if in_full {
+                // No record of what it lacks counts for it any more.
+                changes.push(format!("{} rebuilds in full", r.node));
+                r.left_serving.clear();
+            }
         }
         if !changes.is_empty() {
             next.generation += 1;
@@ -398,8 +429,9 @@ impl Cluster {
         if !room(&v.node) {
             return None;
         }
-        let r =
-            next.replicas.iter_mut().find(|r| r.state == ReplicaState::Faulted && alive(&r.node) && room(&r.node))?;
+        let r = next.replicas.iter_mut().find(|r| {
+            r.state == ReplicaState::Faulted && alive(&r.node) && room(&r.node) && !pool_gone(st, &r.node, &r.pool)
+        })?;
         r.state = ReplicaState::CatchingUp;
         // The record names what it lacks only if the serving engine kept it, and only
         // if its own disks kept everything it had acknowledged.
@@ -412,6 +444,25 @@ impl Cluster {
         };
         Some((next, what, Vec::new()))
     }
+}
+
+/// Why the copy of `v` in pool `pool` of node `node` is gone, if it is: the node
+/// reports without that pool (its disks lost), or its agent found the volume missing
+/// where it held the data (its pool made anew).
+fn copy_gone(st: &State, v: &VolumeRecord, node: &str, pool: &str) -> Option<String> {
+    if pool_gone(st, node, pool) {
+        return Some(format!("its pool {pool} is gone from node {node}"));
+    }
+    let lost = st.nodes.get(node).is_some_and(|n| n.lost_copies.contains(&v.id));
+    lost.then(|| format!("its copy on node {node} is gone (its pool was made anew?)"))
+}
+
+/// Whether node `node` reports without pool `pool`, or with it failed: a node that
+/// heartbeats with its engine up lists every pool it has.
+fn pool_gone(st: &State, node: &str, pool: &str) -> bool {
+    st.nodes.get(node).is_some_and(|n| {
+        n.engine_error.is_none() && n.usage_complete && !n.pools.iter().any(|p| p.name == pool && p.failed.is_none())
+    })
 }
 
 /// The power losses pool `pool` of node `node` counted, as its last heartbeat said.
