@@ -170,6 +170,11 @@ pub struct VolumeRecord {
     /// volume of one copy.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub replicas: Vec<ReplicaRecord>,
+    /// The serving pool's power losses when it began serving (as a replica's): a later
+    /// one means its disks may lack writes the other replicas have, so another
+    /// replica serves if one is in sync.
+    #[serde(default)]
+    pub serving_power_losses: u32,
 }
 
 /// Where a replica stands.

@@ -155,6 +155,7 @@ pub(super) fn finish_move(
         tombs.push(Tombstone::of_replica(v, &v.node, &v.pool));
         next.node = heir.node;
         next.pool = heir.pool;
+        next.serving_power_losses = heir.power_losses;
         next.local_device = None;
     } else if let Some(old) = next.replicas.iter().position(|r| r.node == from) {
         let old = next.replicas.remove(old);

@@ -154,6 +154,12 @@ impl Cluster {
             // Generations only grow: one that served the volume before (it had replicas
             // once) is later than any engine took it at.
             next.generation += 1;
+            if v.replicas.is_empty() {
+                next.serving_power_losses = {
+                    let st = self.state.lock().unwrap();
+                    power_losses(&st, &v.node, &v.pool)
+                };
+            }
         } else {
             let rank = |r: &ReplicaRecord| match r.state {
                 ReplicaState::Faulted => 0,
@@ -324,7 +330,7 @@ impl Cluster {
                         .get(&r.node)
                         .is_some_and(|n| self.healthy(n) && n.replicas_unconnected.contains(&replica_nqn))
             });
-        let serving_copy_gone = copy_gone(st, v, &v.node, &v.pool);
+        let serving_copy_gone = serving_copy_gone(st, v);
         if !up(&v.node) || orphaned || failed(&own_leg).is_some() || serving_copy_gone.is_some() {
             // The serving replica is gone: an in-sync one on a live node takes over,
             // if there is one; else I/O waits for the serving node (invariant 4).
@@ -348,6 +354,7 @@ impl Cluster {
             }
             next.node = heir.node.clone();
             next.pool = heir.pool;
+            next.serving_power_losses = heir.power_losses;
             // The new serving node becomes every host's optimized path.
             for paths in next.paths.values_mut() {
                 paths.retain(|n| *n != heir.node);
@@ -444,6 +451,17 @@ impl Cluster {
         };
         Some((next, what, Vec::new()))
     }
+}
+
+/// Why the serving copy of `v` may no longer hold every write: gone, or its node
+/// lost power since it began serving (its disks may lack writes they had
+/// acknowledged, which the other replicas have).
+fn serving_copy_gone(st: &State, v: &VolumeRecord) -> Option<String> {
+    copy_gone(st, v, &v.node, &v.pool).or_else(|| {
+        (power_losses(st, &v.node, &v.pool) > v.serving_power_losses).then(|| {
+            format!("node {} lost power while serving: its disks may lack writes they had acknowledged", v.node)
+        })
+    })
 }
 
 /// Why the copy of `v` in pool `pool` of node `node` is gone, if it is: the node

@@ -124,6 +124,7 @@ impl Cluster {
                     && chosen.node != req.host_node
                     && views.iter().any(|n| n.name == req.host_node && !n.pools.is_empty()),
                 generation: if replicas.is_empty() { 0 } else { 1 },
+                serving_power_losses: crate::cluster::replicas::power_losses(&st, &chosen.node, &chosen.pool),
                 replicas: replicas
                     .iter()
                     .map(|(node, pool)| ReplicaRecord {
