@@ -6,39 +6,19 @@
 
 mod cluster;
 
-use cluster::{LogsOnFailure, Node, addr, create_request, free_port, start_controller, wait_healthy};
+use cluster::{LogsOnFailure, Node, addr, create_request, free_port, start_controller, wait_healthy, write_then_read};
 use nvpool_api::ListSubsystems;
 use nvpool_auth::Secret;
 use nvpool_control::client::Controllers;
 use nvpool_control::proto;
-use nvpool_initiator::{ConnectOptions, Error, HostAuth, Queue, connect_admin, pattern};
+use nvpool_initiator::{ConnectOptions, Error, HostAuth, Queue};
 use nvpool_wire::Status;
-use nvpool_wire::identify::lba_format_block_size;
 use std::net::SocketAddr;
 
 const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:0d0d0d0d-1111-2222-3333-444455556666";
 
 fn addr_of(nodes: &[Node], name: &str) -> SocketAddr {
     addr(nodes.iter().find(|n| n.name == name).unwrap())
-}
-
-/// Writes through one path with the secrets, and reads back through another.
-fn write_then_read(write_at: SocketAddr, read_at: SocketAddr, nqn: &str, auth: &HostAuth) {
-    let o = ConnectOptions { auth: Some(auth.clone()), ..ConnectOptions::admin(nqn, HOST) };
-    let data = pattern(11, 64 << 10);
-    for (at, write) in [(write_at, true), (read_at, false)] {
-        let mut admin = connect_admin(at, &o).unwrap_or_else(|e| panic!("authenticated connect to {at}: {e}"));
-        assert!(admin.auth_required);
-        admin.set_queue_count(1).unwrap();
-        let bs = lba_format_block_size(admin.identify_namespace(1).unwrap().lbaf0);
-        let mut q = Queue::connect(at, &o.io(1, admin.cntlid, 31)).unwrap();
-        if write {
-            q.write(1, 0, &data, bs, 0).unwrap();
-            q.flush(1).unwrap();
-        } else {
-            assert!(q.read(1, 0, (data.len() / bs as usize) as u32, bs).unwrap() == data, "data differs at {at}");
-        }
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -71,8 +51,8 @@ async fn attach_with_dhchap_secures_every_access_point_and_detach_revokes_it() {
 
     // Every path demands them, and serves the host that has them.
     let paths: Vec<SocketAddr> = r.paths.iter().map(|p| addr_of(&nodes_, &p.node)).collect();
-    write_then_read(paths[1], paths[2], &r.subsystem_nqn, &auth);
-    write_then_read(paths[0], paths[1], &r.subsystem_nqn, &auth);
+    write_then_read(HOST, paths[1], paths[2], &r.subsystem_nqn, &auth);
+    write_then_read(HOST, paths[0], paths[1], &r.subsystem_nqn, &auth);
     for at in &paths {
         let mut q = Queue::connect(*at, &ConnectOptions::admin(&r.subsystem_nqn, HOST)).unwrap();
         assert!(q.auth_required, "{at} lets the host in without authenticating");

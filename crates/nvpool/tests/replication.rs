@@ -644,3 +644,86 @@ async fn a_replica_whose_disks_are_lost_is_rebuilt_in_full() {
     });
     verify(addr(holder), &replica_nqn, &model, "the replica rebuilt on a new pool");
 }
+
+/// A replicated volume's I/O limits and its host's DH-HMAC-CHAP secrets hold on every
+/// path, the serving one's mirror included, and still do on the node that serves
+/// after a failover; the replicas' own exports let no host in, with secrets or not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_and_secrets_hold_on_every_replica_across_a_failover() {
+    use nvpool_api::{ListSubsystems, QosLimits};
+    use nvpool_auth::Secret;
+    use nvpool_initiator::{ConnectOptions, Error, HostAuth, Queue};
+
+    let root = tempfile::tempdir().unwrap();
+    let _logs = cluster::LogsOnFailure(root.path());
+    let store = format!("redb:{}", root.path().join("controller.redb").display());
+    let controller = start_controller(root.path(), &store, free_port(), "1");
+    let names = ["n1", "n2", "n3"];
+    let mut nodes: Vec<Node> = names.iter().map(|n| Node::new(root.path(), n, 256 * MIB)).collect();
+    for n in nodes.iter_mut() {
+        n.start_agent(&controller.address);
+    }
+    let c = Controllers::new(&controller.address).unwrap();
+    cluster::wait_healthy(&c, &names).await;
+    let limits = QosLimits { iops: 5000, bps: 64 * MIB, ..Default::default() };
+    let req = proto::CreateVolumeRequest {
+        thin: true,
+        replicas: 2,
+        qos: Some(limits.into()),
+        ..create_request(VOLUME, 16 * MIB)
+    };
+    let v = c.call(async |mut c| c.create_volume(req.clone()).await).await.unwrap().volume.unwrap();
+    let attach =
+        proto::AttachRequest { volume: VOLUME.into(), host_nqn: HOST.into(), dhchap: true, ..Default::default() };
+    let r = c.call(async |mut c| c.attach(attach.clone()).await).await.unwrap();
+    let secrets = r.dhchap.clone().expect("secrets for a host attached with dhchap");
+    let auth =
+        HostAuth::new(Secret::parse(&secrets.secret).unwrap(), Some(Secret::parse(&secrets.ctrl_secret).unwrap()));
+    let index = |name: &str| names.iter().position(|n| *n == name).unwrap();
+    let limits_on = |n: &Node, nqn: &str| {
+        let subsystems = n.engine_call(ListSubsystems {});
+        subsystems.into_iter().find(|s| s.nqn == nqn)?.namespaces.into_iter().find(|n| n.nsid == 1).map(|n| n.qos)
+    };
+    // Every path limits the host's I/O and demands its secrets.
+    let check_paths = |nodes: &[Node], paths: &[proto::Path]| {
+        for p in paths {
+            let n = &nodes[index(&p.node)];
+            assert_eq!(limits_on(n, &v.subsystem_nqn), Some(limits), "the limits on {}", p.node);
+            let mut q = Queue::connect(addr(n), &ConnectOptions::admin(&v.subsystem_nqn, HOST)).unwrap();
+            match q.identify_controller() {
+                Err(Error::Command(s)) => assert_eq!(s.base(), nvpool_wire::Status::AUTH_REQUIRED, "{}", p.node),
+                other => panic!("a host without its secret on {}: {:?}", p.node, other.map(|_| ())),
+            }
+        }
+        let serving = addr(&nodes[index(&paths[0].node)]);
+        for p in &paths[1..] {
+            cluster::write_then_read(HOST, serving, addr(&nodes[index(&p.node)]), &v.subsystem_nqn, &auth);
+        }
+    };
+    assert_eq!(r.paths[0].node, v.node);
+    check_paths(&nodes, &r.paths);
+    // A replica's export takes its serving engine alone: a host gets no controller.
+    let replica_nqn = format!("{}-replica", v.subsystem_nqn);
+    let other = v.replicas.iter().find(|r| !r.serving).unwrap().node.clone();
+    let o = ConnectOptions { auth: Some(auth.clone()), ..ConnectOptions::admin(&replica_nqn, HOST) };
+    match Queue::connect(addr(&nodes[index(&other)]), &o) {
+        Err(Error::Command(s)) if s.base() == nvpool_wire::Status::CONNECT_INVALID_HOST => {}
+        other => panic!("a host on a replica's export: {:?}", other.map(|_| ())),
+    }
+
+    // The serving node lost: the other replica serves, with the same limits and
+    // secrets.
+    let lost = index(&v.node);
+    nodes[lost].agent.kill();
+    nodes[lost].engine.kill();
+    let after = wait_for("another replica serving", Duration::from_secs(30), async || {
+        let v = volume(&c).await;
+        (v.node == other).then_some(v)
+    })
+    .await;
+    println!("{} serves at generation {}", after.node, after.generation);
+    let paths: Vec<proto::Path> =
+        after.attachments[0].paths.iter().filter(|p| p.node != names[lost]).cloned().collect();
+    assert_eq!(paths[0].node, other, "the new serving node is the host's optimized path");
+    check_paths(&nodes, &paths);
+}

@@ -5,7 +5,8 @@
 
 use nvpool_control::client::Controllers;
 use nvpool_control::proto;
-use nvpool_initiator::{ConnectOptions, Queue, connect_admin, pattern};
+use nvpool_initiator::{ConnectOptions, HostAuth, Queue, connect_admin, pattern};
+use nvpool_wire::identify::lba_format_block_size;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -409,4 +410,24 @@ pub fn next(x: &mut u64) -> u64 {
     *x ^= *x >> 7;
     *x ^= *x << 17;
     *x
+}
+
+/// Writes through one path as `host`, with its DH-HMAC-CHAP secrets, and reads back
+/// through another.
+pub fn write_then_read(host: &str, write_at: SocketAddr, read_at: SocketAddr, nqn: &str, auth: &HostAuth) {
+    let o = ConnectOptions { auth: Some(auth.clone()), ..ConnectOptions::admin(nqn, host) };
+    let data = pattern(11, 64 << 10);
+    for (at, write) in [(write_at, true), (read_at, false)] {
+        let mut admin = connect_admin(at, &o).unwrap_or_else(|e| panic!("authenticated connect to {at}: {e}"));
+        assert!(admin.auth_required);
+        admin.set_queue_count(1).unwrap();
+        let bs = lba_format_block_size(admin.identify_namespace(1).unwrap().lbaf0);
+        let mut q = Queue::connect(at, &o.io(1, admin.cntlid, 31)).unwrap();
+        if write {
+            q.write(1, 0, &data, bs, 0).unwrap();
+            q.flush(1).unwrap();
+        } else {
+            assert!(q.read(1, 0, (data.len() / bs as usize) as u32, bs).unwrap() == data, "data differs at {at}");
+        }
+    }
 }
