@@ -8,9 +8,9 @@ use clap::{Args, Subcommand};
 use nvpool_api::{
     AddHost, AddListener, AddLocalDevice, AddNamespace, AddSubsystem, AllowAnyHost, AnaGroupInfo, AnaState,
     CancelMigration, CheckPool, CreatePool, CreateVolume, DeleteVolume, DhchapKeys, DirtyAction, ExportPool,
-    GetEngineInfo, GetMigration, GetRebuild, GetVolume, ImportPool, ListAnaGroups, ListListeners, ListLocalDevices,
-    ListPools, ListSubsystems, ListVolumes, ListenerInfo, LocalDeviceConfig, LocalDeviceInfo, Method, MigrationInfo,
-    PathAddress, PoolInfo, RebuildInfo, RemoveHost, RemoveListener, RemoveLocalDevice, RemoveNamespace,
+    GetEngineInfo, GetMigration, GetRebuild, GetVolume, GrowNamespace, ImportPool, ListAnaGroups, ListListeners,
+    ListLocalDevices, ListPools, ListSubsystems, ListVolumes, ListenerInfo, LocalDeviceConfig, LocalDeviceInfo, Method,
+    MigrationInfo, PathAddress, PoolInfo, RebuildInfo, RemoveHost, RemoveListener, RemoveLocalDevice, RemoveNamespace,
     RemoveSubsystem, ResizeVolume, SetAnaState, SetNamespaceQos, StartMigration, StartRebuild, SubsystemInfo,
     SwapNamespace, SwitchMigration, TlsMode, TlsPsk, Transport, UpgradeEngine, VolumeDirty, VolumeIdentity, VolumeInfo,
     VolumeWrittenSince,
@@ -292,6 +292,15 @@ enum NamespaceVerb {
         nsid: u32,
         /// The new backend, as for `add`.
         backend: String,
+    },
+    /// Serve the size a `remote:` or `mirror:` namespace's backend has now (its
+    /// owner's volume, or every leg, grew): the backend opens again from its spec and
+    /// hosts are told the namespace changed.
+    Grow {
+        /// Subsystem NQN.
+        nqn: String,
+        /// Namespace ID.
+        nsid: u32,
     },
 }
 
@@ -635,6 +644,10 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
             NamespaceVerb::Swap { nqn, nsid, backend } => {
                 let message = format!("namespace {nsid} of {nqn} served by {backend}");
                 done(&api, SwapNamespace { nqn, nsid, backend }, &message)
+            }
+            NamespaceVerb::Grow { nqn, nsid } => {
+                let message = format!("namespace {nsid} of {nqn} serves its backend's size now");
+                done(&api, GrowNamespace { nqn, nsid }, &message)
             }
         },
         EngineVerb::Local { verb, api } => match verb {
