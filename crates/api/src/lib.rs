@@ -268,7 +268,31 @@ methods! {
         #[serde(default)]
         identity: Option<VolumeIdentity>,
     }
-    /// Deletes a volume that is not exported.
+    /// Takes a snapshot of a volume, crash-consistent: the volume's exports hold new
+    /// commands while those under way finish, the snapshot is recorded, and they go
+    /// on. The snapshot keeps the volume's data as it was; the volume goes on over it.
+    "snapshot_create" => CreateSnapshot -> SnapshotInfo {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        volume: String,
+        /// The snapshot's name (unique in the pool, like a volume's).
+        name: String,
+    }
+    /// Makes a writable volume that reads as a snapshot until written (a clone).
+    "volume_clone" => CloneVolume -> VolumeInfo {
+        /// Pool name.
+        pool: String,
+        /// The snapshot.
+        snapshot: String,
+        /// The new volume's name.
+        name: String,
+        /// The namespace UUID and NGUID the clone keeps for life; new ones when absent.
+        #[serde(default)]
+        identity: Option<VolumeIdentity>,
+    }
+    /// Deletes a volume that is not exported, or a snapshot (which clones or later
+    /// snapshots still lying over it keep, hidden, until they go).
     "volume_delete" => DeleteVolume -> Empty {
         /// Pool name.
         pool: String,

@@ -600,6 +600,22 @@ pub struct VolumeInfo {
     pub nguid: String,
     /// Whether written clusters are being tracked.
     pub dirty_tracking: bool,
+    /// A read-only snapshot (of the volume it was taken of).
+    #[serde(default)]
+    pub snapshot: bool,
+    /// The snapshot it lies over (reads what it does not hold from there); empty for
+    /// none.
+    #[serde(default)]
+    pub parent: String,
+}
+
+/// A snapshot taken: its volume entry, and how long the volume's I/O was held.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotInfo {
+    /// The snapshot.
+    pub snapshot: VolumeInfo,
+    /// Microseconds the volume's exports held new commands.
+    pub pause_us: u64,
 }
 
 /// What `volume_dirty` does.

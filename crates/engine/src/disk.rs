@@ -200,6 +200,32 @@ impl Disk {
         Ok(())
     }
 
+    /// Writes `buf` at `offset` now, blocking; not durable until [`Disk::sync_now`].
+    /// With direct I/O, `buf` and `offset` must be aligned to the device's logical
+    /// block.
+    pub fn write_now(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        let mut done = 0;
+        while done < buf.len() {
+            let rest = &buf[done..];
+            // SAFETY: pwrite reads at most `rest.len()` bytes from `rest`, which is valid
+            // for reads; fd is a descriptor we own.
+            let n = unsafe {
+                libc::pwrite(self.fd.as_raw_fd(), rest.as_ptr().cast(), rest.len(), (offset + done as u64) as i64)
+            };
+            match n {
+                0 => return Err(std::io::ErrorKind::WriteZero.into()),
+                n if n < 0 => {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() != std::io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+                n => done += n as usize,
+            }
+        }
+        Ok(())
+    }
+
     /// Makes every completed write durable, blocking (`fdatasync`).
     pub fn sync_now(&self) -> std::io::Result<()> {
         // SAFETY: fdatasync takes a descriptor we own.

@@ -34,6 +34,9 @@ pub struct BlockIo {
     /// Where a backend that hands commands on (a migrating volume's gate) sent this
     /// one; 0 for a new command.
     pub route: u8,
+    /// Set by a backend whose write another thread carries out whole (a first write
+    /// over a snapshot, by the pool's metadata thread): its answer ends the command.
+    pub written_elsewhere: bool,
     buf: Option<Buf>,
     /// Instead of `buf`: the slot of the ring's buffer table where the kernel put the
     /// request's own pages, and their length (ublk zero copy). Only fixed-buffer
@@ -61,6 +64,7 @@ impl BlockIo {
             status: Status::SUCCESS,
             hold: None,
             route: 0,
+            written_elsewhere: false,
             buf: None,
             kernel_buf: None,
             pending: 0,
@@ -79,6 +83,7 @@ impl BlockIo {
         self.status = Status::SUCCESS;
         self.hold = None;
         self.route = 0;
+        self.written_elsewhere = false;
         self.transfer_left = 0;
         self.kernel_buf = None;
         self.throttled = false;

@@ -11,12 +11,12 @@ use std::time::Duration;
 
 use nvpool_api::{
     AddHost, AddListener, AddLocalDevice, AddNamespace, AddSubsystem, AllowAnyHost, CancelMigration, CheckPool,
-    CreatePool, CreateVolume, DeleteVolume, Empty, EngineInfo, ErrorReply, ExportPool, GetEngineInfo, GetMigration,
-    GetRebuild, GetSubsystems, GetUsage, GetVolume, GrowNamespace, ImportPool, ListAnaGroups, ListListeners,
-    ListLocalDevices, ListPools, ListSubsystems, ListVolumes, LocalDeviceAdded, METHODS, Method, NamespaceAdded,
-    RemoveHost, RemoveListener, RemoveLocalDevice, RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState,
-    SetControllerIdRange, SetDiscoveryAddress, SetHostPaths, SetNamespaceQos, StartMigration, StartRebuild,
-    SwapNamespace, SwitchMigration, UpgradeEngine, VolumeDirty, VolumeWrittenSince,
+    CloneVolume, CreatePool, CreateSnapshot, CreateVolume, DeleteVolume, Empty, EngineInfo, ErrorReply, ExportPool,
+    GetEngineInfo, GetMigration, GetRebuild, GetSubsystems, GetUsage, GetVolume, GrowNamespace, ImportPool,
+    ListAnaGroups, ListListeners, ListLocalDevices, ListPools, ListSubsystems, ListVolumes, LocalDeviceAdded, METHODS,
+    Method, NamespaceAdded, RemoveHost, RemoveListener, RemoveLocalDevice, RemoveNamespace, RemoveSubsystem,
+    ResizeVolume, SetAnaState, SetControllerIdRange, SetDiscoveryAddress, SetHostPaths, SetNamespaceQos,
+    StartMigration, StartRebuild, SwapNamespace, SwitchMigration, UpgradeEngine, VolumeDirty, VolumeWrittenSince,
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -207,6 +207,10 @@ fn reply_text(engine: &Engine, line: &str) -> Result<String> {
             engine.pools.create_volume(&r.pool, &r.name, r.size, r.thin, r.identity.as_ref())
         }),
         DeleteVolume::NAME => answer(p, |r: DeleteVolume| ok(engine.pools.delete_volume(&r.pool, &r.name))),
+        CreateSnapshot::NAME => answer(p, |r: CreateSnapshot| engine.pools.take_snapshot(&r.pool, &r.volume, &r.name)),
+        CloneVolume::NAME => {
+            answer(p, |r: CloneVolume| engine.pools.clone_volume(&r.pool, &r.snapshot, &r.name, r.identity.as_ref()))
+        }
         GetVolume::NAME => answer(p, |r: GetVolume| engine.pools.volume(&r.pool, &r.name)),
         ResizeVolume::NAME => answer(p, |r: ResizeVolume| engine.resize_volume(&r.pool, &r.name, r.size)),
         ListVolumes::NAME => answer(p, |r: ListVolumes| engine.pools.volumes(r.pool.as_deref())),

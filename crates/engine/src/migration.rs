@@ -166,6 +166,12 @@ impl Migrations {
         }
         let p = pools.get(pool)?;
         let (volume, meta) = p.open_volume(name)?;
+        if volume.map.parent().is_some() || volume.read_only {
+            return Err(Error::precondition(format!(
+                "volume {pool}/{name} is a snapshot or lies over one, and a move does not carry snapshots yet: it \
+                 stays where it is"
+            )));
+        }
         let exports = pools.exports(&p, Some(volume.id));
         if exports.len() > 1 {
             return Err(Error::precondition(format!(

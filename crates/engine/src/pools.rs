@@ -6,9 +6,11 @@ use std::sync::Arc;
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
-use nvpool_api::{DirtyAction, DirtyReport, VolumeIdentity, WrittenClusters};
+use nvpool_api::{DirtyAction, DirtyReport, SnapshotInfo, VolumeIdentity, WrittenClusters};
 
+use crate::backend::gate::Gate;
 use crate::backend::volume;
 use crate::error::{Error, Result};
 use crate::nvme::{Namespace, Subsystem, Target};
@@ -16,6 +18,15 @@ use crate::pool::cluster_map::GenerationRecord;
 use crate::pool::{CreateOptions, DEFAULT_CLUSTER_SIZE, Pool, PoolInfo, VolumeInfo};
 use crate::reactor::Links;
 use crate::sync::lock;
+
+/// The longest a snapshot holds its volume's new commands, waiting for those under
+/// way: past it, no snapshot is taken.
+const SNAPSHOT_PAUSE: Duration = Duration::from_secs(1);
+
+/// The gate of a namespace that serves a pool volume.
+fn gate(ns: &Arc<Namespace>) -> Option<&Gate> {
+    ns.backend.as_volume().map(|v| &v.gate)
+}
 
 /// A volume identity's UUID and NGUID as bytes.
 fn parse_identity(id: &VolumeIdentity) -> Result<([u8; 16], [u8; 16])> {
@@ -147,7 +158,8 @@ impl Pools {
         self.get(pool)?.create_volume(name, size, thin, identity)
     }
 
-    /// Deletes a volume. Refused while it is exported.
+    /// Deletes a volume or a snapshot. Refused while it is exported; a snapshot that
+    /// clones or later snapshots lie over is hidden until they go.
     pub fn delete_volume(&self, pool: &str, name: &str) -> Result<()> {
         let p = self.get(pool)?;
         let (io, _) = p.open_volume(name)?;
@@ -157,7 +169,53 @@ impl Pools {
                 ns.nsid, s.nqn
             )));
         }
-        p.delete_volume(name)
+        let kept_by = p.delete_volume(name)?;
+        if !kept_by.is_empty() {
+            tracing::info!(pool, name, "the snapshot is hidden, and goes once {} go", kept_by.join(", "));
+        }
+        Ok(())
+    }
+
+    /// Takes snapshot `name` of volume `volume`, crash-consistent: every export of the
+    /// volume holds new commands while those under way finish (for at most
+    /// `SNAPSHOT_PAUSE`), the snapshot is recorded, and they go on.
+    pub fn take_snapshot(&self, pool: &str, volume: &str, name: &str) -> Result<SnapshotInfo> {
+        let p = self.get(pool)?;
+        let (io, _) = p.open_volume(volume)?;
+        let gates: Vec<Arc<Namespace>> = self.exports(&p, Some(io.id)).into_iter().map(|(_, ns)| ns).collect();
+        if gates.iter().any(|ns| ns.backend.as_mirror().is_some() || gate(ns).is_some_and(|g| g.busy())) {
+            return Err(Error::precondition(format!(
+                "volume {pool}/{name} is a replica or is moving: a snapshot of it is not taken here yet"
+            )));
+        }
+        let held = Instant::now();
+        gates.iter().filter_map(gate).for_each(Gate::hold);
+        while !gates.iter().filter_map(gate).all(Gate::drained) {
+            if held.elapsed() > SNAPSHOT_PAUSE {
+                gates.iter().filter_map(gate).for_each(Gate::open);
+                return Err(Error::unavailable(format!(
+                    "volume {pool}/{volume}'s commands under way did not finish within {SNAPSHOT_PAUSE:?}: no \
+                     snapshot was taken; retry"
+                )));
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+        let taken = p.take_snapshot(volume, name);
+        gates.iter().filter_map(gate).for_each(Gate::open);
+        let pause_us = held.elapsed().as_micros() as u64;
+        Ok(SnapshotInfo { snapshot: taken?, pause_us })
+    }
+
+    /// Makes volume `name`, a clone of snapshot `snapshot`.
+    pub fn clone_volume(
+        &self,
+        pool: &str,
+        snapshot: &str,
+        name: &str,
+        identity: Option<&VolumeIdentity>,
+    ) -> Result<VolumeInfo> {
+        let identity = identity.map(parse_identity).transpose()?;
+        self.get(pool)?.create_clone(name, snapshot, identity)
     }
 
     /// Grows a volume; namespaces serving it take the new size and hosts are told.

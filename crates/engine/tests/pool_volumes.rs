@@ -354,3 +354,104 @@ fn usage_lists_everything_then_only_what_changed_since_the_mark_given() {
     assert_eq!(names(&again, "volumes"), ["a", "b"]);
     assert!(again["volumes_gone"].as_array().unwrap().is_empty());
 }
+
+/// Reads `blocks` 4 KiB blocks at `slba` and compares them with what each should hold.
+fn expect(q: &mut Queue, nsid: u32, slba: u64, want: &[u8], what: &str) {
+    let got = q.read(nsid, slba, (want.len() / 4096) as u32, 4096).unwrap();
+    assert!(got == want, "{what}: block {slba} reads otherwise");
+}
+
+#[test]
+fn snapshots_keep_the_data_as_it_was_and_clones_write_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = disks(dir.path(), 2, 64 * MIB);
+    let zero4k = vec![0u8; 4096];
+    let (a0, a_cross, a_big) = (pattern(1, 4096), pattern(2, 8192), pattern(3, 131072));
+    let (b1, b_big) = (pattern(11, 4096), pattern(13, 4096));
+    let c0 = pattern(21, 8192);
+    {
+        let node = Node::start(vec![]);
+        node.ok("pool_create", json!({ "name": "p", "disks": d }));
+        node.ok("volume_create", json!({ "pool": "p", "name": "db", "size": 32 * MIB, "thin": true }));
+        let db = node.export("p", "db");
+        let (_admin, mut q) = node.queue();
+        write(&mut q, db, 0, &a0).unwrap();
+        write(&mut q, db, BLOCKS_PER_CLUSTER - 1, &a_cross).unwrap();
+        write(&mut q, db, 5 * BLOCKS_PER_CLUSTER, &a_big).unwrap();
+        // Taken while the volume is exported and a host is connected.
+        let taken = node.ok("snapshot_create", json!({ "pool": "p", "volume": "db", "name": "db-1" }));
+        assert_eq!(taken["snapshot"]["snapshot"], json!(true));
+        assert_eq!(taken["snapshot"]["allocated_bytes"].as_u64().unwrap(), 3 * MIB, "the snapshot took the clusters");
+        println!("snapshot pause: {} us", taken["pause_us"]);
+        assert_eq!(allocated(&node, "p", "db"), 0);
+        assert_eq!(node.ok("volume_get", json!({ "pool": "p", "name": "db" }))["parent"], json!("db-1"));
+        // Written after: the volume holds the new data, reads the rest through.
+        write(&mut q, db, 1, &b1).unwrap();
+        write(&mut q, db, 5 * BLOCKS_PER_CLUSTER + 7, &b_big).unwrap();
+        expect(&mut q, db, 0, &[a0.clone(), b1.clone()].concat(), "the volume after the snapshot");
+        expect(&mut q, db, BLOCKS_PER_CLUSTER - 1, &a_cross, "a write across clusters before the snapshot");
+        let mut big = a_big.clone();
+        big[7 * 4096..8 * 4096].copy_from_slice(&b_big);
+        expect(&mut q, db, 5 * BLOCKS_PER_CLUSTER, &big, "a cluster written in part after the snapshot");
+        expect(&mut q, db, 9 * BLOCKS_PER_CLUSTER, &zero4k, "never written");
+        assert_eq!(allocated(&node, "p", "db"), 2 * MIB, "one cluster per cluster written after the snapshot");
+        // Zeroing over the snapshot's data reads zeroes, and leaves the snapshot's.
+        assert_eq!(deallocate(&mut q, db, BLOCKS_PER_CLUSTER, BLOCKS_PER_CLUSTER as u32), Status::SUCCESS);
+        expect(&mut q, db, BLOCKS_PER_CLUSTER, &zero4k, "deallocated over the snapshot");
+        expect(&mut q, db, BLOCKS_PER_CLUSTER - 1, &a_cross[..4096], "the block before the deallocated cluster");
+        // A clone reads as the snapshot, and writes apart from the volume.
+        node.ok("volume_clone", json!({ "pool": "p", "snapshot": "db-1", "name": "copy" }));
+        let copy = node.export("p", "copy");
+        expect(&mut q, copy, 0, &[a0.clone(), zero4k.clone()].concat(), "the clone");
+        expect(&mut q, copy, BLOCKS_PER_CLUSTER - 1, &a_cross, "the clone, across clusters");
+        expect(&mut q, copy, 5 * BLOCKS_PER_CLUSTER, &a_big, "the clone's partly written cluster");
+        write(&mut q, copy, 0, &c0).unwrap();
+        expect(&mut q, copy, 0, &c0, "the clone after its write");
+        expect(&mut q, db, 0, &[a0.clone(), b1.clone()].concat(), "the volume after the clone's write");
+        // The snapshot itself: read-only.
+        let snap = node.export("p", "db-1");
+        expect(&mut q, snap, 0, &[a0.clone(), zero4k.clone()].concat(), "the snapshot");
+        expect(&mut q, snap, 5 * BLOCKS_PER_CLUSTER, &a_big, "the snapshot's cluster");
+        match write(&mut q, snap, 0, &b1) {
+            Err(Error::Command(s)) => assert_eq!(s.base(), Status::NAMESPACE_WRITE_PROTECTED),
+            other => panic!("a write to a snapshot: {other:?}"),
+        }
+        node.ok("namespace_remove", json!({ "nqn": NQN, "nsid": snap }));
+        // Deleted while the volume and the clone lie over it: hidden, not gone.
+        node.ok("volume_delete", json!({ "pool": "p", "name": "db-1" }));
+        let names: Vec<Value> = node
+            .ok("volume_list", json!({ "pool": "p" }))
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v["name"].clone())
+            .collect();
+        assert_eq!(names, [json!("db"), json!("copy")]);
+        expect(&mut q, copy, 5 * BLOCKS_PER_CLUSTER, &a_big, "the clone over a hidden snapshot");
+        q.flush(db).unwrap();
+        node.ok("pool_check", json!({ "name": "p" }));
+        let e = node.call("snapshot_create", json!({ "pool": "p", "volume": "db", "name": "copy" })).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::AlreadyExists, "{e}");
+    }
+    // Across a restart: the layers and what each holds.
+    let node = Node::start(vec![PoolConfig { disks: d.clone() }]);
+    let (db, copy) = (node.export("p", "db"), node.export("p", "copy"));
+    let (_admin, mut q) = node.queue();
+    let mut big = a_big.clone();
+    big[7 * 4096..8 * 4096].copy_from_slice(&b_big);
+    expect(&mut q, db, 0, &[a0.clone(), b1.clone()].concat(), "the volume after a restart");
+    expect(&mut q, db, 5 * BLOCKS_PER_CLUSTER, &big, "its partly written cluster after a restart");
+    expect(&mut q, db, BLOCKS_PER_CLUSTER, &zero4k, "its deallocated cluster after a restart");
+    expect(&mut q, copy, 0, &c0, "the clone after a restart");
+    expect(&mut q, copy, 5 * BLOCKS_PER_CLUSTER, &a_big, "the clone's read-through after a restart");
+    node.ok("pool_check", json!({ "name": "p" }));
+    // The last layer gone, the hidden snapshot goes with it: nothing is left.
+    for (nsid, name) in [(db, "db"), (copy, "copy")] {
+        node.ok("namespace_remove", json!({ "nqn": NQN, "nsid": nsid }));
+        node.ok("volume_delete", json!({ "pool": "p", "name": name }));
+    }
+    let pool = node.ok("pool_list", json!({}))[0].clone();
+    assert_eq!(pool["used_bytes"], json!(0), "{pool}");
+    assert_eq!(pool["volumes"], json!(0), "{pool}");
+    node.ok("pool_check", json!({ "name": "p" }));
+}

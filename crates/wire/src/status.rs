@@ -50,6 +50,8 @@ impl Status {
     pub const HOST_ID_INCONSISTENT: Status = status(SCT_GENERIC, 0x18);
     /// A transport error the host may retry (for example a data digest error).
     pub const TRANSIENT_TRANSPORT_ERROR: Status = status(SCT_GENERIC, 0x22);
+    /// A write to a namespace that takes none (a snapshot).
+    pub const NAMESPACE_WRITE_PROTECTED: Status = status(SCT_GENERIC, 0x20);
     /// The LBA range exceeds the namespace.
     pub const LBA_OUT_OF_RANGE: Status = status(SCT_GENERIC, 0x80);
     /// The namespace has no capacity left.

@@ -8,6 +8,13 @@
 //! operations complete, so a released cluster is never reused under it. Every command
 //! passes the volume's [`Gate`] first, which a migration uses to move the volume.
 //!
+//! A volume that lies over a snapshot reads what its own clusters do not hold from
+//! the snapshot's (down the chain, `VolumeMap::sources`). A write to granules it does
+//! not hold yet goes to the metadata thread, which writes them and records them held
+//! before the write completes (`MetaRequest::WriteLayer`); later writes there go
+//! straight to the cluster. A backend opened before a snapshot of its volume goes on
+//! with the volume's new map (its own became the snapshot's).
+//!
 //! A replicated volume has a replica on each of several engines: the serving engine
 //! writes its own as `volume:` under its mirror's generation, and exports each of
 //! the others as `replica:`, whose reservation (held by the serving engine, keyed by
@@ -23,7 +30,7 @@ use super::gate::{Admitted, Gate, ROUTE_HERE};
 use super::{Backend, BackendType, BlockIo, DiskQueue, Durable, Handover, OpenEnv, Opened, deallocated_ranges};
 use crate::error::{Error, Result};
 use crate::plan::IoPlan;
-use crate::pool::cluster_map::granules_of;
+use crate::pool::cluster_map::{VolumeMap, granules_of};
 use crate::pool::{MetaRequest, Pool, VolumeIo};
 
 /// The registration of `volume:POOL/NAME`. Opened by a mirror serving at a
@@ -158,9 +165,28 @@ impl VolumeBackend {
         }
     }
 
-    /// Queues a read or write piece by piece; returns whether anything was queued.
-    fn transfer(&self, io: &mut BlockIo, queue: &mut DiskQueue<'_>, offset: u64, len: u32, write: bool) -> bool {
-        let (pool, map) = (&self.volume.pool, &self.volume.map);
+    /// The map the volume is served with now: its own, or (it became a snapshot's
+    /// since this backend opened) the volume's new one.
+    fn map_now(&self) -> Option<Arc<VolumeMap>> {
+        let mut map = self.volume.map.clone();
+        // A snapshot's own backend reads the snapshot, whatever the volume did since.
+        while let Some(next) = map.successor().filter(|_| !self.volume.read_only) {
+            map = next?;
+        }
+        Some(map)
+    }
+
+    /// Queues a read or write piece by piece; returns whether anything was queued. A
+    /// write's clusters hold what it writes (`needs_layer_write` said no).
+    fn transfer(
+        &self,
+        io: &mut BlockIo,
+        queue: &mut DiskQueue<'_>,
+        map: &VolumeMap,
+        (offset, len): (u64, u32),
+        write: bool,
+    ) -> bool {
+        let pool = &self.volume.pool;
         let fua = matches!(io.plan, IoPlan::Write { fua: true, .. });
         let shift = pool.cluster_shift();
         let end = offset + u64::from(len);
@@ -170,32 +196,49 @@ impl VolumeBackend {
             let (vc, within) = (at >> shift, at & ((1 << shift) - 1));
             let n = ((1u64 << shift) - within).min(end - at) as u32;
             let in_buf = (at - offset) as usize;
-            let pc = map.get(vc);
-            match pool.locate(pc, within) {
-                None if pc == 0 => io.zero(in_buf, n as usize),
-                None => io.status = Status::INTERNAL_ERROR,
-                Some((disk, pos)) => {
-                    let disk = disk.disk_fd();
-                    let ok = if write {
-                        queue.write(io, disk, in_buf, n, pos, fua)
-                    } else {
-                        queue.read(io, disk, in_buf, n, pos)
-                    };
-                    if !ok {
-                        io.status = Status::INTERNAL_ERROR;
-                    }
-                    queued |= ok;
-                    if write {
-                        map.mark_written(vc);
-                        if let Role::Serving(generation) = self.role {
-                            map.mark_generation(vc, generation, granules_of(within, u64::from(n), shift));
-                        }
-                    }
+            if write {
+                match pool.locate(map.get(vc), within) {
+                    Some((disk, pos)) if queue.write(io, disk.disk_fd(), in_buf, n, pos, fua) => queued = true,
+                    _ => io.status = Status::INTERNAL_ERROR,
                 }
+                map.mark_written(vc);
+                if let Role::Serving(generation) = self.role {
+                    map.mark_generation(vc, generation, granules_of(within, u64::from(n), shift));
+                }
+            } else {
+                // A layer's cluster may take pieces from the snapshots under it.
+                map.sources(vc, within, u64::from(n), shift, |from, bytes, pc| {
+                    let at_buf = in_buf + (from - within) as usize;
+                    match pool.locate(pc, from) {
+                        None if pc == 0 => io.zero(at_buf, bytes as usize),
+                        Some((disk, pos)) if queue.read(io, disk.disk_fd(), at_buf, bytes as u32, pos) => queued = true,
+                        _ => io.status = Status::INTERNAL_ERROR,
+                    }
+                });
             }
             at += u64::from(n);
         }
         queued
+    }
+
+    /// Whether a write of `offset..offset + len` reaches granules its clusters do not
+    /// hold while a snapshot under the volume has data there: the metadata thread
+    /// then writes it (`MetaRequest::WriteLayer`).
+    fn needs_layer_write(map: &VolumeMap, offset: u64, len: u32, shift: u32) -> bool {
+        if map.parent().is_none() {
+            return false;
+        }
+        let end = offset + u64::from(len);
+        let mut at = offset;
+        while at < end {
+            let (vc, within) = (at >> shift, at & ((1 << shift) - 1));
+            let n = ((1u64 << shift) - within).min(end - at);
+            if !map.holds(vc, &granules_of(within, n, shift)) && (map.get(vc) != 0 || map.under(vc)) {
+                return true;
+            }
+            at += n;
+        }
+        false
     }
 
     /// Hands zeroing of `ranges` to the metadata thread (it may release clusters).
@@ -235,6 +278,10 @@ impl Backend for VolumeBackend {
     }
 
     fn start(&self, io: &mut BlockIo, queue: &mut DiskQueue<'_>) {
+        if !matches!(io.plan, IoPlan::Read { .. } | IoPlan::Flush) && self.volume.read_only {
+            io.status = Status::NAMESPACE_WRITE_PROTECTED;
+            return;
+        }
         if !matches!(io.plan, IoPlan::Read { .. }) && self.fenced() {
             io.status = Status::RESERVATION_CONFLICT;
             return;
@@ -252,8 +299,29 @@ impl Backend for VolumeBackend {
                 let write = matches!(io.plan, IoPlan::Write { .. });
                 let shift = pool.cluster_shift();
                 let (first, last) = (offset >> shift, (offset + u64::from(len) - 1) >> shift);
+                let Some(map) = self.map_now() else {
+                    io.status = Status::NAMESPACE_NOT_READY;
+                    return;
+                };
                 let epoch = pool.enter(queue.reactor_id());
-                if write && (first..=last).any(|vc| self.volume.map.get(vc) == 0) {
+                if write && Self::needs_layer_write(&map, offset, len, shift) {
+                    // Written by the metadata thread, which records the granules held.
+                    pool.leave(queue.reactor_id(), epoch);
+                    let Some(data) = io.data().map(<[u8]>::to_vec) else {
+                        // The kernel's own pages (ublk zero copy, which serves file
+                        // namespaces only): never a volume's.
+                        io.status = Status::INTERNAL_ERROR;
+                        return;
+                    };
+                    for vc in first..=last {
+                        map.mark_written(vc);
+                    }
+                    io.written_elsewhere = true;
+                    let done = queue.defer(io);
+                    pool.request(MetaRequest::WriteLayer { volume: self.volume.id, offset, data, done });
+                    return;
+                }
+                if write && (first..=last).any(|vc| map.get(vc) == 0) {
                     // The clusters are allocated first; `resume` maps the write anew.
                     pool.leave(queue.reactor_id(), epoch);
                     let done = queue.defer(io);
@@ -264,7 +332,7 @@ impl Backend for VolumeBackend {
                 if !write {
                     queue.give_buf(io, len as usize);
                 }
-                if self.transfer(io, queue, offset, len, write) {
+                if self.transfer(io, queue, &map, (offset, len), write) {
                     io.hold = Some(epoch);
                 } else {
                     pool.leave(queue.reactor_id(), epoch);
@@ -291,8 +359,10 @@ impl Backend for VolumeBackend {
             return;
         }
         // A command the gate released starts now. A write whose clusters exist now
-        // (unless released again meanwhile) is mapped anew.
-        if io.route != ROUTE_HERE || status.is_success() && matches!(io.plan, IoPlan::Write { .. }) {
+        // (unless released again meanwhile) is mapped anew; one the metadata thread
+        // wrote is done.
+        let written = std::mem::take(&mut io.written_elsewhere);
+        if io.route != ROUTE_HERE || status.is_success() && matches!(io.plan, IoPlan::Write { .. }) && !written {
             return self.start(io, queue);
         }
         if !status.is_success() {

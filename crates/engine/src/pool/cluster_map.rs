@@ -6,9 +6,15 @@
 //! one (0 when unallocated) and one dirty bit per cluster. Growing a volume builds a
 //! new top table that shares the existing pages, so readers holding the old table see
 //! every later change to the clusters they can address.
+//!
+//! A volume that lies over a snapshot (a *layer*) has the snapshot's map as its
+//! parent. A cluster of a layer is whole, or holds only some of its granules (a bit
+//! each): a read takes what it does not hold from the parent, down the chain
+//! ([`VolumeMap::sources`]). A map that became a snapshot's names its *successor*,
+//! the volume's new map over it, where a backend still holding the old one goes on.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, Weak};
 
 /// A replicated volume's generations and which generation last wrote each cluster
 /// (`VolumeMap::generation_record`), as a hot upgrade hands it on.
@@ -52,7 +58,14 @@ pub struct MapPage {
     /// started (bits are only ever set: a record that names more than was written
     /// since a replica left only copies more).
     granules: [[AtomicU64; (GRANULES / 64) as usize]; PAGE],
+    /// Which clusters here hold only some of their granules, a bit each (the others
+    /// are read from the parent).
+    partial: [AtomicU64; PAGE / 64],
+    /// The granules each cluster held in part holds; made with the page's first such.
+    held: OnceLock<Box<HeldGranules>>,
 }
+
+type HeldGranules = [[AtomicU64; (GRANULES / 64) as usize]; PAGE];
 
 impl MapPage {
     fn new() -> Box<MapPage> {
@@ -61,7 +74,22 @@ impl MapPage {
             dirty: std::array::from_fn(|_| AtomicU64::new(0)),
             written_at: std::array::from_fn(|_| AtomicU32::new(0)),
             granules: std::array::from_fn(|_| std::array::from_fn(|_| AtomicU64::new(0))),
+            partial: std::array::from_fn(|_| AtomicU64::new(0)),
+            held: OnceLock::new(),
         })
+    }
+
+    fn is_partial(&self, i: usize) -> bool {
+        self.partial[i / 64].load(Ordering::Acquire) & (1 << (i % 64)) != 0
+    }
+
+    /// Whether cluster `i` (mapped) holds every granule of `granules`.
+    fn holds(&self, i: usize, granules: &Granules) -> bool {
+        if !self.is_partial(i) {
+            return true;
+        }
+        let Some(held) = self.held.get() else { return false };
+        held[i].iter().zip(granules).all(|(h, g)| h.load(Ordering::Acquire) & g == *g)
     }
 }
 
@@ -84,11 +112,22 @@ pub struct VolumeMap {
     /// none): the record of what each generation wrote begins there, so a replica
     /// that left before it can only be rebuilt in full.
     recorded_from: Arc<AtomicU64>,
+    /// The map of the snapshot this volume lies over: what it does not hold is read
+    /// from there (and down that one's parent).
+    parent: Option<Arc<VolumeMap>>,
+    /// Set once the map became a snapshot's: the volume's map now. Weak: the new map
+    /// holds this one as its parent. Shared by every size.
+    successor: Arc<OnceLock<Weak<VolumeMap>>>,
 }
 
 impl VolumeMap {
     /// An empty map of `clusters` clusters.
     pub fn new(clusters: u64) -> VolumeMap {
+        VolumeMap::over(clusters, None)
+    }
+
+    /// An empty map of `clusters` clusters lying over `parent` (a snapshot's map).
+    pub fn over(clusters: u64, parent: Option<Arc<VolumeMap>>) -> VolumeMap {
         let pages = (0..clusters.div_ceil(PAGE as u64)).map(|_| PageSlot::default()).collect();
         VolumeMap {
             pages,
@@ -97,7 +136,38 @@ impl VolumeMap {
             generation: Arc::default(),
             fenced_at: Arc::default(),
             recorded_from: Arc::default(),
+            parent,
+            successor: Arc::default(),
         }
+    }
+
+    /// A new, empty map for the volume this one served, lying over this one (which
+    /// becomes a snapshot's): the volume keeps its size, its dirty tracking and its
+    /// replica generations.
+    pub fn layer_over(self: &Arc<Self>) -> VolumeMap {
+        VolumeMap {
+            tracking: self.tracking.clone(),
+            generation: self.generation.clone(),
+            fenced_at: self.fenced_at.clone(),
+            recorded_from: self.recorded_from.clone(),
+            ..VolumeMap::over(self.clusters, Some(self.clone()))
+        }
+    }
+
+    /// The snapshot's map this one lies over, if any.
+    pub fn parent(&self) -> Option<&Arc<VolumeMap>> {
+        self.parent.as_ref()
+    }
+
+    /// Marks the map a snapshot's: the volume it served goes on with `next`.
+    pub fn hand_on(&self, next: &Arc<VolumeMap>) {
+        let _ = self.successor.set(Arc::downgrade(next));
+    }
+
+    /// Whether the map became a snapshot's, with the volume's map since (`Some(None)`:
+    /// the volume is gone).
+    pub fn successor(&self) -> Option<Option<Arc<VolumeMap>>> {
+        self.successor.get().map(Weak::upgrade)
     }
 
     /// The same map grown (or shrunk) to `clusters`, sharing every page it keeps.
@@ -112,6 +182,8 @@ impl VolumeMap {
             generation: self.generation.clone(),
             fenced_at: self.fenced_at.clone(),
             recorded_from: self.recorded_from.clone(),
+            parent: self.parent.clone(),
+            successor: self.successor.clone(),
         }
     }
 
@@ -131,10 +203,159 @@ impl VolumeMap {
         self.page(vc).map_or(0, |p| p.physical[vc as usize % PAGE].load(Ordering::SeqCst))
     }
 
-    /// Publishes a mapping (metadata thread only, after the mapping is durable).
+    /// Publishes a mapping of a whole cluster (metadata thread only, after the
+    /// mapping is durable).
     pub fn set(&self, vc: u64, pc: u32) {
         let Some(slot) = self.pages.get((vc / PAGE as u64) as usize) else { return };
-        slot.get_or_init(MapPage::new).physical[vc as usize % PAGE].store(pc, Ordering::SeqCst);
+        let (page, i) = (slot.get_or_init(MapPage::new), vc as usize % PAGE);
+        page.partial[i / 64].fetch_and(!(1 << (i % 64)), Ordering::SeqCst);
+        page.physical[i].store(pc, Ordering::SeqCst);
+    }
+
+    /// Publishes a mapping of a cluster that holds `held` of its granules, the others
+    /// read from the parent (metadata thread only, once durable). The granules are
+    /// set before the cluster is published, so a reader that sees it sees them.
+    pub fn set_partial(&self, vc: u64, pc: u32, held: Granules) {
+        let Some(slot) = self.pages.get((vc / PAGE as u64) as usize) else { return };
+        let (page, i) = (slot.get_or_init(MapPage::new), vc as usize % PAGE);
+        let bits =
+            page.held.get_or_init(|| Box::new(std::array::from_fn(|_| std::array::from_fn(|_| AtomicU64::new(0)))));
+        for (word, g) in bits[i].iter().zip(held) {
+            word.store(g, Ordering::SeqCst);
+        }
+        page.partial[i / 64].fetch_or(1 << (i % 64), Ordering::SeqCst);
+        page.physical[i].store(pc, Ordering::SeqCst);
+    }
+
+    /// Publishes that the cluster at `vc` holds `granules` too (metadata thread only,
+    /// once durable); one that holds every granule of `whole` becomes whole.
+    pub fn hold(&self, vc: u64, granules: Granules, whole: Granules) {
+        let Some(page) = self.page(vc) else { return };
+        let i = vc as usize % PAGE;
+        let Some(bits) = page.held.get() else { return };
+        let mut all = true;
+        for ((word, g), w) in bits[i].iter().zip(granules).zip(whole) {
+            all &= (word.fetch_or(g, Ordering::SeqCst) | g) & w == w;
+        }
+        if all {
+            page.partial[i / 64].fetch_and(!(1 << (i % 64)), Ordering::SeqCst);
+        }
+    }
+
+    /// Whether the cluster at `vc` is mapped and holds every granule of `granules`
+    /// (a write there goes straight to it).
+    pub fn holds(&self, vc: u64, granules: &Granules) -> bool {
+        self.page(vc).is_some_and(|p| {
+            let i = vc as usize % PAGE;
+            p.physical[i].load(Ordering::SeqCst) != 0 && p.holds(i, granules)
+        })
+    }
+
+    /// Whether a parent down the chain has anything at `vc`: a write there must keep
+    /// the rest of the cluster readable from it.
+    pub fn under(&self, vc: u64) -> bool {
+        let mut at = self.parent.as_deref();
+        while let Some(m) = at {
+            if vc < m.clusters && m.get(vc) != 0 {
+                return true;
+            }
+            at = m.parent.as_deref();
+        }
+        false
+    }
+
+    /// Where each piece of bytes `within..within + len` of virtual cluster `vc` is
+    /// read from, in order: `f(offset in the cluster, length, physical cluster)`, the
+    /// physical cluster 0 for zeroes. A whole cluster of this map is one piece; a
+    /// cluster held in part, or none, splits at granules (of `1 << granule_shift`
+    /// bytes) that the parents hold, nearest first.
+    pub fn sources(&self, vc: u64, within: u64, len: u64, shift: u32, mut f: impl FnMut(u64, u64, u32)) {
+        if let Some(p) = self.page(vc) {
+            let i = vc as usize % PAGE;
+            let pc = p.physical[i].load(Ordering::SeqCst);
+            if pc != 0 && !p.is_partial(i) {
+                return f(within, len, pc);
+            }
+        }
+        if self.parent.is_none() && self.get(vc) == 0 {
+            return f(within, len, 0);
+        }
+        let g_shift = granule_shift(shift);
+        let end = within + len;
+        let mut run: Option<(u64, u64, u32)> = None;
+        let mut at = within;
+        while at < end {
+            let g = at >> g_shift;
+            let stop = ((g + 1) << g_shift).min(end);
+            let mut bit = [0u64; (GRANULES / 64) as usize];
+            bit[(g / 64) as usize % bit.len()] = 1 << (g % 64);
+            let pc = self.source_of(vc, &bit);
+            match &mut run {
+                Some((_, n, p)) if *p == pc => *n += stop - at,
+                _ => {
+                    if let Some((o, n, p)) = run.take() {
+                        f(o, n, p);
+                    }
+                    run = Some((at, stop - at, pc));
+                }
+            }
+            at = stop;
+        }
+        if let Some((o, n, p)) = run {
+            f(o, n, p);
+        }
+    }
+
+    /// The granules the cluster at `vc` holds: all for a whole one, none unmapped.
+    pub fn held(&self, vc: u64) -> Granules {
+        let Some(p) = self.page(vc) else { return [0; 4] };
+        let i = vc as usize % PAGE;
+        if p.physical[i].load(Ordering::SeqCst) == 0 {
+            return [0; 4];
+        }
+        if !p.is_partial(i) {
+            return [u64::MAX; 4];
+        }
+        p.held.get().map_or([0; 4], |h| h[i].each_ref().map(|w| w.load(Ordering::SeqCst)))
+    }
+
+    /// The physical cluster under this map that holds granule `bit` of `vc`: the
+    /// nearest parent's that does (0: none, zeroes).
+    pub fn parent_source(&self, vc: u64, bit: &Granules) -> u32 {
+        self.parent.as_deref().map_or(0, |p| p.source_of(vc, bit))
+    }
+
+    /// The physical cluster that holds granule `bit` of `vc`, down the chain (0: none).
+    fn source_of(&self, vc: u64, bit: &Granules) -> u32 {
+        let mut at = Some(self);
+        while let Some(m) = at {
+            if vc >= m.clusters {
+                return 0;
+            }
+            if let Some(p) = m.page(vc) {
+                let i = vc as usize % PAGE;
+                let pc = p.physical[i].load(Ordering::SeqCst);
+                if pc != 0 && p.holds(i, bit) {
+                    return pc;
+                }
+            }
+            at = m.parent.as_deref();
+        }
+        0
+    }
+
+    /// Which of the mapped clusters hold only some granules, and which (for a
+    /// snapshot taking this map's entries).
+    pub fn partial_clusters(&self) -> Vec<(u64, Granules)> {
+        let mut out = Vec::new();
+        for (pi, slot) in self.pages.iter().enumerate() {
+            let Some(p) = slot.get() else { continue };
+            let Some(held) = p.held.get() else { continue };
+            for i in (0..PAGE).filter(|&i| p.is_partial(i)) {
+                out.push(((pi * PAGE + i) as u64, held[i].each_ref().map(|w| w.load(Ordering::SeqCst))));
+            }
+        }
+        out
     }
 
     /// Removes a mapping (metadata thread only); returns the physical cluster it had.
@@ -321,11 +542,7 @@ impl VolumeMap {
     }
 }
 
-/// A granule's size (as a shift) in a cluster of `1 << shift` bytes: a 256th of it,
-/// and never less than a 4 KiB block, so that each granule is whole blocks.
-fn granule_shift(shift: u32) -> u32 {
-    shift.saturating_sub(GRANULES.trailing_zeros()).max(12)
-}
+pub use super::format::granule_shift;
 
 /// The granules that bytes `within..within + len` of a cluster of `1 << shift` bytes
 /// touch.

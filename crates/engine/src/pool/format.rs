@@ -20,8 +20,14 @@ use nvpool_wire::tcp::crc32c;
 
 /// Unit of metadata I/O and alignment of every metadata structure (direct I/O needs it).
 pub const BLOCK: u64 = 4096;
-/// Format version this code writes and reads.
-pub const VERSION: u32 = 1;
+/// Format version of the pools this code makes. Version 2 gives each checkpoint slot
+/// room for snapshots' layers; a pool of version 1 (made before them) is read and
+/// written as it was, and takes no snapshot.
+pub const VERSION: u32 = 2;
+/// The first version whose pools hold layers (snapshots, clones).
+pub const LAYERS_VERSION: u32 = 2;
+/// Most layers under a volume: a read goes down at most this many parents.
+pub const MAX_CHAIN: usize = 16;
 /// Most disks in one pool.
 pub const MAX_DISKS: usize = 32;
 /// Most volumes in one pool.
@@ -40,6 +46,13 @@ const VOLUME_ENTRY: usize = 128;
 const EXTENT_ENTRY: usize = 12;
 /// Bytes of a checkpoint's pool-wide fields, after the volumes.
 const POOL_TRAILER: usize = 24;
+/// Bytes of a volume's layer entry in a checkpoint's layer section, before its
+/// partly held clusters.
+const LAYER_ENTRY: usize = 16;
+/// Bytes of a partly held cluster in a layer entry: its virtual cluster and granules.
+const PARTIAL_ENTRY: usize = 4 + 32;
+/// A layer entry's parent when it has none (volume IDs start at 0).
+const NO_PARENT: u32 = u32::MAX;
 
 /// Rounds `v` up to a multiple of [`BLOCK`].
 pub fn block_align(v: u64) -> u64 {
@@ -154,12 +167,20 @@ pub struct MetaLayout {
 
 impl MetaLayout {
     /// The layout for a pool of `clusters` clusters with a journal of `journal_size`
-    /// bytes: each checkpoint slot holds the largest state such a pool can have.
-    pub fn for_pool(clusters: u64, journal_size: u64) -> MetaLayout {
+    /// bytes: each checkpoint slot holds the largest state such a pool can have (of
+    /// format `version`: from version 2, every volume a layer and every cluster held
+    /// in part).
+    pub fn for_pool(clusters: u64, journal_size: u64, version: u32) -> MetaLayout {
+        let layers = if version >= LAYERS_VERSION {
+            4 + u64::from(MAX_VOLUMES) * LAYER_ENTRY as u64 + clusters * PARTIAL_ENTRY as u64
+        } else {
+            0
+        };
         let checkpoint_size = block_align(
             (HEADER_LEN + 8 + POOL_TRAILER) as u64
                 + u64::from(MAX_VOLUMES) * VOLUME_ENTRY as u64
-                + clusters * EXTENT_ENTRY as u64,
+                + clusters * EXTENT_ENTRY as u64
+                + layers,
         );
         MetaLayout {
             checkpoint_offset: BLOCK,
@@ -183,6 +204,8 @@ impl MetaLayout {
 /// The first block of every member disk.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Superblock {
+    /// The pool's format version (see [`VERSION`]).
+    pub version: u32,
     /// The pool's UUID.
     pub pool_uuid: [u8; 16],
     /// The pool's name.
@@ -208,7 +231,7 @@ impl Superblock {
         let mut b = Vec::with_capacity(BLOCK as usize);
         let mut w = Writer { b: &mut b };
         w.bytes(SUPERBLOCK_MAGIC);
-        w.u32(VERSION);
+        w.u32(self.version);
         w.u32(0); // CRC, filled in below
         w.bytes(&self.pool_uuid);
         w.name(&self.pool_name);
@@ -248,8 +271,11 @@ impl Superblock {
         }
         let mut r = Reader { b: &copy, at: 8 };
         let version = r.u32()?;
-        if version != VERSION {
-            return Err(format!("superblock version {version} is not supported (this engine reads {VERSION})"));
+        if !(1..=VERSION).contains(&version) {
+            return Err(format!(
+                "superblock version {version} is not supported (this engine reads 1 to {VERSION}): a newer engine \
+                 made the pool"
+            ));
         }
         r.u32()?;
         let pool_uuid = r.array()?;
@@ -270,7 +296,7 @@ impl Superblock {
         for _ in 0..count {
             members.push(Member { uuid: r.array()?, clusters: r.u32()?, data_offset: r.u64()? });
         }
-        Ok(Superblock { pool_uuid, pool_name, disk_index, cluster_size, meta, members })
+        Ok(Superblock { version, pool_uuid, pool_name, disk_index, cluster_size, meta, members })
     }
 }
 
@@ -302,12 +328,87 @@ pub struct VolumeState {
     pub map: BTreeMap<u32, u32>,
     /// The replica generations it has seen (zero for a volume with one copy).
     pub generations: Generations,
+    /// What it is among snapshots and their layers.
+    pub layer: Layer,
+    /// The clusters of `map` that hold only some of their granules (the others are
+    /// read from the parent), by virtual cluster; every other mapped cluster is whole.
+    pub partial: BTreeMap<u32, Granules>,
 }
 
 impl VolumeState {
-    /// A volume with no clusters and no generation.
+    /// A volume with no clusters, no generation and no parent.
     pub fn new(meta: VolumeMeta) -> VolumeState {
-        VolumeState { meta, map: BTreeMap::new(), generations: Generations::default() }
+        VolumeState {
+            meta,
+            map: BTreeMap::new(),
+            generations: Generations::default(),
+            layer: Layer::default(),
+            partial: BTreeMap::new(),
+        }
+    }
+}
+
+/// The granules of a cluster a layer holds, a bit each (see `cluster_map::GRANULES`).
+pub type Granules = [u64; 4];
+
+/// Every granule there can be (a cluster has fewer below 1 MiB: `whole_granules`).
+pub const WHOLE: Granules = [u64::MAX; 4];
+
+/// A granule's size (as a shift) in a cluster of `1 << shift` bytes: a 256th of it,
+/// and never less than a 4 KiB block, so that each granule is whole blocks.
+pub fn granule_shift(shift: u32) -> u32 {
+    shift.saturating_sub(8).max(12)
+}
+
+/// Every granule of a cluster of `cluster_size` bytes.
+pub fn whole_granules(cluster_size: u64) -> Granules {
+    let shift = cluster_size.trailing_zeros();
+    let count = 1u32 << shift.saturating_sub(granule_shift(shift)).min(8);
+    let mut g = [0u64; 4];
+    for i in 0..count {
+        g[(i / 64) as usize] |= 1 << (i % 64);
+    }
+    g
+}
+
+/// Where a pool volume stands among snapshots.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Layer {
+    /// The snapshot it lies over: what it does not hold reads from there.
+    pub parent: Option<u32>,
+    /// What it is.
+    pub kind: VolumeKind,
+}
+
+/// A pool volume's kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum VolumeKind {
+    /// Writable: a volume, or a clone.
+    #[default]
+    Volume,
+    /// A read-only snapshot.
+    Snapshot,
+    /// A snapshot deleted while layers still lie over it: listed nowhere, gone with
+    /// its last layer.
+    Hidden,
+}
+
+impl VolumeKind {
+    fn code(self) -> u8 {
+        match self {
+            VolumeKind::Volume => 0,
+            VolumeKind::Snapshot => 1,
+            VolumeKind::Hidden => 2,
+        }
+    }
+
+    fn from_code(c: u8) -> Result<VolumeKind, String> {
+        match c {
+            0 => Ok(VolumeKind::Volume),
+            1 => Ok(VolumeKind::Snapshot),
+            2 => Ok(VolumeKind::Hidden),
+            c => Err(format!("unknown volume kind {c}")),
+        }
     }
 }
 
@@ -414,6 +515,47 @@ pub enum Record {
         /// The record.
         record: SavedRecord,
     },
+    /// Snapshot `snapshot` of volume `id` takes the volume's map as it stands (and its
+    /// parent); the volume goes on as an empty layer over the snapshot.
+    TakeSnapshot {
+        /// The volume.
+        id: u32,
+        /// The new snapshot (its own ID and name; the volume's size).
+        snapshot: VolumeMeta,
+    },
+    /// A new writable volume with no clusters, lying over snapshot `parent` (a clone).
+    CreateLayer {
+        /// The new volume.
+        meta: VolumeMeta,
+        /// The snapshot it lies over.
+        parent: u32,
+    },
+    /// As `Map`, for clusters over the parent's data: they hold no granule yet.
+    MapLayer {
+        /// Volume ID.
+        id: u32,
+        /// First virtual cluster.
+        vstart: u32,
+        /// First physical cluster.
+        pstart: u32,
+        /// Number of clusters.
+        count: u32,
+    },
+    /// The cluster at `vc` of volume `id` holds these granules too (written there);
+    /// once it holds all, it is whole.
+    Hold {
+        /// Volume ID.
+        id: u32,
+        /// Virtual cluster.
+        vc: u32,
+        /// The granules it holds now besides those it held.
+        granules: Granules,
+    },
+    /// A snapshot was deleted while layers lie over it: it is hidden until they go.
+    Hide {
+        /// Snapshot ID.
+        id: u32,
+    },
 }
 
 impl PoolState {
@@ -429,6 +571,9 @@ impl PoolState {
                 self.volumes.insert(m.id, VolumeState::new(m.clone()));
             }
             Record::DeleteVolume { id } => {
+                if let Some(over) = self.layers_over(*id).next() {
+                    return Err(format!("deleting volume {id}, which {} lies over", over.meta.name));
+                }
                 self.volumes.remove(id).ok_or_else(|| format!("deleting unknown volume {id}"))?;
             }
             Record::ResizeVolume { id, size } => {
@@ -436,6 +581,7 @@ impl PoolState {
                 v.meta.size = *size;
                 let clusters = size.div_ceil(cluster_size);
                 v.map.retain(|&vc, _| u64::from(vc) < clusters);
+                v.partial.retain(|&vc, _| u64::from(vc) < clusters);
             }
             Record::Map { id, vstart, pstart, count } => {
                 let v = self.volumes.get_mut(id).ok_or_else(|| format!("mapping into unknown volume {id}"))?;
@@ -447,6 +593,7 @@ impl PoolState {
                         return Err("physical cluster 0 does not exist".into());
                     }
                     v.map.insert(vc, pstart + i);
+                    v.partial.remove(&vc);
                 }
             }
             Record::Unmap { id, vstart, count } => {
@@ -456,6 +603,7 @@ impl PoolState {
                     v.map.range(*vstart..).take_while(|(vc, _)| u64::from(**vc) < end).map(|(vc, _)| *vc).collect();
                 for vc in gone {
                     v.map.remove(&vc);
+                    v.partial.remove(&vc);
                 }
             }
             Record::SetGenerations { id, generations } => {
@@ -472,8 +620,108 @@ impl PoolState {
                     self.saved_records.insert(*id, record.clone());
                 }
             }
+            Record::TakeSnapshot { id, snapshot } => {
+                if self.volumes.contains_key(&snapshot.id) || self.volume_by_name(&snapshot.name).is_some() {
+                    return Err(format!("snapshot {} exists twice", snapshot.name));
+                }
+                let v = self.volumes.get(id).ok_or_else(|| format!("snapshot of unknown volume {id}"))?;
+                if v.layer.kind != VolumeKind::Volume {
+                    return Err(format!("a snapshot of snapshot {}", v.meta.name));
+                }
+                if self.chain(*id).len() >= MAX_CHAIN {
+                    return Err(format!("volume {} lies over {MAX_CHAIN} snapshots already", v.meta.name));
+                }
+                let v = self.volumes.get_mut(id).expect("checked above");
+                let mut taken =
+                    VolumeState::new(VolumeMeta { size: v.meta.size, thin: v.meta.thin, ..snapshot.clone() });
+                taken.map = std::mem::take(&mut v.map);
+                taken.partial = std::mem::take(&mut v.partial);
+                taken.layer = Layer { parent: v.layer.parent, kind: VolumeKind::Snapshot };
+                v.layer.parent = Some(snapshot.id);
+                self.next_id = self.next_id.max(snapshot.id + 1);
+                self.volumes.insert(snapshot.id, taken);
+            }
+            Record::CreateLayer { meta, parent } => {
+                let p = self.volumes.get(parent).ok_or_else(|| format!("a clone of unknown snapshot {parent}"))?;
+                if p.layer.kind != VolumeKind::Snapshot {
+                    return Err(format!("a clone of {}, which is no snapshot", p.meta.name));
+                }
+                if self.chain(*parent).len() + 1 >= MAX_CHAIN {
+                    return Err(format!("snapshot {} lies over too many others to be cloned", p.meta.name));
+                }
+                self.apply(&Record::CreateVolume(meta.clone()), cluster_size)?;
+                self.volumes.get_mut(&meta.id).expect("just made").layer.parent = Some(*parent);
+            }
+            Record::MapLayer { id, vstart, pstart, count } => {
+                self.apply(&Record::Map { id: *id, vstart: *vstart, pstart: *pstart, count: *count }, cluster_size)?;
+                let v = self.volumes.get_mut(id).expect("mapped above");
+                for vc in *vstart..vstart + count {
+                    v.partial.insert(vc, [0; 4]);
+                }
+            }
+            Record::Hold { id, vc, granules } => {
+                let v = self.volumes.get_mut(id).ok_or_else(|| format!("holding in unknown volume {id}"))?;
+                if !v.map.contains_key(vc) {
+                    return Err(format!("holding granules of unmapped cluster {vc} of volume {id}"));
+                }
+                if let Some(held) = v.partial.get_mut(vc) {
+                    let whole = whole_granules(cluster_size);
+                    for (h, g) in held.iter_mut().zip(granules) {
+                        *h |= g;
+                    }
+                    if held.iter().zip(whole).all(|(h, w)| h & w == w) {
+                        v.partial.remove(vc);
+                    }
+                }
+            }
+            Record::Hide { id } => {
+                let v = self.volumes.get_mut(id).ok_or_else(|| format!("hiding unknown snapshot {id}"))?;
+                if v.layer.kind != VolumeKind::Snapshot {
+                    return Err(format!("hiding {}, which is no snapshot", v.meta.name));
+                }
+                v.layer.kind = VolumeKind::Hidden;
+            }
         }
         Ok(())
+    }
+
+    /// The snapshots under volume `id`, nearest first (empty for one without a parent).
+    pub fn chain(&self, id: u32) -> Vec<u32> {
+        let mut chain = Vec::new();
+        let mut at = self.volumes.get(&id).and_then(|v| v.layer.parent);
+        while let Some(p) = at.filter(|_| chain.len() <= MAX_CHAIN) {
+            chain.push(p);
+            at = self.volumes.get(&p).and_then(|v| v.layer.parent);
+        }
+        chain
+    }
+
+    /// Checks what snapshots and layers must keep true: every parent exists and is a
+    /// snapshot (hidden or not), chains end within `MAX_CHAIN`, and a cluster held in
+    /// part is mapped and not whole. (A hidden snapshot nothing lies over is deleted
+    /// when the pool opens: a crash can leave one between two deletions.)
+    pub fn check_layers(&self) -> Result<(), String> {
+        for v in self.volumes.values() {
+            let name = &v.meta.name;
+            if let Some(parent) = v.layer.parent {
+                let p = self.volumes.get(&parent).ok_or_else(|| format!("{name} lies over a missing volume"))?;
+                if p.layer.kind == VolumeKind::Volume {
+                    return Err(format!("{name} lies over {}, which is no snapshot", p.meta.name));
+                }
+            }
+            if self.chain(v.meta.id).len() > MAX_CHAIN {
+                return Err(format!("{name} lies over more than {MAX_CHAIN} snapshots (or a circle of them)"));
+            }
+            if let Some((vc, g)) = v.partial.iter().find(|(vc, g)| !v.map.contains_key(vc) || **g == WHOLE) {
+                return Err(format!("{name} holds cluster {vc} in part ({g:x?}), which is unmapped or whole"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The volumes that lie directly over `id`.
+    pub fn layers_over(&self, id: u32) -> impl Iterator<Item = &VolumeState> {
+        self.volumes.values().filter(move |v| v.layer.parent == Some(id))
     }
 
     /// Physical clusters in use by any volume, checking that none is used twice.
@@ -600,6 +848,24 @@ pub fn encode_checkpoint(pool_uuid: &[u8; 16], generation: u64, state: &PoolStat
     w.bytes(&state.open_boot);
     w.u32(state.power_losses);
     w.b.resize(w.b.len() + POOL_TRAILER - 20, 0);
+    // Then the layers: the volumes with a parent, a kind other than volume, or
+    // clusters held in part (absent in older pools: none).
+    let layered: Vec<&VolumeState> =
+        state.volumes.values().filter(|v| v.layer != Layer::default() || !v.partial.is_empty()).collect();
+    if !layered.is_empty() {
+        w.u32(layered.len() as u32);
+        for v in layered {
+            w.u32(v.meta.id);
+            w.u32(v.layer.parent.unwrap_or(NO_PARENT));
+            w.u8(v.layer.kind.code());
+            w.bytes(&[0; 3]);
+            w.u32(v.partial.len() as u32);
+            for (vc, granules) in &v.partial {
+                w.u32(*vc);
+                w.granules(granules);
+            }
+        }
+    }
     encode_header(CHECKPOINT_MAGIC, pool_uuid, generation, 0, &p)
 }
 
@@ -637,11 +903,26 @@ pub fn decode_checkpoint(pool_uuid: &[u8; 16], b: &[u8]) -> Option<(u64, PoolSta
                 }
             }
             let meta = VolumeMeta { id, name, size, thin, uuid, nguid };
-            s.volumes.insert(id, VolumeState { meta, map, generations });
+            s.volumes.insert(id, VolumeState { map, generations, ..VolumeState::new(meta) });
         }
         if r.at < r.b.len() {
             s.open_boot = r.array()?;
             s.power_losses = r.u32()?;
+            r.take(POOL_TRAILER - 20)?;
+        }
+        if r.at < r.b.len() {
+            for _ in 0..r.u32()? {
+                let id = r.u32()?;
+                let parent = Some(r.u32()?).filter(|&p| p != NO_PARENT);
+                let kind = VolumeKind::from_code(r.u8()?)?;
+                r.take(3)?;
+                let v = s.volumes.get_mut(&id).ok_or("a layer of an unknown volume")?;
+                v.layer = Layer { parent, kind };
+                for _ in 0..r.u32()? {
+                    let vc = r.u32()?;
+                    v.partial.insert(vc, r.granules()?);
+                }
+            }
         }
         Ok(s)
     };
@@ -659,6 +940,44 @@ const TAG_GENERATIONS: u8 = 6;
 const TAG_OPENED: u8 = 7;
 const TAG_CLOSED: u8 = 8;
 const TAG_SAVE_RECORD: u8 = 9;
+const TAG_TAKE_SNAPSHOT: u8 = 10;
+const TAG_CREATE_LAYER: u8 = 11;
+const TAG_MAP_LAYER: u8 = 12;
+const TAG_HOLD: u8 = 13;
+const TAG_HIDE: u8 = 14;
+
+impl Writer<'_> {
+    fn meta(&mut self, m: &VolumeMeta) {
+        self.u32(m.id);
+        self.u8(u8::from(m.thin));
+        self.u64(m.size);
+        self.bytes(&m.uuid);
+        self.bytes(&m.nguid);
+        self.name(&m.name);
+    }
+
+    fn granules(&mut self, g: &Granules) {
+        for word in g {
+            self.u64(*word);
+        }
+    }
+}
+
+impl Reader<'_> {
+    fn meta(&mut self) -> Result<VolumeMeta, String> {
+        let id = self.u32()?;
+        let thin = self.u8()? != 0;
+        let size = self.u64()?;
+        let uuid = self.array()?;
+        let nguid = self.array()?;
+        let name = self.name()?;
+        Ok(VolumeMeta { id, name, size, thin, uuid, nguid })
+    }
+
+    fn granules(&mut self) -> Result<Granules, String> {
+        Ok([self.u64()?, self.u64()?, self.u64()?, self.u64()?])
+    }
+}
 
 /// Encodes a journal entry holding `records`, padded to whole blocks.
 pub fn encode_entry(pool_uuid: &[u8; 16], generation: u64, seq: u64, records: &[Record]) -> Vec<u8> {
@@ -669,12 +988,7 @@ pub fn encode_entry(pool_uuid: &[u8; 16], generation: u64, seq: u64, records: &[
         match rec {
             Record::CreateVolume(m) => {
                 w.u8(TAG_CREATE);
-                w.u32(m.id);
-                w.u8(u8::from(m.thin));
-                w.u64(m.size);
-                w.bytes(&m.uuid);
-                w.bytes(&m.nguid);
-                w.name(&m.name);
+                w.meta(m);
             }
             Record::DeleteVolume { id } => {
                 w.u8(TAG_DELETE);
@@ -718,10 +1032,35 @@ pub fn encode_entry(pool_uuid: &[u8; 16], generation: u64, seq: u64, records: &[
                 for (vc, generation, granules) in &record.written {
                     w.u32(*vc);
                     w.u32(*generation);
-                    for g in granules {
-                        w.u64(*g);
-                    }
+                    w.granules(granules);
                 }
+            }
+            Record::TakeSnapshot { id, snapshot } => {
+                w.u8(TAG_TAKE_SNAPSHOT);
+                w.u32(*id);
+                w.meta(snapshot);
+            }
+            Record::CreateLayer { meta, parent } => {
+                w.u8(TAG_CREATE_LAYER);
+                w.meta(meta);
+                w.u32(*parent);
+            }
+            Record::MapLayer { id, vstart, pstart, count } => {
+                w.u8(TAG_MAP_LAYER);
+                w.u32(*id);
+                w.u32(*vstart);
+                w.u32(*pstart);
+                w.u32(*count);
+            }
+            Record::Hold { id, vc, granules } => {
+                w.u8(TAG_HOLD);
+                w.u32(*id);
+                w.u32(*vc);
+                w.granules(granules);
+            }
+            Record::Hide { id } => {
+                w.u8(TAG_HIDE);
+                w.u32(*id);
             }
         }
     }
@@ -745,15 +1084,7 @@ pub fn decode_entry(pool_uuid: &[u8; 16], b: &[u8]) -> Option<(Header, Vec<Recor
         let mut out = Vec::new();
         for _ in 0..n {
             out.push(match r.u8()? {
-                TAG_CREATE => {
-                    let id = r.u32()?;
-                    let thin = r.u8()? != 0;
-                    let size = r.u64()?;
-                    let uuid = r.array()?;
-                    let nguid = r.array()?;
-                    let name = r.name()?;
-                    Record::CreateVolume(VolumeMeta { id, name, size, thin, uuid, nguid })
-                }
+                TAG_CREATE => Record::CreateVolume(r.meta()?),
                 TAG_DELETE => Record::DeleteVolume { id: r.u32()? },
                 TAG_RESIZE => Record::ResizeVolume { id: r.u32()?, size: r.u64()? },
                 TAG_MAP => Record::Map { id: r.u32()?, vstart: r.u32()?, pstart: r.u32()?, count: r.u32()? },
@@ -771,10 +1102,15 @@ pub fn decode_entry(pool_uuid: &[u8; 16], b: &[u8]) -> Option<(Header, Vec<Recor
                     let mut written = Vec::new();
                     for _ in 0..n {
                         let (vc, generation) = (r.u32()?, r.u32()?);
-                        written.push((vc, generation, [r.u64()?, r.u64()?, r.u64()?, r.u64()?]));
+                        written.push((vc, generation, r.granules()?));
                     }
                     Record::SaveRecord { id, record: SavedRecord { recorded_from, written } }
                 }
+                TAG_TAKE_SNAPSHOT => Record::TakeSnapshot { id: r.u32()?, snapshot: r.meta()? },
+                TAG_CREATE_LAYER => Record::CreateLayer { meta: r.meta()?, parent: r.u32()? },
+                TAG_MAP_LAYER => Record::MapLayer { id: r.u32()?, vstart: r.u32()?, pstart: r.u32()?, count: r.u32()? },
+                TAG_HOLD => Record::Hold { id: r.u32()?, vc: r.u32()?, granules: r.granules()? },
+                TAG_HIDE => Record::Hide { id: r.u32()? },
                 t => return Err(format!("unknown journal record type {t}")),
             });
         }
@@ -795,16 +1131,22 @@ mod tests {
     #[test]
     fn superblock_round_trips_and_detects_damage() {
         let sb = Superblock {
+            version: VERSION,
             pool_uuid: [7; 16],
             pool_name: "fast".into(),
             disk_index: 1,
             cluster_size: 1 << 20,
-            meta: MetaLayout::for_pool(1000, 1 << 20),
+            meta: MetaLayout::for_pool(1000, 1 << 20, VERSION),
             members: vec![member(1), member(2)],
         };
         let b = sb.encode();
         assert_eq!(b.len(), BLOCK as usize);
         assert_eq!(Superblock::decode(&b).unwrap(), sb);
+        // A pool made before layers keeps its version; one of a newer engine is refused.
+        let old = Superblock { version: 1, ..sb.clone() };
+        assert_eq!(Superblock::decode(&old.encode()).unwrap().version, 1);
+        let newer = Superblock { version: VERSION + 1, ..sb.clone() };
+        assert!(Superblock::decode(&newer.encode()).unwrap_err().contains("newer engine"));
         assert_eq!(sb.disk_uuid(), [2; 16]);
         let mut bad = b.clone();
         bad[100] ^= 1;
@@ -853,7 +1195,22 @@ mod tests {
                     record: SavedRecord { recorded_from, written }
                 }
             ),
+            (any::<u32>(), arb_meta()).prop_map(|(id, snapshot)| Record::TakeSnapshot { id, snapshot }),
+            (arb_meta(), any::<u32>()).prop_map(|(meta, parent)| Record::CreateLayer { meta, parent }),
+            (any::<u32>(), any::<u32>(), any::<u32>(), any::<u32>())
+                .prop_map(|(id, vstart, pstart, count)| Record::MapLayer { id, vstart, pstart, count }),
+            (any::<u32>(), any::<u32>(), any::<[u64; 4]>()).prop_map(|(id, vc, granules)| Record::Hold {
+                id,
+                vc,
+                granules
+            }),
+            any::<u32>().prop_map(|id| Record::Hide { id }),
         ]
+    }
+
+    fn arb_meta() -> impl Strategy<Value = VolumeMeta> {
+        (any::<u32>(), "[a-z]{1,63}", any::<u64>(), any::<bool>(), any::<[u8; 16]>())
+            .prop_map(|(id, name, size, thin, uuid)| VolumeMeta { id, name, size, thin, uuid, nguid: uuid })
     }
 
     proptest! {
@@ -873,13 +1230,26 @@ mod tests {
         }
 
         #[test]
-        fn checkpoints_round_trip(maps in proptest::collection::vec(proptest::collection::btree_map(0u32..500, 1u32..5000, 0..50), 0..6)) {
+        fn checkpoints_round_trip(
+            maps in proptest::collection::vec(proptest::collection::btree_map(0u32..500, 1u32..5000, 0..50), 0..6),
+            layered in any::<bool>(),
+            held in any::<[u64; 4]>(),
+        ) {
             let mut s = PoolState { next_id: 99, open_boot: [9; 16], power_losses: 3, ..PoolState::default() };
             for (i, map) in maps.into_iter().enumerate() {
                 let id = i as u32 * 3;
                 let meta = VolumeMeta { id, name: format!("v{i}"), size: 1 << 30, thin: i % 2 == 0, uuid: [i as u8; 16], nguid: [1; 16] };
                 let generations = Generations { taken: i as u64 * 7, fenced_at: i as u64 };
-                s.volumes.insert(id, VolumeState { meta, map, generations });
+                let mut v = VolumeState { map, generations, ..VolumeState::new(meta) };
+                // Some volumes lie over the one before, hold part of their first cluster,
+                // and are snapshots or hidden.
+                if layered && i > 0 {
+                    v.layer = Layer { parent: Some(id - 3), kind: [VolumeKind::Volume, VolumeKind::Snapshot, VolumeKind::Hidden][i % 3] };
+                    if let Some(&vc) = v.map.keys().next() {
+                        v.partial.insert(vc, held);
+                    }
+                }
+                s.volumes.insert(id, v);
             }
             let b = encode_checkpoint(&[5; 16], 42, &s);
             let (g, back) = decode_checkpoint(&[5; 16], &b).unwrap();
@@ -897,9 +1267,10 @@ mod tests {
     #[test]
     fn layout_fits_the_largest_state() {
         let clusters = 3000u64;
-        let l = MetaLayout::for_pool(clusters, 1 << 20);
+        let l = MetaLayout::for_pool(clusters, 1 << 20, VERSION);
         let mut s = PoolState::default();
-        // Worst case: every cluster its own extent, in as many volumes as allowed.
+        // Worst case: every cluster its own extent and held in part, in as many
+        // volumes as allowed, each a layer.
         for id in 0..MAX_VOLUMES {
             let map = (0..clusters as u32)
                 .filter(|c| c % u64::from(MAX_VOLUMES) as u32 == id)
@@ -913,9 +1284,72 @@ mod tests {
                 uuid: [0; 16],
                 nguid: [0; 16],
             };
-            s.volumes.insert(id, VolumeState { meta, map, generations: Generations::default() });
+            s.volumes.insert(id, VolumeState { map, ..VolumeState::new(meta) });
+        }
+        // Version 1 has no layers.
+        let v1 = MetaLayout::for_pool(clusters, 1 << 20, 1);
+        assert!(encode_checkpoint(&[0; 16], 1, &s).len() as u64 <= v1.checkpoint_size);
+        for v in s.volumes.values_mut() {
+            v.layer = Layer { parent: Some(v.meta.id + 1), kind: VolumeKind::Hidden };
+            v.partial = v.map.keys().map(|&vc| (vc, [1; 4])).collect();
         }
         assert!(encode_checkpoint(&[0; 16], 1, &s).len() as u64 <= l.checkpoint_size);
         assert_eq!(l.journal_offset, BLOCK + 2 * l.checkpoint_size);
+    }
+
+    fn meta(id: u32, name: &str) -> VolumeMeta {
+        VolumeMeta { id, name: name.into(), size: 4 << 20, thin: true, uuid: [id as u8; 16], nguid: [0; 16] }
+    }
+
+    #[test]
+    fn a_snapshot_takes_the_map_and_the_volume_lies_over_it() {
+        const CS: u64 = 1 << 20;
+        let mut s = PoolState::default();
+        s.apply(&Record::CreateVolume(meta(1, "db")), CS).unwrap();
+        s.apply(&Record::Map { id: 1, vstart: 0, pstart: 10, count: 2 }, CS).unwrap();
+        s.apply(&Record::TakeSnapshot { id: 1, snapshot: meta(2, "db@1") }, CS).unwrap();
+        let (db, snap) = (&s.volumes[&1], &s.volumes[&2]);
+        assert!(db.map.is_empty() && db.layer == Layer { parent: Some(2), kind: VolumeKind::Volume });
+        assert_eq!(snap.map.len(), 2);
+        assert_eq!(snap.layer, Layer { parent: None, kind: VolumeKind::Snapshot });
+        assert_eq!(s.next_id, 3);
+        // The first write over the snapshot maps a cluster that holds no granule, then
+        // holds what it wrote; all of them make it whole.
+        s.apply(&Record::MapLayer { id: 1, vstart: 1, pstart: 20, count: 1 }, CS).unwrap();
+        assert_eq!(s.volumes[&1].partial[&1], [0; 4]);
+        s.apply(&Record::Hold { id: 1, vc: 1, granules: [1, 0, 0, 0] }, CS).unwrap();
+        assert_eq!(s.volumes[&1].partial[&1], [1, 0, 0, 0]);
+        s.apply(&Record::Hold { id: 1, vc: 1, granules: WHOLE }, CS).unwrap();
+        assert!(s.volumes[&1].partial.is_empty() && s.volumes[&1].map[&1] == 20);
+        // A second snapshot lies over the first; a clone over the second.
+        s.apply(&Record::TakeSnapshot { id: 1, snapshot: meta(3, "db@2") }, CS).unwrap();
+        s.apply(&Record::CreateLayer { meta: meta(4, "copy"), parent: 3 }, CS).unwrap();
+        assert_eq!(s.chain(1), vec![3, 2]);
+        assert_eq!(s.chain(4), vec![3, 2]);
+        assert_eq!(s.layers_over(3).count(), 2);
+        // What lies over a snapshot keeps it: it can only be hidden.
+        assert!(s.apply(&Record::DeleteVolume { id: 3 }, CS).unwrap_err().contains("lies over"));
+        s.apply(&Record::Hide { id: 3 }, CS).unwrap();
+        assert!(s.apply(&Record::CreateLayer { meta: meta(5, "late"), parent: 3 }, CS).is_err());
+        assert!(s.apply(&Record::TakeSnapshot { id: 2, snapshot: meta(6, "x") }, CS).is_err());
+        s.apply(&Record::DeleteVolume { id: 4 }, CS).unwrap();
+        s.apply(&Record::DeleteVolume { id: 1 }, CS).unwrap();
+        s.apply(&Record::DeleteVolume { id: 3 }, CS).unwrap();
+        s.apply(&Record::DeleteVolume { id: 2 }, CS).unwrap();
+        assert!(s.volumes.is_empty());
+        // Every cluster was named by one map at a time.
+        assert!(s.used_clusters().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_chain_is_bounded() {
+        const CS: u64 = 1 << 20;
+        let mut s = PoolState::default();
+        s.apply(&Record::CreateVolume(meta(1, "db")), CS).unwrap();
+        for i in 0..MAX_CHAIN as u32 {
+            s.apply(&Record::TakeSnapshot { id: 1, snapshot: meta(2 + i, &format!("s{i}")) }, CS).unwrap();
+        }
+        let err = s.apply(&Record::TakeSnapshot { id: 1, snapshot: meta(100, "one-more") }, CS).unwrap_err();
+        assert!(err.contains("lies over"), "{err}");
     }
 }

@@ -171,7 +171,7 @@ impl<D: MetaIo> MetaStore<D> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pool::format::VolumeMeta;
+    use crate::pool::format::{MAX_CHAIN, VERSION, VolumeKind, VolumeMeta};
     use proptest::prelude::*;
     use std::cell::{Cell, RefCell};
 
@@ -251,6 +251,8 @@ mod tests {
         Grow(usize, u32),
         Write(usize, u32),
         Trim(usize, u32, u32),
+        Snapshot(usize),
+        Clone(usize),
         Checkpoint,
     }
 
@@ -261,6 +263,8 @@ mod tests {
             (0usize..8, 1u32..8).prop_map(|(v, n)| Op::Grow(v, n)),
             (0usize..8, 0u32..40).prop_map(|(v, c)| Op::Write(v, c)),
             (0usize..8, 0u32..40, 1u32..6).prop_map(|(v, c, n)| Op::Trim(v, c, n)),
+            (0usize..8).prop_map(Op::Snapshot),
+            (0usize..8).prop_map(Op::Clone),
             Just(Op::Checkpoint),
         ]
     }
@@ -270,22 +274,24 @@ mod tests {
         (1..=CLUSTERS).filter(|c| used.binary_search(c).is_err()).collect()
     }
 
+    fn meta(id: u32, size: u64, thin: bool) -> VolumeMeta {
+        VolumeMeta { id, name: format!("v{id}"), size, thin, uuid: [id as u8; 16], nguid: [0; 16] }
+    }
+
     /// Turns an operation into records against the current state (what the pool does).
     fn records_for(op: &Op, s: &PoolState) -> Vec<Record> {
+        let of_kind = |kind: VolumeKind| -> Vec<u32> {
+            s.volumes.values().filter(|v| v.layer.kind == kind).map(|v| v.meta.id).collect()
+        };
         let ids: Vec<u32> = s.volumes.keys().copied().collect();
         let pick = |i: usize| ids.get(i % ids.len().max(1)).copied();
+        let writable = of_kind(VolumeKind::Volume);
+        let pick_writable = |i: usize| writable.get(i % writable.len().max(1)).copied();
         let mut free = free_clusters(s).into_iter();
         match *op {
             Op::Create { thin, clusters } => {
                 let id = s.next_id;
-                let meta = VolumeMeta {
-                    id,
-                    name: format!("v{id}"),
-                    size: u64::from(clusters) * CLUSTER,
-                    thin,
-                    uuid: [id as u8; 16],
-                    nguid: [0; 16],
-                };
+                let meta = meta(id, u64::from(clusters) * CLUSTER, thin);
                 let mut recs = vec![Record::CreateVolume(meta)];
                 if !thin {
                     if free.len() < clusters as usize {
@@ -297,27 +303,61 @@ mod tests {
                 }
                 recs
             }
-            Op::Delete(i) => pick(i).map(|id| vec![Record::DeleteVolume { id }]).unwrap_or_default(),
-            Op::Grow(i, n) => pick(i)
+            // What layers lie over stays, hidden if it is a snapshot.
+            Op::Delete(i) => match pick(i) {
+                Some(id) if s.layers_over(id).next().is_none() => vec![Record::DeleteVolume { id }],
+                Some(id) if s.volumes[&id].layer.kind == VolumeKind::Snapshot => vec![Record::Hide { id }],
+                _ => vec![],
+            },
+            Op::Grow(i, n) => pick_writable(i)
                 .map(|id| vec![Record::ResizeVolume { id, size: s.volumes[&id].meta.size + u64::from(n) * CLUSTER }])
                 .unwrap_or_default(),
+            // A write over a parent's data maps a cluster that holds only the granule
+            // written; a write to a cluster held in part holds one more.
             Op::Write(i, c) => {
-                let Some(id) = pick(i) else { return vec![] };
+                let Some(id) = pick_writable(i) else { return vec![] };
                 let v = &s.volumes[&id];
                 let vc = c % (v.meta.size / CLUSTER) as u32;
+                let mut granules = [0u64; 4];
+                granules[(c / 64 % 4) as usize] = 1 << (c % 64);
+                let under = s.chain(id).iter().any(|p| s.volumes[p].map.contains_key(&vc));
                 match (v.map.contains_key(&vc), free.next()) {
+                    (false, Some(pc)) if under => vec![
+                        Record::MapLayer { id, vstart: vc, pstart: pc, count: 1 },
+                        Record::Hold { id, vc, granules },
+                    ],
                     (false, Some(pc)) => vec![Record::Map { id, vstart: vc, pstart: pc, count: 1 }],
+                    (true, _) if v.partial.contains_key(&vc) => vec![Record::Hold { id, vc, granules }],
                     _ => vec![],
                 }
             }
-            Op::Trim(i, c, n) => pick(i).map(|id| vec![Record::Unmap { id, vstart: c, count: n }]).unwrap_or_default(),
+            Op::Trim(i, c, n) => {
+                pick_writable(i).map(|id| vec![Record::Unmap { id, vstart: c, count: n }]).unwrap_or_default()
+            }
+            Op::Snapshot(i) => match pick_writable(i) {
+                Some(id) if s.chain(id).len() < MAX_CHAIN => {
+                    let v = &s.volumes[&id];
+                    vec![Record::TakeSnapshot { id, snapshot: meta(s.next_id, v.meta.size, v.meta.thin) }]
+                }
+                _ => vec![],
+            },
+            Op::Clone(i) => {
+                let snapshots = of_kind(VolumeKind::Snapshot);
+                match snapshots.get(i % snapshots.len().max(1)) {
+                    Some(&parent) if s.chain(parent).len() + 1 < MAX_CHAIN => {
+                        let size = s.volumes[&parent].meta.size;
+                        vec![Record::CreateLayer { meta: meta(s.next_id, size, true), parent }]
+                    }
+                    _ => vec![],
+                }
+            }
             Op::Checkpoint => vec![],
         }
     }
 
     fn layout() -> MetaLayout {
         // A small journal, so checkpoints happen often.
-        MetaLayout::for_pool(u64::from(CLUSTERS), 6 * BLOCK)
+        MetaLayout::for_pool(u64::from(CLUSTERS), 6 * BLOCK, VERSION)
     }
 
     proptest! {
@@ -352,6 +392,7 @@ mod tests {
                     }
                     prop_assert!(got == model || got == after, "state after the cut is neither the old nor the new one");
                     got.used_clusters().unwrap();
+                    got.check_layers().unwrap();
                     return Ok(());
                 }
                 if matches!(op, Op::Checkpoint) { store.checkpoint(&after).unwrap() } else { store.commit(&recs, &after).unwrap() }

@@ -1,18 +1,39 @@
 //! The pool's metadata thread: the one writer of cluster maps and the journal. The
-//! reactors hand it allocations (first writes to thin clusters) and zeroing (Write
-//! Zeroes, Deallocate); it batches them, makes them durable, and answers each through
-//! its callback.
+//! reactors hand it allocations (first writes to thin clusters), first writes over
+//! snapshots, and zeroing (Write Zeroes, Deallocate); it batches them, makes them
+//! durable, and answers each through its callback.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::mpsc::Receiver;
 
 use nvpool_wire::Status;
 
-use super::format::Record;
+use super::cluster_map::{VolumeMap, granule_shift, granules_of};
+use super::format::{Granules, Record, whole_granules};
 use super::shared::{Done, MetaRequest};
 use super::{Inner, Pool, io_err};
+use crate::bufpool::Buf;
 use crate::error::{Error, Result};
 use crate::sync::lock;
+
+/// What a batch of writes over snapshots did to one cluster, published once durable.
+struct LayerCluster {
+    map: Arc<VolumeMap>,
+    pc: u32,
+    /// Mapped by this batch: whole (zeroed) or holding no granule before it.
+    new: Option<NewCluster>,
+    /// The granules it holds after the batch.
+    held: Granules,
+    /// The granules the batch made it hold.
+    added: Granules,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum NewCluster {
+    Whole,
+    Partial,
+}
 
 impl Pool {
     pub(super) fn serve(self: Arc<Self>, rx: Receiver<MetaRequest>) {
@@ -20,9 +41,13 @@ impl Pool {
             let mut batch = vec![first];
             batch.extend(rx.try_iter());
             let mut allocs = Vec::new();
+            let mut layer_writes = Vec::new();
             for r in batch {
                 match r {
                     MetaRequest::Allocate { volume, first, count, done } => allocs.push((volume, first, count, done)),
+                    MetaRequest::WriteLayer { volume, offset, data, done } => {
+                        layer_writes.push((volume, offset, data, done))
+                    }
                     MetaRequest::Zero { volume, ranges, done } => {
                         let st = self.zero(volume, &ranges);
                         done(st);
@@ -35,7 +60,148 @@ impl Pool {
             if !allocs.is_empty() {
                 self.allocate(allocs);
             }
+            if !layer_writes.is_empty() {
+                let writes: Vec<(u32, u64, &[u8])> =
+                    layer_writes.iter().map(|(v, o, d, _)| (*v, *o, d.as_slice())).collect();
+                let status = {
+                    let mut inner = lock(&self.inner);
+                    self.write_layers(&mut inner, &writes)
+                        .inspect_err(|e| tracing::error!(pool = %self.name, "a write over a snapshot failed: {e}"))
+                        .map_or(Status::INTERNAL_ERROR, |()| Status::SUCCESS)
+                };
+                for (_, _, _, done) in layer_writes {
+                    done(status);
+                }
+            }
         }
+    }
+
+    /// Writes over snapshots, as one batch: each piece is written into its volume's
+    /// cluster (one is mapped where the volume has none: whole and zeroed if a piece
+    /// covers it, else holding no granule yet, its other granules still read from the
+    /// snapshot), a granule written in part taking the rest of its bytes from the
+    /// snapshot first; the disks are synced; one journal entry records the new
+    /// clusters and the granules held; only then are they published. A crash before
+    /// that entry leaves the granules read from the snapshot: what was there before.
+    fn write_layers(&self, inner: &mut Inner, writes: &[(u32, u64, &[u8])]) -> Result<()> {
+        let cs = self.cluster_size;
+        let shift = cs.trailing_zeros();
+        let g_size = 1u64 << granule_shift(shift);
+        let whole = whole_granules(cs);
+        let mut clusters: BTreeMap<(u32, u64), LayerCluster> = BTreeMap::new();
+        let mut touched = vec![false; self.shared.disks.len()];
+        let result = (|| -> Result<()> {
+            for &(volume, offset, data) in writes {
+                let map =
+                    inner.maps.get(&volume).cloned().ok_or_else(|| Error::internal("a write to a volume gone"))?;
+                let end = offset + data.len() as u64;
+                let mut at = offset;
+                while at < end {
+                    let (vc, within) = (at / cs, at % cs);
+                    let n = (cs - within).min(end - at);
+                    let piece = &data[(at - offset) as usize..(at - offset + n) as usize];
+                    let c = match clusters.entry((volume, vc)) {
+                        std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+                        std::collections::btree_map::Entry::Vacant(e) => {
+                            let pc = map.get(vc);
+                            let (pc, new, held) = if pc != 0 {
+                                (pc, None, map.held(vc))
+                            } else {
+                                let pc = inner.free.take().ok_or_else(|| Error::precondition("the pool is full"))?;
+                                if n == cs || !map.under(vc) {
+                                    let (disk, off) = self
+                                        .shared
+                                        .locate(pc, 0)
+                                        .ok_or_else(|| Error::internal("cluster outside the pool"))?;
+                                    disk.zero_now(off, cs).map_err(io_err("zeroing a new cluster"))?;
+                                    (pc, Some(NewCluster::Whole), whole)
+                                } else {
+                                    (pc, Some(NewCluster::Partial), [0; 4])
+                                }
+                            };
+                            e.insert(LayerCluster { map: map.clone(), pc, new, held, added: [0; 4] })
+                        }
+                    };
+                    // Granule by granule. One the cluster holds takes the bytes written
+                    // alone (a reactor may be writing its other blocks). One it does
+                    // not is written whole: the bytes written, and the rest of it from
+                    // the snapshot, which nothing writes.
+                    let mut g_at = within - within % g_size;
+                    while g_at < within + n {
+                        let bit = granules_of(g_at, g_size, shift);
+                        let (from, to) = (g_at.max(within), (g_at + g_size).min(within + n));
+                        let holds = c.held.iter().zip(bit).all(|(h, b)| h & b == b);
+                        let mut buf = Buf::new((g_size as usize).div_ceil(4096));
+                        let (write_at, image) = if holds || to - from == g_size {
+                            let image = &mut buf.as_mut_slice()[..(to - from) as usize];
+                            image.copy_from_slice(&piece[(from - within) as usize..(to - within) as usize]);
+                            (from, &*image)
+                        } else {
+                            let image = &mut buf.as_mut_slice()[..g_size as usize];
+                            let source = c.map.parent_source(vc, &bit);
+                            match self.shared.locate(source, g_at) {
+                                Some((disk, pos)) if source != 0 => {
+                                    disk.read_now(image, pos).map_err(io_err("reading a snapshot"))?
+                                }
+                                _ => image.fill(0),
+                            }
+                            image[(from - g_at) as usize..(to - g_at) as usize]
+                                .copy_from_slice(&piece[(from - within) as usize..(to - within) as usize]);
+                            (g_at, &*image)
+                        };
+                        let (disk, pos) = self
+                            .shared
+                            .locate(c.pc, write_at)
+                            .ok_or_else(|| Error::internal("cluster outside the pool"))?;
+                        disk.write_now(image, pos).map_err(io_err("writing over a snapshot"))?;
+                        if let Some(i) = self.shared.disks.iter().position(|d| std::ptr::eq(&*d.file, disk)) {
+                            touched[i] = true;
+                        }
+                        for ((h, a), b) in c.held.iter_mut().zip(c.added.iter_mut()).zip(bit) {
+                            *a |= b & !*h;
+                            *h |= b;
+                        }
+                        g_at += g_size;
+                    }
+                    at += n;
+                }
+            }
+            Ok(())
+        })();
+        let records = result.and_then(|()| {
+            for (d, t) in self.shared.disks.iter().zip(&touched) {
+                if *t {
+                    d.file.sync_now().map_err(io_err("syncing writes over a snapshot"))?;
+                }
+            }
+            let mut records = Vec::new();
+            for (&(id, vc), c) in &clusters {
+                let (vstart, pstart) = (vc as u32, c.pc);
+                match c.new {
+                    Some(NewCluster::Whole) => records.push(Record::Map { id, vstart, pstart, count: 1 }),
+                    Some(NewCluster::Partial) => records.push(Record::MapLayer { id, vstart, pstart, count: 1 }),
+                    None => {}
+                }
+                if c.new != Some(NewCluster::Whole) && c.added != [0; 4] {
+                    records.push(Record::Hold { id, vc: vstart, granules: c.added });
+                }
+            }
+            self.commit(inner, &records)
+        });
+        if let Err(e) = records {
+            for c in clusters.values().filter(|c| c.new.is_some()) {
+                inner.free.put(c.pc);
+            }
+            return Err(e);
+        }
+        for (&(_, vc), c) in &clusters {
+            match c.new {
+                Some(NewCluster::Whole) => c.map.set(vc, c.pc),
+                Some(NewCluster::Partial) => c.map.set_partial(vc, c.pc, c.held),
+                None => c.map.hold(vc, c.added, whole),
+            }
+        }
+        Ok(())
     }
 
     /// Allocates clusters for a batch of requests with one metadata commit.
@@ -171,6 +337,10 @@ impl Pool {
         let thin = inner.state.volumes.get(&id).is_some_and(|v| v.meta.thin);
         let cs = self.cluster_size;
         let mut whole = Vec::new();
+        // Over a snapshot's data, zeroes are written where the volume's cluster does
+        // not hold the range: releasing it, or leaving it unmapped, would show the
+        // snapshot's data instead.
+        let mut over = Vec::new();
         for &(offset, len) in ranges {
             let mut at = offset;
             let end = offset + len;
@@ -178,7 +348,10 @@ impl Pool {
                 let vc = at / cs;
                 let within = at % cs;
                 let n = (cs - within).min(end - at);
-                if thin && n == cs {
+                let under = map.under(vc);
+                if under && map.held(vc) != [u64::MAX; 4] {
+                    over.push((at, n));
+                } else if thin && n == cs && !under {
                     whole.push(vc);
                 } else {
                     let pc = map.get(vc);
@@ -199,6 +372,15 @@ impl Pool {
             && let Err(e) = self.release(&mut inner, id, &whole, None)
         {
             tracing::error!(pool = %self.name, "releasing clusters failed: {e}");
+            return Status::INTERNAL_ERROR;
+        }
+        let zeroes: Vec<Vec<u8>> = over.iter().map(|&(_, n)| vec![0; n as usize]).collect();
+        let writes: Vec<(u32, u64, &[u8])> =
+            over.iter().zip(&zeroes).map(|(&(at, _), z)| (id, at, z.as_slice())).collect();
+        if !writes.is_empty()
+            && let Err(e) = self.write_layers(&mut inner, &writes)
+        {
+            tracing::error!(pool = %self.name, "zeroing over a snapshot failed: {e}");
             return Status::INTERNAL_ERROR;
         }
         Status::SUCCESS

@@ -56,6 +56,41 @@ fn current_boot() -> [u8; 16] {
     uuid::Uuid::parse_str(text.trim()).map(|u| *u.as_bytes()).unwrap_or_default()
 }
 
+/// Builds the map of volume `id` as the metadata has it, and first those of the
+/// snapshots it lies over (a layer's map reads through its parent's).
+fn build_map(
+    state: &PoolState,
+    id: u32,
+    cs: u64,
+    saved: &BTreeMap<u32, format::SavedRecord>,
+    maps: &mut BTreeMap<u32, Arc<VolumeMap>>,
+) -> Arc<VolumeMap> {
+    if let Some(m) = maps.get(&id) {
+        return m.clone();
+    }
+    let v = &state.volumes[&id];
+    let parent = v.layer.parent.map(|p| build_map(state, p, cs, saved, maps));
+    let m = VolumeMap::over(v.meta.size.div_ceil(cs), parent);
+    for (&vc, &pc) in &v.map {
+        match v.partial.get(&vc) {
+            Some(held) => m.set_partial(u64::from(vc), pc, *held),
+            None => m.set(u64::from(vc), pc),
+        }
+    }
+    m.restore_generations(v.generations);
+    if let Some(saved) = saved.get(&id) {
+        m.restore_generation_record(&GenerationRecord {
+            recorded_from: saved.recorded_from,
+            written: saved.written.iter().map(|&(vc, g, _)| (u64::from(vc), g)).collect(),
+            granules: saved.written.iter().map(|&(_, _, granules)| granules).collect(),
+            ..GenerationRecord::default()
+        });
+    }
+    let m = Arc::new(m);
+    maps.insert(id, m.clone());
+    m
+}
+
 /// The buffered descriptor the metadata goes through.
 struct MetaFile(File);
 
@@ -86,6 +121,8 @@ pub struct Pool {
     pub name: String,
     /// UUID.
     pub uuid: [u8; 16],
+    /// Its format version (`format::VERSION`): from 2 it holds snapshots.
+    version: u32,
     cluster_size: u64,
     shared: Arc<PoolShared>,
     inner: Arc<Mutex<Inner>>,
@@ -184,7 +221,8 @@ impl Pool {
         }
         let cs = o.cluster_size;
         let raw_clusters: u64 = disks_opened.iter().map(|b| b.size() / cs).sum();
-        let layout = MetaLayout::for_pool(raw_clusters, JOURNAL_SIZE.min(disks_opened[0].size() / 64).max(64 * BLOCK));
+        let journal_size = JOURNAL_SIZE.min(disks_opened[0].size() / 64).max(64 * BLOCK);
+        let layout = MetaLayout::for_pool(raw_clusters, journal_size, format::VERSION);
         let mut members = Vec::new();
         let mut total: u64 = 0;
         for (i, b) in disks_opened.iter().enumerate() {
@@ -210,6 +248,7 @@ impl Pool {
         // Superblocks last, the first disk's very last: a pool half created is not found.
         for i in (0..disks_opened.len()).rev() {
             let sb = Superblock {
+                version: format::VERSION,
                 pool_uuid,
                 pool_name: name.to_string(),
                 disk_index: i as u32,
@@ -292,26 +331,11 @@ impl Pool {
             )));
         }
         let cs = first.cluster_size;
-        let maps = state
-            .volumes
-            .values()
-            .map(|v| {
-                let m = VolumeMap::new(v.meta.size.div_ceil(cs));
-                for (&vc, &pc) in &v.map {
-                    m.set(u64::from(vc), pc);
-                }
-                m.restore_generations(v.generations);
-                if let Some(saved) = saved.get(&v.meta.id) {
-                    m.restore_generation_record(&GenerationRecord {
-                        recorded_from: saved.recorded_from,
-                        written: saved.written.iter().map(|&(vc, g, _)| (u64::from(vc), g)).collect(),
-                        granules: saved.written.iter().map(|&(_, _, granules)| granules).collect(),
-                        ..GenerationRecord::default()
-                    });
-                }
-                (v.meta.id, Arc::new(m))
-            })
-            .collect();
+        state.check_layers().map_err(|e| Error::internal(format!("pool {:?}: {e}", first.pool_name)))?;
+        let mut maps = BTreeMap::new();
+        for &id in state.volumes.keys() {
+            build_map(&state, id, cs, &saved, &mut maps);
+        }
         // Left open by another boot: the machine stopped with the pool open, and its
         // disks may have lost what they cached (writes acknowledged, not yet flushed).
         let mut power_losses = state.power_losses;
@@ -339,10 +363,12 @@ impl Pool {
         let pool = Arc::new(Pool {
             name: first.pool_name.clone(),
             uuid: first.pool_uuid,
+            version: first.version,
             cluster_size: cs,
             shared,
             inner: Arc::new(Mutex::new(inner)),
         });
+        pool.delete_orphans(&mut lock(&pool.inner))?;
         let worker = pool.clone();
         std::thread::Builder::new()
             .name(format!("nvpool-pool-{}", pool.name))
@@ -492,14 +518,42 @@ impl Pool {
         })
     }
 
-    /// Deletes a volume and frees its clusters. The caller makes sure it is not exported.
-    pub fn delete_volume(&self, name: &str) -> Result<()> {
+    /// Deletes a volume or snapshot and frees its clusters; returns the layers that
+    /// keep a snapshot hidden instead (it goes with the last of them). A hidden
+    /// snapshot that nothing lies over any more goes too. The caller makes sure it is
+    /// not exported.
+    pub fn delete_volume(&self, name: &str) -> Result<Vec<String>> {
         let mut inner = lock(&self.inner);
         let id = self.volume_id(&inner, name)?;
+        let over: Vec<String> = inner.state.layers_over(id).map(|v| v.meta.name.clone()).collect();
+        if !over.is_empty() {
+            if inner.state.volumes[&id].layer.kind == format::VolumeKind::Snapshot {
+                self.commit(&mut inner, &[Record::Hide { id }])?;
+            }
+            return Ok(over);
+        }
+        self.delete_now(&mut inner, id)?;
+        self.delete_orphans(&mut inner)?;
+        Ok(Vec::new())
+    }
+
+    fn delete_now(&self, inner: &mut Inner, id: u32) -> Result<()> {
         let vcs: Vec<u64> = inner.state.volumes[&id].map.keys().map(|&c| u64::from(c)).collect();
-        self.release(&mut inner, id, &vcs, Some(Record::DeleteVolume { id }))?;
+        self.release(inner, id, &vcs, Some(Record::DeleteVolume { id }))?;
         inner.maps.remove(&id);
         Ok(())
+    }
+
+    /// Deletes the hidden snapshots nothing lies over any more: one whose last layer
+    /// just went, and those a crash left while such deletions went down a chain.
+    fn delete_orphans(&self, inner: &mut Inner) -> Result<()> {
+        loop {
+            let orphan = inner.state.volumes.values().find(|v| {
+                v.layer.kind == format::VolumeKind::Hidden && inner.state.layers_over(v.meta.id).next().is_none()
+            });
+            let Some(id) = orphan.map(|v| v.meta.id) else { return Ok(()) };
+            self.delete_now(inner, id)?;
+        }
     }
 
     /// Grows a volume; returns its new cluster map for re-exporting.
@@ -530,11 +584,120 @@ impl Pool {
         Ok(self.volume_info(&inner, id))
     }
 
+    /// Takes snapshot `snapshot` of volume `name`, in one journal record: the snapshot
+    /// keeps the volume's clusters as they are, and the volume goes on as an empty
+    /// layer over it. The caller holds the volume's I/O meanwhile (nothing in flight)
+    /// and serves it afterwards with the map `open_volume` gives; a backend that still
+    /// holds the old map finds the new one (`current_map`).
+    pub fn take_snapshot(&self, name: &str, snapshot: &str) -> Result<VolumeInfo> {
+        format::check_name("snapshot", snapshot).map_err(Error::invalid)?;
+        let mut inner = lock(&self.inner);
+        self.check_layers_allowed(&inner, snapshot)?;
+        let id = self.volume_id(&inner, name)?;
+        let v = &inner.state.volumes[&id];
+        if v.layer.kind != format::VolumeKind::Volume {
+            return Err(Error::invalid(format!(
+                "{name} is a snapshot: take snapshots of volumes (or clone {name} and take one of the clone)"
+            )));
+        }
+        let map = inner.maps[&id].clone();
+        if map.generation() != 0 || map.tracking() {
+            return Err(Error::precondition(format!(
+                "volume {name} is a replica or is moving: a snapshot of it is not taken here yet"
+            )));
+        }
+        if inner.state.chain(id).len() >= format::MAX_CHAIN {
+            return Err(Error::precondition(format!(
+                "volume {name} lies over {} snapshots, the most a chain holds: delete one of its snapshots first",
+                format::MAX_CHAIN
+            )));
+        }
+        let snap_id = inner.state.next_id;
+        let meta = VolumeMeta {
+            id: snap_id,
+            name: snapshot.to_string(),
+            size: v.meta.size,
+            thin: v.meta.thin,
+            uuid: *uuid::Uuid::new_v4().as_bytes(),
+            nguid: *uuid::Uuid::new_v4().as_bytes(),
+        };
+        self.commit(&mut inner, &[Record::TakeSnapshot { id, snapshot: meta }])?;
+        let head = Arc::new(map.layer_over());
+        map.hand_on(&head);
+        inner.maps.insert(snap_id, map);
+        inner.maps.insert(id, head);
+        Ok(self.volume_info(&inner, snap_id))
+    }
+
+    /// Makes volume `name`, a writable layer over snapshot `snapshot` (a clone: it
+    /// reads as the snapshot until written), with the identity given or a new one.
+    pub fn create_clone(
+        &self,
+        name: &str,
+        snapshot: &str,
+        identity: Option<([u8; 16], [u8; 16])>,
+    ) -> Result<VolumeInfo> {
+        format::check_name("volume", name).map_err(Error::invalid)?;
+        let mut inner = lock(&self.inner);
+        self.check_layers_allowed(&inner, name)?;
+        let parent = self.volume_id(&inner, snapshot)?;
+        let p = &inner.state.volumes[&parent];
+        if p.layer.kind != format::VolumeKind::Snapshot {
+            return Err(Error::invalid(format!(
+                "{snapshot} is not a snapshot: take one of it first (`nvpool engine snapshot create`)"
+            )));
+        }
+        if inner.state.chain(parent).len() + 1 >= format::MAX_CHAIN {
+            return Err(Error::precondition(format!(
+                "snapshot {snapshot} lies over too many others to be cloned (a chain holds {}): delete some of them",
+                format::MAX_CHAIN
+            )));
+        }
+        let id = inner.state.next_id;
+        let (uuid, nguid) =
+            identity.unwrap_or_else(|| (*uuid::Uuid::new_v4().as_bytes(), *uuid::Uuid::new_v4().as_bytes()));
+        let meta = VolumeMeta { id, name: name.to_string(), size: p.meta.size, thin: true, uuid, nguid };
+        let clusters = p.meta.size.div_ceil(self.cluster_size);
+        let map = Arc::new(VolumeMap::over(clusters, Some(inner.maps[&parent].clone())));
+        self.commit(&mut inner, &[Record::CreateLayer { meta, parent }])?;
+        inner.maps.insert(id, map);
+        Ok(self.volume_info(&inner, id))
+    }
+
+    /// Refuses a new snapshot or clone where the pool cannot hold one, or has `name`.
+    fn check_layers_allowed(&self, inner: &Inner, name: &str) -> Result<()> {
+        if self.version < format::LAYERS_VERSION {
+            return Err(Error::precondition(format!(
+                "pool {} was made before snapshots (format {}): its metadata has no room for them; make a new pool \
+                 and move the volume there",
+                self.name, self.version
+            )));
+        }
+        if inner.state.volume_by_name(name).is_some() {
+            return Err(Error::exists(format!("pool {} already has a volume or snapshot {name}", self.name)));
+        }
+        if inner.state.volumes.len() as u32 >= format::MAX_VOLUMES {
+            return Err(Error::precondition(format!(
+                "pool {} holds {} volumes and snapshots, the most it can: delete one first",
+                self.name,
+                format::MAX_VOLUMES
+            )));
+        }
+        Ok(())
+    }
+
+    /// The map volume `id` is served with now: a backend whose map became a
+    /// snapshot's (it was opened before the snapshot) goes on with this one.
+    pub fn current_map(&self, id: u32) -> Option<Arc<VolumeMap>> {
+        lock(&self.inner).maps.get(&id).cloned()
+    }
+
     /// What a namespace serving the volume needs: the data-path view and the metadata.
     pub fn open_volume(&self, name: &str) -> Result<(VolumeIo, VolumeMeta)> {
         let inner = lock(&self.inner);
         let id = self.volume_id(&inner, name)?;
-        let io = VolumeIo { pool: self.shared.clone(), map: inner.maps[&id].clone(), id };
+        let read_only = inner.state.volumes[&id].layer.kind != format::VolumeKind::Volume;
+        let io = VolumeIo { pool: self.shared.clone(), map: inner.maps[&id].clone(), id, read_only };
         Ok((io, inner.state.volumes[&id].meta.clone()))
     }
 
@@ -564,6 +727,13 @@ impl Pool {
             uuid: uuid::Uuid::from_bytes(v.meta.uuid).to_string(),
             nguid: v.meta.nguid.iter().map(|b| format!("{b:02x}")).collect(),
             dirty_tracking: inner.maps.get(&id).is_some_and(|m| m.tracking()),
+            snapshot: v.layer.kind != format::VolumeKind::Volume,
+            parent: v
+                .layer
+                .parent
+                .and_then(|p| inner.state.volumes.get(&p))
+                .map(|p| p.meta.name.clone())
+                .unwrap_or_default(),
         }
     }
 
@@ -604,7 +774,8 @@ impl Pool {
     /// Every volume.
     pub fn volumes(&self) -> Vec<VolumeInfo> {
         let inner = lock(&self.inner);
-        inner.state.volumes.keys().map(|&id| self.volume_info(&inner, id)).collect()
+        let listed = inner.state.volumes.values().filter(|v| v.layer.kind != format::VolumeKind::Hidden);
+        listed.map(|v| self.volume_info(&inner, v.meta.id)).collect()
     }
 
     /// Every volume's allocated bytes, as (pool, volume, bytes): what `volumes` says
@@ -653,6 +824,7 @@ impl Pool {
     pub fn check(&self) -> Result<()> {
         let inner = lock(&self.inner);
         let used = inner.state.used_clusters().map_err(Error::internal)?;
+        inner.state.check_layers().map_err(Error::internal)?;
         if used.len() as u64 + u64::from(inner.free.free()) != u64::from(inner.free.total()) {
             return Err(Error::internal(format!(
                 "{} clusters used and {} free do not add up to {}",

@@ -42,6 +42,19 @@ pub enum MetaRequest {
         /// Completion.
         done: Done,
     },
+    /// Write `data` at byte `offset` of a volume that lies over a snapshot, where its
+    /// clusters do not hold every granule written: written, synced and recorded held
+    /// before `done` (`Pool::write_layers`).
+    WriteLayer {
+        /// Volume ID.
+        volume: u32,
+        /// Byte offset.
+        offset: u64,
+        /// The data.
+        data: Vec<u8>,
+        /// Completion.
+        done: Done,
+    },
     /// Make a volume's generations durable, if they rose (`Pool::persist_generations`).
     PersistGenerations {
         /// Volume ID.
@@ -113,6 +126,7 @@ impl PoolShared {
             match r {
                 MetaRequest::Allocate { done, .. }
                 | MetaRequest::Zero { done, .. }
+                | MetaRequest::WriteLayer { done, .. }
                 | MetaRequest::PersistGenerations { done, .. } => done(Status::NAMESPACE_NOT_READY),
             }
         }
@@ -143,6 +157,8 @@ pub struct VolumeIo {
     pub map: Arc<VolumeMap>,
     /// Volume ID.
     pub id: u32,
+    /// A snapshot's: it takes no write.
+    pub read_only: bool,
 }
 
 impl std::fmt::Debug for VolumeIo {

@@ -7,13 +7,13 @@ use std::path::{Path, PathBuf};
 use clap::{Args, Subcommand};
 use nvpool_api::{
     AddHost, AddListener, AddLocalDevice, AddNamespace, AddSubsystem, AllowAnyHost, AnaGroupInfo, AnaState,
-    CancelMigration, CheckPool, CreatePool, CreateVolume, DeleteVolume, DhchapKeys, DirtyAction, ExportPool,
-    GetEngineInfo, GetMigration, GetRebuild, GetVolume, GrowNamespace, ImportPool, ListAnaGroups, ListListeners,
-    ListLocalDevices, ListPools, ListSubsystems, ListVolumes, ListenerInfo, LocalDeviceConfig, LocalDeviceInfo, Method,
-    MigrationInfo, PathAddress, PoolInfo, RebuildInfo, RemoveHost, RemoveListener, RemoveLocalDevice, RemoveNamespace,
-    RemoveSubsystem, ResizeVolume, SetAnaState, SetNamespaceQos, StartMigration, StartRebuild, SubsystemInfo,
-    SwapNamespace, SwitchMigration, TlsMode, TlsPsk, Transport, UpgradeEngine, VolumeDirty, VolumeIdentity, VolumeInfo,
-    VolumeWrittenSince,
+    CancelMigration, CheckPool, CloneVolume, CreatePool, CreateSnapshot, CreateVolume, DeleteVolume, DhchapKeys,
+    DirtyAction, ExportPool, GetEngineInfo, GetMigration, GetRebuild, GetVolume, GrowNamespace, ImportPool,
+    ListAnaGroups, ListListeners, ListLocalDevices, ListPools, ListSubsystems, ListVolumes, ListenerInfo,
+    LocalDeviceConfig, LocalDeviceInfo, Method, MigrationInfo, PathAddress, PoolInfo, RebuildInfo, RemoveHost,
+    RemoveListener, RemoveLocalDevice, RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState, SetNamespaceQos,
+    StartMigration, StartRebuild, SubsystemInfo, SwapNamespace, SwitchMigration, TlsMode, TlsPsk, Transport,
+    UpgradeEngine, VolumeDirty, VolumeIdentity, VolumeInfo, VolumeWrittenSince,
 };
 use nvpool_engine::Engine;
 use nvpool_engine::config::{
@@ -438,6 +438,25 @@ enum EngineVolumeVerb {
         #[arg(value_parser = parse_size)]
         size: u64,
     },
+    /// Take a crash-consistent snapshot of a volume (its exports hold new commands
+    /// while those under way finish); prints how long I/O was held.
+    Snapshot {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        name: String,
+        /// The snapshot's name.
+        snapshot: String,
+    },
+    /// Make a writable volume that reads as a snapshot until written.
+    Clone {
+        /// Pool name.
+        pool: String,
+        /// The snapshot.
+        snapshot: String,
+        /// The new volume's name.
+        name: String,
+    },
     /// Show one volume: size, allocation, identity.
     Stats {
         /// Pool name.
@@ -764,6 +783,21 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
             }
             EngineVolumeVerb::Resize { pool, name, size } => {
                 show(&api, ResizeVolume { pool, name, size }, |r| volume_table(std::slice::from_ref(r)))
+            }
+            EngineVolumeVerb::Snapshot { pool, name, snapshot } => {
+                let r = api.call(CreateSnapshot { pool, volume: name, name: snapshot })?;
+                print_or(api.json, &r, || {
+                    format!(
+                        "{}\nI/O held {:.2} ms",
+                        render(&volume_table(std::slice::from_ref(&r.snapshot))),
+                        r.pause_us as f64 / 1000.0
+                    )
+                });
+                Ok(())
+            }
+            EngineVolumeVerb::Clone { pool, snapshot, name } => {
+                let clone = CloneVolume { pool, snapshot, name, identity: None };
+                show(&api, clone, |r| volume_table(std::slice::from_ref(r)))
             }
             EngineVolumeVerb::Stats { pool, name } => {
                 show(&api, GetVolume { pool, name }, |r| volume_table(std::slice::from_ref(r)))
@@ -1186,15 +1220,22 @@ fn migration_table(m: &MigrationInfo) -> Vec<Vec<String>> {
 }
 
 fn volume_table(volumes: &[VolumeInfo]) -> Vec<Vec<String>> {
-    let mut rows =
-        vec![["POOL", "NAME", "SIZE", "TYPE", "ALLOCATED", "UUID", "DIRTY TRACKING"].map(String::from).to_vec()];
+    let mut rows = vec![
+        ["POOL", "NAME", "SIZE", "TYPE", "ALLOCATED", "PARENT", "UUID", "DIRTY TRACKING"].map(String::from).to_vec(),
+    ];
     for x in volumes {
+        let kind = match (x.snapshot, x.thin) {
+            (true, _) => "snapshot",
+            (false, true) => "thin",
+            (false, false) => "thick",
+        };
         rows.push(vec![
             x.pool.clone(),
             x.name.clone(),
             human(x.size),
-            if x.thin { "thin" } else { "thick" }.to_string(),
+            kind.to_string(),
             human(x.allocated_bytes),
+            if x.parent.is_empty() { "-".into() } else { x.parent.clone() },
             x.uuid.clone(),
             if x.dirty_tracking { "on" } else { "off" }.to_string(),
         ]);
