@@ -165,15 +165,19 @@ impl VolumeBackend {
         }
     }
 
-    /// The map the volume is served with now: its own, or (it became a snapshot's
-    /// since this backend opened) the volume's new one.
-    fn map_now(&self) -> Option<Arc<VolumeMap>> {
-        let mut map = self.volume.map.clone();
-        // A snapshot's own backend reads the snapshot, whatever the volume did since.
-        while let Some(next) = map.successor().filter(|_| !self.volume.read_only) {
-            map = next?;
+    /// The volume's map since a snapshot took the one this backend opened with:
+    /// `None` while it has its own (the common case costs one load), `Some(None)` if
+    /// the volume is gone. A snapshot's own backend reads the snapshot, whatever the
+    /// volume did since.
+    fn moved_on(&self) -> Option<Option<Arc<VolumeMap>>> {
+        if self.volume.read_only {
+            return None;
         }
-        Some(map)
+        let mut next = self.volume.map.successor()?;
+        while let Some(later) = next.as_ref().and_then(|m| m.successor()) {
+            next = later;
+        }
+        Some(next)
     }
 
     /// Queues a read or write piece by piece; returns whether anything was queued. A
@@ -299,12 +303,20 @@ impl Backend for VolumeBackend {
                 let write = matches!(io.plan, IoPlan::Write { .. });
                 let shift = pool.cluster_shift();
                 let (first, last) = (offset >> shift, (offset + u64::from(len) - 1) >> shift);
-                let Some(map) = self.map_now() else {
-                    io.status = Status::NAMESPACE_NOT_READY;
-                    return;
+                let moved_on;
+                let map: &VolumeMap = match self.moved_on() {
+                    None => &self.volume.map,
+                    Some(Some(m)) => {
+                        moved_on = m;
+                        &moved_on
+                    }
+                    Some(None) => {
+                        io.status = Status::NAMESPACE_NOT_READY;
+                        return;
+                    }
                 };
                 let epoch = pool.enter(queue.reactor_id());
-                if write && Self::needs_layer_write(&map, offset, len, shift) {
+                if write && Self::needs_layer_write(map, offset, len, shift) {
                     // Written by the metadata thread, which records the granules held.
                     pool.leave(queue.reactor_id(), epoch);
                     let Some(data) = io.data().map(<[u8]>::to_vec) else {
@@ -332,7 +344,7 @@ impl Backend for VolumeBackend {
                 if !write {
                     queue.give_buf(io, len as usize);
                 }
-                if self.transfer(io, queue, &map, (offset, len), write) {
+                if self.transfer(io, queue, map, (offset, len), write) {
                     io.hold = Some(epoch);
                 } else {
                     pool.leave(queue.reactor_id(), epoch);
