@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""What a snapshot costs the writes after it: 4 KiB random writes on a pool volume with
+no snapshot, right after a snapshot (nearly every write is the first to its 4 KiB
+granule since the snapshot, so it takes the path that records the granule held), and
+once every granule was written again (the layer holds the whole volume), side by side
+in one run; and how long the snapshot held the volume's I/O.
+
+    bench/snapshots.py [--rounds 3] [--duration 1.0] [--out bench/results/snapshots.md]
+
+One engine with one reactor on --target-core; `nvpool bench` on --bench-core; the pool
+is a file in --dir (default /dev/shm, so that the figures are the engine's and not a
+disk's). The volume is thick (1 GiB, every cluster allocated): the baseline is a plain
+write to an allocated cluster. Each round takes a new snapshot before each "right
+after" run, so those runs start with nothing held. The goal: the first 4 KiB write to
+a shared cluster costs at most 1.5 times a plain thin write. Figures are medians over
+rounds; timings are reported, never asserted. Standard library only.
+"""
+import argparse, json, os, signal, statistics, subprocess, tempfile
+
+from suite import BIN, NQN, bench, cli, own_network, start_engine
+
+SIZE = 1 << 30
+
+
+def engine_json(sock, *argv):
+    out = subprocess.run([BIN, "engine", *argv, "--json", "--socket", sock], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"nvpool engine {' '.join(argv)} failed: {out.stderr}")
+    return json.loads(out.stdout)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--duration", type=float, default=1.0,
+                    help="seconds per run: short, so that writes right after a snapshot are mostly first ones")
+    ap.add_argument("--warmup", type=float, default=0.0)
+    ap.add_argument("--dir", default=os.environ.get("NVPOOL_BENCH_DIR", "/dev/shm"), help="where the pool goes")
+    ap.add_argument("--target-core", type=int, default=0)
+    ap.add_argument("--bench-core", type=int, default=1)
+    ap.add_argument("--busy-poll-us", type=int, default=0)
+    ap.add_argument("--out", default=None, help="also write the table here")
+    args = ap.parse_args()
+    own_network()
+    tmp = tempfile.mkdtemp(prefix="nvpool-snapshots-")
+    data_dir = tempfile.mkdtemp(prefix="nvpool-snapshots-", dir=args.dir)
+    proc, port, sock = start_engine(["null:1MiB"], args.target_core, tmp, args.busy_poll_us)
+    workloads = [("randwrite", 4096, 1), ("randwrite", 4096, 32)]
+    rows = {w: {"plain": [], "after": [], "rewritten": []} for w in workloads}
+    pauses = []
+    try:
+        cli(sock, "namespace", "remove", NQN, "1")
+        disk = f"{data_dir}/pool.img"
+        # Each layer a round writes may take the whole volume's size again.
+        with open(disk, "wb") as f:
+            f.truncate((len(workloads) + 3) * SIZE)
+        cli(sock, "pool", "create", "p", disk)
+        taken = 0
+        for r in range(args.rounds):
+            # A volume of its own per round, and its snapshots deleted after it.
+            cli(sock, "volume", "create", "p", "v", str(SIZE))
+            cli(sock, "namespace", "add", NQN, "volume:p/v", "--nsid", "1")
+            snapshots = []
+            for w in workloads:
+                rows[w]["plain"].append(bench(port, *w, args))
+            for w in workloads:
+                taken += 1
+                snap = engine_json(sock, "volume", "snapshot", "p", "v", f"s{r}-{taken}")
+                pauses.append(snap["pause_us"])
+                snapshots.append(f"s{r}-{taken}")
+                rows[w]["after"].append(bench(port, *w, args))
+            # Every granule written again: the layer holds the whole volume.
+            fill = argparse.Namespace(**{**vars(args), "duration": 8.0})
+            bench(port, "write", 131072, 32, fill)
+            for w in workloads:
+                rows[w]["rewritten"].append(bench(port, *w, args))
+            cli(sock, "namespace", "remove", NQN, "1")
+            for name in ["v", *reversed(snapshots)]:
+                cli(sock, "volume", "delete", "p", name)
+        errors = sum(x["errors"] for w in workloads for k in rows[w] for x in rows[w][k])
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(10)
+        for f in os.listdir(data_dir):
+            os.unlink(os.path.join(data_dir, f))
+        os.rmdir(data_dir)
+    med = lambda runs, key: statistics.median(x[key] if key == "iops" else x["latency"]["p50_us"] for x in runs)
+    lines = ["| workload | no snapshot: IOPS | p50 us | right after a snapshot: IOPS | p50 us | vs no snapshot "
+             "(p50) | every granule rewritten: IOPS | p50 us |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for w in workloads:
+        p, a, rw = rows[w]["plain"], rows[w]["after"], rows[w]["rewritten"]
+        lines.append(f"| {w[0]} {w[1] // 1024}K QD{w[2]} | {med(p, 'iops'):,.0f} | {med(p, 'p50'):.1f} | "
+                     f"{med(a, 'iops'):,.0f} | {med(a, 'p50'):.1f} | {med(a, 'p50') / med(p, 'p50'):.2f}x | "
+                     f"{med(rw, 'iops'):,.0f} | {med(rw, 'p50'):.1f} |")
+    lines.append("")
+    lines.append(f"Snapshot pause (the volume's exports holding new commands, a host connected and idle): "
+                 f"median {statistics.median(pauses) / 1000:.2f} ms, longest {max(pauses) / 1000:.2f} ms over "
+                 f"{len(pauses)} snapshots. I/O errors: {errors}.")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        header = (f"# Snapshots: what the writes after one cost\n\n"
+                  f"`bench/snapshots.py --rounds {args.rounds} --duration {args.duration}`: a thick 1 GiB pool volume "
+                  f"(pool on {args.dir}), one engine with one reactor on core {args.target_core} (busy polling "
+                  f"{args.busy_poll_us} us), `nvpool bench` on core {args.bench_core}; medians over rounds. \"Right "
+                  f"after a snapshot\" runs start on a new snapshot each; \"rewritten\" runs follow 128 KiB writes "
+                  f"over the whole volume. The goal: the first 4 KiB write over a snapshot costs at most 1.5x a "
+                  f"plain write.\n\n")
+        with open(args.out, "w") as f:
+            f.write(header + table + "\n")
+
+
+if __name__ == "__main__":
+    main()
