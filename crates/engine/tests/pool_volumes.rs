@@ -455,3 +455,35 @@ fn snapshots_keep_the_data_as_it_was_and_clones_write_apart() {
     assert_eq!(pool["volumes"], json!(0), "{pool}");
     node.ok("pool_check", json!({ "name": "p" }));
 }
+
+/// A write over a snapshot that is smaller than a granule (512-byte blocks) changes
+/// its own blocks alone: its buffer is whole pages, and the rest of the granule keeps
+/// what the snapshot holds.
+#[test]
+fn small_writes_over_a_snapshot_keep_their_neighbours() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = disks(dir.path(), 1, 64 * MIB);
+    let node = Node::start(vec![]);
+    node.ok("pool_create", json!({ "name": "p", "disks": d }));
+    node.ok("volume_create", json!({ "pool": "p", "name": "v", "size": 16 * MIB, "thin": true }));
+    node.call("subsystem_add", json!({ "nqn": NQN, "allow_any_host": true })).unwrap();
+    let added = node.ok(
+        "namespace_add",
+        json!({ "nqn": NQN, "namespace": { "backend": "volume:p/v", "block_size": 512, "allow_torn_writes": true } }),
+    );
+    let nsid = added["nsid"].as_u64().unwrap() as u32;
+    let (_admin, mut q) = node.queue();
+    let before = pattern(1, 8192);
+    q.write(nsid, 0, &before, 512, IN_CAPSULE).unwrap();
+    node.ok("snapshot_create", json!({ "pool": "p", "volume": "v", "name": "v-1" }));
+    // One block, then three, each the first write to its granule or not.
+    let one = pattern(2, 512);
+    q.write(nsid, 3, &one, 512, IN_CAPSULE).unwrap();
+    let three = pattern(3, 1536);
+    q.write(nsid, 9, &three, 512, IN_CAPSULE).unwrap();
+    let mut want = before.clone();
+    want[3 * 512..4 * 512].copy_from_slice(&one);
+    want[9 * 512..12 * 512].copy_from_slice(&three);
+    assert!(q.read(nsid, 0, 16, 512).unwrap() == want, "the blocks around the small writes changed");
+    node.ok("pool_check", json!({ "name": "p" }));
+}

@@ -319,7 +319,8 @@ impl Backend for VolumeBackend {
                 if write && Self::needs_layer_write(map, offset, len, shift) {
                     // Written by the metadata thread, which records the granules held.
                     pool.leave(queue.reactor_id(), epoch);
-                    let Some(data) = io.data().map(<[u8]>::to_vec) else {
+                    // The command's bytes: its buffer may be larger (whole pages).
+                    let Some(data) = io.data().and_then(|d| d.get(..len as usize)).map(<[u8]>::to_vec) else {
                         // The kernel's own pages (ublk zero copy, which serves file
                         // namespaces only): never a volume's.
                         io.status = Status::INTERNAL_ERROR;
