@@ -162,6 +162,12 @@ async fn replicas_keep_every_acknowledged_write_whatever_process_is_killed() {
         let (n, e) = writer.join().unwrap();
         (writes, errors) = (writes + n, errors + e);
         let at = NAMES.iter().position(|n| *n == settled.node).unwrap();
+        // A node back a moment ago is healthy once its agent registers, and exports the
+        // volume again once its agent has applied its state.
+        wait_for("the serving node's export", Duration::from_secs(30), async || {
+            cluster::connect(addrs[at], &nqn).map(drop)
+        })
+        .await;
         verify(addrs[at], &nqn, &model, &format!("{} after run {run}", settled.node));
     }
     println!("{writes} writes, {errors} errors");
