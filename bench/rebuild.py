@@ -16,18 +16,11 @@ so that the figures are the engines' and not a disk's). Figures are medians over
 rounds. The goal: the host keeps at least 80% of its IOPS during a rebuild at the
 default rate. Timings are reported, never asserted. Standard library only.
 """
-import argparse, json, os, signal, statistics, subprocess, tempfile, threading, time
+import argparse, os, signal, statistics, tempfile, threading, time
 
-from suite import BIN, NQN, bench, cli, own_network, start_engine
+from suite import NQN, bench, cli, engine_json, own_network, start_engine
 
 DEFAULT_RATE = 100 << 20
-
-
-def engine_json(sock, *argv):
-    out = subprocess.run([BIN, "engine", *argv, "--json", "--socket", sock], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"nvpool engine {' '.join(argv)} failed: {out.stderr}")
-    return json.loads(out.stdout)
 
 
 def parse_size(s):

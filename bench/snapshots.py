@@ -15,18 +15,11 @@ after" run, so those runs start with nothing held. The goal: the first 4 KiB wri
 a shared cluster costs at most 1.5 times a plain thin write. Figures are medians over
 rounds; timings are reported, never asserted. Standard library only.
 """
-import argparse, json, os, signal, statistics, subprocess, tempfile
+import argparse, os, signal, statistics, tempfile
 
-from suite import BIN, NQN, bench, cli, own_network, start_engine
+from suite import NQN, bench, cli, engine_json, own_network, start_engine
 
 SIZE = 1 << 30
-
-
-def engine_json(sock, *argv):
-    out = subprocess.run([BIN, "engine", *argv, "--json", "--socket", sock], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"nvpool engine {' '.join(argv)} failed: {out.stderr}")
-    return json.loads(out.stdout)
 
 
 def main():

@@ -378,6 +378,14 @@ def cli(socket, *argv):
         raise SystemExit(f"nvpool engine {' '.join(argv)} failed: {out.stderr}")
 
 
+def engine_json(sock, *argv):
+    """`nvpool engine ARGV --json` against the engine at `sock`, parsed."""
+    out = subprocess.run([BIN, "engine", *argv, "--json", "--socket", sock], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"nvpool engine {' '.join(argv)} failed: {out.stderr}")
+    return json.loads(out.stdout)
+
+
 def volume_layer(args):
     """The volume layer's cost: 4 KiB random reads and writes through the engine, to a
     thick volume on a one-disk pool and to a plain file backend, both files in

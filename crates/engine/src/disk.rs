@@ -178,52 +178,26 @@ impl Disk {
     /// Reads `buf.len()` bytes at `offset` now, blocking. With direct I/O, `buf` and
     /// `offset` must be aligned to the device's logical block.
     pub fn read_now(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        let mut done = 0;
-        while done < buf.len() {
+        let fd = self.fd.as_raw_fd();
+        whole(buf.len(), std::io::ErrorKind::UnexpectedEof, |done| {
             let rest = &mut buf[done..];
             // SAFETY: pread writes at most `rest.len()` bytes into `rest`, which is valid
             // for writes; fd is a descriptor we own.
-            let n = unsafe {
-                libc::pread(self.fd.as_raw_fd(), rest.as_mut_ptr().cast(), rest.len(), (offset + done as u64) as i64)
-            };
-            match n {
-                0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                n if n < 0 => {
-                    let e = std::io::Error::last_os_error();
-                    if e.kind() != std::io::ErrorKind::Interrupted {
-                        return Err(e);
-                    }
-                }
-                n => done += n as usize,
-            }
-        }
-        Ok(())
+            unsafe { libc::pread(fd, rest.as_mut_ptr().cast(), rest.len(), (offset + done as u64) as i64) }
+        })
     }
 
     /// Writes `buf` at `offset` now, blocking; not durable until [`Disk::sync_now`].
     /// With direct I/O, `buf` and `offset` must be aligned to the device's logical
     /// block.
     pub fn write_now(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
-        let mut done = 0;
-        while done < buf.len() {
+        let fd = self.fd.as_raw_fd();
+        whole(buf.len(), std::io::ErrorKind::WriteZero, |done| {
             let rest = &buf[done..];
             // SAFETY: pwrite reads at most `rest.len()` bytes from `rest`, which is valid
             // for reads; fd is a descriptor we own.
-            let n = unsafe {
-                libc::pwrite(self.fd.as_raw_fd(), rest.as_ptr().cast(), rest.len(), (offset + done as u64) as i64)
-            };
-            match n {
-                0 => return Err(std::io::ErrorKind::WriteZero.into()),
-                n if n < 0 => {
-                    let e = std::io::Error::last_os_error();
-                    if e.kind() != std::io::ErrorKind::Interrupted {
-                        return Err(e);
-                    }
-                }
-                n => done += n as usize,
-            }
-        }
-        Ok(())
+            unsafe { libc::pwrite(fd, rest.as_ptr().cast(), rest.len(), (offset + done as u64) as i64) }
+        })
     }
 
     /// Makes every completed write durable, blocking (`fdatasync`).
@@ -231,6 +205,25 @@ impl Disk {
         // SAFETY: fdatasync takes a descriptor we own.
         if unsafe { libc::fdatasync(self.fd.as_raw_fd()) } == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
     }
+}
+
+/// Repeats `step(done)` (a pread or pwrite of what is left after `done` bytes) until
+/// `len` bytes moved; a step that moves nothing fails with `short`.
+fn whole(len: usize, short: std::io::ErrorKind, mut step: impl FnMut(usize) -> isize) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < len {
+        match step(done) {
+            0 => return Err(short.into()),
+            n if n < 0 => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+            n => done += n as usize,
+        }
+    }
+    Ok(())
 }
 
 /// `BLKZEROOUT`: `_IO(0x12, 127)`; the libc crate does not export it.
