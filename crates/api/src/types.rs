@@ -563,6 +563,11 @@ pub struct PoolInfo {
     /// loss: its disks may have lost writes they cached).
     #[serde(default)]
     pub power_losses: u32,
+    /// Bytes of `used_bytes` that snapshots hold (hidden ones too): shared with the
+    /// volumes and clones over them, which read what they have not rewritten from
+    /// there. The rest is each volume's own.
+    #[serde(default)]
+    pub snapshot_bytes: u64,
 }
 
 /// A pool's metadata journal: where allocation changes are made durable before they

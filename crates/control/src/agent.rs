@@ -12,7 +12,8 @@ use crate::metrics::{AgentMetrics, ResultLabels};
 use crate::model::{REPLICA_NQN_SUFFIX, VOLUME_NQN_PREFIX};
 use crate::proto::{self, agent_server::AgentServer};
 use nvpool_api::{
-    AddHost, AddLocalDevice, AddNamespace, AddSubsystem, AnaState, CancelMigration, CreateVolume, DeleteVolume,
+    AddHost, AddLocalDevice, AddNamespace, AddSubsystem, AnaState, CancelMigration, CloneVolume, CreateSnapshot,
+    CreateVolume, DeleteVolume,
     DhchapKeys, EngineInfo, ErrorKind, GetEngineInfo, GetMigration, GetRebuild, GetSubsystems, GetUsage, GetVolume,
     GrowNamespace, ListAnaGroups, ListListeners, ListLocalDevices, ListPools, ListSubsystems, ListVolumes,
     LocalDeviceConfig, LocalDeviceInfo, Method, NamespaceConfig, NamespaceUsage, PathAddress, QosLimits, RemoveHost,
@@ -164,6 +165,18 @@ impl proto::agent_server::Agent for Service {
         Ok(Response::new(reply))
     }
 
+    async fn take_snapshot(
+        &self,
+        r: Request<proto::TakeSnapshotRequest>,
+    ) -> Result<Response<proto::TakeSnapshotReply>, Status> {
+        self.check_controller(&r)?;
+        let engine = self.engine.clone();
+        let reply = tokio::task::spawn_blocking(move || take_snapshot(&engine, r.into_inner()))
+            .await
+            .map_err(|e| Status::internal(format!("agent failed: {e}")))??;
+        Ok(Response::new(reply))
+    }
+
     async fn upgrade_engine(
         &self,
         r: Request<proto::UpgradeEngineRequest>,
@@ -189,6 +202,33 @@ impl proto::agent_server::Agent for Service {
             controllers: report.controllers as u64,
             pause_us: report.pause_us,
         }))
+    }
+}
+
+/// Has the engine take a snapshot; one of that name there already was taken by an
+/// earlier call whose answer was lost.
+fn take_snapshot(engine: &Path, r: proto::TakeSnapshotRequest) -> Result<proto::TakeSnapshotReply, Status> {
+    let take = CreateSnapshot { pool: r.pool.clone(), volume: r.volume, name: r.snapshot.clone() };
+    match nvpool_api::call(engine, &take) {
+        Ok(taken) => Ok(proto::TakeSnapshotReply {
+            pause_us: taken.pause_us,
+            allocated_bytes: taken.snapshot.allocated_bytes,
+            existed: false,
+        }),
+        Err(e) if e.kind == ErrorKind::AlreadyExists => {
+            match nvpool_api::call(engine, &GetVolume { pool: r.pool, name: r.snapshot.clone() }) {
+                Ok(v) if v.snapshot => {
+                    Ok(proto::TakeSnapshotReply { pause_us: 0, allocated_bytes: v.allocated_bytes, existed: true })
+                }
+                _ => Err(Status::already_exists(format!("the engine has a volume {} that is no snapshot", r.snapshot))),
+            }
+        }
+        Err(e) => Err(match e.kind {
+            ErrorKind::NotFound => Status::not_found(e.message),
+            ErrorKind::InvalidArgument => Status::invalid_argument(e.message),
+            ErrorKind::FailedPrecondition => Status::failed_precondition(e.message),
+            _ => Status::unavailable(e.message),
+        }),
     }
 }
 
@@ -598,12 +638,26 @@ fn ensure(
         None => {
             let identity =
                 (!d.uuid.is_empty()).then(|| VolumeIdentity { uuid: d.uuid.clone(), nguid: d.nguid.clone() });
-            let create =
-                CreateVolume { pool: pool.clone(), name: name.clone(), size: d.size_bytes, thin: d.thin, identity };
-            call(engine, create)?
+            if d.clone_from.is_empty() {
+                let create =
+                    CreateVolume { pool: pool.clone(), name: name.clone(), size: d.size_bytes, thin: d.thin, identity };
+                call(engine, create)?
+            } else {
+                let clone = CloneVolume { pool: pool.clone(), snapshot: d.clone_from.clone(), name: name.clone(), identity };
+                call(engine, clone).map_err(|e| format!("cannot clone snapshot {}: {e}", d.clone_from))?
+            }
         }
         Some(v) => v.clone(),
     };
+    // A volume clone's own snapshot of its source goes (hidden under the clone) once
+    // the clone stands on it.
+    if d.hide_source {
+        match nvpool_api::call(engine, &DeleteVolume { pool: pool.clone(), name: d.clone_from.clone() }) {
+            Ok(_) => {}
+            Err(e) if e.kind == ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("cannot hide snapshot {} under its clone: {e}", d.clone_from)),
+        }
+    }
     // A mirror grows once its replicas have: asked again while it serves less.
     let served = subsystem.and_then(|s| s.namespaces.iter().find(|n| n.nsid == 1)).map(|n| n.size);
     if info.size < d.size_bytes || served.is_some_and(|s| s < d.size_bytes) {
@@ -736,7 +790,12 @@ fn remove(engine: &Path, d: &proto::DesiredVolume, has_volume: bool, has_subsyst
         call(engine, RemoveSubsystem { nqn: d.subsystem_nqn.clone() })?;
     }
     if has_volume {
-        call(engine, DeleteVolume { pool: d.pool.clone(), name: d.engine_name.clone() })?;
+        // Gone already: a hidden snapshot goes with the last volume over it.
+        match nvpool_api::call(engine, &DeleteVolume { pool: d.pool.clone(), name: d.engine_name.clone() }) {
+            Ok(_) => {}
+            Err(e) if e.kind == ErrorKind::NotFound => {}
+            Err(e) => return Err(e.message),
+        }
     }
     Ok(())
 }
@@ -779,6 +838,7 @@ fn usage(engine: &Path, version: String, since: Option<u64>) -> Result<Usage, St
             volumes: p.volumes as u32,
             failed: p.failed.unwrap_or_default(),
             power_losses: p.power_losses,
+            snapshot_bytes: p.snapshot_bytes,
         })
         .collect();
     let volumes = report

@@ -1,6 +1,6 @@
 //! The records the controller keeps in its store, as JSON under these keys:
 //! `/nvpool/cluster`, `/nvpool/nodes/NAME`, `/nvpool/volumes/NAME`,
-//! `/nvpool/tombstones/ID` and (etcd only) `/nvpool/leader`.
+//! `/nvpool/snapshots/NAME`, `/nvpool/tombstones/ID` and (etcd only) `/nvpool/leader`.
 
 use crate::access::AccessPolicy;
 use crate::scheduler::Locality;
@@ -14,6 +14,7 @@ pub const CLUSTER_KEY: &str = "/nvpool/cluster";
 pub const NODES: &str = "/nvpool/nodes/";
 pub const VOLUMES: &str = "/nvpool/volumes/";
 pub const TOMBSTONES: &str = "/nvpool/tombstones/";
+pub const SNAPSHOTS: &str = "/nvpool/snapshots/";
 pub const LEADER_KEY: &str = "/nvpool/leader";
 
 /// Volumes are exported as one subsystem each: this prefix and the volume's ID.
@@ -49,6 +50,9 @@ pub struct PoolRecord {
     /// Times the pool was opened after a power loss (see `PoolInfo::power_losses`).
     #[serde(default)]
     pub power_losses: u32,
+    /// Bytes of `used_bytes` that snapshots hold.
+    #[serde(default)]
+    pub snapshot_bytes: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -175,6 +179,82 @@ pub struct VolumeRecord {
     /// replica serves if one is in sync.
     #[serde(default)]
     pub serving_power_losses: u32,
+    /// The snapshot a clone lies over (it reads what it has not written from there);
+    /// `None` for a volume made empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<CloneSource>,
+    /// The volume lies over a snapshot in its pool (one of its own, kept hidden while
+    /// it reads from it even once deleted, or its clone source): its data is in more
+    /// than its own pool volume, so it stays where it is for now.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub layered: bool,
+}
+
+/// What a clone was made from: a snapshot, or a volume (through a snapshot taken of
+/// it for the clone alone, hidden under the clone once it is made).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CloneSource {
+    /// The snapshot's name; empty for the hidden snapshot of a volume clone.
+    #[serde(default)]
+    pub snapshot: String,
+    /// The snapshot's name in the engine's pool (the clone's node and pool).
+    pub engine_name: String,
+    /// The volume cloned (`--clone-of`); empty for a clone of a named snapshot.
+    #[serde(default)]
+    pub volume: String,
+}
+
+impl CloneSource {
+    /// The hidden snapshot a volume clone made of its source (none for a named one).
+    pub fn hidden(&self) -> bool {
+        self.snapshot.is_empty()
+    }
+}
+
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum SnapshotState {
+    /// Recorded; the volume's engine has not reported it taken yet.
+    Taking,
+    Ready,
+}
+
+/// A snapshot: the volume's data at one point in its write order, kept read-only in
+/// the pool that held the volume. It outlives the volume.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SnapshotRecord {
+    pub name: String,
+    pub id: String,
+    /// The volume it was taken of, by name and ID (a volume of that name made later
+    /// is another one).
+    pub volume: String,
+    pub volume_id: String,
+    pub node: String,
+    pub pool: String,
+    pub engine_name: String,
+    pub size: u64,
+    pub created_ms: u64,
+    pub state: SnapshotState,
+    /// How long the volume's I/O was held while it was taken.
+    #[serde(default)]
+    pub pause_us: u64,
+}
+
+impl SnapshotRecord {
+    /// What a deleted snapshot leaves for its node to remove: its pool volume (which
+    /// the engine keeps, hidden, while volumes lie over it).
+    pub fn tombstone(&self) -> Tombstone {
+        Tombstone {
+            id: self.id.clone(),
+            node: self.node.clone(),
+            pool: self.pool.clone(),
+            engine_name: self.engine_name.clone(),
+            // Never exported: no export of this name exists.
+            subsystem_nqn: format!("{VOLUME_NQN_PREFIX}{}", self.id),
+            size: self.size,
+            thin: true,
+        }
+    }
 }
 
 /// Where a replica stands.
@@ -374,7 +454,15 @@ impl Tombstone {
     /// and removes the replica's export.
     pub fn all_of(v: &VolumeRecord) -> Vec<Tombstone> {
         let replicas = v.replicas.iter().map(|r| Tombstone::of_replica(v, &r.node, &r.pool));
-        std::iter::once(Tombstone::from(v)).chain(replicas).collect()
+        // A volume clone's hidden snapshot, in case the clone was never made over it
+        // (once it was, the engine deletes it with the clone).
+        let hidden_source = v.source.as_ref().filter(|s| s.hidden()).map(|s| Tombstone {
+            id: format!("{}-source", v.id),
+            engine_name: s.engine_name.clone(),
+            subsystem_nqn: format!("{}-source", v.subsystem_nqn),
+            ..Tombstone::from(v)
+        });
+        std::iter::once(Tombstone::from(v)).chain(replicas).chain(hidden_source).collect()
     }
 
     /// The tombstone of the replica of `v` on `node`.

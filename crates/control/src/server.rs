@@ -132,6 +132,33 @@ impl proto::controller_server::Controller for Service {
         self.with(async |c| c.set_volume_replicas(&r.name, r.replicas).await).await
     }
 
+    async fn create_snapshot(&self, r: Request<proto::CreateSnapshotRequest>) -> Result<Response<proto::Snapshot>, Status> {
+        self.with(async |c| c.create_snapshot(&r.get_ref().volume, &r.get_ref().name).await).await
+    }
+
+    async fn delete_snapshot(
+        &self,
+        r: Request<proto::SnapshotName>,
+    ) -> Result<Response<proto::DeleteSnapshotResponse>, Status> {
+        self.with(async |c| {
+            let (deleted, kept_by) = c.delete_snapshot(&r.get_ref().name).await?;
+            Ok(proto::DeleteSnapshotResponse { deleted, kept_by })
+        })
+        .await
+    }
+
+    async fn get_snapshot(&self, r: Request<proto::SnapshotName>) -> Result<Response<proto::Snapshot>, Status> {
+        self.with(async |c| c.get_snapshot(&r.get_ref().name)).await
+    }
+
+    async fn list_snapshots(
+        &self,
+        r: Request<proto::ListSnapshotsRequest>,
+    ) -> Result<Response<proto::ListSnapshotsResponse>, Status> {
+        self.with(async |c| Ok(proto::ListSnapshotsResponse { snapshots: c.list_snapshots(&r.get_ref().volume) }))
+            .await
+    }
+
     async fn list_volumes(
         &self,
         r: Request<proto::ListVolumesRequest>,

@@ -60,6 +60,12 @@ fn desired_volume(st: &State, v: &VolumeRecord, node: &str) -> proto::DesiredVol
                 || v.migration.as_ref().is_some_and(|m| m.phase == MigrationPhase::Switching)),
         ..present(v, &v.pool)
     };
+    // A clone being made: over its snapshot, in the pool that holds it.
+    let (clone_from, hide_source) = match &v.source {
+        Some(s) if v.node == node && v.state == VolumeState::Creating => (s.engine_name.clone(), s.hidden()),
+        _ => (String::new(), false),
+    };
+    let d = proto::DesiredVolume { clone_from, hide_source, ..d };
     with_replicas(st, v, node, d)
 }
 

@@ -106,6 +106,9 @@ impl Cluster {
             replica_count: v.replica_count() as u32,
             generation: v.generation,
             replicas: replicas_proto(st, v),
+            from_snapshot: v.source.as_ref().map(|s| s.snapshot.clone()).unwrap_or_default(),
+            clone_of: v.source.as_ref().map(|s| s.volume.clone()).unwrap_or_default(),
+            snapshots: super::snapshots::snapshots_of(st, v),
         }
     }
 
@@ -278,6 +281,7 @@ pub(super) fn pool_record(p: &proto::PoolReport) -> PoolRecord {
         volumes: p.volumes,
         failed: (!p.failed.is_empty()).then(|| p.failed.clone()),
         power_losses: p.power_losses,
+        snapshot_bytes: p.snapshot_bytes,
     }
 }
 
@@ -291,6 +295,7 @@ pub(super) fn pool_report(p: &PoolRecord) -> proto::PoolReport {
         volumes: p.volumes,
         failed: p.failed.clone().unwrap_or_default(),
         power_losses: p.power_losses,
+        snapshot_bytes: p.snapshot_bytes,
     }
 }
 

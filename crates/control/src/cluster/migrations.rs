@@ -66,6 +66,9 @@ impl Cluster {
         }
         let guard = self.volume_locks.lock(name).await;
         let v = self.ready_volume(name)?;
+        if v.layered {
+            return Err(Status::failed_precondition(layered_stays(&v)));
+        }
         if !v.replicas.is_empty() {
             return self.move_replica(v, req).await;
         }
@@ -537,4 +540,18 @@ fn migration_id(m: &MigrationRecord) -> String {
 /// The tombstone of the copy a migration that did not switch left on `node`.
 fn leftover_id(v: &VolumeRecord, node: &str) -> String {
     format!("{}@{node}", v.id)
+}
+
+/// Why a volume that lies over a snapshot does not move, and what to do.
+pub(super) fn layered_stays(v: &VolumeRecord) -> String {
+    let over = match &v.source {
+        Some(s) if s.hidden() => format!("is a clone of volume {}", s.volume),
+        Some(s) => format!("is a clone of snapshot {}", s.snapshot),
+        None => "has snapshots (or had: one deleted stays, hidden, while the volume reads from it)".to_string(),
+    };
+    format!(
+        "volume {} {over}: its data is in more than its own pool volume, and moving a volume with its \
+         snapshots is not built yet, so it stays on {}; to move the data, make a new volume elsewhere and copy it",
+        v.name, v.node
+    )
 }

@@ -10,8 +10,8 @@
 use crate::cluster::convert::corrupt;
 use crate::metrics::ControllerMetrics;
 use crate::model::{
-    CLUSTER_KEY, ClusterRecord, NODES, NodeRecord, PoolRecord, ROOT, TOMBSTONES, Tombstone, VOLUMES, VolumeRecord,
-    VolumeState, to_json,
+    CLUSTER_KEY, ClusterRecord, NODES, NodeRecord, PoolRecord, ROOT, SNAPSHOTS, SnapshotRecord, TOMBSTONES, Tombstone,
+    VOLUMES, VolumeRecord, VolumeState, to_json,
 };
 use crate::scheduler::{Locality, Policy};
 use crate::store::{Condition, Snapshot, Store, Txn};
@@ -30,6 +30,7 @@ mod nodes;
 mod rebalance;
 mod replica_moves;
 mod replicas;
+mod snapshots;
 mod volumes;
 
 pub use volumes::{VolumeBrief, VolumeTotals};
@@ -166,6 +167,8 @@ struct State {
     /// store write fails must leave nothing on any node).
     reserved: BTreeMap<String, VolumeRecord>,
     tombstones: BTreeMap<String, Tombstone>,
+    /// Snapshots by name.
+    snapshots: BTreeMap<String, SnapshotRecord>,
     /// Nodes with an Apply in flight, so the background loop does not pile them up.
     applying: HashSet<String>,
     /// Volumes whose migration has a driver running.
@@ -539,10 +542,16 @@ impl Cluster {
             let t: Tombstone = serde_json::from_slice(b).map_err(corrupt)?;
             tombstones.insert(t.id.clone(), t);
         }
+        let mut snapshots = BTreeMap::new();
+        for b in records.under(SNAPSHOTS) {
+            let s: SnapshotRecord = serde_json::from_slice(b).map_err(corrupt)?;
+            snapshots.insert(s.name.clone(), s);
+        }
         tracing::info!(
-            "loaded {} nodes, {} volumes and {} tombstones in {} ms",
+            "loaded {} nodes, {} volumes, {} snapshots and {} tombstones in {} ms",
             nodes.len(),
             volumes.len(),
+            snapshots.len(),
             tombstones.len(),
             started.elapsed().as_millis()
         );
@@ -554,6 +563,7 @@ impl Cluster {
             volumes,
             reserved: BTreeMap::new(),
             tombstones,
+            snapshots,
             applying: HashSet::new(),
             driving: HashSet::new(),
             progress: HashMap::new(),

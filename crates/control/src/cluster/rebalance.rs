@@ -58,6 +58,7 @@ struct Move {
 /// moving, not served through a local device, and every replica in sync.
 fn movable_now(v: &VolumeRecord) -> bool {
     !v.pinned
+        && !v.layered
         && v.state == VolumeState::Ready
         && v.migration.is_none()
         && v.local_hosts.is_empty()

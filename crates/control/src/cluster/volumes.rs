@@ -21,6 +21,9 @@ use tonic::Status;
 impl Cluster {
     pub async fn create_volume(&self, req: &proto::CreateVolumeRequest) -> Result<proto::CreateVolumeResponse, Status> {
         check_name("volume", &req.name).map_err(Status::invalid_argument)?;
+        if !req.from_snapshot.is_empty() || !req.clone_of.is_empty() {
+            return self.create_clone(req).await;
+        }
         if req.size_bytes == 0 {
             return Err(Status::invalid_argument("volume size must be more than 0 bytes"));
         }
@@ -132,6 +135,8 @@ impl Cluster {
                         ..ReplicaRecord::new(node, pool)
                     })
                     .collect(),
+                source: None,
+                layered: false,
             };
             // Reserve the space now, so that concurrent creations see it taken.
             st.reserved.insert(record.name.clone(), record.clone());
@@ -170,7 +175,7 @@ impl Cluster {
         req: &proto::CreateVolumeRequest,
         locality: Locality,
     ) -> Result<proto::CreateVolumeResponse, Status> {
-        if !same_request(v, req, locality) {
+        if v.source.is_some() || !same_request(v, req, locality) {
             return Err(Status::already_exists(format!(
                 "volume {} exists with size {} bytes, {}, locality {} to {:?}, include {:?}, exclude {:?}; \
                  delete it or use another name",

@@ -139,6 +139,7 @@ impl Fleet {
             volumes,
             failed: String::new(),
             power_losses: 0,
+            snapshot_bytes: 0,
         })
     }
 
@@ -319,6 +320,14 @@ impl proto::agent_server::Agent for FleetService {
         _: Request<proto::UpgradeEngineRequest>,
     ) -> Result<Response<proto::UpgradeReply>, Status> {
         Err(Status::unimplemented("a simulated node has no engine to upgrade"))
+    }
+
+    /// A snapshot takes no time and holds nothing on a simulated node.
+    async fn take_snapshot(
+        &self,
+        _: Request<proto::TakeSnapshotRequest>,
+    ) -> Result<Response<proto::TakeSnapshotReply>, Status> {
+        Ok(Response::new(proto::TakeSnapshotReply::default()))
     }
 }
 

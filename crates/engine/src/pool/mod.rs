@@ -816,6 +816,13 @@ impl Pool {
             failed: inner.failed.clone(),
             journal: inner.store.figures(),
             power_losses: inner.state.power_losses,
+            snapshot_bytes: inner
+                .state
+                .volumes
+                .values()
+                .filter(|v| v.layer.kind != format::VolumeKind::Volume)
+                .map(|v| v.map.len() as u64 * cs)
+                .sum(),
         }
     }
 

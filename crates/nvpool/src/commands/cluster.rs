@@ -44,6 +44,13 @@ pub enum Command {
         #[command(flatten)]
         api: ControllerApi,
     },
+    /// Take, list and delete snapshots of the cluster's volumes.
+    Snapshot {
+        #[command(subcommand)]
+        verb: SnapshotVerb,
+        #[command(flatten)]
+        api: ControllerApi,
+    },
     /// Allow a host on a volume and print how it connects.
     Attach {
         /// Volume name.
@@ -506,14 +513,51 @@ pub enum ClusterPoolVerb {
 }
 
 #[derive(Subcommand)]
+pub enum SnapshotVerb {
+    /// Take a crash-consistent snapshot of a volume: its engine holds new commands
+    /// from every path while those under way finish, records the snapshot, and goes
+    /// on (the pause is printed). The snapshot outlives the volume.
+    Create {
+        /// The volume.
+        volume: String,
+        /// The snapshot's name, unique in the cluster.
+        name: String,
+    },
+    /// List snapshots, of every volume or of one.
+    List {
+        /// Only the snapshots of this volume.
+        volume: Option<String>,
+    },
+    /// Show one snapshot.
+    Get {
+        /// Snapshot name.
+        name: String,
+    },
+    /// Delete a snapshot. Volumes made from it keep reading it, hidden, until the
+    /// last of them goes; they are named.
+    Delete {
+        /// Snapshot name.
+        name: String,
+    },
+}
+
+#[derive(Subcommand)]
 pub enum ClusterVolumeVerb {
-    /// Create a volume; the scheduler picks the node and pool.
+    /// Create a volume; the scheduler picks the node and pool. A clone (of a snapshot
+    /// or of a volume) is made where its source is, thin, reading its source until
+    /// written.
     Create {
         /// Volume name.
         name: String,
-        /// Size, e.g. 10GiB.
-        #[arg(value_parser = parse_size)]
-        size: u64,
+        /// Size, e.g. 10GiB (a clone: its source's size by default, or more).
+        #[arg(value_parser = parse_size, required_unless_present_any = ["from_snapshot", "clone_of"])]
+        size: Option<u64>,
+        /// Make the volume a clone of this snapshot.
+        #[arg(long, value_name = "SNAPSHOT", conflicts_with = "clone_of")]
+        from_snapshot: Option<String>,
+        /// Make the volume a clone of this volume as it is now.
+        #[arg(long, value_name = "VOLUME")]
+        clone_of: Option<String>,
         /// Allocate space on first write instead of now.
         #[arg(long)]
         thin: bool,
@@ -718,6 +762,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
             Ok(())
         }),
         Command::Volume { verb, api } => rt.block_on(volume(verb, api)),
+        Command::Snapshot { verb, api } => rt.block_on(snapshot(verb, api)),
         Command::Attach { volume, host_nqn, readonly, explain, optimized, local, dhchap, api } => rt.block_on(async {
             let c = api.controllers()?;
             let req = proto::AttachRequest {
@@ -857,6 +902,8 @@ async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), Strin
             replicas,
             explain,
             qos,
+            from_snapshot,
+            clone_of,
         } => {
             let locality = match locality.as_str() {
                 "local" => proto::Locality::Local,
@@ -865,7 +912,7 @@ async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), Strin
             };
             let req = proto::CreateVolumeRequest {
                 name,
-                size_bytes: size,
+                size_bytes: size.unwrap_or(0),
                 thin,
                 locality: locality as i32,
                 host_node,
@@ -879,6 +926,8 @@ async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), Strin
                 qos: qos.given().then(|| qos.applied_to(Default::default()).into()),
                 pinned,
                 replicas,
+                from_snapshot: from_snapshot.unwrap_or_default(),
+                clone_of: clone_of.unwrap_or_default(),
             };
             let r = c.call(async |mut c| c.create_volume(req.clone()).await).await.map_err(status)?;
             let v = r.volume.unwrap_or_default();
@@ -954,6 +1003,15 @@ async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), Strin
                 if !v.last_migration.is_empty() {
                     out += &format!("\nlast migration: {}", v.last_migration);
                 }
+                if !v.from_snapshot.is_empty() {
+                    out += &format!("\nmade from snapshot {} (reads what it has not written from there)", v.from_snapshot);
+                }
+                if !v.clone_of.is_empty() {
+                    out += &format!("\ncloned from volume {} (reads what it has not written from there)", v.clone_of);
+                }
+                if !v.snapshots.is_empty() {
+                    out += &format!("\nsnapshots: {}", v.snapshots.join(", "));
+                }
                 let qos = nvpool_api::QosLimits::from(v.qos.unwrap_or_default());
                 if !qos.is_unlimited() {
                     out += &format!("\nlimits: {}", qos.describe());
@@ -997,6 +1055,84 @@ async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), Strin
         }
     }
     Ok(())
+}
+
+async fn snapshot(verb: SnapshotVerb, api: ControllerApi) -> Result<(), String> {
+    let c = api.controllers()?;
+    match verb {
+        SnapshotVerb::Create { volume, name } => {
+            let req = proto::CreateSnapshotRequest { volume, name };
+            let s = c.call(async |mut c| c.create_snapshot(req.clone()).await).await.map_err(status)?;
+            print_or(api.json, &snapshot_json(&s), || {
+                format!(
+                    "{}\n(the volume's I/O was held for {:.2} ms)",
+                    render(&snapshot_table(std::slice::from_ref(&s))),
+                    s.pause_us as f64 / 1000.0
+                )
+            });
+        }
+        SnapshotVerb::List { volume } => {
+            let req = proto::ListSnapshotsRequest { volume: volume.unwrap_or_default() };
+            let r = c.call(async |mut c| c.list_snapshots(req.clone()).await).await.map_err(status)?;
+            let j = serde_json::Value::Array(r.snapshots.iter().map(snapshot_json).collect());
+            print_or(api.json, &j, || render(&snapshot_table(&r.snapshots)));
+        }
+        SnapshotVerb::Get { name } => {
+            let req = proto::SnapshotName { name };
+            let s = c.call(async |mut c| c.get_snapshot(req.clone()).await).await.map_err(status)?;
+            print_or(api.json, &snapshot_json(&s), || {
+                let mut out = render(&snapshot_table(std::slice::from_ref(&s)));
+                if !s.volume_exists {
+                    out += &format!("\nvolume {} is gone; the snapshot stays", s.volume);
+                }
+                if !s.clones.is_empty() {
+                    out += &format!("\nvolumes made from it: {}", s.clones.join(", "));
+                }
+                out
+            });
+        }
+        SnapshotVerb::Delete { name } => {
+            let req = proto::SnapshotName { name: name.clone() };
+            let r = c.call(async |mut c| c.delete_snapshot(req.clone()).await).await.map_err(status)?;
+            let msg = match (r.deleted, r.kept_by.is_empty()) {
+                (false, _) => format!("no snapshot {name}; nothing to delete"),
+                (true, true) => format!("snapshot {name} deleted"),
+                (true, false) => format!(
+                    "snapshot {name} deleted; {} still read it, so its data stays (hidden) until they go",
+                    r.kept_by.join(", ")
+                ),
+            };
+            print_or(api.json, &serde_json::json!({ "deleted": r.deleted, "kept_by": r.kept_by }), || msg);
+        }
+    }
+    Ok(())
+}
+
+fn snapshot_json(s: &proto::Snapshot) -> serde_json::Value {
+    serde_json::json!({
+        "name": s.name, "id": s.id, "volume": s.volume, "volume_id": s.volume_id,
+        "volume_exists": s.volume_exists, "node": s.node, "pool": s.pool, "size_bytes": s.size_bytes,
+        "created_ms": s.created_ms, "state": s.state, "pause_us": s.pause_us,
+        "allocated_bytes": s.allocated_bytes, "clones": s.clones,
+    })
+}
+
+fn snapshot_table(snapshots: &[proto::Snapshot]) -> Vec<Vec<String>> {
+    let mut rows =
+        vec![["SNAPSHOT", "VOLUME", "NODE", "POOL", "SIZE", "HOLDS", "STATE", "CLONES"].map(String::from).to_vec()];
+    for s in snapshots {
+        rows.push(vec![
+            s.name.clone(),
+            if s.volume_exists { s.volume.clone() } else { format!("{} (gone)", s.volume) },
+            s.node.clone(),
+            s.pool.clone(),
+            human(s.size_bytes),
+            human(s.allocated_bytes),
+            s.state.clone(),
+            if s.clones.is_empty() { "-".into() } else { s.clones.join(",") },
+        ]);
+    }
+    rows
 }
 
 /// Which copy of a volume moves, and where to.
@@ -1256,6 +1392,9 @@ fn volume_json(v: &proto::Volume) -> serde_json::Value {
         })).collect::<Vec<_>>(),
         "qos": nvpool_api::QosLimits::from(v.qos.unwrap_or_default()),
         "io": io_json(v.io.as_ref()),
+        "from_snapshot": (!v.from_snapshot.is_empty()).then_some(&v.from_snapshot),
+        "clone_of": (!v.clone_of.is_empty()).then_some(&v.clone_of),
+        "snapshots": v.snapshots,
     })
 }
 
@@ -1430,6 +1569,7 @@ fn pool_json(p: &proto::PoolReport) -> serde_json::Value {
     serde_json::json!({
         "name": p.name, "capacity_bytes": p.capacity_bytes, "used_bytes": p.used_bytes,
         "provisioned_bytes": p.provisioned_bytes, "cluster_size": p.cluster_size, "volumes": p.volumes,
+        "exclusive_bytes": p.used_bytes.saturating_sub(p.snapshot_bytes), "shared_bytes": p.snapshot_bytes,
         "failed": if p.failed.is_empty() { serde_json::Value::Null } else { p.failed.clone().into() },
     })
 }
@@ -1475,8 +1615,11 @@ fn pools_json(pools: &[proto::PoolOnNode]) -> serde_json::Value {
 }
 
 fn pool_table(pools: &[proto::PoolOnNode]) -> Vec<Vec<String>> {
-    let mut rows =
-        vec![["NODE", "POOL", "CAPACITY", "USED", "COMMITTED", "PROVISIONED", "VOLUMES"].map(String::from).to_vec()];
+    let mut rows = vec![
+        ["NODE", "POOL", "CAPACITY", "USED", "EXCLUSIVE", "SHARED", "COMMITTED", "PROVISIONED", "VOLUMES"]
+            .map(String::from)
+            .to_vec(),
+    ];
     for p in pools {
         let r = p.pool.clone().unwrap_or_default();
         rows.push(vec![
@@ -1484,6 +1627,8 @@ fn pool_table(pools: &[proto::PoolOnNode]) -> Vec<Vec<String>> {
             r.name,
             human(r.capacity_bytes),
             human(r.used_bytes),
+            human(r.used_bytes.saturating_sub(r.snapshot_bytes)),
+            human(r.snapshot_bytes),
             human(p.committed_bytes),
             human(r.provisioned_bytes),
             r.volumes.to_string(),
