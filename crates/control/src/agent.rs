@@ -13,13 +13,13 @@ use crate::model::{REPLICA_NQN_SUFFIX, VOLUME_NQN_PREFIX};
 use crate::proto::{self, agent_server::AgentServer};
 use nvpool_api::{
     AddHost, AddLocalDevice, AddNamespace, AddSubsystem, AnaState, CancelMigration, CloneVolume, CreateSnapshot,
-    CreateVolume, DeleteVolume,
-    DhchapKeys, EngineInfo, ErrorKind, GetEngineInfo, GetMigration, GetRebuild, GetSubsystems, GetUsage, GetVolume,
-    GrowNamespace, ListAnaGroups, ListListeners, ListLocalDevices, ListPools, ListSubsystems, ListVolumes,
-    LocalDeviceConfig, LocalDeviceInfo, Method, NamespaceConfig, NamespaceUsage, PathAddress, QosLimits, RemoveHost,
-    RemoveLocalDevice, RemoveSubsystem, ResizeVolume, SetAnaState, SetControllerIdRange, SetDiscoveryAddress,
-    SetHostPaths, SetNamespaceQos, StartMigration, StartRebuild, SubsystemConfig, SubsystemInfo, SwapNamespace,
-    SwitchMigration, UpgradeEngine, UsageReport, VolumeIdentity, VolumeInfo,
+    CreateVolume, DeleteVolume, DhchapKeys, EngineInfo, ErrorKind, GetEngineInfo, GetMigration, GetRebuild,
+    GetSubsystems, GetUsage, GetVolume, GrowNamespace, ListAnaGroups, ListListeners, ListLocalDevices, ListPools,
+    ListSubsystems, ListVolumes, LocalDeviceConfig, LocalDeviceInfo, Method, NamespaceConfig, NamespaceUsage,
+    PathAddress, QosLimits, RemoveHost, RemoveLocalDevice, RemoveSubsystem, ResizeVolume, SetAnaState,
+    SetControllerIdRange, SetDiscoveryAddress, SetHostPaths, SetNamespaceQos, StartMigration, StartRebuild,
+    SubsystemConfig, SubsystemInfo, SwapNamespace, SwitchMigration, UpgradeEngine, UsageReport, VolumeIdentity,
+    VolumeInfo,
 };
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
@@ -643,7 +643,8 @@ fn ensure(
                     CreateVolume { pool: pool.clone(), name: name.clone(), size: d.size_bytes, thin: d.thin, identity };
                 call(engine, create)?
             } else {
-                let clone = CloneVolume { pool: pool.clone(), snapshot: d.clone_from.clone(), name: name.clone(), identity };
+                let clone =
+                    CloneVolume { pool: pool.clone(), snapshot: d.clone_from.clone(), name: name.clone(), identity };
                 call(engine, clone).map_err(|e| format!("cannot clone snapshot {}: {e}", d.clone_from))?
             }
         }

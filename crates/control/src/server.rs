@@ -132,7 +132,10 @@ impl proto::controller_server::Controller for Service {
         self.with(async |c| c.set_volume_replicas(&r.name, r.replicas).await).await
     }
 
-    async fn create_snapshot(&self, r: Request<proto::CreateSnapshotRequest>) -> Result<Response<proto::Snapshot>, Status> {
+    async fn create_snapshot(
+        &self,
+        r: Request<proto::CreateSnapshotRequest>,
+    ) -> Result<Response<proto::Snapshot>, Status> {
         self.with(async |c| c.create_snapshot(&r.get_ref().volume, &r.get_ref().name).await).await
     }
 
@@ -155,8 +158,7 @@ impl proto::controller_server::Controller for Service {
         &self,
         r: Request<proto::ListSnapshotsRequest>,
     ) -> Result<Response<proto::ListSnapshotsResponse>, Status> {
-        self.with(async |c| Ok(proto::ListSnapshotsResponse { snapshots: c.list_snapshots(&r.get_ref().volume) }))
-            .await
+        self.with(async |c| Ok(proto::ListSnapshotsResponse { snapshots: c.list_snapshots(&r.get_ref().volume) })).await
     }
 
     async fn list_volumes(

@@ -19,7 +19,7 @@ use tonic::{Request, Response, Status};
 const DEFAULT_SIZE: i64 = 1 << 30;
 /// Sizes are whole 4 KiB blocks.
 const BLOCK: i64 = 4096;
-/// ListVolumes tokens name the last volume of the previous page.
+/// ListVolumes and ListSnapshots tokens name the last entry of the previous page.
 const TOKEN_PREFIX: &str = "after:";
 
 pub struct IdentityService {
@@ -121,6 +121,29 @@ fn csi_volume(v: &proto::Volume) -> csi::Volume {
         content_source: None,
         // Every node reaches every volume over NVMe/TCP, so no topology restricts use.
         accessible_topology: vec![],
+    }
+}
+
+/// A CSI snapshot: its ID is the nvpool snapshot's name, its source the volume's.
+fn csi_snapshot(s: &proto::Snapshot) -> csi::Snapshot {
+    let ms = s.created_ms as i64;
+    csi::Snapshot {
+        size_bytes: s.size_bytes as i64,
+        snapshot_id: s.name.clone(),
+        source_volume_id: s.volume.clone(),
+        creation_time: Some(prost_types::Timestamp { seconds: ms / 1000, nanos: (ms % 1000) as i32 * 1_000_000 }),
+        ready_to_use: s.state == "ready",
+        group_snapshot_id: String::new(),
+    }
+}
+
+/// The snapshot or the volume a new volume is made from (empty: none).
+fn content_source(source: Option<&csi::VolumeContentSource>) -> Result<(&str, &str), Status> {
+    use csi::volume_content_source::Type;
+    match source.and_then(|s| s.r#type.as_ref()) {
+        None => Ok(("", "")),
+        Some(Type::Snapshot(s)) => Ok((required(&s.snapshot_id, "volume_content_source.snapshot.snapshot_id")?, "")),
+        Some(Type::Volume(v)) => Ok(("", required(&v.volume_id, "volume_content_source.volume.volume_id")?)),
     }
 }
 
@@ -242,9 +265,7 @@ impl Controller for ControllerService {
         for c in &req.volume_capabilities {
             capability_error(c).map_or(Ok(()), |e| Err(Status::invalid_argument(e)))?;
         }
-        if req.volume_content_source.is_some() {
-            return Err(Status::invalid_argument("nvpool does not create volumes from snapshots or other volumes yet"));
-        }
+        let (from_snapshot, clone_of) = content_source(req.volume_content_source.as_ref())?;
         let thin = bool_parameter(&req.parameters, "thin")?;
         let pinned = bool_parameter(&req.parameters, "pinned")?;
         let access_policy = match req.parameters.get("accessPolicy").map(String::as_str) {
@@ -297,9 +318,17 @@ impl Controller for ControllerService {
                  writeBandwidth (e.g. 200MiB/s)"
             )));
         }
+        // A volume from a source is its source's size unless asked for more.
+        let sourced = !from_snapshot.is_empty() || !clone_of.is_empty();
+        let size = match &req.capacity_range {
+            None if sourced => 0,
+            range => size_from(range.as_ref())?,
+        };
         let mut create = proto::CreateVolumeRequest {
             name: name.to_string(),
-            size_bytes: size_from(req.capacity_range.as_ref())?,
+            size_bytes: size,
+            from_snapshot: from_snapshot.to_string(),
+            clone_of: clone_of.to_string(),
             thin,
             access_policy: access_policy as i32,
             group: req.parameters.get("volumeGroup").cloned().unwrap_or_default(),
@@ -317,9 +346,14 @@ impl Controller for ControllerService {
             Err(e) if e.code() == tonic::Code::ResourceExhausted => {
                 return Err(Status::resource_exhausted(e.message()));
             }
+            // Smaller than its source: a capacity the plugin cannot give.
+            Err(e) if sourced && e.code() == tonic::Code::InvalidArgument => {
+                return Err(Status::out_of_range(e.message()));
+            }
             Err(e) => return Err(e),
         };
         let mut volume = csi_volume(&v);
+        volume.content_source = req.volume_content_source.clone();
         volume.volume_context.insert(LOCAL_PATH.to_string(), local_path.to_string());
         if dhchap {
             volume.volume_context.insert(DHCHAP.to_string(), "true".to_string());
@@ -543,6 +577,9 @@ impl Controller for ControllerService {
             R::GetCapacity,
             R::ExpandVolume,
             R::PublishReadonly,
+            R::CreateDeleteSnapshot,
+            R::ListSnapshots,
+            R::CloneVolume,
         ]
         .into_iter()
         .map(|t| csi::ControllerServiceCapability { r#type: Some(Type::Rpc(Rpc { r#type: t as i32 })) })
@@ -578,30 +615,75 @@ impl Controller for ControllerService {
 
     async fn create_snapshot(
         &self,
-        _: Request<csi::CreateSnapshotRequest>,
+        r: Request<csi::CreateSnapshotRequest>,
     ) -> Result<Response<csi::CreateSnapshotResponse>, Status> {
-        Err(Status::unimplemented("nvpool has no snapshots yet"))
+        let req = r.into_inner();
+        let name = required(&req.name, "name")?;
+        let volume = required(&req.source_volume_id, "source_volume_id")?;
+        if let Some(unknown) = req.parameters.keys().find(|k| !k.starts_with("csi.storage.k8s.io/")) {
+            return Err(Status::invalid_argument(format!(
+                "unknown parameter {unknown:?}: nvpool's snapshot classes take no parameters"
+            )));
+        }
+        let take = proto::CreateSnapshotRequest { volume: volume.to_string(), name: name.to_string() };
+        let s = self
+            .controllers
+            .call(async |mut c| c.create_snapshot(take.clone()).await)
+            .await
+            .map_err(|e| not_found_or(e, volume))?;
+        Ok(Response::new(csi::CreateSnapshotResponse { snapshot: Some(csi_snapshot(&s)) }))
     }
 
     async fn delete_snapshot(
         &self,
-        _: Request<csi::DeleteSnapshotRequest>,
+        r: Request<csi::DeleteSnapshotRequest>,
     ) -> Result<Response<csi::DeleteSnapshotResponse>, Status> {
-        Err(Status::unimplemented("nvpool has no snapshots yet"))
+        let req = proto::SnapshotName { name: required(&r.get_ref().snapshot_id, "snapshot_id")?.to_string() };
+        self.controllers.call(async |mut c| c.delete_snapshot(req.clone()).await).await?;
+        Ok(Response::new(csi::DeleteSnapshotResponse {}))
     }
 
     async fn list_snapshots(
         &self,
-        _: Request<csi::ListSnapshotsRequest>,
+        r: Request<csi::ListSnapshotsRequest>,
     ) -> Result<Response<csi::ListSnapshotsResponse>, Status> {
-        Err(Status::unimplemented("nvpool has no snapshots yet"))
+        let req = r.into_inner();
+        if req.max_entries < 0 {
+            return Err(Status::invalid_argument("max_entries must not be negative"));
+        }
+        let after = if req.starting_token.is_empty() {
+            None
+        } else {
+            Some(req.starting_token.strip_prefix(TOKEN_PREFIX).ok_or_else(|| {
+                Status::aborted(format!("starting_token {:?} was not made by this plugin", req.starting_token))
+            })?)
+        };
+        let list = proto::ListSnapshotsRequest { volume: req.source_volume_id.clone() };
+        let mut snapshots = self.controllers.call(async |mut c| c.list_snapshots(list.clone()).await).await?.snapshots;
+        // Those of a volume gone since are another volume's, should one of that name
+        // exist now: a source volume ID names the volume as it is.
+        snapshots.retain(|s| {
+            (req.snapshot_id.is_empty() || s.name == req.snapshot_id)
+                && (req.source_volume_id.is_empty() || s.volume_exists)
+        });
+        snapshots.sort_by(|a, b| a.name.cmp(&b.name));
+        let rest: Vec<&proto::Snapshot> =
+            snapshots.iter().filter(|s| after.is_none_or(|a| s.name.as_str() > a)).collect();
+        let take = if req.max_entries == 0 { rest.len() } else { (req.max_entries as usize).min(rest.len()) };
+        let next_token =
+            if take < rest.len() { format!("{TOKEN_PREFIX}{}", rest[take - 1].name) } else { String::new() };
+        let entries = rest[..take]
+            .iter()
+            .map(|s| csi::list_snapshots_response::Entry { snapshot: Some(csi_snapshot(s)) })
+            .collect();
+        Ok(Response::new(csi::ListSnapshotsResponse { entries, next_token }))
     }
 
     async fn get_snapshot(
         &self,
         _: Request<csi::GetSnapshotRequest>,
     ) -> Result<Response<csi::GetSnapshotResponse>, Status> {
-        Err(Status::unimplemented("nvpool has no snapshots yet"))
+        Err(Status::unimplemented("GetSnapshot is not offered (no GET_SNAPSHOT capability): use ListSnapshots"))
     }
 
     async fn controller_get_volume(

@@ -33,7 +33,10 @@ async fn volume(c: &Controllers, name: &str) -> proto::Volume {
     c.call(async |mut c| c.get_volume(req.clone()).await).await.unwrap()
 }
 
-async fn create(c: &Controllers, req: proto::CreateVolumeRequest) -> Result<proto::CreateVolumeResponse, tonic::Status> {
+async fn create(
+    c: &Controllers,
+    req: proto::CreateVolumeRequest,
+) -> Result<proto::CreateVolumeResponse, tonic::Status> {
     c.call(async |mut c| c.create_volume(req.clone()).await).await
 }
 
@@ -159,7 +162,11 @@ async fn snapshots_and_clones_through_the_controller_outlive_their_sources() {
     let origin_now = volume(&c, "origin").await;
     assert_eq!(origin_now.snapshots, vec!["s1".to_string()]);
     let listed = c.call(async |mut c| c.list_snapshots(proto::ListSnapshotsRequest::default()).await).await.unwrap();
-    assert_eq!(listed.snapshots.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(), ["s1"], "the hidden one is not listed");
+    assert_eq!(
+        listed.snapshots.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(),
+        ["s1"],
+        "the hidden one is not listed"
+    );
     assert_eq!(listed.snapshots[0].clones, vec!["restored".to_string()]);
     let shared = wait_for("the pool to report the bytes snapshots hold", Duration::from_secs(20), async || {
         let pools = c.call(async |mut c| c.list_pools(proto::ListPoolsRequest {}).await).await.unwrap().pools;

@@ -160,9 +160,8 @@ impl Cluster {
         };
         let kept_by = self.readers_of(&self.state.lock().unwrap(), &s);
         let tomb = s.tombstone();
-        let txn = Txn::default()
-            .delete(format!("{SNAPSHOTS}{name}"))
-            .put(format!("{TOMBSTONES}{}", tomb.id), to_json(&tomb));
+        let txn =
+            Txn::default().delete(format!("{SNAPSHOTS}{name}")).put(format!("{TOMBSTONES}{}", tomb.id), to_json(&tomb));
         self.commit(txn).await?;
         {
             let mut st = self.state.lock().unwrap();
@@ -245,7 +244,8 @@ impl Cluster {
                     s.name, s.name
                 )));
             }
-            let source = CloneSource { snapshot: s.name.clone(), engine_name: s.engine_name.clone(), volume: String::new() };
+            let source =
+                CloneSource { snapshot: s.name.clone(), engine_name: s.engine_name.clone(), volume: String::new() };
             (s.node, s.pool, s.size, source, None)
         } else {
             let v = self.ready_volume(&req.clone_of)?;
@@ -303,7 +303,11 @@ impl Cluster {
             )));
         }
         if v.state == VolumeState::Ready {
-            return Ok(proto::CreateVolumeResponse { volume: Some(self.volume_proto(v)), scores: vec![], existed: true });
+            return Ok(proto::CreateVolumeResponse {
+                volume: Some(self.volume_proto(v)),
+                scores: vec![],
+                existed: true,
+            });
         }
         let origin = match v.source.as_ref().filter(|s| s.hidden()) {
             Some(s) => Some(self.ready_volume(&s.volume)?),

@@ -1004,7 +1004,8 @@ async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), Strin
                     out += &format!("\nlast migration: {}", v.last_migration);
                 }
                 if !v.from_snapshot.is_empty() {
-                    out += &format!("\nmade from snapshot {} (reads what it has not written from there)", v.from_snapshot);
+                    out +=
+                        &format!("\nmade from snapshot {} (reads what it has not written from there)", v.from_snapshot);
                 }
                 if !v.clone_of.is_empty() {
                     out += &format!("\ncloned from volume {} (reads what it has not written from there)", v.clone_of);
