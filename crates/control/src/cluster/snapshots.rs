@@ -323,16 +323,16 @@ impl Cluster {
         v: &VolumeRecord,
         origin: Option<&VolumeRecord>,
     ) -> Result<proto::CreateVolumeResponse, Status> {
-        if let (Some(o), Some(s)) = (origin, v.source.as_ref()) {
-            if let Err(e) = self.take_on_node(&v.node, &v.pool, &o.engine_name, &s.engine_name).await {
-                if !matches!(e.code(), Code::Unavailable | Code::DeadlineExceeded | Code::Unknown) {
-                    self.bury(v).await?;
-                }
-                return Err(Status::new(
-                    e.code(),
-                    format!("cannot snapshot volume {} to clone it: {}; retry to try again", o.name, e.message()),
-                ));
+        if let (Some(o), Some(s)) = (origin, v.source.as_ref())
+            && let Err(e) = self.take_on_node(&v.node, &v.pool, &o.engine_name, &s.engine_name).await
+        {
+            if !matches!(e.code(), Code::Unavailable | Code::DeadlineExceeded | Code::Unknown) {
+                self.bury(v).await?;
             }
+            return Err(Status::new(
+                e.code(),
+                format!("cannot snapshot volume {} to clone it: {}; retry to try again", o.name, e.message()),
+            ));
         }
         self.finish_create(v, Vec::new()).await
     }

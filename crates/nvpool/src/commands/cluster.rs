@@ -40,7 +40,7 @@ pub enum Command {
     /// Create, resize, delete and list the cluster's volumes.
     Volume {
         #[command(subcommand)]
-        verb: ClusterVolumeVerb,
+        verb: Box<ClusterVolumeVerb>,
         #[command(flatten)]
         api: ControllerApi,
     },
@@ -761,7 +761,7 @@ pub fn run(cmd: Command) -> Result<(), String> {
             print_or(api.json, &pools_json(&r.pools), || render(&pool_table(&r.pools)));
             Ok(())
         }),
-        Command::Volume { verb, api } => rt.block_on(volume(verb, api)),
+        Command::Volume { verb, api } => rt.block_on(volume(*verb, api)),
         Command::Snapshot { verb, api } => rt.block_on(snapshot(verb, api)),
         Command::Attach { volume, host_nqn, readonly, explain, optimized, local, dhchap, api } => rt.block_on(async {
             let c = api.controllers()?;
