@@ -172,6 +172,8 @@ struct PoolRow {
     name: String,
     capacity_bytes: u64,
     used_bytes: u64,
+    /// Of `used_bytes`, what snapshots hold (shared with the volumes over them).
+    shared_bytes: u64,
     provisioned_bytes: u64,
     failed: String,
 }
@@ -242,6 +244,7 @@ fn node_row(n: proto::Node) -> NodeRow {
                 name: p.name.clone(),
                 capacity_bytes: p.capacity_bytes,
                 used_bytes: p.used_bytes,
+                shared_bytes: p.snapshot_bytes,
                 provisioned_bytes: p.provisioned_bytes,
                 failed: p.failed.clone(),
             })

@@ -70,9 +70,10 @@ function renderSummary(s) {
 function poolBar(p) {
   const pct = (v) => (p.capacity_bytes > 0 ? (100 * v) / p.capacity_bytes : 0).toFixed(1) + "%";
   return el("div", { class: "pool" },
-    el("div", { class: "bar", title: `${p.name}: ${bytes(p.used_bytes)} used, ${bytes(p.provisioned_bytes)} provisioned` },
+    el("div", { class: "bar", title: `${p.name}: ${bytes(p.used_bytes)} used (${bytes(p.used_bytes - p.shared_bytes)} the volumes' own, ${bytes(p.shared_bytes)} shared: held by snapshots), ${bytes(p.provisioned_bytes)} provisioned` },
       el("div", { class: "provisioned", style: `width:${pct(p.provisioned_bytes)}` }),
-      el("div", { class: "used", style: `width:${pct(p.used_bytes)}` })),
+      el("div", { class: "used", style: `width:${pct(p.used_bytes)}` }),
+      el("div", { class: "shared", style: `width:${pct(p.shared_bytes)}` })),
     `${p.name} ${bytes(p.used_bytes)} / ${bytes(p.provisioned_bytes)} / ${bytes(p.capacity_bytes)}`,
     p.failed ? el("span", { class: "bad" }, " failed: " + p.failed) : "");
 }
