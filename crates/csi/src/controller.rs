@@ -124,6 +124,34 @@ fn csi_volume(v: &proto::Volume) -> csi::Volume {
     }
 }
 
+/// One page of a CSI list: `entries` sorted by name, those after the entry the token
+/// names, at most `max_entries` of them (0: all); and the token of the next page
+/// (empty after the last).
+fn page<'a, T>(
+    entries: &'a mut [T],
+    name: impl Fn(&T) -> &str,
+    max_entries: i32,
+    starting_token: &str,
+) -> Result<(&'a [T], String), Status> {
+    if max_entries < 0 {
+        return Err(Status::invalid_argument("max_entries must not be negative"));
+    }
+    entries.sort_by(|a, b| name(a).cmp(name(b)));
+    let start = match starting_token {
+        "" => 0,
+        token => {
+            let after = token
+                .strip_prefix(TOKEN_PREFIX)
+                .ok_or_else(|| Status::aborted(format!("starting_token {token:?} was not made by this plugin")))?;
+            entries.partition_point(|e| name(e) <= after)
+        }
+    };
+    let rest = &entries[start..];
+    let take = if max_entries == 0 { rest.len() } else { (max_entries as usize).min(rest.len()) };
+    let next_token = if take < rest.len() { format!("{TOKEN_PREFIX}{}", name(&rest[take - 1])) } else { String::new() };
+    Ok((&rest[..take], next_token))
+}
+
 /// A CSI snapshot: its ID is the nvpool snapshot's name, its source the volume's.
 fn csi_snapshot(s: &proto::Snapshot) -> csi::Snapshot {
     let ms = s.created_ms as i64;
@@ -512,24 +540,10 @@ impl Controller for ControllerService {
         r: Request<csi::ListVolumesRequest>,
     ) -> Result<Response<csi::ListVolumesResponse>, Status> {
         let req = r.into_inner();
-        if req.max_entries < 0 {
-            return Err(Status::invalid_argument("max_entries must not be negative"));
-        }
-        let after = if req.starting_token.is_empty() {
-            None
-        } else {
-            Some(req.starting_token.strip_prefix(TOKEN_PREFIX).ok_or_else(|| {
-                Status::aborted(format!("starting_token {:?} was not made by this plugin", req.starting_token))
-            })?)
-        };
         let list = proto::ListVolumesRequest::default();
         let mut volumes = self.controllers.call(async |mut c| c.list_volumes(list.clone()).await).await?.volumes;
-        volumes.sort_by(|a, b| a.name.cmp(&b.name));
-        let rest: Vec<&proto::Volume> = volumes.iter().filter(|v| after.is_none_or(|a| v.name.as_str() > a)).collect();
-        let take = if req.max_entries == 0 { rest.len() } else { (req.max_entries as usize).min(rest.len()) };
-        let next_token =
-            if take < rest.len() { format!("{TOKEN_PREFIX}{}", rest[take - 1].name) } else { String::new() };
-        let entries = rest[..take]
+        let (listed, next_token) = page(&mut volumes, |v| &v.name, req.max_entries, &req.starting_token)?;
+        let entries = listed
             .iter()
             .map(|v| csi::list_volumes_response::Entry {
                 volume: Some(csi_volume(v)),
@@ -648,16 +662,6 @@ impl Controller for ControllerService {
         r: Request<csi::ListSnapshotsRequest>,
     ) -> Result<Response<csi::ListSnapshotsResponse>, Status> {
         let req = r.into_inner();
-        if req.max_entries < 0 {
-            return Err(Status::invalid_argument("max_entries must not be negative"));
-        }
-        let after = if req.starting_token.is_empty() {
-            None
-        } else {
-            Some(req.starting_token.strip_prefix(TOKEN_PREFIX).ok_or_else(|| {
-                Status::aborted(format!("starting_token {:?} was not made by this plugin", req.starting_token))
-            })?)
-        };
         let list = proto::ListSnapshotsRequest { volume: req.source_volume_id.clone() };
         let mut snapshots = self.controllers.call(async |mut c| c.list_snapshots(list.clone()).await).await?.snapshots;
         // Those of a volume gone since are another volume's, should one of that name
@@ -666,16 +670,9 @@ impl Controller for ControllerService {
             (req.snapshot_id.is_empty() || s.name == req.snapshot_id)
                 && (req.source_volume_id.is_empty() || s.volume_exists)
         });
-        snapshots.sort_by(|a, b| a.name.cmp(&b.name));
-        let rest: Vec<&proto::Snapshot> =
-            snapshots.iter().filter(|s| after.is_none_or(|a| s.name.as_str() > a)).collect();
-        let take = if req.max_entries == 0 { rest.len() } else { (req.max_entries as usize).min(rest.len()) };
-        let next_token =
-            if take < rest.len() { format!("{TOKEN_PREFIX}{}", rest[take - 1].name) } else { String::new() };
-        let entries = rest[..take]
-            .iter()
-            .map(|s| csi::list_snapshots_response::Entry { snapshot: Some(csi_snapshot(s)) })
-            .collect();
+        let (listed, next_token) = page(&mut snapshots, |s| &s.name, req.max_entries, &req.starting_token)?;
+        let entries =
+            listed.iter().map(|s| csi::list_snapshots_response::Entry { snapshot: Some(csi_snapshot(s)) }).collect();
         Ok(Response::new(csi::ListSnapshotsResponse { entries, next_token }))
     }
 

@@ -6,14 +6,14 @@
 //! of a snapshot taken for it alone, which the engine keeps hidden under the clone.
 
 use crate::cluster::convert::policy_from;
+use crate::cluster::volumes::new_record;
 use crate::cluster::{Cluster, State, now_ms};
 use crate::model::{
-    CloneSource, MAX_VOLUME_SIZE, SNAPSHOTS, SnapshotRecord, SnapshotState, TOMBSTONES, VOLUME_NQN_PREFIX, VOLUMES,
-    VolumeRecord, VolumeState, check_name, to_json,
+    CloneSource, MAX_VOLUME_SIZE, SNAPSHOTS, SnapshotRecord, SnapshotState, TOMBSTONES, VOLUMES, VolumeRecord,
+    VolumeState, check_name, to_json,
 };
 use crate::proto::{self, agent_client::AgentClient};
 use crate::store::{Condition, Txn};
-use std::collections::BTreeMap;
 use tonic::{Code, Status};
 
 /// A snapshot name's key in the keyed locks, apart from volume names (which never
@@ -158,7 +158,7 @@ impl Cluster {
         let Some(s) = self.state.lock().unwrap().snapshots.get(name).cloned() else {
             return Ok((false, Vec::new()));
         };
-        let kept_by = self.readers_of(&self.state.lock().unwrap(), &s);
+        let kept_by = readers_of(&self.state.lock().unwrap(), &s);
         let tomb = s.tombstone();
         let txn =
             Txn::default().delete(format!("{SNAPSHOTS}{name}")).put(format!("{TOMBSTONES}{}", tomb.id), to_json(&tomb));
@@ -172,18 +172,6 @@ impl Cluster {
         // The tombstone is durable; the background loop retries if the node is away.
         let _ = self.apply_node(&s.node).await;
         Ok((true, kept_by))
-    }
-
-    /// The volumes that read from snapshot `s`: its clones, and the volume it was
-    /// taken of (which lies over every snapshot taken of it).
-    fn readers_of(&self, st: &State, s: &SnapshotRecord) -> Vec<String> {
-        let clones = st
-            .volumes
-            .values()
-            .filter(|v| v.source.as_ref().is_some_and(|c| c.engine_name == s.engine_name))
-            .map(|v| v.name.clone());
-        let origin = st.volumes.by_id(&s.volume_id).map(|v| v.name.clone());
-        origin.into_iter().chain(clones).collect()
     }
 
     pub fn get_snapshot(&self, name: &str) -> Result<proto::Snapshot, Status> {
@@ -338,8 +326,8 @@ impl Cluster {
     }
 }
 
-/// A clone's record: on its source's node and pool, thin, with the request's access
-/// rules and limits.
+/// A clone's record: on its source's node and pool (the request's placement rules
+/// do not apply), thin, with the request's access rules and limits.
 fn clone_record(
     req: &proto::CreateVolumeRequest,
     id: &str,
@@ -349,39 +337,13 @@ fn clone_record(
     source: CloneSource,
 ) -> Result<VolumeRecord, Status> {
     Ok(VolumeRecord {
-        name: req.name.clone(),
-        id: id.to_string(),
         size,
         thin: true,
-        node: node.to_string(),
-        pool: pool.to_string(),
-        engine_name: format!("pv-{id}"),
-        state: VolumeState::Creating,
-        hosts: vec![],
-        readonly_hosts: vec![],
-        subsystem_nqn: format!("{VOLUME_NQN_PREFIX}{id}"),
-        uuid: String::new(),
-        nguid: String::new(),
-        locality: crate::scheduler::Locality::Any,
-        host_node: req.host_node.clone(),
         include: vec![],
         exclude: vec![],
-        access_policy: policy_from(req.access_policy)?,
-        group: req.group.clone(),
-        paths: BTreeMap::new(),
-        migration: None,
-        last_migration: String::new(),
-        local_hosts: vec![],
-        local_device: None,
-        dhchap: BTreeMap::new(),
-        qos: req.qos.unwrap_or_default().into(),
-        pinned: req.pinned,
-        awaiting_home: false,
-        generation: 0,
-        replicas: vec![],
-        serving_power_losses: 0,
         source: Some(source),
         layered: true,
+        ..new_record(req, id, node, pool, policy_from(req.access_policy)?)
     })
 }
 
@@ -394,8 +356,20 @@ fn no_snapshot(name: &str) -> Status {
     Status::not_found(format!("no snapshot {name}: `nvpool snapshot list` shows the snapshots"))
 }
 
+/// The clones made from snapshot `s`.
+fn clones_of<'a>(st: &'a State, s: &'a SnapshotRecord) -> impl Iterator<Item = &'a VolumeRecord> {
+    st.volumes.values().filter(|v| v.source.as_ref().is_some_and(|c| c.engine_name == s.engine_name))
+}
+
+/// The volumes that read from snapshot `s`: the volume it was taken of (which lies
+/// over every snapshot taken of it), and its clones.
+fn readers_of(st: &State, s: &SnapshotRecord) -> Vec<String> {
+    let origin = st.volumes.by_id(&s.volume_id);
+    origin.into_iter().chain(clones_of(st, s)).map(|v| v.name.clone()).collect()
+}
+
 fn snapshot_proto_locked(st: &State, s: &SnapshotRecord) -> proto::Snapshot {
-    let clones = st.volumes.values().filter(|v| v.source.as_ref().is_some_and(|c| c.engine_name == s.engine_name));
+    let clones = clones_of(st, s);
     proto::Snapshot {
         name: s.name.clone(),
         id: s.id.clone(),

@@ -96,33 +96,9 @@ impl Cluster {
             // Replicas take the volume's identity from the controller, all the same one.
             let (uuid, nguid) = if replicas.is_empty() { Default::default() } else { super::replicas::new_identity() };
             let record = VolumeRecord {
-                name: req.name.clone(),
-                id: id.clone(),
-                size: req.size_bytes,
-                thin: req.thin,
-                node: chosen.node.clone(),
-                pool: chosen.pool.clone(),
-                engine_name: format!("pv-{id}"),
-                state: VolumeState::Creating,
-                hosts: vec![],
-                readonly_hosts: vec![],
-                subsystem_nqn: format!("{VOLUME_NQN_PREFIX}{id}"),
                 uuid,
                 nguid,
                 locality,
-                host_node: req.host_node.clone(),
-                include: req.include_nodes.clone(),
-                exclude: req.exclude_nodes.clone(),
-                access_policy,
-                group: req.group.clone(),
-                paths: BTreeMap::new(),
-                migration: None,
-                last_migration: String::new(),
-                local_hosts: vec![],
-                local_device: None,
-                dhchap: BTreeMap::new(),
-                qos: req.qos.unwrap_or_default().into(),
-                pinned: req.pinned,
                 awaiting_home: locality == Locality::Local
                     && chosen.node != req.host_node
                     && views.iter().any(|n| n.name == req.host_node && !n.pools.is_empty()),
@@ -135,8 +111,7 @@ impl Cluster {
                         ..ReplicaRecord::new(node, pool)
                     })
                     .collect(),
-                source: None,
-                layered: false,
+                ..new_record(req, &id, &chosen.node, &chosen.pool, access_policy)
             };
             // Reserve the space now, so that concurrent creations see it taken.
             st.reserved.insert(record.name.clone(), record.clone());
@@ -892,6 +867,52 @@ impl Cluster {
             st.touch(&node);
         }
         Ok(())
+    }
+}
+
+/// The record of a volume `req` asks for, placed on `node` and `pool`, as it is
+/// stored before the node makes it: one replica, nothing attached, no identity yet.
+pub(super) fn new_record(
+    req: &proto::CreateVolumeRequest,
+    id: &str,
+    node: &str,
+    pool: &str,
+    access_policy: access::AccessPolicy,
+) -> VolumeRecord {
+    VolumeRecord {
+        name: req.name.clone(),
+        id: id.to_string(),
+        size: req.size_bytes,
+        thin: req.thin,
+        node: node.to_string(),
+        pool: pool.to_string(),
+        engine_name: format!("pv-{id}"),
+        state: VolumeState::Creating,
+        hosts: vec![],
+        readonly_hosts: vec![],
+        subsystem_nqn: format!("{VOLUME_NQN_PREFIX}{id}"),
+        uuid: String::new(),
+        nguid: String::new(),
+        locality: Locality::Any,
+        host_node: req.host_node.clone(),
+        include: req.include_nodes.clone(),
+        exclude: req.exclude_nodes.clone(),
+        access_policy,
+        group: req.group.clone(),
+        paths: BTreeMap::new(),
+        migration: None,
+        last_migration: String::new(),
+        local_hosts: vec![],
+        local_device: None,
+        dhchap: BTreeMap::new(),
+        qos: req.qos.unwrap_or_default().into(),
+        pinned: req.pinned,
+        awaiting_home: false,
+        generation: 0,
+        replicas: vec![],
+        serving_power_losses: 0,
+        source: None,
+        layered: false,
     }
 }
 
