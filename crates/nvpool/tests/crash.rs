@@ -3,13 +3,18 @@
 //! disks. Every write that was acknowledged and then flushed must read back intact
 //! (a block may also hold a later write that was in flight or not yet flushed), the
 //! pool's metadata must check clean, and no cluster may leak.
+//!
+//! Snapshots are taken and deleted meanwhile, some of them as the engine is killed:
+//! a snapshot the engine confirmed (or one it made before it died) holds, for every
+//! block, a value the volume could hold while the snapshot was taken, after any
+//! number of later writes, kills and deletions, and a deletion either happened or not.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command as Process, Stdio};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nvpool_control::testkit::free_port;
@@ -22,6 +27,8 @@ const CLUSTER_BLOCKS: u64 = 32; // 128 KiB clusters
 const VOLUME_BLOCKS: u64 = 16384; // 64 MiB
 const WRITERS: u64 = 3;
 const ITERATIONS: usize = 24;
+/// Snapshots alive at once at most (a chain holds 16, hidden ones included).
+const SNAPSHOTS: usize = 12;
 
 /// Values a block may hold: seeds of writes (0 is "zeroes").
 type Model = BTreeMap<u64, Vec<u64>>;
@@ -60,9 +67,16 @@ fn seed_of(block: u64, data: &[u8]) -> Option<u64> {
 }
 
 fn cli(socket: &Path, args: &[&str]) -> String {
+    try_cli(socket, args).unwrap_or_else(|e| panic!("nvpool {args:?}: {e}"))
+}
+
+/// A management call that may meet an engine being killed.
+fn try_cli(socket: &Path, args: &[&str]) -> Result<String, String> {
     let out = Process::new(BIN).arg("engine").args(args).arg("--socket").arg(socket).output().unwrap();
-    assert!(out.status.success(), "nvpool {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    match out.status.success() {
+        true => Ok(String::from_utf8_lossy(&out.stdout).into_owned()),
+        false => Err(String::from_utf8_lossy(&out.stderr).into_owned()),
+    }
 }
 
 fn start_engine(dir: &Path, port: u16, disks: &[PathBuf], export: bool) -> Child {
@@ -102,9 +116,11 @@ fn connect(addr: SocketAddr) -> Result<(Queue, Queue), nvpool_initiator::Error> 
 /// One host thread's work on the clusters it owns, until the engine goes away. The
 /// model gains a block's new value before the command is sent (it may land even if no
 /// answer comes) and drops older values once a flush after it succeeds.
-fn writer(addr: SocketAddr, id: u64, seed: u64, mut model: Model, stop: Arc<AtomicBool>) -> Model {
+/// The model is shared, so that a snapshot can take what the volume may hold as it
+/// is taken.
+fn writer(addr: SocketAddr, id: u64, seed: u64, model: Arc<Mutex<Model>>, stop: Arc<AtomicBool>) {
     // The engine may already be gone: then there is nothing to do.
-    let Ok((_admin, mut q)) = connect(addr) else { return model };
+    let Ok((_admin, mut q)) = connect(addr) else { return };
     let mut rng = Rng(seed | 1);
     let mut latest: BTreeMap<u64, u64> = BTreeMap::new();
     let clusters = VOLUME_BLOCKS / CLUSTER_BLOCKS;
@@ -117,10 +133,12 @@ fn writer(addr: SocketAddr, id: u64, seed: u64, mut model: Model, stop: Arc<Atom
                 let n = rng.below(8).min(first + CLUSTER_BLOCKS - start - 1) + 1;
                 let value = rng.next() | 1;
                 let mut data = Vec::new();
+                let mut m = model.lock().unwrap();
                 for b in start..start + n {
-                    model.entry(b).or_insert_with(|| vec![0]).push(value);
+                    m.entry(b).or_insert_with(|| vec![0]).push(value);
                     data.extend(block_data(b, value));
                 }
+                drop(m);
                 let done = q.write(1, start, &data, BLOCK as u32, 8192).is_ok();
                 if done {
                     latest.extend((start..start + n).map(|b| (b, value)));
@@ -130,16 +148,19 @@ fn writer(addr: SocketAddr, id: u64, seed: u64, mut model: Model, stop: Arc<Atom
             7 => {
                 let done = q.flush(1).is_ok();
                 if done {
+                    let mut m = model.lock().unwrap();
                     for (b, v) in std::mem::take(&mut latest) {
-                        model.insert(b, vec![v]);
+                        m.insert(b, vec![v]);
                     }
                 }
                 done
             }
             8 => {
+                let mut m = model.lock().unwrap();
                 for b in first..first + CLUSTER_BLOCKS {
-                    model.entry(b).or_insert_with(|| vec![0]).push(0);
+                    m.entry(b).or_insert_with(|| vec![0]).push(0);
                 }
+                drop(m);
                 let done = q.deallocate(1, first, CLUSTER_BLOCKS as u32).is_ok_and(|s| s.is_success());
                 if done {
                     latest.extend((first..first + CLUSTER_BLOCKS).map(|b| (b, 0)));
@@ -151,7 +172,7 @@ fn writer(addr: SocketAddr, id: u64, seed: u64, mut model: Model, stop: Arc<Atom
                 match q.read(1, b, 1, BLOCK as u32) {
                     Ok(data) => {
                         let got = seed_of(b, &data);
-                        let allowed = model.get(&b).cloned().unwrap_or_else(|| vec![0]);
+                        let allowed = model.lock().unwrap().get(&b).cloned().unwrap_or_else(|| vec![0]);
                         assert!(
                             got.is_some_and(|s| allowed.contains(&s)),
                             "live read of block {b}: {got:?} not in {allowed:?}"
@@ -166,18 +187,68 @@ fn writer(addr: SocketAddr, id: u64, seed: u64, mut model: Model, stop: Arc<Atom
             break;
         }
     }
-    model
 }
 
-fn verify(addr: SocketAddr, model: &Model) -> usize {
+/// Reads back every block of `model` through namespace `nsid` (what: the volume or
+/// a snapshot).
+fn verify(addr: SocketAddr, nsid: u32, model: &Model, what: &str) -> usize {
     let (_admin, mut q) = connect(addr).expect("connect after restart");
+    // Runs of consecutive blocks, a cluster at most, each in one read.
+    let blocks: Vec<(&u64, &Vec<u64>)> = model.iter().collect();
+    let runs = blocks.chunk_by(|a, b| *b.0 == *a.0 + 1 && *b.0 / CLUSTER_BLOCKS == *a.0 / CLUSTER_BLOCKS);
     let mut checked = 0;
-    for (&b, allowed) in model {
-        let data = q.read(1, b, 1, BLOCK as u32).unwrap();
-        let got = seed_of(b, &data);
-        assert!(got.is_some_and(|s| allowed.contains(&s)), "block {b} after restart: {got:?} not in {allowed:?}");
-        checked += 1;
+    for run in runs {
+        let data = q.read(nsid, *run[0].0, run.len() as u32, BLOCK as u32).unwrap();
+        for (&(&b, allowed), data) in run.iter().zip(data.chunks(BLOCK)) {
+            let got = seed_of(b, data);
+            assert!(got.is_some_and(|s| allowed.contains(&s)), "block {b} of {what}: {got:?} not in {allowed:?}");
+            checked += 1;
+        }
     }
+    checked
+}
+
+/// Every writer's model as one.
+fn merged(models: &[Arc<Mutex<Model>>]) -> Model {
+    models.iter().flat_map(|m| m.lock().unwrap().clone()).collect()
+}
+
+/// What a snapshot may hold of each block: what the volume could hold at some moment
+/// between the call (`before`) and its answer (`after`).
+fn either(before: Model, after: Model) -> Model {
+    let mut m = before;
+    for (b, values) in after {
+        m.entry(b).or_insert_with(|| vec![0]).extend(values);
+    }
+    m
+}
+
+/// A snapshot the test took, and what it may hold.
+struct Snapshot {
+    name: String,
+    model: Model,
+    /// Read back since it was taken (a snapshot whose call the kill cut short is
+    /// known to exist only once the engine is back).
+    verified: bool,
+}
+
+/// Names of the snapshots the engine has (a deleted one it keeps hidden is not one).
+fn snapshots_on(socket: &Path) -> BTreeSet<String> {
+    let list: serde_json::Value = serde_json::from_str(&cli(socket, &["volume", "list", "crash", "--json"])).unwrap();
+    list.as_array()
+        .unwrap()
+        .iter()
+        .filter(|v| v["snapshot"] == true)
+        .map(|v| v["name"].as_str().unwrap().into())
+        .collect()
+}
+
+/// Exports snapshot `name` as namespace 2 and reads back what its model says.
+fn verify_snapshot(socket: &Path, addr: SocketAddr, s: &Snapshot) -> usize {
+    let backend = format!("volume:crash/{}", s.name);
+    cli(socket, &["namespace", "add", NQN, &backend, "--nsid", "2", "--block-size", "4096"]);
+    let checked = verify(addr, 2, &s.model, &format!("snapshot {}", s.name));
+    cli(socket, &["namespace", "remove", NQN, "2"]);
     checked
 }
 
@@ -201,42 +272,106 @@ fn acknowledged_flushed_writes_survive_sigkill() {
     engine.wait().unwrap();
 
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let mut models: Vec<Model> = vec![Model::new(); WRITERS as usize];
+    let models: Vec<Arc<Mutex<Model>>> = (0..WRITERS).map(|_| Arc::default()).collect();
+    let mut snapshots: Vec<Snapshot> = Vec::new();
     let mut rng = Rng(0x5EED_1234_ABCD_0001);
-    let mut kills_mid_write = 0;
+    let (mut kills_mid_write, mut taken, mut deleted, mut cut_short, mut snapshot_blocks) = (0, 0, 0, 0, 0);
     for iteration in 0..ITERATIONS {
         let mut engine = start_engine(dir.path(), port, &disks, true);
-        let checked = verify(addr, &models.iter().flatten().map(|(b, v)| (*b, v.clone())).collect());
+        let checked = verify(addr, 1, &merged(&models), "the volume");
         cli(&socket, &["pool", "check", "crash"]);
+        // What the last run's snapshot calls did, whatever the engine answered.
+        let on_engine = snapshots_on(&socket);
+        snapshots.retain(|s| on_engine.contains(&s.name));
+        for s in snapshots.iter_mut().filter(|s| !s.verified) {
+            snapshot_blocks += verify_snapshot(&socket, addr, s);
+            s.verified = true;
+        }
         let stop = Arc::new(AtomicBool::new(false));
         let threads: Vec<_> = models
-            .drain(..)
+            .iter()
             .enumerate()
             .map(|(i, m)| {
-                let (stop, seed) = (stop.clone(), rng.next());
+                let (stop, seed, m) = (stop.clone(), rng.next(), m.clone());
                 std::thread::spawn(move || writer(addr, i as u64, seed, m, stop))
             })
             .collect();
-        std::thread::sleep(Duration::from_millis(50 + rng.below(400)));
+        // Most runs take a snapshot or delete one while the hosts write, at a moment
+        // that may be the kill's.
+        let run_for = Duration::from_millis(50 + rng.below(400));
+        let at = Duration::from_millis(rng.below(run_for.as_millis() as u64 + 50));
+        // (take, name): a snapshot to take, or one to delete.
+        let action = match rng.below(3) {
+            0 | 1 if snapshots.len() < SNAPSHOTS => Some((true, format!("s{iteration}"))),
+            _ => (!snapshots.is_empty())
+                .then(|| (false, snapshots[rng.below(snapshots.len() as u64) as usize].name.clone())),
+        };
+        let caller = action.clone().map(|(take, name)| {
+            let (socket, models) = (socket.clone(), models.clone());
+            std::thread::spawn(move || {
+                std::thread::sleep(at);
+                let before = merged(&models);
+                let verb: &[&str] =
+                    if take { &["volume", "snapshot", "crash", "v"] } else { &["volume", "delete", "crash"] };
+                let answered = try_cli(&socket, &[verb, &[name.as_str()]].concat()).is_ok();
+                (answered, either(before, merged(&models)))
+            })
+        });
+        std::thread::sleep(run_for);
         engine.kill().unwrap();
         engine.wait().unwrap();
         stop.store(true, Ordering::Relaxed);
-        models = threads.into_iter().map(|t| t.join().expect("a writer thread failed")).collect();
+        for t in threads {
+            t.join().expect("a writer thread failed");
+        }
+        if let (Some((take, name)), Some(caller)) = (action, caller) {
+            let (answered, model) = caller.join().unwrap();
+            cut_short += usize::from(!answered);
+            match take {
+                true => {
+                    taken += usize::from(answered);
+                    snapshots.push(Snapshot { name, model, verified: false });
+                }
+                // A deletion the engine confirmed happened: the snapshot is gone.
+                false if answered => {
+                    deleted += 1;
+                    snapshots.retain(|s| s.name != name);
+                }
+                false => {}
+            }
+        }
         kills_mid_write += 1;
-        eprintln!("iteration {iteration}: {checked} blocks verified before the run");
+        eprintln!("iteration {iteration}: {checked} blocks verified before the run; {} snapshots", snapshots.len());
     }
     let engine = start_engine(dir.path(), port, &disks, true);
-    let checked = verify(addr, &models.iter().flatten().map(|(b, v)| (*b, v.clone())).collect());
+    let checked = verify(addr, 1, &merged(&models), "the volume");
     cli(&socket, &["pool", "check", "crash"]);
+    // Every snapshot still holds what it held when it was taken.
+    let on_engine = snapshots_on(&socket);
+    snapshots.retain(|s| on_engine.contains(&s.name));
+    assert_eq!(on_engine.len(), snapshots.len(), "snapshots the test did not take: {on_engine:?}");
+    for s in &snapshots {
+        snapshot_blocks += verify_snapshot(&socket, addr, s);
+    }
     let volumes = cli(&socket, &["volume", "list", "crash", "--json"]);
     let pools = cli(&socket, &["pool", "list", "--json"]);
     let v: serde_json::Value = serde_json::from_str(&volumes).unwrap();
     let p: serde_json::Value = serde_json::from_str(&pools).unwrap();
-    // One volume: every used byte of the pool is a cluster of that volume.
-    assert_eq!(v[0]["allocated_bytes"], p[0]["used_bytes"], "no cluster leaked");
-    let touched: BTreeSet<u64> = models.iter().flat_map(|m| m.keys().copied()).collect();
-    eprintln!("{kills_mid_write} kills; {checked} blocks verified at the end; {} blocks ever written", touched.len());
+    // Every used byte of the pool is a cluster of the volume or one a snapshot holds
+    // (those deleted too, while the volume lies over them).
+    let live = v.as_array().unwrap().iter().find(|v| v["name"] == "v").unwrap();
+    let owned = live["allocated_bytes"].as_u64().unwrap() + p[0]["snapshot_bytes"].as_u64().unwrap();
+    assert_eq!(owned, p[0]["used_bytes"].as_u64().unwrap(), "no cluster leaked");
+    let touched: BTreeSet<u64> = merged(&models).keys().copied().collect();
+    eprintln!(
+        "{kills_mid_write} kills; {checked} blocks verified at the end; {} blocks ever written; {taken} snapshots \
+         taken, {deleted} deleted, {cut_short} calls cut short by the kill, {} kept, {snapshot_blocks} of their \
+         blocks verified",
+        touched.len(),
+        snapshots.len()
+    );
     assert!(checked > 1000, "the writers did too little to test anything");
+    assert!(taken >= 4 && deleted >= 1, "too few snapshots were taken or deleted to test anything");
     let mut engine = engine;
     engine.kill().unwrap();
     engine.wait().unwrap();

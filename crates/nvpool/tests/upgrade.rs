@@ -1,6 +1,6 @@
 //! Hot upgrade of a running engine under load, through the CLI: hosts (our initiator)
 //! write and read back on a memory namespace, a file and a thin volume (allocating as
-//! it is written), over queues with and without digests, while the engine is replaced
+//! it is written, and snapshotted twice under the writes), over queues with and without digests, while the engine is replaced
 //! by a new process again and again. No command may fail, no connection may drop (each
 //! queue keeps its socket and its controller ID), and all data must read back. Upgrades
 //! that fail (a binary that exits at once, one that crashes in the middle of the
@@ -226,6 +226,12 @@ fn the_engine_is_replaced_under_load_and_no_host_notices() {
     let mut pauses = Vec::new();
     let mut pids = vec![pid];
     for i in 0..UPGRADES {
+        // Snapshots of the thin volume under its writes, before the first upgrade and
+        // half-way: from then on the upgrades hand over a volume that lies over
+        // snapshots, its first writes over them included.
+        if i == 0 || i == UPGRADES / 2 {
+            cli(&socket, &["volume", "snapshot", "p", "v", &format!("before-{i}")]).unwrap();
+        }
         let report: serde_json::Value = serde_json::from_str(&cli(&socket, &["upgrade", "--json"]).unwrap()).unwrap();
         pauses.push(report["pause_us"].as_u64().unwrap());
         println!("{report}");
@@ -251,6 +257,16 @@ fn the_engine_is_replaced_under_load_and_no_host_notices() {
     }
     let errors = tally.errors.load(Ordering::SeqCst);
     assert_eq!(errors, 0, "first error: {:?}", tally.first_error.lock().unwrap());
+    // The snapshots are kept, and the volume still lies over the newer one.
+    let list: serde_json::Value =
+        serde_json::from_str(&cli(&socket, &["volume", "list", "p", "--json"]).unwrap()).unwrap();
+    let entry = |name: &str| list.as_array().unwrap().iter().find(|v| v["name"] == name).cloned();
+    let half = format!("before-{}", UPGRADES / 2);
+    assert_eq!(entry("v").unwrap()["parent"], half.as_str(), "{list}");
+    for name in ["before-0", half.as_str()] {
+        assert_eq!(entry(name).unwrap_or_else(|| panic!("snapshot {name} lost: {list}"))["snapshot"], true);
+    }
+    cli(&socket, &["pool", "check", "p"]).unwrap();
 
     // Everything written reads back through a new connection.
     let h = host(addr, "checker", Digests::default());

@@ -119,5 +119,29 @@ for spec in $POOLS; do
 done
 sleep 2
 echo "POWER-CUT-READY"
+# Snapshots and clones come and go among the writes, so that the cut may land in the
+# middle of one: two snapshots of v a run (each stays in v's chain, hidden once
+# deleted, and a chain holds 16), and clones of them made and deleted without end.
+# Each step prints a line; one that fails prints SNAPSHOT-CHURN-FAILED for the host.
+# Not on the control pool: each step's journal commit flushes its disks, and its
+# writes must stay in their cache until the cut.
+for spec in $POOLS; do
+    name=${spec%%:*}
+    case $spec in *torn*) continue ;; esac
+    (
+        churn() { echo "churn $name: $*"; cli "$@" > /dev/null || { echo "SNAPSHOT-CHURN-FAILED: $name: $*"; exit 1; }; }
+        for base in b$RUN-1 b$RUN-2; do
+            churn volume snapshot $name v $base
+            k=1
+            while [ $k -le 12 ]; do
+                churn volume clone $name $base $base-c$k
+                churn volume delete $name $base-c$k
+                k=$((k + 1))
+                sleep 0.2
+            done
+            churn volume delete $name $base
+        done
+    ) &
+done
 wait
 fail "a writer stopped before the power was cut"
