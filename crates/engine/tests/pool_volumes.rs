@@ -487,3 +487,102 @@ fn small_writes_over_a_snapshot_keep_their_neighbours() {
     assert!(q.read(nsid, 0, 16, 512).unwrap() == want, "the blocks around the small writes changed");
     node.ok("pool_check", json!({ "name": "p" }));
 }
+
+/// Writes `data` at `slba`, 128 KiB a command.
+fn write_big(q: &mut Queue, nsid: u32, slba: u64, data: &[u8]) {
+    for (i, piece) in data.chunks(32 * 4096).enumerate() {
+        write(q, nsid, slba + i as u64 * 32, piece).unwrap();
+    }
+}
+
+/// The first `clusters` clusters of namespace `nsid`, 128 KiB a read.
+fn image(q: &mut Queue, nsid: u32, clusters: u64) -> Vec<u8> {
+    (0..clusters * BLOCKS_PER_CLUSTER / 32).flat_map(|i| q.read(nsid, i * 32, 32, 4096).unwrap()).collect()
+}
+
+/// A deleted snapshot that one layer alone lies over folds into it: its clusters move
+/// to the layer where the layer has none, the granules the layer lacks are copied
+/// where it has one, and what the layer rewrote is freed. Reads stay as they were,
+/// the chain gets shorter (so snapshots taken and deleted in turn never reach the
+/// chain's limit), and nothing is left but the volume's own clusters.
+#[test]
+fn a_deleted_snapshot_folds_into_the_layer_over_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = disks(dir.path(), 2, 64 * MIB);
+    let node = Node::start(vec![]);
+    node.ok("pool_create", json!({ "name": "p", "disks": d }));
+    node.ok("volume_create", json!({ "pool": "p", "name": "v", "size": 32 * MIB, "thin": true }));
+    let v = node.export("p", "v");
+    let (_admin, mut q) = node.queue();
+    let cluster = |c: u64| c * BLOCKS_PER_CLUSTER;
+    // Before the first snapshot: clusters 0 to 3, whole or a block of them.
+    write_big(&mut q, v, cluster(0), &pattern(1, 64 * 4096));
+    write(&mut q, v, cluster(1) + 9, &pattern(2, 4096)).unwrap();
+    write_big(&mut q, v, cluster(2), &pattern(3, 256 * 4096));
+    write(&mut q, v, cluster(3) + 200, &pattern(4, 8192)).unwrap();
+    node.ok("snapshot_create", json!({ "pool": "p", "volume": "v", "name": "s1" }));
+    // Over it: cluster 0 in part (the rest must come from s1), cluster 2 whole (s1's
+    // goes), cluster 4 new; clusters 1 and 3 untouched (s1's move).
+    write(&mut q, v, cluster(0) + 3, &pattern(5, 4096)).unwrap();
+    write(&mut q, v, cluster(0) + 100, &pattern(6, 4096)).unwrap();
+    write_big(&mut q, v, cluster(2), &pattern(7, 256 * 4096));
+    write(&mut q, v, cluster(4) + 1, &pattern(8, 4096)).unwrap();
+    node.ok("snapshot_create", json!({ "pool": "p", "volume": "v", "name": "s2" }));
+    write(&mut q, v, cluster(1) + 10, &pattern(9, 4096)).unwrap();
+    let s2 = node.export("p", "s2");
+    let (want_v, want_s2) = (image(&mut q, v, 6), image(&mut q, s2, 6));
+
+    // s1 lies under s2 alone: it folds into s2, which reads as before.
+    node.ok("volume_delete", json!({ "pool": "p", "name": "s1" }));
+    assert_eq!(image(&mut q, s2, 6), want_s2, "s2 after s1 folded into it");
+    assert_eq!(image(&mut q, v, 6), want_v, "the volume after s1 folded into s2");
+    let names = |node: &Node| -> Vec<String> {
+        let list = node.ok("volume_list", json!({ "pool": "p" }));
+        list.as_array().unwrap().iter().map(|v| v["name"].as_str().unwrap().to_string()).collect()
+    };
+    assert_eq!(names(&node), ["v", "s2"]);
+    assert_eq!(node.ok("volume_get", json!({ "pool": "p", "name": "s2" }))["parent"], json!(""));
+    node.ok("pool_check", json!({ "name": "p" }));
+    // s2, deleted while exported to nobody, folds into the volume under its writes.
+    node.ok("namespace_remove", json!({ "nqn": NQN, "nsid": s2 }));
+    let writer = {
+        let addr = node.addr;
+        std::thread::spawn(move || {
+            let o = ConnectOptions::admin(NQN, HOST);
+            let mut admin = connect_admin(addr, &o).unwrap();
+            admin.set_queue_count(1).unwrap();
+            let mut io = Queue::connect(addr, &o.io(1, admin.cntlid, 127)).unwrap();
+            for i in 0..200u64 {
+                write(&mut io, 1, cluster(8) + i, &pattern(100 + i, 4096)).unwrap();
+            }
+        })
+    };
+    node.ok("volume_delete", json!({ "pool": "p", "name": "s2" }));
+    writer.join().unwrap();
+    assert_eq!(image(&mut q, v, 6), want_v, "the volume after s2 folded into it");
+    expect(&mut q, v, cluster(8) + 199, &pattern(299, 4096), "a write beside the fold");
+    assert_eq!(names(&node), ["v"]);
+    assert_eq!(node.ok("volume_get", json!({ "pool": "p", "name": "v" }))["parent"], json!(""));
+    let pool = node.ok("pool_list", json!({}))[0].clone();
+    assert_eq!(pool["used_bytes"], json!(allocated(&node, "p", "v")), "only the volume's own clusters: {pool}");
+    assert_eq!(pool["snapshot_bytes"], json!(0), "{pool}");
+    node.ok("pool_check", json!({ "name": "p" }));
+
+    // Snapshots taken and deleted in turn, past the 16 a chain holds.
+    for i in 0..20u64 {
+        let name = format!("t{i}");
+        node.ok("snapshot_create", json!({ "pool": "p", "volume": "v", "name": name }));
+        write(&mut q, v, cluster(i % 6) + i, &pattern(200 + i, 4096)).unwrap();
+        node.ok("volume_delete", json!({ "pool": "p", "name": name }));
+    }
+    let want_v = image(&mut q, v, 6);
+    q.flush(v).unwrap();
+    drop((_admin, q));
+    drop(node);
+    let node = Node::start(vec![PoolConfig { disks: d.clone() }]);
+    let v = node.export("p", "v");
+    let (_admin, mut q) = node.queue();
+    assert_eq!(image(&mut q, v, 6), want_v, "the volume after a restart");
+    assert_eq!(names(&node), ["v"]);
+    node.ok("pool_check", json!({ "name": "p" }));
+}

@@ -556,6 +556,13 @@ pub enum Record {
         /// Snapshot ID.
         id: u32,
     },
+    /// Hidden snapshot `id`, whose clusters all went to the one layer over it (or
+    /// were dropped where that layer held them already), is gone: the layer lies over
+    /// its parent now.
+    Fold {
+        /// The hidden snapshot's ID.
+        id: u32,
+    },
 }
 
 impl PoolState {
@@ -681,8 +688,57 @@ impl PoolState {
                 }
                 v.layer.kind = VolumeKind::Hidden;
             }
+            Record::Fold { id } => {
+                let (child, parent) =
+                    self.fold_target(*id).ok_or_else(|| format!("folding {id}, which cannot fold"))?;
+                if !self.volumes[id].map.is_empty() {
+                    return Err(format!("folding {id}, which still holds clusters"));
+                }
+                self.volumes.get_mut(&child).expect("found above").layer.parent = parent;
+                self.volumes.remove(id);
+            }
         }
         Ok(())
+    }
+
+    /// For a hidden snapshot that one layer alone lies over: that layer, and the
+    /// snapshot's own parent (what the layer will lie over once folded).
+    pub fn fold_target(&self, id: u32) -> Option<(u32, Option<u32>)> {
+        let v = self.volumes.get(&id).filter(|v| v.layer.kind == VolumeKind::Hidden)?;
+        let mut over = self.layers_over(id);
+        let child = over.next()?.meta.id;
+        over.next().is_none().then_some((child, v.layer.parent))
+    }
+
+    /// The records that fold cluster `vc` of hidden snapshot `id` into the layer over
+    /// it, with the granules of it that must be copied into that layer's own cluster
+    /// first (none: the cluster moves to the layer, or the layer holds them already).
+    /// The state is the same to a reader before and after them.
+    pub fn fold_cluster(&self, id: u32, vc: u32, cluster_size: u64) -> Option<(Vec<Record>, Granules)> {
+        let (child, _) = self.fold_target(id)?;
+        let (h, c) = (&self.volumes[&id], &self.volumes[&child]);
+        let pc = *h.map.get(&vc)?;
+        let held = h.partial.get(&vc).copied().unwrap_or(WHOLE);
+        let unmap = Record::Unmap { id, vstart: vc, count: 1 };
+        if !c.map.contains_key(&vc) {
+            let give = match held == WHOLE {
+                true => vec![Record::Map { id: child, vstart: vc, pstart: pc, count: 1 }],
+                false => vec![
+                    Record::MapLayer { id: child, vstart: vc, pstart: pc, count: 1 },
+                    Record::Hold { id: child, vc, granules: held },
+                ],
+            };
+            return Some(([vec![unmap], give].concat(), [0; 4]));
+        }
+        let has = c.partial.get(&vc).copied().unwrap_or(WHOLE);
+        let whole = whole_granules(cluster_size);
+        let need: Granules = std::array::from_fn(|i| held[i] & !has[i] & whole[i]);
+        let mut records = Vec::new();
+        if need != [0; 4] {
+            records.push(Record::Hold { id: child, vc, granules: need });
+        }
+        records.push(unmap);
+        Some((records, need))
     }
 
     /// The snapshots under volume `id`, nearest first (empty for one without a parent).
@@ -945,6 +1001,7 @@ const TAG_CREATE_LAYER: u8 = 11;
 const TAG_MAP_LAYER: u8 = 12;
 const TAG_HOLD: u8 = 13;
 const TAG_HIDE: u8 = 14;
+const TAG_FOLD: u8 = 15;
 
 impl Writer<'_> {
     fn meta(&mut self, m: &VolumeMeta) {
@@ -1062,6 +1119,10 @@ pub fn encode_entry(pool_uuid: &[u8; 16], generation: u64, seq: u64, records: &[
                 w.u8(TAG_HIDE);
                 w.u32(*id);
             }
+            Record::Fold { id } => {
+                w.u8(TAG_FOLD);
+                w.u32(*id);
+            }
         }
     }
     encode_header(JOURNAL_MAGIC, pool_uuid, generation, seq, &p)
@@ -1111,6 +1172,7 @@ pub fn decode_entry(pool_uuid: &[u8; 16], b: &[u8]) -> Option<(Header, Vec<Recor
                 TAG_MAP_LAYER => Record::MapLayer { id: r.u32()?, vstart: r.u32()?, pstart: r.u32()?, count: r.u32()? },
                 TAG_HOLD => Record::Hold { id: r.u32()?, vc: r.u32()?, granules: r.granules()? },
                 TAG_HIDE => Record::Hide { id: r.u32()? },
+                TAG_FOLD => Record::Fold { id: r.u32()? },
                 t => return Err(format!("unknown journal record type {t}")),
             });
         }
@@ -1205,6 +1267,7 @@ mod tests {
                 granules
             }),
             any::<u32>().prop_map(|id| Record::Hide { id }),
+            any::<u32>().prop_map(|id| Record::Fold { id }),
         ]
     }
 

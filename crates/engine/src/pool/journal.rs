@@ -246,13 +246,18 @@ mod tests {
     /// Operations of the model test, in terms a pool would turn into records.
     #[derive(Clone, Debug)]
     enum Op {
-        Create { thin: bool, clusters: u32 },
+        Create {
+            thin: bool,
+            clusters: u32,
+        },
         Delete(usize),
         Grow(usize, u32),
         Write(usize, u32),
         Trim(usize, u32, u32),
         Snapshot(usize),
         Clone(usize),
+        /// One step of folding a hidden snapshot into the one layer over it.
+        Fold,
         Checkpoint,
     }
 
@@ -265,6 +270,7 @@ mod tests {
             (0usize..8, 0u32..40, 1u32..6).prop_map(|(v, c, n)| Op::Trim(v, c, n)),
             (0usize..8).prop_map(Op::Snapshot),
             (0usize..8).prop_map(Op::Clone),
+            Just(Op::Fold),
             Just(Op::Checkpoint),
         ]
     }
@@ -349,6 +355,14 @@ mod tests {
                         vec![Record::CreateLayer { meta: meta(s.next_id, size, true), parent }]
                     }
                     _ => vec![],
+                }
+            }
+            Op::Fold => {
+                let hidden = of_kind(VolumeKind::Hidden);
+                let Some(&id) = hidden.iter().find(|&&h| s.fold_target(h).is_some()) else { return vec![] };
+                match s.volumes[&id].map.keys().next() {
+                    Some(&vc) => s.fold_cluster(id, vc, CLUSTER).unwrap().0,
+                    None => vec![Record::Fold { id }],
                 }
             }
             Op::Checkpoint => vec![],

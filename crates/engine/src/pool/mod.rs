@@ -39,6 +39,9 @@ use crate::sync::lock;
 use alloc::FreeClusters;
 use cluster_map::{GenerationRecord, VolumeMap};
 use format::{BLOCK, Generations, Member, MetaLayout, PoolState, Record, Superblock, VolumeMeta};
+
+/// Clusters of a hidden snapshot folded into its layer in one journal entry.
+const FOLD_BATCH: usize = 64;
 use journal::{MetaIo, MetaStore};
 
 /// Default cluster size: the unit of thin allocation.
@@ -369,6 +372,8 @@ impl Pool {
             inner: Arc::new(Mutex::new(inner)),
         });
         pool.delete_orphans(&mut lock(&pool.inner))?;
+        // A fold a stop cut short goes on.
+        pool.fold_hidden();
         let worker = pool.clone();
         std::thread::Builder::new()
             .name(format!("nvpool-pool-{}", pool.name))
@@ -530,11 +535,14 @@ impl Pool {
             if inner.state.volumes[&id].layer.kind == format::VolumeKind::Snapshot {
                 self.commit(&mut inner, &[Record::Hide { id }])?;
             }
-            return Ok(over);
+        } else {
+            self.delete_now(&mut inner, id)?;
+            self.delete_orphans(&mut inner)?;
         }
-        self.delete_now(&mut inner, id)?;
-        self.delete_orphans(&mut inner)?;
-        Ok(Vec::new())
+        drop(inner);
+        // A hidden snapshot one layer alone lies over now folds into it.
+        self.fold_hidden();
+        Ok(over)
     }
 
     fn delete_now(&self, inner: &mut Inner, id: u32) -> Result<()> {
@@ -554,6 +562,96 @@ impl Pool {
             let Some(id) = orphan.map(|v| v.meta.id) else { return Ok(()) };
             self.delete_now(inner, id)?;
         }
+    }
+
+    /// Folds every hidden snapshot that one layer alone lies over into that layer:
+    /// its clusters move to the layer where the layer has none, the granules the
+    /// layer lacks are copied where it has one (and the snapshot's cluster is freed),
+    /// and once the snapshot is empty the layer lies over its parent. Up to
+    /// `FOLD_BATCH` clusters a step, each step one journal entry after which reads
+    /// see what they saw before; the lock is let go between steps, so that I/O and
+    /// other changes go on. The layer's map keeps the emptied snapshot's map as a
+    /// parent it reads through until the pool opens again. A failure is logged: the
+    /// snapshot stays hidden, and the next open tries again.
+    pub fn fold_hidden(&self) {
+        loop {
+            let mut inner = lock(&self.inner);
+            let hidden: Vec<u32> = inner.state.volumes.keys().copied().collect();
+            let Some(id) = hidden.into_iter().find(|&h| inner.state.fold_target(h).is_some()) else { return };
+            if let Err(e) = self.fold_step(&mut inner, id) {
+                let name = inner.state.volumes.get(&id).map(|v| v.meta.name.clone()).unwrap_or_default();
+                tracing::error!(pool = %self.name, "folding the deleted snapshot {name} into its layer failed: {e}");
+                return;
+            }
+        }
+    }
+
+    /// One step of `fold_hidden` for hidden snapshot `id`.
+    fn fold_step(&self, inner: &mut Inner, id: u32) -> Result<()> {
+        let (child, _) = inner.state.fold_target(id).ok_or_else(|| Error::internal("nothing to fold"))?;
+        let vcs: Vec<u32> = inner.state.volumes[&id].map.keys().take(FOLD_BATCH).copied().collect();
+        if vcs.is_empty() {
+            self.commit(inner, &[Record::Fold { id }])?;
+            inner.maps.remove(&id);
+            return Ok(());
+        }
+        let (snapshot, layer) = (inner.maps[&id].clone(), inner.maps[&child].clone());
+        let shift = self.cluster_size.trailing_zeros();
+        let mut records = Vec::new();
+        let mut touched = vec![false; self.shared.disks.len()];
+        // (vc, the snapshot's cluster, granules copied into the layer's; None: moved).
+        let mut steps: Vec<(u32, u32, Option<format::Granules>)> = Vec::new();
+        for vc in vcs {
+            let (recs, need) = inner.state.fold_cluster(id, vc, self.cluster_size).expect("a fold target");
+            let pc = inner.state.volumes[&id].map[&vc];
+            let layer_pc = inner.state.volumes[&child].map.get(&vc).copied();
+            if let Some(to) = layer_pc {
+                for (at, len) in cluster_map::granule_runs(&need, shift) {
+                    let mut buf = crate::bufpool::Buf::new((len as usize).div_ceil(4096));
+                    let data = &mut buf.as_mut_slice()[..len as usize];
+                    let (from, pos) = self.shared.locate(pc, at).ok_or_else(|| Error::internal("cluster outside"))?;
+                    from.read_now(data, pos).map_err(io_err("reading a deleted snapshot"))?;
+                    let (disk, pos) = self.shared.locate(to, at).ok_or_else(|| Error::internal("cluster outside"))?;
+                    disk.write_now(data, pos).map_err(io_err("folding a deleted snapshot"))?;
+                    if let Some(i) = self.shared.disks.iter().position(|d| std::ptr::eq(&*d.file, disk)) {
+                        touched[i] = true;
+                    }
+                }
+            }
+            records.extend(recs);
+            steps.push((vc, pc, layer_pc.map(|_| need)));
+        }
+        for (d, t) in self.shared.disks.iter().zip(touched) {
+            if t {
+                d.file.sync_now().map_err(io_err("syncing a fold"))?;
+            }
+        }
+        self.commit(inner, &records)?;
+        // The layer first, then the snapshot: a reader finds the data either way.
+        let whole = format::whole_granules(self.cluster_size);
+        let mut freed = Vec::new();
+        for &(vc, pc, copied) in &steps {
+            let vc64 = u64::from(vc);
+            match copied {
+                None => match inner.state.volumes[&child].partial.get(&vc) {
+                    Some(held) => layer.set_partial(vc64, pc, *held),
+                    None => layer.set(vc64, pc),
+                },
+                Some(need) => {
+                    layer.hold(vc64, need, whole);
+                    freed.push(pc);
+                }
+            }
+            snapshot.clear(vc64);
+        }
+        if !freed.is_empty() {
+            // Reads that found the snapshot's clusters before finish before they go.
+            self.shared.drain();
+            for pc in freed {
+                inner.free.put(pc);
+            }
+        }
+        Ok(())
     }
 
     /// Grows a volume; returns its new cluster map for re-exporting.
