@@ -148,6 +148,9 @@ fn run(job: &Job, mut copy: Copy) -> Result<()> {
             .collect(),
         None => (0..size.div_ceil(cluster)).map(|vc| (vc, whole(vc))).collect(),
     };
+    // What the record gave, for a rebuild that comes out wrong to be traced.
+    let partial = copy.since.filter(|&g| volume.map.records_since(g));
+    tracing::info!(leg = copy.leg, ?partial, clusters = clusters.len(), "rebuild copies");
     job.update(|i| i.total_bytes = clusters.iter().flat_map(|(_, runs)| runs).map(|r| r.1).sum());
     let mut buf = Buf::new((cluster as usize).div_ceil(4096));
     let started = Instant::now();

@@ -161,6 +161,7 @@ async fn replicas_keep_every_acknowledged_write_whatever_process_is_killed() {
         stop.store(true, Ordering::SeqCst);
         let (n, e) = writer.join().unwrap();
         (writes, errors) = (writes + n, errors + e);
+        println!("    {n} writes; {} serving at generation {}", settled.node, settled.generation);
         let at = NAMES.iter().position(|n| *n == settled.node).unwrap();
         // A node back a moment ago is healthy once its agent registers, and exports the
         // volume again once its agent has applied its state.
