@@ -534,7 +534,7 @@ pub enum SnapshotVerb {
         name: String,
     },
     /// Delete a snapshot. Volumes made from it keep reading it, hidden, until the
-    /// last of them goes; they are named.
+    /// last of them goes (or, one alone left, it folds into that one); they are named.
     Delete {
         /// Snapshot name.
         name: String,
@@ -1099,7 +1099,8 @@ async fn snapshot(verb: SnapshotVerb, api: ControllerApi) -> Result<(), String> 
                 (false, _) => format!("no snapshot {name}; nothing to delete"),
                 (true, true) => format!("snapshot {name} deleted"),
                 (true, false) => format!(
-                    "snapshot {name} deleted; {} still read it, so its data stays (hidden) until they go",
+                    "snapshot {name} deleted; {} still read it, so its data stays for them (hidden, or folded into the \
+                     last one)",
                     r.kept_by.join(", ")
                 ),
             };
