@@ -69,12 +69,17 @@ impl Node {
     }
 
     fn queue(&self) -> (Queue, Queue) {
-        let o = ConnectOptions::admin(NQN, HOST);
-        let mut admin = connect_admin(self.addr, &o).unwrap();
-        admin.set_queue_count(1).unwrap();
-        let io = Queue::connect(self.addr, &o.io(1, admin.cntlid, 127)).unwrap();
-        (admin, io)
+        queue_at(self.addr)
     }
+}
+
+/// An admin queue and one I/O queue to the engine at `addr`.
+fn queue_at(addr: SocketAddr) -> (Queue, Queue) {
+    let o = ConnectOptions::admin(NQN, HOST);
+    let mut admin = connect_admin(addr, &o).unwrap();
+    admin.set_queue_count(1).unwrap();
+    let io = Queue::connect(addr, &o.io(1, admin.cntlid, 127)).unwrap();
+    (admin, io)
 }
 
 fn disks(dir: &Path, n: usize, size: u64) -> Vec<PathBuf> {
@@ -548,10 +553,7 @@ fn a_deleted_snapshot_folds_into_the_layer_over_it() {
     let writer = {
         let addr = node.addr;
         std::thread::spawn(move || {
-            let o = ConnectOptions::admin(NQN, HOST);
-            let mut admin = connect_admin(addr, &o).unwrap();
-            admin.set_queue_count(1).unwrap();
-            let mut io = Queue::connect(addr, &o.io(1, admin.cntlid, 127)).unwrap();
+            let (_admin, mut io) = queue_at(addr);
             for i in 0..200u64 {
                 write(&mut io, 1, cluster(8) + i, &pattern(100 + i, 4096)).unwrap();
             }

@@ -576,8 +576,8 @@ impl Pool {
     pub fn fold_hidden(&self) {
         loop {
             let mut inner = lock(&self.inner);
-            let hidden: Vec<u32> = inner.state.volumes.keys().copied().collect();
-            let Some(id) = hidden.into_iter().find(|&h| inner.state.fold_target(h).is_some()) else { return };
+            let foldable = inner.state.volumes.keys().copied().find(|&h| inner.state.fold_target(h).is_some());
+            let Some(id) = foldable else { return };
             if let Err(e) = self.fold_step(&mut inner, id) {
                 let name = inner.state.volumes.get(&id).map(|v| v.meta.name.clone()).unwrap_or_default();
                 tracing::error!(pool = %self.name, "folding the deleted snapshot {name} into its layer failed: {e}");
