@@ -54,6 +54,9 @@ pub struct Disk {
     on_device: bool,
     /// The largest aligned write a power loss leaves whole: the physical block.
     atomic_bytes: u32,
+    /// Whether its filesystem lives in memory only (tmpfs, ramfs): a power loss keeps
+    /// none of it, so no write needs to reach it before another.
+    in_memory: bool,
 }
 
 impl Disk {
@@ -103,7 +106,8 @@ impl Disk {
         } else {
             device_physical_block(meta.dev())
         };
-        Ok(Disk { fd: file.into(), path: path.into(), size, block_device, direct, on_device, atomic_bytes })
+        let in_memory = !block_device && in_memory_filesystem(&file);
+        Ok(Disk { fd: file.into(), path: path.into(), size, block_device, direct, on_device, atomic_bytes, in_memory })
     }
 
     /// Its path.
@@ -129,6 +133,13 @@ impl Disk {
     /// The largest aligned write, in bytes, that a power loss leaves whole.
     pub fn power_fail_atomic_bytes(&self) -> u32 {
         self.atomic_bytes
+    }
+
+    /// Whether a power loss keeps nothing of it (a file on tmpfs or ramfs), so that
+    /// ordering its writes for a power loss (FUA) buys nothing. A file system without a
+    /// device is not enough: FUSE has none and may keep what was synced.
+    pub fn forgets_at_power_loss(&self) -> bool {
+        self.in_memory
     }
 
     /// Where disk operations on it go.
@@ -246,6 +257,19 @@ fn physical_block_size(file: &File) -> std::io::Result<u32> {
     Ok(size.max(512))
 }
 
+/// Whether `file` is on a file system kept only in memory (tmpfs or ramfs).
+fn in_memory_filesystem(file: &File) -> bool {
+    const TMPFS_MAGIC: libc::c_long = 0x0102_1994;
+    const RAMFS_MAGIC: libc::c_long = 0x8584_58f6;
+    // SAFETY: statfs is plain data, for which all zeroes is a valid value.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatfs writes one statfs through the pointer, which points at `fs`.
+    if unsafe { libc::fstatfs(file.as_raw_fd(), &mut fs) } != 0 {
+        return false;
+    }
+    matches!(fs.f_type, TMPFS_MAGIC | RAMFS_MAGIC)
+}
+
 /// The physical block size of the device a file's filesystem lives on, from sysfs (a
 /// partition's is its disk's); 512, the smallest, when it cannot be told.
 fn device_physical_block(dev: u64) -> u32 {
@@ -288,7 +312,9 @@ mod tests {
         let shm = Path::new("/dev/shm");
         if shm.is_dir() {
             let dir = tempfile::tempdir_in(shm).unwrap();
-            assert!(!Disk::open(&dir.path().join("disk"), Some(1 << 20)).unwrap().on_device());
+            let d = Disk::open(&dir.path().join("disk"), Some(1 << 20)).unwrap();
+            assert!(!d.on_device());
+            assert!(d.forgets_at_power_loss(), "tmpfs keeps nothing across a power loss");
         }
         // A filesystem on a block device: I/O there completes later, from the device.
         let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();

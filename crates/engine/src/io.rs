@@ -19,6 +19,7 @@ use std::sync::Arc;
 use crate::bufpool::Buf;
 use crate::disk::DiskFd;
 use crate::plan::IoPlan;
+use crate::pool::cluster_map::Granules;
 use crate::qos::Qos;
 use crate::ring::{Handed, Mail, Op, Ring, RingClient};
 
@@ -37,6 +38,9 @@ pub struct BlockIo {
     /// Set by a backend whose write another thread carries out whole (a first write
     /// over a snapshot, by the pool's metadata thread): its answer ends the command.
     pub written_elsewhere: bool,
+    /// A write straight into a volume's clusters over its snapshot: (virtual cluster,
+    /// physical cluster, granules) to record held once written (`Backend::settle`).
+    pub to_record_held: Vec<(u64, u32, Granules)>,
     buf: Option<Buf>,
     /// Instead of `buf`: the slot of the ring's buffer table where the kernel put the
     /// request's own pages, and their length (ublk zero copy). Only fixed-buffer
@@ -65,6 +69,7 @@ impl BlockIo {
             hold: None,
             route: 0,
             written_elsewhere: false,
+            to_record_held: Vec::new(),
             buf: None,
             kernel_buf: None,
             pending: 0,
@@ -84,6 +89,7 @@ impl BlockIo {
         self.hold = None;
         self.route = 0;
         self.written_elsewhere = false;
+        self.to_record_held.clear();
         self.transfer_left = 0;
         self.kernel_buf = None;
         self.throttled = false;

@@ -99,6 +99,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
         }
     }
 
+    /// Called once the command's disk operations have all completed, before
+    /// `finished`: a backend with more to do before the answer (a volume recording
+    /// the granules a write over its snapshot filled) hands the command on with
+    /// [`DiskQueue::defer`], and `resume` ends it.
+    fn settle(&self, _io: &mut BlockIo, _queue: &mut DiskQueue<'_>) {}
+
     /// Called once the command's disk operations have all completed, before it is
     /// answered: lets go of whatever `start` held in `io.hold`.
     fn finished(&self, _io: &mut BlockIo, _reactor: usize) {}

@@ -9,10 +9,13 @@
 //! passes the volume's [`Gate`] first, which a migration uses to move the volume.
 //!
 //! A volume that lies over a snapshot reads what its own clusters do not hold from
-//! the snapshot's (down the chain, `VolumeMap::sources`). A write to granules it does
-//! not hold yet goes to the metadata thread, which writes them and records them held
-//! before the write completes (`MetaRequest::WriteLayer`); later writes there go
-//! straight to the cluster. A backend opened before a snapshot of its volume goes on
+//! the snapshot's (down the chain, `VolumeMap::sources`). A write of whole granules it
+//! does not hold yet, in clusters it has, goes straight to them with FUA, and the
+//! metadata thread records them held before the write completes
+//! (`MetaRequest::RecordHeld`, in `settle`); any other write to granules not held
+//! goes to the metadata thread, which merges a granule written in part with the
+//! snapshot's bytes (`MetaRequest::WriteLayer`). `LayerClaims` keeps the two from
+//! crossing in a granule. Later writes there go straight to the cluster. A backend opened before a snapshot of its volume goes on
 //! with the volume's new map (its own became the snapshot's).
 //!
 //! A replicated volume has a replica on each of several engines: the serving engine
@@ -30,7 +33,8 @@ use super::gate::{Admitted, Gate, ROUTE_HERE};
 use super::{Backend, BackendType, BlockIo, DiskQueue, Durable, Handover, OpenEnv, Opened, deallocated_ranges};
 use crate::error::{Error, Result};
 use crate::plan::IoPlan;
-use crate::pool::cluster_map::{VolumeMap, granules_of};
+use crate::pool::cluster_map::{Granules, VolumeMap, granules_of};
+use crate::pool::format::granule_shift;
 use crate::pool::{MetaRequest, Pool, VolumeIo};
 
 /// The registration of `volume:POOL/NAME`. Opened by a mirror serving at a
@@ -185,8 +189,9 @@ impl VolumeBackend {
         Some(next)
     }
 
-    /// Queues a read or write piece by piece; returns whether anything was queued. A
-    /// write's clusters hold what it writes (`needs_layer_write` said no).
+    /// Queues a read or write piece by piece (a write `durable`: FUA whatever the
+    /// command asked); returns whether anything was queued. A write's clusters hold
+    /// what it writes, or it fills whole granules of them (`direct_layer_pieces`).
     fn transfer(
         &self,
         io: &mut BlockIo,
@@ -194,9 +199,10 @@ impl VolumeBackend {
         map: &VolumeMap,
         (offset, len): (u64, u32),
         write: bool,
+        durable: bool,
     ) -> bool {
         let pool = &self.volume.pool;
-        let fua = matches!(io.plan, IoPlan::Write { fua: true, .. });
+        let asked_fua = matches!(io.plan, IoPlan::Write { fua: true, .. });
         let shift = pool.cluster_shift();
         let end = offset + u64::from(len);
         let mut queued = false;
@@ -206,9 +212,16 @@ impl VolumeBackend {
             let n = ((1u64 << shift) - within).min(end - at) as u32;
             let in_buf = (at - offset) as usize;
             if write {
-                match pool.locate(map.get(vc), within) {
-                    Some((disk, pos)) if queue.write(io, disk.disk_fd(), in_buf, n, pos, fua) => queued = true,
-                    _ => io.status = Status::INTERNAL_ERROR,
+                // `durable` orders the data before a record of it, which a disk that
+                // forgets everything at a power loss does not need.
+                let queued_here = pool.locate(map.get(vc), within).is_some_and(|(disk, pos)| {
+                    let fua = asked_fua || (durable && !disk.forgets_at_power_loss());
+                    queue.write(io, disk.disk_fd(), in_buf, n, pos, fua)
+                });
+                if queued_here {
+                    queued = true;
+                } else {
+                    io.status = Status::INTERNAL_ERROR;
                 }
                 map.mark_written(vc);
                 if let Role::Serving(generation) = self.role {
@@ -248,6 +261,34 @@ impl VolumeBackend {
             at += n;
         }
         false
+    }
+
+    /// For a write over a snapshot that can go straight to the volume's clusters (each
+    /// piece of it lands in a cluster the volume has, on granules it holds or on whole
+    /// ones): the pieces that fill granules not held yet, to record held once the
+    /// write is done. `None` for one the metadata thread writes.
+    fn direct_layer_pieces(map: &VolumeMap, offset: u64, len: u32, shift: u32) -> Option<Vec<(u64, u32, Granules)>> {
+        let granule = 1u64 << granule_shift(shift);
+        let end = offset + u64::from(len);
+        let mut pieces = Vec::new();
+        let mut at = offset;
+        while at < end {
+            let (vc, within) = (at >> shift, at & ((1 << shift) - 1));
+            let n = ((1u64 << shift) - within).min(end - at);
+            let pc = map.get(vc);
+            let granules = granules_of(within, n, shift);
+            if pc == 0 {
+                return None;
+            }
+            if !map.holds(vc, &granules) {
+                if !within.is_multiple_of(granule) || !(within + n).is_multiple_of(granule) {
+                    return None;
+                }
+                pieces.push((vc, pc, granules));
+            }
+            at += n;
+        }
+        Some(pieces)
     }
 
     /// Hands zeroing of `ranges` to the metadata thread (it may release clusters).
@@ -322,6 +363,20 @@ impl Backend for VolumeBackend {
                 };
                 let epoch = pool.enter(queue.reactor_id());
                 if write && Self::needs_layer_write(map, offset, len, shift) {
+                    if let Some(pieces) = Self::direct_layer_pieces(map, offset, len, shift)
+                        && map.claims().claim_direct(&pieces.iter().map(|&(vc, _, g)| (vc, g)).collect::<Vec<_>>())
+                    {
+                        // Whole granules: written here, durably (a granule the record
+                        // names must hold what was written, whatever the power does),
+                        // and recorded held before the answer (`settle`).
+                        io.to_record_held = pieces;
+                        if self.transfer(io, queue, map, (offset, len), true, true) {
+                            io.hold = Some(epoch);
+                        } else {
+                            pool.leave(queue.reactor_id(), epoch);
+                        }
+                        return;
+                    }
                     // Written by the metadata thread, which records the granules held.
                     pool.leave(queue.reactor_id(), epoch);
                     // The command's bytes: its buffer may be larger (whole pages).
@@ -334,6 +389,7 @@ impl Backend for VolumeBackend {
                     for vc in first..=last {
                         map.mark_written(vc);
                     }
+                    map.claims().queue(first, last);
                     io.written_elsewhere = true;
                     let done = queue.defer(io);
                     pool.request(MetaRequest::WriteLayer { volume: self.volume.id, offset, data, done });
@@ -350,7 +406,7 @@ impl Backend for VolumeBackend {
                 if !write {
                     queue.give_buf(io, len as usize);
                 }
-                if self.transfer(io, queue, map, (offset, len), write) {
+                if self.transfer(io, queue, map, (offset, len), write, false) {
                     io.hold = Some(epoch);
                 } else {
                     pool.leave(queue.reactor_id(), epoch);
@@ -386,6 +442,29 @@ impl Backend for VolumeBackend {
         if !status.is_success() {
             io.status = status;
         }
+    }
+
+    /// A write straight into the volume's clusters over its snapshot: the granules it
+    /// filled are recorded held, here if the pool's metadata is free, else by the
+    /// metadata thread, whose answer ends the command (one that failed only lets go of
+    /// their claims). The pool epoch goes before that hand-over: the metadata thread
+    /// may wait for it to release clusters.
+    fn settle(&self, io: &mut BlockIo, queue: &mut DiskQueue<'_>) {
+        if io.to_record_held.is_empty() {
+            return;
+        }
+        let pieces = std::mem::take(&mut io.to_record_held);
+        let written = io.status.is_success();
+        let durable = matches!(io.plan, IoPlan::Write { fua: true, .. });
+        if written && !durable && self.volume.pool.record_held_here(self.volume.id, &pieces) {
+            return;
+        }
+        if let Some(epoch) = io.hold.take() {
+            self.volume.pool.leave(queue.reactor_id(), epoch);
+        }
+        io.written_elsewhere = true;
+        let done = queue.defer(io);
+        self.volume.pool.request(MetaRequest::RecordHeld { volume: self.volume.id, pieces, written, durable, done });
     }
 
     fn finished(&self, io: &mut BlockIo, reactor: usize) {

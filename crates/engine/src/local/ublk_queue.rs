@@ -261,6 +261,14 @@ impl UblkQueue {
     /// goes to the driver.
     fn backend_done(&mut self, ring: &mut Ring, me: u32, tag: u16) {
         let t = &mut self.tags[usize::from(tag)];
+        if let Some(ns) = &self.ns {
+            let mut queue = DiskQueue::new(ring, me | CLIENT_OWNER, tag, true);
+            ns.backend.settle(&mut t.io, &mut queue);
+            queue.finish();
+            if !t.io.is_idle() {
+                return;
+            }
+        }
         let (plan, status) = (t.io.plan, t.io.status);
         if let Some(ns) = &self.ns {
             ns.backend.finished(&mut t.io, ring.id);

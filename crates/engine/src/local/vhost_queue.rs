@@ -316,15 +316,15 @@ impl VhostQueue {
         ns.start(&mut req.io, &mut queue);
         queue.finish();
         if req.io.is_idle() {
-            self.backend_done(ring, head);
+            self.backend_done(ring, me, head);
         }
     }
 
     /// A disk operation of the request at `head` completed.
-    fn disk_done(&mut self, ring: &mut Ring, head: u16, res: i32) {
+    fn disk_done(&mut self, ring: &mut Ring, me: u32, head: u16, res: i32) {
         let Some(req) = self.requests.get_mut(usize::from(head)) else { return };
         if req.io.op_done(res) && req.io.is_idle() {
-            self.backend_done(ring, head);
+            self.backend_done(ring, me, head);
         }
     }
 
@@ -340,15 +340,23 @@ impl VhostQueue {
         ns.resume(&mut req.io, status, &mut queue);
         queue.finish();
         if req.io.is_idle() {
-            self.backend_done(ring, head);
+            self.backend_done(ring, me, head);
         }
     }
 
     /// The request at `head` has nothing in flight: the backend lets go, a read's data
     /// goes to the guest, and the request completes.
-    fn backend_done(&mut self, ring: &mut Ring, head: u16) {
+    fn backend_done(&mut self, ring: &mut Ring, me: u32, head: u16) {
         let memory = self.vq.memory.clone();
         let req = &mut self.requests[usize::from(head)];
+        if let Some(ns) = &self.ns {
+            let mut queue = DiskQueue::new(ring, me | CLIENT_OWNER, head, true);
+            ns.backend.settle(&mut req.io, &mut queue);
+            queue.finish();
+            if !req.io.is_idle() {
+                return;
+            }
+        }
         let (plan, ok) = (req.io.plan, req.io.status.is_success());
         if let Some(ns) = &self.ns {
             ns.backend.finished(&mut req.io, ring.id);
@@ -421,8 +429,8 @@ impl RingClient for VhostQueue {
         self.on_kick(ring, me, res);
     }
 
-    fn on_disk(&mut self, ring: &mut Ring, _me: u32, tag: u16, res: i32) {
-        self.disk_done(ring, tag, res);
+    fn on_disk(&mut self, ring: &mut Ring, me: u32, tag: u16, res: i32) {
+        self.disk_done(ring, me, tag, res);
     }
 
     fn on_answer(&mut self, ring: &mut Ring, me: u32, tag: u16, status: Status, buf: Option<Buf>) {

@@ -16,6 +16,8 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 
+use super::layer_claims::LayerClaims;
+
 /// A replicated volume's generations and which generation last wrote each cluster
 /// (`VolumeMap::generation_record`), as a hot upgrade hands it on.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -118,6 +120,8 @@ pub struct VolumeMap {
     /// Set once the map became a snapshot's: the volume's map now. Weak: the new map
     /// holds this one as its parent. Shared by every size.
     successor: Arc<OnceLock<Weak<VolumeMap>>>,
+    /// The writes over the snapshot under way. Shared by every size.
+    claims: Arc<LayerClaims>,
 }
 
 impl VolumeMap {
@@ -138,6 +142,7 @@ impl VolumeMap {
             recorded_from: Arc::default(),
             parent,
             successor: Arc::default(),
+            claims: Arc::default(),
         }
     }
 
@@ -152,6 +157,11 @@ impl VolumeMap {
             recorded_from: self.recorded_from.clone(),
             ..VolumeMap::over(self.clusters, Some(self.clone()))
         }
+    }
+
+    /// The writes over the snapshot under way (see [`LayerClaims`]).
+    pub fn claims(&self) -> &LayerClaims {
+        &self.claims
     }
 
     /// The snapshot's map this one lies over, if any.
@@ -184,6 +194,7 @@ impl VolumeMap {
             recorded_from: self.recorded_from.clone(),
             parent: self.parent.clone(),
             successor: self.successor.clone(),
+            claims: self.claims.clone(),
         }
     }
 

@@ -120,6 +120,25 @@ impl<D: MetaIo> MetaStore<D> {
     /// Makes `records` durable. `after` is the state with them applied: it is written as
     /// a checkpoint when the journal has no room for the entry.
     pub fn commit(&mut self, records: &[Record], after: &PoolState) -> io::Result<()> {
+        self.append(records, after, true)
+    }
+
+    /// Writes `records` without waiting for the disk to keep them: a process that dies
+    /// after still leaves them to the next import, and the next sync of the disk (a
+    /// Flush, or any durable commit) makes them durable. Entries reach the disk in any
+    /// order before that, and the import reads the journal up to the first one
+    /// missing: only what no sync covered can be lost, as with a disk's write cache.
+    pub fn commit_unsynced(&mut self, records: &[Record], after: &PoolState) -> io::Result<()> {
+        self.append(records, after, false)
+    }
+
+    /// Whether `records` fit in the journal as one entry, without a checkpoint.
+    pub fn fits(&self, records: &[Record]) -> bool {
+        let entry = format::encode_entry(&self.pool_uuid, self.generation, self.next_seq, records);
+        self.journal_used + entry.len() as u64 <= self.layout.journal_size
+    }
+
+    fn append(&mut self, records: &[Record], after: &PoolState, sync: bool) -> io::Result<()> {
         if records.is_empty() {
             return Ok(());
         }
@@ -128,7 +147,9 @@ impl<D: MetaIo> MetaStore<D> {
             return self.checkpoint(after);
         }
         self.dev.write_at(&entry, self.layout.journal_offset + self.journal_used)?;
-        self.dev.sync()?;
+        if sync {
+            self.dev.sync()?;
+        }
         self.journal_used += entry.len() as u64;
         self.next_seq += 1;
         self.entries += 1;

@@ -1,21 +1,25 @@
-//! The pool's metadata thread: the one writer of cluster maps and the journal. The
+//! The pool's metadata thread: the writer of cluster maps and the journal. The
 //! reactors hand it allocations (first writes to thin clusters), first writes over
 //! snapshots, and zeroing (Write Zeroes, Deallocate); it batches them, makes them
-//! durable, and answers each through its callback.
+//! durable, and answers each through its callback. The one thing a reactor writes
+//! itself, when the metadata's lock is free, is the record of granules a direct write
+//! over a snapshot filled (`PoolShared::record_held_here`): a small buffered write,
+//! where a round trip to this thread would cost the write as much again.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::mpsc::Receiver;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::Duration;
 
 use nvpool_wire::Status;
 
 use super::cluster_map::{VolumeMap, granule_shift, granules_of};
 use super::format::{Granules, Record, whole_granules};
-use super::shared::{Done, MetaRequest};
+use super::shared::{Done, MetaRequest, PoolShared};
 use super::{Inner, Pool, io_err};
 use crate::bufpool::Buf;
 use crate::error::{Error, Result};
-use crate::sync::lock;
+use crate::sync::{lock, try_lock};
 
 /// What a batch of writes over snapshots did to one cluster, published once durable.
 struct LayerCluster {
@@ -29,6 +33,33 @@ struct LayerCluster {
     added: Granules,
 }
 
+/// How often writes over a snapshot held back for direct writes look again.
+const HELD_BACK_RETRY: Duration = Duration::from_micros(200);
+
+/// A write over a snapshot the metadata thread carries out (`MetaRequest::WriteLayer`).
+struct LayerWrite {
+    volume: u32,
+    offset: u64,
+    data: Vec<u8>,
+    done: Done,
+}
+
+impl LayerWrite {
+    /// The first and last virtual clusters it touches.
+    fn clusters(&self, cluster_size: u64) -> (u64, u64) {
+        (self.offset / cluster_size, (self.offset + self.data.len().max(1) as u64 - 1) / cluster_size)
+    }
+}
+
+/// Granules a reactor wrote over a snapshot, to record held (`MetaRequest::RecordHeld`).
+struct HeldRecord {
+    volume: u32,
+    pieces: Vec<(u64, u32, Granules)>,
+    written: bool,
+    durable: bool,
+    done: Done,
+}
+
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum NewCluster {
     Whole,
@@ -37,16 +68,34 @@ enum NewCluster {
 
 impl Pool {
     pub(super) fn serve(self: Arc<Self>, rx: Receiver<MetaRequest>) {
-        while let Ok(first) = rx.recv() {
-            let mut batch = vec![first];
+        // Writes over snapshots held back until direct writes under their granules
+        // are recorded (see `LayerClaims`): such a record comes in a later batch.
+        let mut held_back: Vec<LayerWrite> = Vec::new();
+        loop {
+            // A reactor that records its direct writes itself tells nobody: writes
+            // held back for them look again now and then.
+            let first = if held_back.is_empty() {
+                rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
+            } else {
+                rx.recv_timeout(HELD_BACK_RETRY)
+            };
+            let mut batch = match first {
+                Ok(r) => vec![r],
+                Err(RecvTimeoutError::Timeout) => Vec::new(),
+                Err(RecvTimeoutError::Disconnected) => break,
+            };
             batch.extend(rx.try_iter());
             let mut allocs = Vec::new();
-            let mut layer_writes = Vec::new();
+            let mut layer_writes = std::mem::take(&mut held_back);
+            let mut records_held = Vec::new();
             for r in batch {
                 match r {
                     MetaRequest::Allocate { volume, first, count, done } => allocs.push((volume, first, count, done)),
                     MetaRequest::WriteLayer { volume, offset, data, done } => {
-                        layer_writes.push((volume, offset, data, done))
+                        layer_writes.push(LayerWrite { volume, offset, data, done })
+                    }
+                    MetaRequest::RecordHeld { volume, pieces, written, durable, done } => {
+                        records_held.push(HeldRecord { volume, pieces, written, durable, done })
                     }
                     MetaRequest::Zero { volume, ranges, done } => {
                         let st = self.zero(volume, &ranges);
@@ -60,19 +109,102 @@ impl Pool {
             if !allocs.is_empty() {
                 self.allocate(allocs);
             }
-            if !layer_writes.is_empty() {
+            if !records_held.is_empty() {
+                self.record_held(records_held);
+            }
+            let (ready, waiting) = self.waiting_for_direct_writes(layer_writes);
+            held_back = waiting;
+            if !ready.is_empty() {
                 let writes: Vec<(u32, u64, &[u8])> =
-                    layer_writes.iter().map(|(v, o, d, _)| (*v, *o, d.as_slice())).collect();
+                    ready.iter().map(|w| (w.volume, w.offset, w.data.as_slice())).collect();
                 let status = {
                     let mut inner = lock(&self.inner);
-                    self.write_layers(&mut inner, &writes)
+                    let status = self
+                        .write_layers(&mut inner, &writes)
                         .inspect_err(|e| tracing::error!(pool = %self.name, "a write over a snapshot failed: {e}"))
-                        .map_or(Status::INTERNAL_ERROR, |()| Status::SUCCESS)
+                        .map_or(Status::INTERNAL_ERROR, |()| Status::SUCCESS);
+                    for w in &ready {
+                        if let Some(map) = inner.maps.get(&w.volume) {
+                            let (first, last) = w.clusters(self.cluster_size);
+                            map.claims().dequeue(first, last);
+                        }
+                    }
+                    status
                 };
-                for (_, _, _, done) in layer_writes {
-                    done(status);
+                for w in ready {
+                    (w.done)(status);
                 }
             }
+        }
+        // The pool was exported.
+        for w in held_back {
+            (w.done)(Status::NAMESPACE_NOT_READY);
+        }
+    }
+
+    /// Splits writes over snapshots into those that may go now and those that wait: a
+    /// direct write is filling one of their granules, or an earlier write waiting
+    /// touches one of their clusters (so that writes to a cluster keep their order).
+    fn waiting_for_direct_writes(&self, writes: Vec<LayerWrite>) -> (Vec<LayerWrite>, Vec<LayerWrite>) {
+        let (mut ready, mut waiting) = (Vec::new(), Vec::<LayerWrite>::new());
+        let inner = lock(&self.inner);
+        let shift = self.cluster_size.trailing_zeros();
+        for w in writes {
+            let (first, last) = w.clusters(self.cluster_size);
+            let behind = waiting.iter().any(|o| {
+                let (f, l) = o.clusters(self.cluster_size);
+                o.volume == w.volume && f <= last && first <= l
+            });
+            let under_direct = inner.maps.get(&w.volume).is_some_and(|map| {
+                (first..=last).any(|vc| {
+                    let start = (vc * self.cluster_size).max(w.offset);
+                    let end = ((vc + 1) * self.cluster_size).min(w.offset + w.data.len() as u64);
+                    let granules = granules_of(start - vc * self.cluster_size, end - start, shift);
+                    map.claims().direct_under(vc, &granules)
+                })
+            });
+            if behind || under_direct { waiting.push(w) } else { ready.push(w) }
+        }
+        (ready, waiting)
+    }
+
+    /// Records held the granules reactors wrote straight into volumes' clusters over
+    /// their snapshots, in one journal entry (synced only if a FUA write asks), then
+    /// publishes them and lets go of their claims. A cluster released or replaced
+    /// since the write (a Deallocate under way with it) records nothing.
+    fn record_held(&self, reqs: Vec<HeldRecord>) {
+        let mut inner = lock(&self.inner);
+        let whole = whole_granules(self.cluster_size);
+        let mut records = Vec::new();
+        let mut publish = Vec::new();
+        for r in reqs.iter().filter(|r| r.written) {
+            let Some(map) = inner.maps.get(&r.volume).cloned() else { continue };
+            let (held, granules) = held_records(&map, r.volume, &r.pieces);
+            records.extend(held);
+            publish.extend(granules.into_iter().map(|(vc, g)| (map.clone(), vc, g)));
+        }
+        let durable = reqs.iter().any(|r| r.written && r.durable);
+        let status = match inner.commit_records(&records, durable, self.cluster_size, &self.name) {
+            Ok(()) => {
+                for (map, vc, granules) in publish {
+                    map.hold(vc, granules, whole);
+                }
+                Status::SUCCESS
+            }
+            Err(e) => {
+                tracing::error!(pool = %self.name, "recording writes over a snapshot failed: {e}");
+                Status::INTERNAL_ERROR
+            }
+        };
+        for r in &reqs {
+            if let Some(map) = inner.maps.get(&r.volume) {
+                let pieces: Vec<(u64, Granules)> = r.pieces.iter().map(|&(vc, _, g)| (vc, g)).collect();
+                map.claims().release_direct(&pieces);
+            }
+        }
+        drop(inner);
+        for r in reqs {
+            (r.done)(if r.written { status } else { Status::SUCCESS });
         }
     }
 
@@ -290,19 +422,7 @@ impl Pool {
 
     /// Applies and commits records; a failed commit marks the pool failed.
     pub(super) fn commit(&self, inner: &mut Inner, records: &[Record]) -> Result<()> {
-        if let Some(f) = &inner.failed {
-            return Err(Error::precondition(format!("pool {} refuses changes: {f}", self.name)));
-        }
-        for r in records {
-            inner.state.apply(r, self.cluster_size).map_err(Error::internal)?;
-        }
-        let Inner { store, state, .. } = inner;
-        if let Err(e) = store.commit(records, state) {
-            let why = format!("writing metadata failed ({e}); export and import the pool to recover");
-            inner.failed = Some(why.clone());
-            return Err(Error::io(format!("pool {}", self.name), std::io::Error::other(why)));
-        }
-        Ok(())
+        inner.commit_records(records, true, self.cluster_size, &self.name)
     }
 
     /// Releases virtual clusters of a volume: clears them, waits out I/O that might use
@@ -384,5 +504,64 @@ impl Pool {
             return Status::INTERNAL_ERROR;
         }
         Status::SUCCESS
+    }
+}
+
+impl Inner {
+    /// Applies and commits records, durable before it returns or only once the disk is
+    /// next synced (`MetaStore::commit_unsynced`); a failed commit marks the pool failed.
+    fn commit_records(&mut self, records: &[Record], durable: bool, cluster_size: u64, pool: &str) -> Result<()> {
+        if let Some(f) = &self.failed {
+            return Err(Error::precondition(format!("pool {pool} refuses changes: {f}")));
+        }
+        for r in records {
+            self.state.apply(r, cluster_size).map_err(Error::internal)?;
+        }
+        let Inner { store, state, .. } = self;
+        let written = if durable { store.commit(records, state) } else { store.commit_unsynced(records, state) };
+        if let Err(e) = written {
+            let why = format!("writing metadata failed ({e}); export and import the pool to recover");
+            self.failed = Some(why.clone());
+            return Err(Error::io(format!("pool {pool}"), std::io::Error::other(why)));
+        }
+        Ok(())
+    }
+}
+
+/// The Hold records of the granules a direct write filled, and the (virtual cluster,
+/// granules) to publish once they are committed: none for a cluster released or
+/// replaced since the write (a Deallocate under way with it).
+fn held_records(map: &VolumeMap, volume: u32, pieces: &[(u64, u32, Granules)]) -> (Vec<Record>, Vec<(u64, Granules)>) {
+    pieces
+        .iter()
+        .filter(|&&(vc, pc, _)| pc != 0 && map.get(vc) == pc)
+        .map(|&(vc, _, granules)| (Record::Hold { id: volume, vc: vc as u32, granules }, (vc, granules)))
+        .unzip()
+}
+
+impl PoolShared {
+    /// Records held the granules a direct write filled, as the metadata thread would,
+    /// here on the reactor: when nobody holds the pool's metadata and the entry fits
+    /// the journal without a checkpoint, it is one buffered write of a small entry
+    /// (no sync: this is for writes without FUA), with no thread between the write and
+    /// its answer. False if it could not, with nothing done: the metadata thread then
+    /// does it (`MetaRequest::RecordHeld`).
+    pub fn record_held_here(&self, volume: u32, pieces: &[(u64, u32, Granules)]) -> bool {
+        let Some(mut inner) = try_lock(&self.metadata) else { return false };
+        let Some(map) = inner.maps.get(&volume).cloned() else { return false };
+        let (records, publish) = held_records(&map, volume, pieces);
+        if inner.failed.is_some() || !inner.store.fits(&records) {
+            return false;
+        }
+        let cluster_size = 1u64 << self.cluster_shift;
+        if inner.commit_records(&records, false, cluster_size, "(a reactor's record)").is_err() {
+            return false;
+        }
+        let whole = whole_granules(cluster_size);
+        for (vc, granules) in publish {
+            map.hold(vc, granules, whole);
+        }
+        map.claims().release_direct(&pieces.iter().map(|&(vc, _, g)| (vc, g)).collect::<Vec<_>>());
+        true
     }
 }

@@ -18,6 +18,7 @@ pub mod alloc;
 pub mod cluster_map;
 pub mod format;
 pub mod journal;
+pub mod layer_claims;
 mod meta_thread;
 mod shared;
 
@@ -352,24 +353,26 @@ impl Pool {
         }
         let opened = Record::Opened { boot, power_losses };
         let (tx, rx) = mpsc::channel();
+        let mut inner = Inner { store, state, free: FreeClusters::new(total, &used), maps, failed: None };
+        inner.state.apply(&opened, cs).map_err(Error::internal)?;
+        let Inner { store, state, .. } = &mut inner;
+        store.commit(&[opened], state).map_err(io_err(&format!("opening pool {:?}", first.pool_name)))?;
+        let inner = Arc::new(Mutex::new(inner));
         let shared = Arc::new(PoolShared {
             disks,
             cluster_shift: cs.trailing_zeros(),
             epoch: AtomicU64::new(0),
             in_flight: (0..MAX_REACTORS).map(|_| InFlight::default()).collect(),
             requests: Mutex::new(tx),
+            metadata: inner.clone(),
         });
-        let mut inner = Inner { store, state, free: FreeClusters::new(total, &used), maps, failed: None };
-        inner.state.apply(&opened, cs).map_err(Error::internal)?;
-        let Inner { store, state, .. } = &mut inner;
-        store.commit(&[opened], state).map_err(io_err(&format!("opening pool {:?}", first.pool_name)))?;
         let pool = Arc::new(Pool {
             name: first.pool_name.clone(),
             uuid: first.pool_uuid,
             version: first.version,
             cluster_size: cs,
             shared,
-            inner: Arc::new(Mutex::new(inner)),
+            inner,
         });
         pool.delete_orphans(&mut lock(&pool.inner))?;
         // A fold a stop cut short goes on.

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use nvpool_wire::Status;
 
-use super::cluster_map::VolumeMap;
+use super::cluster_map::{Granules, VolumeMap};
 use crate::disk::Disk;
 use crate::sync::lock;
 
@@ -55,6 +55,21 @@ pub enum MetaRequest {
         /// Completion.
         done: Done,
     },
+    /// Record held the granules a reactor wrote straight into a volume's clusters over
+    /// its snapshot (`Pool::record_held`), and let go of their claims.
+    RecordHeld {
+        /// Volume ID.
+        volume: u32,
+        /// (virtual cluster, the physical cluster written, the granules filled).
+        pieces: Vec<(u64, u32, Granules)>,
+        /// False if the write failed: nothing is recorded, the claims go.
+        written: bool,
+        /// A FUA write's: the record is durable before `done`. Another's is written,
+        /// and durable with the next Flush (which syncs the disk it is on).
+        durable: bool,
+        /// Completion.
+        done: Done,
+    },
     /// Make a volume's generations durable, if they rose (`Pool::persist_generations`).
     PersistGenerations {
         /// Volume ID.
@@ -88,6 +103,9 @@ pub struct PoolShared {
     pub(super) epoch: AtomicU64,
     pub(super) in_flight: Box<[InFlight]>,
     pub(super) requests: Mutex<Sender<MetaRequest>>,
+    /// The pool's metadata, which the metadata thread writes; a reactor only ever
+    /// tries it (`PoolShared::record_held_here`).
+    pub(super) metadata: Arc<Mutex<super::Inner>>,
 }
 
 impl PoolShared {
@@ -127,6 +145,7 @@ impl PoolShared {
                 MetaRequest::Allocate { done, .. }
                 | MetaRequest::Zero { done, .. }
                 | MetaRequest::WriteLayer { done, .. }
+                | MetaRequest::RecordHeld { done, .. }
                 | MetaRequest::PersistGenerations { done, .. } => done(Status::NAMESPACE_NOT_READY),
             }
         }

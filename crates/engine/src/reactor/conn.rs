@@ -839,8 +839,17 @@ impl Conn {
     /// Slot `tag`'s command has nothing in flight any more: the backend lets go of what
     /// it held, and the command is answered.
     fn backend_done(&mut self, r: &mut Reactor, idx: u32, tag: u16) {
+        let needs_bytes = self.wire.data_digest();
         let slot = &mut self.slots[usize::from(tag)];
         if let Some(ns) = slot.ns.as_ref() {
+            let mut queue = DiskQueue::new(&mut r.ring, idx, tag, needs_bytes);
+            ns.backend.settle(&mut slot.io, &mut queue);
+            let queued = queue.finish();
+            if !slot.io.is_idle() {
+                // Its answer comes back through `on_resumed`.
+                self.ops_in_flight += queued.ops + u32::from(queued.deferred);
+                return;
+            }
             ns.backend.finished(&mut slot.io, r.ring.id);
         }
         let fenced = slot.fence.take().map(|mark| (mark, slot.ns.clone()));

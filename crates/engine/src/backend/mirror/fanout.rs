@@ -108,9 +108,15 @@ impl Fanout {
     }
 
     /// Leg `leg` of command `c` has nothing in flight any more.
-    fn leg_done(&mut self, ring: &mut Ring, c: u16, leg: usize) {
+    fn leg_done(&mut self, ring: &mut Ring, me: u32, c: u16, leg: usize) {
         let f = &mut self.commands[usize::from(c)];
         let io = &mut f.legs[leg];
+        let mut queue = DiskQueue::new(ring, me | CLIENT_OWNER, leg_tag(c, leg), true);
+        self.mirror.legs[leg].backend.settle(io, &mut queue);
+        queue.finish();
+        if !io.is_idle() {
+            return;
+        }
         self.mirror.legs[leg].backend.finished(io, ring.id);
         if !io.status.is_success() {
             if fans_out(&f.plan) {
@@ -264,7 +270,7 @@ impl Fanout {
             done_now[leg] = f.legs[leg].is_idle();
         }
         for leg in (0..MAX_LEGS).filter(|&l| done_now[l]) {
-            self.leg_done(ring, c, leg);
+            self.leg_done(ring, me, c, leg);
         }
     }
 
@@ -312,7 +318,7 @@ impl RingClient for Fanout {
         let (c, leg) = split_tag(tag);
         let Some(f) = self.commands.get_mut(usize::from(c)) else { return };
         if f.legs[leg].op_done(res) && f.legs[leg].is_idle() {
-            self.leg_done(ring, c, leg);
+            self.leg_done(ring, me, c, leg);
         }
         self.start_waiting(ring, me);
     }
@@ -329,7 +335,7 @@ impl RingClient for Fanout {
         self.mirror.legs[leg].backend.resume(io, status, &mut queue);
         queue.finish();
         if io.is_idle() {
-            self.leg_done(ring, c, leg);
+            self.leg_done(ring, me, c, leg);
         }
         self.start_waiting(ring, me);
     }

@@ -395,6 +395,12 @@ impl Backend for MirrorBackend {
         }
     }
 
+    fn settle(&self, io: &mut BlockIo, queue: &mut DiskQueue<'_>) {
+        if io.route != ROUTE_FANNED_OUT {
+            self.first().settle(io, queue);
+        }
+    }
+
     fn finished(&self, io: &mut BlockIo, reactor: usize) {
         if io.route != ROUTE_FANNED_OUT {
             self.first().finished(io, reactor);
