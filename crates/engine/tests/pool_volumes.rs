@@ -461,13 +461,10 @@ fn snapshots_keep_the_data_as_it_was_and_clones_write_apart() {
     node.ok("pool_check", json!({ "name": "p" }));
 }
 
-/// A write over a snapshot that is smaller than a granule (512-byte blocks) changes
-/// its own blocks alone: its buffer is whole pages, and the rest of the granule keeps
-/// what the snapshot holds.
-#[test]
-fn small_writes_over_a_snapshot_keep_their_neighbours() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = disks(dir.path(), 1, 64 * MIB);
+/// An engine with a 16 MiB thin volume `p/v` (pool on one disk in `dir`) exported with
+/// 512-byte blocks, smaller than a granule; and its namespace ID.
+fn small_block_volume(dir: &Path) -> (Node, u32) {
+    let d = disks(dir, 1, 64 * MIB);
     let node = Node::start(vec![]);
     node.ok("pool_create", json!({ "name": "p", "disks": d }));
     node.ok("volume_create", json!({ "pool": "p", "name": "v", "size": 16 * MIB, "thin": true }));
@@ -477,6 +474,16 @@ fn small_writes_over_a_snapshot_keep_their_neighbours() {
         json!({ "nqn": NQN, "namespace": { "backend": "volume:p/v", "block_size": 512, "allow_torn_writes": true } }),
     );
     let nsid = added["nsid"].as_u64().unwrap() as u32;
+    (node, nsid)
+}
+
+/// A write over a snapshot that is smaller than a granule (512-byte blocks) changes
+/// its own blocks alone: its buffer is whole pages, and the rest of the granule keeps
+/// what the snapshot holds.
+#[test]
+fn small_writes_over_a_snapshot_keep_their_neighbours() {
+    let dir = tempfile::tempdir().unwrap();
+    let (node, nsid) = small_block_volume(dir.path());
     let (_admin, mut q) = node.queue();
     let before = pattern(1, 8192);
     q.write(nsid, 0, &before, 512, IN_CAPSULE).unwrap();
@@ -496,22 +503,13 @@ fn small_writes_over_a_snapshot_keep_their_neighbours() {
 /// Whole-granule writes over a snapshot go straight to the volume's cluster while a
 /// smaller write in the same granule, in flight with it, goes by the metadata thread,
 /// which copies the rest of the granule from the snapshot: the copy never lands over
-/// the whole write's blocks. The block both write may read either's data (commands in
+/// the whole write's blocks. The block both writes touch may hold either's data (commands in
 /// flight together have no order), every other block reads what wrote it last.
 #[test]
 fn whole_and_partial_granule_writes_in_flight_together_keep_each_others_blocks() {
     const GRANULES: u64 = 96; // a multiple of 32
     let dir = tempfile::tempdir().unwrap();
-    let d = disks(dir.path(), 1, 64 * MIB);
-    let node = Node::start(vec![]);
-    node.ok("pool_create", json!({ "name": "p", "disks": d }));
-    node.ok("volume_create", json!({ "pool": "p", "name": "v", "size": 16 * MIB, "thin": true }));
-    node.call("subsystem_add", json!({ "nqn": NQN, "allow_any_host": true })).unwrap();
-    let added = node.ok(
-        "namespace_add",
-        json!({ "nqn": NQN, "namespace": { "backend": "volume:p/v", "block_size": 512, "allow_torn_writes": true } }),
-    );
-    let nsid = added["nsid"].as_u64().unwrap() as u32;
+    let (node, nsid) = small_block_volume(dir.path());
     let (_admin, mut q) = node.queue();
     let before = pattern(1, (GRANULES * 4096) as usize);
     for (i, piece) in before.chunks(8192).enumerate() {
