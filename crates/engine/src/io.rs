@@ -18,8 +18,8 @@ use std::sync::Arc;
 
 use crate::bufpool::Buf;
 use crate::disk::DiskFd;
+use crate::granules::Granules;
 use crate::plan::IoPlan;
-use crate::pool::cluster_map::Granules;
 use crate::qos::Qos;
 use crate::ring::{Handed, Mail, Op, Ring, RingClient};
 

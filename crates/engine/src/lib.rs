@@ -14,6 +14,7 @@ pub mod cpu;
 pub mod disk;
 mod engine;
 pub mod error;
+pub mod granules;
 pub mod io;
 pub mod listen;
 pub mod local;

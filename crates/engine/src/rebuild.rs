@@ -22,7 +22,7 @@ use crate::backend::Backend;
 use crate::bufpool::Buf;
 use crate::copy::{self, CopyJob, TargetQueue};
 use crate::error::{Error, Result};
-use crate::pool::cluster_map::granule_runs;
+use crate::granules::granule_runs;
 use crate::sync::lock;
 
 /// The engine's rebuilds, by namespace (subsystem NQN and NSID).

@@ -32,9 +32,9 @@ use nvpool_wire::Status;
 use super::gate::{Admitted, Gate, ROUTE_HERE};
 use super::{Backend, BackendType, BlockIo, DiskQueue, Durable, Handover, OpenEnv, Opened, deallocated_ranges};
 use crate::error::{Error, Result};
+use crate::granules::{Granules, granule_shift, granules_of};
 use crate::plan::IoPlan;
-use crate::pool::cluster_map::{Granules, VolumeMap, granules_of};
-use crate::pool::format::granule_shift;
+use crate::pool::cluster_map::VolumeMap;
 use crate::pool::{MetaRequest, Pool, VolumeIo};
 
 /// The registration of `volume:POOL/NAME`. Opened by a mirror serving at a

@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 
 use super::layer_claims::LayerClaims;
+use crate::granules::{ALL_GRANULES, GRANULES, Granules, granule_shift};
 
 /// A replicated volume's generations and which generation last wrote each cluster
 /// (`VolumeMap::generation_record`), as a hot upgrade hands it on.
@@ -34,17 +35,6 @@ pub struct GenerationRecord {
     #[serde(default)]
     pub granules: Vec<Granules>,
 }
-
-/// Granules a cluster is recorded in: a replica that lacks a cluster's writes gets
-/// those granules alone, so a rebuild copies about what was written, not whole
-/// clusters.
-pub const GRANULES: u32 = 256;
-
-/// Which granules of a cluster were written, a bit each.
-pub type Granules = [u64; (GRANULES / 64) as usize];
-
-/// Every granule of a cluster.
-pub const ALL_GRANULES: Granules = [u64::MAX; (GRANULES / 64) as usize];
 
 /// Virtual clusters per map page.
 pub const PAGE: usize = 1024;
@@ -553,43 +543,10 @@ impl VolumeMap {
     }
 }
 
-pub use super::format::granule_shift;
-
-/// The granules that bytes `within..within + len` of a cluster of `1 << shift` bytes
-/// touch.
-pub fn granules_of(within: u64, len: u64, shift: u32) -> Granules {
-    let mut bits = [0u64; (GRANULES / 64) as usize];
-    if len == 0 {
-        return bits;
-    }
-    let granule_shift = granule_shift(shift);
-    let (first, last) = (within >> granule_shift, (within + len - 1) >> granule_shift);
-    for g in first..=last.min(u64::from(GRANULES) - 1) {
-        bits[(g / 64) as usize] |= 1 << (g % 64);
-    }
-    bits
-}
-
-/// The byte ranges (offset within the cluster, length) of the granules set in
-/// `granules`, runs of adjacent ones merged, for a cluster of `1 << shift` bytes.
-pub fn granule_runs(granules: &Granules, shift: u32) -> Vec<(u64, u64)> {
-    let granule_shift = granule_shift(shift);
-    let set = |g: u32| granules[(g / 64) as usize] & (1 << (g % 64)) != 0;
-    let mut runs: Vec<(u64, u64)> = Vec::new();
-    let count = (1u32 << shift.saturating_sub(granule_shift)).min(GRANULES);
-    for g in (0..count).filter(|&g| set(g)) {
-        let at = u64::from(g) << granule_shift;
-        match runs.last_mut() {
-            Some((start, len)) if *start + *len == at => *len += 1 << granule_shift,
-            _ => runs.push((at, 1 << granule_shift)),
-        }
-    }
-    runs
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::granules::{granule_runs, granules_of};
 
     #[test]
     fn grown_maps_share_pages() {
@@ -624,9 +581,6 @@ mod tests {
         // A later generation writing the cluster again keeps what the earlier wrote.
         m.mark_generation(2, 4, granules_of(0, 4096, shift));
         assert_eq!(granule_runs(&m.written_since(4)[0].1, shift), [(0, 4096), (8192, 16384), ((1 << 20) - 4096, 4096)]);
-        // 128 KiB clusters: granules of one 4 KiB block, 32 of them.
-        assert_eq!(granule_runs(&granules_of(0, 128 << 10, 17), 17), [(0, 128 << 10)]);
-        assert_eq!(granule_runs(&granules_of(4096, 512, 17), 17), [(4096, 4096)]);
     }
 
     #[test]

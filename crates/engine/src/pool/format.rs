@@ -18,6 +18,8 @@ use std::collections::BTreeMap;
 
 use nvpool_wire::tcp::crc32c;
 
+use crate::granules::{ALL_GRANULES, Granules, whole_granules};
+
 /// Unit of metadata I/O and alignment of every metadata structure (direct I/O needs it).
 pub const BLOCK: u64 = 4096;
 /// Format version of the pools this code makes. Version 2 gives each checkpoint slot
@@ -346,29 +348,6 @@ impl VolumeState {
             partial: BTreeMap::new(),
         }
     }
-}
-
-/// The granules of a cluster a layer holds, a bit each (see `cluster_map::GRANULES`).
-pub type Granules = [u64; 4];
-
-/// Every granule there can be (a cluster has fewer below 1 MiB: `whole_granules`).
-pub const WHOLE: Granules = [u64::MAX; 4];
-
-/// A granule's size (as a shift) in a cluster of `1 << shift` bytes: a 256th of it,
-/// and never less than a 4 KiB block, so that each granule is whole blocks.
-pub fn granule_shift(shift: u32) -> u32 {
-    shift.saturating_sub(8).max(12)
-}
-
-/// Every granule of a cluster of `cluster_size` bytes.
-pub fn whole_granules(cluster_size: u64) -> Granules {
-    let shift = cluster_size.trailing_zeros();
-    let count = 1u32 << shift.saturating_sub(granule_shift(shift)).min(8);
-    let mut g = [0u64; 4];
-    for i in 0..count {
-        g[(i / 64) as usize] |= 1 << (i % 64);
-    }
-    g
 }
 
 /// Where a pool volume stands among snapshots.
@@ -718,10 +697,10 @@ impl PoolState {
         let (child, _) = self.fold_target(id)?;
         let (h, c) = (&self.volumes[&id], &self.volumes[&child]);
         let pc = *h.map.get(&vc)?;
-        let held = h.partial.get(&vc).copied().unwrap_or(WHOLE);
+        let held = h.partial.get(&vc).copied().unwrap_or(ALL_GRANULES);
         let unmap = Record::Unmap { id, vstart: vc, count: 1 };
         if !c.map.contains_key(&vc) {
-            let give = match held == WHOLE {
+            let give = match held == ALL_GRANULES {
                 true => vec![Record::Map { id: child, vstart: vc, pstart: pc, count: 1 }],
                 false => vec![
                     Record::MapLayer { id: child, vstart: vc, pstart: pc, count: 1 },
@@ -730,7 +709,7 @@ impl PoolState {
             };
             return Some(([vec![unmap], give].concat(), [0; 4]));
         }
-        let has = c.partial.get(&vc).copied().unwrap_or(WHOLE);
+        let has = c.partial.get(&vc).copied().unwrap_or(ALL_GRANULES);
         let whole = whole_granules(cluster_size);
         let need: Granules = std::array::from_fn(|i| held[i] & !has[i] & whole[i]);
         let mut records = Vec::new();
@@ -768,7 +747,7 @@ impl PoolState {
             if self.chain(v.meta.id).len() > MAX_CHAIN {
                 return Err(format!("{name} lies over more than {MAX_CHAIN} snapshots (or a circle of them)"));
             }
-            if let Some((vc, g)) = v.partial.iter().find(|(vc, g)| !v.map.contains_key(vc) || **g == WHOLE) {
+            if let Some((vc, g)) = v.partial.iter().find(|(vc, g)| !v.map.contains_key(vc) || **g == ALL_GRANULES) {
                 return Err(format!("{name} holds cluster {vc} in part ({g:x?}), which is unmapped or whole"));
             }
         }
@@ -1382,7 +1361,7 @@ mod tests {
         assert_eq!(s.volumes[&1].partial[&1], [0; 4]);
         s.apply(&Record::Hold { id: 1, vc: 1, granules: [1, 0, 0, 0] }, CS).unwrap();
         assert_eq!(s.volumes[&1].partial[&1], [1, 0, 0, 0]);
-        s.apply(&Record::Hold { id: 1, vc: 1, granules: WHOLE }, CS).unwrap();
+        s.apply(&Record::Hold { id: 1, vc: 1, granules: ALL_GRANULES }, CS).unwrap();
         assert!(s.volumes[&1].partial.is_empty() && s.volumes[&1].map[&1] == 20);
         // A second snapshot lies over the first; a clone over the second.
         s.apply(&Record::TakeSnapshot { id: 1, snapshot: meta(3, "db@2") }, CS).unwrap();

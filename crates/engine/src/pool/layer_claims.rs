@@ -13,7 +13,7 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use super::cluster_map::Granules;
+use crate::granules::Granules;
 use crate::sync::lock;
 
 /// One cluster's writes under way.

@@ -13,12 +13,13 @@ use std::time::Duration;
 
 use nvpool_wire::Status;
 
-use super::cluster_map::{VolumeMap, granule_shift, granules_of};
-use super::format::{Granules, Record, whole_granules};
+use super::cluster_map::VolumeMap;
+use super::format::Record;
 use super::shared::{Done, MetaRequest, PoolShared};
 use super::{Inner, Pool, io_err};
 use crate::bufpool::Buf;
 use crate::error::{Error, Result};
+use crate::granules::{Granules, granule_shift, granules_of, whole_granules};
 use crate::sync::{lock, try_lock};
 
 /// What a batch of writes over snapshots did to one cluster, published once durable.

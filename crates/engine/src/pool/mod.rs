@@ -36,6 +36,7 @@ pub use nvpool_api::{PoolInfo, VolumeInfo};
 
 use crate::disk::Disk;
 use crate::error::{Error, Result};
+use crate::granules::{Granules, granule_runs, whole_granules};
 use crate::sync::lock;
 use alloc::FreeClusters;
 use cluster_map::{GenerationRecord, VolumeMap};
@@ -603,13 +604,13 @@ impl Pool {
         let mut records = Vec::new();
         let mut touched = vec![false; self.shared.disks.len()];
         // (vc, the snapshot's cluster, granules copied into the layer's; None: moved).
-        let mut steps: Vec<(u32, u32, Option<format::Granules>)> = Vec::new();
+        let mut steps: Vec<(u32, u32, Option<Granules>)> = Vec::new();
         for vc in vcs {
             let (recs, need) = inner.state.fold_cluster(id, vc, self.cluster_size).expect("a fold target");
             let pc = inner.state.volumes[&id].map[&vc];
             let layer_pc = inner.state.volumes[&child].map.get(&vc).copied();
             if let Some(to) = layer_pc {
-                for (at, len) in cluster_map::granule_runs(&need, shift) {
+                for (at, len) in granule_runs(&need, shift) {
                     let mut buf = crate::bufpool::Buf::new((len as usize).div_ceil(4096));
                     let data = &mut buf.as_mut_slice()[..len as usize];
                     let (from, pos) = self.shared.locate(pc, at).ok_or_else(|| Error::internal("cluster outside"))?;
@@ -631,7 +632,7 @@ impl Pool {
         }
         self.commit(inner, &records)?;
         // The layer first, then the snapshot: a reader finds the data either way.
-        let whole = format::whole_granules(self.cluster_size);
+        let whole = whole_granules(self.cluster_size);
         let mut freed = Vec::new();
         for &(vc, pc, copied) in &steps {
             let vc64 = u64::from(vc);

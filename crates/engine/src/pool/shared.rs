@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 
 use nvpool_wire::Status;
 
-use super::cluster_map::{Granules, VolumeMap};
+use super::cluster_map::VolumeMap;
 use crate::disk::Disk;
+use crate::granules::Granules;
 use crate::sync::lock;
 
 /// Most reactors whose in-flight I/O a pool tracks.
