@@ -291,6 +291,15 @@ methods! {
         #[serde(default)]
         identity: Option<VolumeIdentity>,
     }
+    /// Starts making a volume that lies over a snapshot (a clone) independent of it,
+    /// in the background: what it reads from below is copied into it, and then it
+    /// lies over nothing. `volume_get` shows the progress (`inflating`).
+    "volume_inflate" => InflateVolume -> VolumeInfo {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        name: String,
+    }
     /// Deletes a volume that is not exported, or a snapshot (which clones or later
     /// snapshots still lying over it keep, hidden, until they go).
     "volume_delete" => DeleteVolume -> Empty {

@@ -13,10 +13,11 @@ use nvpool_api::{
     AddHost, AddListener, AddLocalDevice, AddNamespace, AddSubsystem, AllowAnyHost, CancelMigration, CheckPool,
     CloneVolume, CreatePool, CreateSnapshot, CreateVolume, DeleteVolume, Empty, EngineInfo, ErrorReply, ExportPool,
     GetEngineInfo, GetMigration, GetRebuild, GetSubsystems, GetUsage, GetVolume, GrowNamespace, ImportPool,
-    ListAnaGroups, ListListeners, ListLocalDevices, ListPools, ListSubsystems, ListVolumes, LocalDeviceAdded, METHODS,
-    Method, NamespaceAdded, RemoveHost, RemoveListener, RemoveLocalDevice, RemoveNamespace, RemoveSubsystem,
-    ResizeVolume, SetAnaState, SetControllerIdRange, SetDiscoveryAddress, SetHostPaths, SetNamespaceQos,
-    StartMigration, StartRebuild, SwapNamespace, SwitchMigration, UpgradeEngine, VolumeDirty, VolumeWrittenSince,
+    InflateVolume, ListAnaGroups, ListListeners, ListLocalDevices, ListPools, ListSubsystems, ListVolumes,
+    LocalDeviceAdded, METHODS, Method, NamespaceAdded, RemoveHost, RemoveListener, RemoveLocalDevice, RemoveNamespace,
+    RemoveSubsystem, ResizeVolume, SetAnaState, SetControllerIdRange, SetDiscoveryAddress, SetHostPaths,
+    SetNamespaceQos, StartMigration, StartRebuild, SwapNamespace, SwitchMigration, UpgradeEngine, VolumeDirty,
+    VolumeWrittenSince,
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -212,6 +213,7 @@ fn reply_text(engine: &Engine, line: &str) -> Result<String> {
             answer(p, |r: CloneVolume| engine.pools.clone_volume(&r.pool, &r.snapshot, &r.name, r.identity.as_ref()))
         }
         GetVolume::NAME => answer(p, |r: GetVolume| engine.pools.volume(&r.pool, &r.name)),
+        InflateVolume::NAME => answer(p, |r: InflateVolume| engine.pools.inflate_volume(&r.pool, &r.name)),
         ResizeVolume::NAME => answer(p, |r: ResizeVolume| engine.resize_volume(&r.pool, &r.name, r.size)),
         ListVolumes::NAME => answer(p, |r: ListVolumes| engine.pools.volumes(r.pool.as_deref())),
         VolumeDirty::NAME => answer(p, |r: VolumeDirty| engine.pools.volume_dirty(&r.pool, &r.name, r.action)),

@@ -218,7 +218,11 @@ impl Pools {
         self.get(pool)?.create_clone(name, snapshot, identity)
     }
 
-    /// Grows a volume; namespaces serving it take the new size and hosts are told.
+    /// Starts inflating volume `name` in the background (see `Pool::inflate_volume`).
+    pub fn inflate_volume(&self, pool: &str, name: &str) -> Result<VolumeInfo> {
+        self.get(pool)?.inflate_volume(name)
+    }
+
     /// Grows a volume and the namespaces that serve it as a volume or as a replica
     /// export; those that mirror it (its serving engine's) are the caller's to grow,
     /// once the other replicas have grown.

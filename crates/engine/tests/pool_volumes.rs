@@ -659,3 +659,105 @@ fn a_deleted_snapshot_folds_into_the_layer_over_it() {
     assert_eq!(names(&node), ["v"]);
     node.ok("pool_check", json!({ "name": "p" }));
 }
+
+/// A clone inflated under writes stands alone: every cluster it read from the
+/// snapshots under it (whole there, or held in part by it) is its own and whole, it
+/// lies over nothing, and the snapshots and their origin go with all their space,
+/// while the clone reads as before and keeps the writes made during the inflation,
+/// across a restart too.
+#[test]
+fn an_inflated_clone_stands_alone_and_its_snapshots_can_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = disks(dir.path(), 2, 96 * MIB);
+    let node = Node::start(vec![]);
+    node.ok("pool_create", json!({ "name": "p", "disks": d }));
+    node.ok("volume_create", json!({ "pool": "p", "name": "v", "size": 32 * MIB, "thin": true }));
+    let v = node.export("p", "v");
+    let (_admin, mut q) = node.queue();
+    let cluster = |c: u64| c * BLOCKS_PER_CLUSTER;
+    // The origin: 24 clusters, whole or a few blocks of each; then a second snapshot
+    // over writes to some of them, so the clone reads through two.
+    for c in 0..24 {
+        match c % 3 {
+            0 => write_big(&mut q, v, cluster(c), &pattern(c, 256 * 4096)),
+            _ => write(&mut q, v, cluster(c) + c * 7, &pattern(c, 8192)).unwrap(),
+        }
+    }
+    node.ok("snapshot_create", json!({ "pool": "p", "volume": "v", "name": "s1" }));
+    for c in (0..24).step_by(4) {
+        write(&mut q, v, cluster(c) + 100, &pattern(50 + c, 4096)).unwrap();
+    }
+    node.ok("snapshot_create", json!({ "pool": "p", "volume": "v", "name": "s2" }));
+    node.ok("volume_clone", json!({ "pool": "p", "snapshot": "s2", "name": "c" }));
+    let c = node.export("p", "c");
+    // The clone's own writes before the inflation: in part over the snapshots, and
+    // a cluster they do not have.
+    write(&mut q, c, cluster(1) + 200, &pattern(90, 4096)).unwrap();
+    write(&mut q, c, cluster(26) + 5, &pattern(91, 4096)).unwrap();
+    let mut want = image(&mut q, c, 28);
+
+    // Writes during the inflation: 4 KiB blocks over every kind of cluster.
+    let blocks: Vec<u64> = (0..600u64).map(|i| (i * 7919) % cluster(28)).collect();
+    let written = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let writer = {
+        let (addr, blocks, written) = (node.addr, blocks.clone(), written.clone());
+        std::thread::spawn(move || {
+            let (_admin, mut io) = queue_at(addr);
+            for (i, &b) in blocks.iter().enumerate() {
+                write(&mut io, c, b, &pattern(1000 + i as u64, 4096)).unwrap();
+                written.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        })
+    };
+    while written.load(std::sync::atomic::Ordering::SeqCst) < 10 {
+        std::thread::yield_now();
+    }
+    let started = node.ok("volume_inflate", json!({ "pool": "p", "name": "c" }));
+    assert_eq!(started["parent"], json!("s2"), "{started}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let inflated = loop {
+        let got = node.ok("volume_get", json!({ "pool": "p", "name": "c" }));
+        if got.get("inflating").is_none() {
+            break got;
+        }
+        assert!(std::time::Instant::now() < deadline, "still inflating after 60 s: {got}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert_eq!(inflated["parent"], json!(""), "the clone lies over nothing once inflated: {inflated}");
+    let during = written.load(std::sync::atomic::Ordering::SeqCst);
+    eprintln!("the clone took writes 10 to {during} of {} while it inflated", blocks.len());
+    writer.join().unwrap();
+    for (i, &b) in blocks.iter().enumerate() {
+        let at = (b * 4096) as usize;
+        want[at..at + 4096].copy_from_slice(&pattern(1000 + i as u64, 4096));
+    }
+    assert_eq!(image(&mut q, c, 28), want, "the clone after its inflation");
+    node.ok("pool_check", json!({ "name": "p" }));
+
+    let refused = node.call("volume_inflate", json!({ "pool": "p", "name": "s1" })).unwrap_err();
+    assert!(refused.to_string().contains("is a snapshot"), "{refused}");
+
+    // Its origin and snapshots go, and all their space with them.
+    node.ok("namespace_remove", json!({ "nqn": NQN, "nsid": v }));
+    for name in ["v", "s2", "s1"] {
+        node.ok("volume_delete", json!({ "pool": "p", "name": name }));
+    }
+    let list = node.ok("volume_list", json!({ "pool": "p" }));
+    let names: Vec<&str> = list.as_array().unwrap().iter().map(|v| v["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["c"]);
+    let pool = node.ok("pool_list", json!({}))[0].clone();
+    assert_eq!(pool["used_bytes"], json!(allocated(&node, "p", "c")), "only the clone's clusters: {pool}");
+    assert_eq!(image(&mut q, c, 28), want, "the clone once its snapshots are gone");
+    node.ok("pool_check", json!({ "name": "p" }));
+    // Inflating a volume that lies over nothing does nothing.
+    assert!(node.ok("volume_inflate", json!({ "pool": "p", "name": "c" })).get("inflating").is_none());
+
+    q.flush(c).unwrap();
+    drop((_admin, q));
+    drop(node);
+    let node = Node::start(vec![PoolConfig { disks: d.clone() }]);
+    let c = node.export("p", "c");
+    let (_admin, mut q) = node.queue();
+    assert_eq!(image(&mut q, c, 28), want, "the clone after a restart");
+    node.ok("pool_check", json!({ "name": "p" }));
+}

@@ -542,6 +542,12 @@ pub enum Record {
         /// The hidden snapshot's ID.
         id: u32,
     },
+    /// Volume `id`, which holds whole every cluster the snapshots under it have (an
+    /// inflated clone), lies over nothing now.
+    Detach {
+        /// Volume ID.
+        id: u32,
+    },
 }
 
 impl PoolState {
@@ -676,8 +682,29 @@ impl PoolState {
                 self.volumes.get_mut(&child).expect("found above").layer.parent = parent;
                 self.volumes.remove(id);
             }
+            Record::Detach { id } => {
+                let v = self.volumes.get(id).ok_or_else(|| format!("detaching unknown volume {id}"))?;
+                if v.layer.kind != VolumeKind::Volume {
+                    return Err(format!("detaching {}, which is a snapshot", v.meta.name));
+                }
+                if let Some(vc) = self.inflate_pending(*id).first() {
+                    return Err(format!("detaching {}, which still reads cluster {vc} from a snapshot", v.meta.name));
+                }
+                self.volumes.get_mut(id).expect("found above").layer.parent = None;
+            }
         }
         Ok(())
+    }
+
+    /// The virtual clusters volume `id` still reads, wholly or in part, from the
+    /// snapshots under it: those one of them has, and the volume does not hold whole.
+    pub fn inflate_pending(&self, id: u32) -> Vec<u32> {
+        let Some(v) = self.volumes.get(&id) else { return Vec::new() };
+        let mut under: Vec<u32> = self.chain(id).iter().flat_map(|p| self.volumes[p].map.keys().copied()).collect();
+        under.sort_unstable();
+        under.dedup();
+        under.retain(|vc| !v.map.contains_key(vc) || v.partial.contains_key(vc));
+        under
     }
 
     /// For a hidden snapshot that one layer alone lies over: that layer, and the
@@ -981,6 +1008,7 @@ const TAG_MAP_LAYER: u8 = 12;
 const TAG_HOLD: u8 = 13;
 const TAG_HIDE: u8 = 14;
 const TAG_FOLD: u8 = 15;
+const TAG_DETACH: u8 = 16;
 
 impl Writer<'_> {
     fn meta(&mut self, m: &VolumeMeta) {
@@ -1102,6 +1130,10 @@ pub fn encode_entry(pool_uuid: &[u8; 16], generation: u64, seq: u64, records: &[
                 w.u8(TAG_FOLD);
                 w.u32(*id);
             }
+            Record::Detach { id } => {
+                w.u8(TAG_DETACH);
+                w.u32(*id);
+            }
         }
     }
     encode_header(JOURNAL_MAGIC, pool_uuid, generation, seq, &p)
@@ -1152,6 +1184,7 @@ pub fn decode_entry(pool_uuid: &[u8; 16], b: &[u8]) -> Option<(Header, Vec<Recor
                 TAG_HOLD => Record::Hold { id: r.u32()?, vc: r.u32()?, granules: r.granules()? },
                 TAG_HIDE => Record::Hide { id: r.u32()? },
                 TAG_FOLD => Record::Fold { id: r.u32()? },
+                TAG_DETACH => Record::Detach { id: r.u32()? },
                 t => return Err(format!("unknown journal record type {t}")),
             });
         }
@@ -1247,6 +1280,7 @@ mod tests {
             }),
             any::<u32>().prop_map(|id| Record::Hide { id }),
             any::<u32>().prop_map(|id| Record::Fold { id }),
+            any::<u32>().prop_map(|id| Record::Detach { id }),
         ]
     }
 

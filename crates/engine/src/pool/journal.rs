@@ -279,6 +279,8 @@ mod tests {
         Clone(usize),
         /// One step of folding a hidden snapshot into the one layer over it.
         Fold,
+        /// One step of inflating a volume that lies over a snapshot.
+        Inflate(usize),
         Checkpoint,
     }
 
@@ -292,6 +294,7 @@ mod tests {
             (0usize..8).prop_map(Op::Snapshot),
             (0usize..8).prop_map(Op::Clone),
             Just(Op::Fold),
+            (0usize..8).prop_map(Op::Inflate),
             Just(Op::Checkpoint),
         ]
     }
@@ -384,6 +387,23 @@ mod tests {
                 match s.volumes[&id].map.keys().next() {
                     Some(&vc) => s.fold_cluster(id, vc, CLUSTER).unwrap().0,
                     None => vec![Record::Fold { id }],
+                }
+            }
+            // A cluster the volume reads from below becomes its own and whole (its
+            // missing granules copied in), and once none is left it lies over nothing.
+            Op::Inflate(i) => {
+                let layered: Vec<u32> = writable.iter().copied().filter(|&id| !s.chain(id).is_empty()).collect();
+                let Some(&id) = layered.get(i % layered.len().max(1)) else { return vec![] };
+                let v = &s.volumes[&id];
+                match s.inflate_pending(id).first() {
+                    None => vec![Record::Detach { id }],
+                    Some(&vc) => match v.partial.get(&vc) {
+                        Some(held) => vec![Record::Hold { id, vc, granules: std::array::from_fn(|i| !held[i]) }],
+                        None => match free.next() {
+                            Some(pc) => vec![Record::Map { id, vstart: vc, pstart: pc, count: 1 }],
+                            None => vec![],
+                        },
+                    },
                 }
             }
             Op::Checkpoint => vec![],

@@ -17,6 +17,7 @@
 pub mod alloc;
 pub mod cluster_map;
 pub mod format;
+mod inflate;
 pub mod journal;
 pub mod layer_claims;
 mod meta_thread;
@@ -118,6 +119,11 @@ struct Inner {
     maps: BTreeMap<u32, Arc<VolumeMap>>,
     /// Set when metadata could not be written: the pool refuses every change after.
     failed: Option<String>,
+    /// Inflations under way.
+    inflating: Vec<inflate::Inflation>,
+    /// Set once the pool closes or a hot upgrade's new process is to take it: the
+    /// inflations stop (their next step would change what the other process reads).
+    stop_inflating: bool,
 }
 
 /// An open pool.
@@ -354,7 +360,15 @@ impl Pool {
         }
         let opened = Record::Opened { boot, power_losses };
         let (tx, rx) = mpsc::channel();
-        let mut inner = Inner { store, state, free: FreeClusters::new(total, &used), maps, failed: None };
+        let mut inner = Inner {
+            store,
+            state,
+            free: FreeClusters::new(total, &used),
+            maps,
+            failed: None,
+            inflating: Vec::new(),
+            stop_inflating: false,
+        };
         inner.state.apply(&opened, cs).map_err(Error::internal)?;
         let Inner { store, state, .. } = &mut inner;
         store.commit(&[opened], state).map_err(io_err(&format!("opening pool {:?}", first.pool_name)))?;
@@ -390,6 +404,7 @@ impl Pool {
     pub fn close(&self) {
         // Replacing the sender drops the thread's only way in; it exits.
         *lock(&self.shared.requests) = mpsc::channel().0;
+        lock(&self.inner).stop_inflating = true;
     }
 
     /// Makes every write durable and records that the pool was closed cleanly (not
@@ -426,7 +441,9 @@ impl Pool {
     /// a hot upgrade's new process opens the pool right after, while this one holds
     /// it quiet.
     pub fn checkpoint(&self) -> Result<()> {
-        self.checkpoint_locked(&mut lock(&self.inner))
+        let mut inner = lock(&self.inner);
+        inner.stop_inflating = true;
+        self.checkpoint_locked(&mut inner)
     }
 
     fn checkpoint_locked(&self, inner: &mut Inner) -> Result<()> {
@@ -579,10 +596,26 @@ impl Pool {
     /// snapshot stays hidden, and the next open tries again.
     pub fn fold_hidden(&self) {
         loop {
+            let (id, layer, vcs) = {
+                let inner = lock(&self.inner);
+                let foldable =
+                    inner.state.volumes.keys().find_map(|&h| inner.state.fold_target(h).map(|(child, _)| (h, child)));
+                let Some((id, child)) = foldable else { return };
+                let vcs: Vec<u64> = inner.state.volumes[&id].map.keys().take(FOLD_BATCH).map(|&vc| vc.into()).collect();
+                (id, inner.maps[&child].clone(), vcs)
+            };
+            // Granules the layer lacks are copied into its clusters: no direct write
+            // may fill them meanwhile.
+            let _held_off = inflate::DirectWritesHeldOff::new(layer.clone(), vcs.clone());
             let mut inner = lock(&self.inner);
-            let foldable = inner.state.volumes.keys().copied().find(|&h| inner.state.fold_target(h).is_some());
-            let Some(id) = foldable else { return };
-            if let Err(e) = self.fold_step(&mut inner, id) {
+            let same_layer = inner
+                .state
+                .fold_target(id)
+                .is_some_and(|(child, _)| inner.maps.get(&child).is_some_and(|m| Arc::ptr_eq(m, &layer)));
+            if !same_layer {
+                continue;
+            }
+            if let Err(e) = self.fold_step(&mut inner, id, &vcs) {
                 let name = inner.state.volumes.get(&id).map(|v| v.meta.name.clone()).unwrap_or_default();
                 tracing::error!(pool = %self.name, "folding the deleted snapshot {name} into its layer failed: {e}");
                 return;
@@ -590,13 +623,18 @@ impl Pool {
         }
     }
 
-    /// One step of `fold_hidden` for hidden snapshot `id`.
-    fn fold_step(&self, inner: &mut Inner, id: u32) -> Result<()> {
+    /// One step of `fold_hidden` for hidden snapshot `id`: those of clusters `vcs` it
+    /// still has.
+    fn fold_step(&self, inner: &mut Inner, id: u32, vcs: &[u64]) -> Result<()> {
         let (child, _) = inner.state.fold_target(id).ok_or_else(|| Error::internal("nothing to fold"))?;
-        let vcs: Vec<u32> = inner.state.volumes[&id].map.keys().take(FOLD_BATCH).copied().collect();
-        if vcs.is_empty() {
+        let snapshot_map = &inner.state.volumes[&id].map;
+        if snapshot_map.is_empty() {
             self.commit(inner, &[Record::Fold { id }])?;
             inner.maps.remove(&id);
+            return Ok(());
+        }
+        let vcs: Vec<u32> = vcs.iter().map(|&vc| vc as u32).filter(|vc| snapshot_map.contains_key(vc)).collect();
+        if vcs.is_empty() {
             return Ok(());
         }
         let (snapshot, layer) = (inner.maps[&id].clone(), inner.maps[&child].clone());
@@ -836,6 +874,7 @@ impl Pool {
                 .and_then(|p| inner.state.volumes.get(&p))
                 .map(|p| p.meta.name.clone())
                 .unwrap_or_default(),
+            inflating: inner.inflation_of(id),
         }
     }
 

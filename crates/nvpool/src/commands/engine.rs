@@ -9,11 +9,11 @@ use nvpool_api::{
     AddHost, AddListener, AddLocalDevice, AddNamespace, AddSubsystem, AllowAnyHost, AnaGroupInfo, AnaState,
     CancelMigration, CheckPool, CloneVolume, CreatePool, CreateSnapshot, CreateVolume, DeleteVolume, DhchapKeys,
     DirtyAction, ExportPool, GetEngineInfo, GetMigration, GetRebuild, GetVolume, GrowNamespace, ImportPool,
-    ListAnaGroups, ListListeners, ListLocalDevices, ListPools, ListSubsystems, ListVolumes, ListenerInfo,
-    LocalDeviceConfig, LocalDeviceInfo, Method, MigrationInfo, PathAddress, PoolInfo, RebuildInfo, RemoveHost,
-    RemoveListener, RemoveLocalDevice, RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState, SetNamespaceQos,
-    StartMigration, StartRebuild, SubsystemInfo, SwapNamespace, SwitchMigration, TlsMode, TlsPsk, Transport,
-    UpgradeEngine, VolumeDirty, VolumeIdentity, VolumeInfo, VolumeWrittenSince,
+    InflateVolume, ListAnaGroups, ListListeners, ListLocalDevices, ListPools, ListSubsystems, ListVolumes,
+    ListenerInfo, LocalDeviceConfig, LocalDeviceInfo, Method, MigrationInfo, PathAddress, PoolInfo, RebuildInfo,
+    RemoveHost, RemoveListener, RemoveLocalDevice, RemoveNamespace, RemoveSubsystem, ResizeVolume, SetAnaState,
+    SetNamespaceQos, StartMigration, StartRebuild, SubsystemInfo, SwapNamespace, SwitchMigration, TlsMode, TlsPsk,
+    Transport, UpgradeEngine, VolumeDirty, VolumeIdentity, VolumeInfo, VolumeWrittenSince,
 };
 use nvpool_engine::Engine;
 use nvpool_engine::config::{
@@ -457,6 +457,18 @@ enum EngineVolumeVerb {
         /// The new volume's name.
         name: String,
     },
+    /// Make a volume that lies over a snapshot (a clone) independent of it, in the
+    /// background: what it reads from the snapshot is copied into it, after which the
+    /// snapshot can go without keeping its space. `volume stats` shows the progress.
+    Inflate {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        name: String,
+        /// Wait until it is done, printing the progress.
+        #[arg(long)]
+        wait: bool,
+    },
     /// Show one volume: size, allocation, identity.
     Stats {
         /// Pool name.
@@ -798,6 +810,27 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
             EngineVolumeVerb::Clone { pool, snapshot, name } => {
                 let clone = CloneVolume { pool, snapshot, name, identity: None };
                 show(&api, clone, |r| volume_table(std::slice::from_ref(r)))
+            }
+            EngineVolumeVerb::Inflate { pool, name, wait } => {
+                let mut r = api.call(InflateVolume { pool: pool.clone(), name: name.clone() })?;
+                while wait && r.inflating.is_some() {
+                    if let (false, Some(p)) = (api.json, &r.inflating) {
+                        eprint!("\rinflating {pool}/{name}: {} of {} clusters", p.copied, p.total);
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(200));
+                    r = api.call(GetVolume { pool: pool.clone(), name: name.clone() })?;
+                }
+                if wait && !r.parent.is_empty() {
+                    return Err(format!(
+                        "the inflation of {pool}/{name} stopped before it was done (the engine's log says why): run \
+                         `nvpool engine volume inflate` again to go on"
+                    ));
+                }
+                if wait && !api.json {
+                    eprintln!();
+                }
+                print_or(api.json, &r, || render(&volume_table(std::slice::from_ref(&r))));
+                Ok(())
             }
             EngineVolumeVerb::Stats { pool, name } => {
                 show(&api, GetVolume { pool, name }, |r| volume_table(std::slice::from_ref(r)))
@@ -1235,7 +1268,11 @@ fn volume_table(volumes: &[VolumeInfo]) -> Vec<Vec<String>> {
             human(x.size),
             kind.to_string(),
             human(x.allocated_bytes),
-            if x.parent.is_empty() { "-".into() } else { x.parent.clone() },
+            match (&x.inflating, x.parent.is_empty()) {
+                (Some(p), _) => format!("{} (inflating: {}%)", x.parent, p.copied * 100 / p.total.max(1)),
+                (None, true) => "-".into(),
+                (None, false) => x.parent.clone(),
+            },
             x.uuid.clone(),
             if x.dirty_tracking { "on" } else { "off" }.to_string(),
         ]);
