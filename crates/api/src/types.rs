@@ -612,19 +612,23 @@ pub struct VolumeInfo {
     /// none.
     #[serde(default)]
     pub parent: String,
-    /// How far its inflation is, while one is under way (`volume_inflate`).
+    /// How far its inflation is, while one is under way (`volume_inflate`), or why
+    /// the last one stopped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inflating: Option<InflateProgress>,
 }
 
-/// An inflation under way: clusters the volume read from below that are its own now,
-/// of those it read when the inflation began.
+/// An inflation under way, or one that stopped: clusters the volume read from below
+/// that are its own now, of those it read when the inflation began.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct InflateProgress {
     /// Clusters done.
     pub copied: u64,
     /// Clusters to do.
     pub total: u64,
+    /// Why it stopped before it was done (inflating the volume again goes on).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stopped: Option<String>,
 }
 
 /// A snapshot taken: its volume entry, and how long the volume's I/O was held.

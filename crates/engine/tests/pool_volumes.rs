@@ -717,6 +717,7 @@ fn an_inflated_clone_stands_alone_and_its_snapshots_can_go() {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     let inflated = loop {
         let got = node.ok("volume_get", json!({ "pool": "p", "name": "c" }));
+        assert!(got["inflating"]["stopped"].is_null(), "{got}");
         if got.get("inflating").is_none() {
             break got;
         }

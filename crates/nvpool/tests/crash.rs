@@ -8,6 +8,9 @@
 //! a snapshot the engine confirmed (or one it made before it died) holds, for every
 //! block, a value the volume could hold while the snapshot was taken, after any
 //! number of later writes, kills and deletions, and a deletion either happened or not.
+//! The volume is also inflated (made to hold whole every cluster it reads from its
+//! snapshots, then to lie over none) in the background, which the kill may cut short:
+//! it reads the same throughout, and so do its snapshots.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -223,6 +226,17 @@ fn either(before: Model, after: Model) -> Model {
     m
 }
 
+/// What a run does besides writing.
+#[derive(Clone, Copy)]
+enum Action {
+    /// Takes a snapshot.
+    Take,
+    /// Deletes one.
+    Delete,
+    /// Starts inflating the volume.
+    Inflate,
+}
+
 /// A snapshot the test took, and what it may hold.
 struct Snapshot {
     name: String,
@@ -258,7 +272,7 @@ fn acknowledged_flushed_writes_survive_sigkill() {
     let disks: Vec<PathBuf> = (0..2)
         .map(|i| {
             let p = dir.path().join(format!("disk{i}"));
-            std::fs::File::create(&p).unwrap().set_len(48 << 20).unwrap();
+            std::fs::File::create(&p).unwrap().set_len(256 << 20).unwrap();
             p
         })
         .collect();
@@ -276,6 +290,7 @@ fn acknowledged_flushed_writes_survive_sigkill() {
     let mut snapshots: Vec<Snapshot> = Vec::new();
     let mut rng = Rng(0x5EED_1234_ABCD_0001);
     let (mut kills_mid_write, mut taken, mut deleted, mut cut_short, mut snapshot_blocks) = (0, 0, 0, 0, 0);
+    let (mut inflations, mut inflated) = (0, 0);
     for iteration in 0..ITERATIONS {
         let mut engine = start_engine(dir.path(), port, &disks, true);
         let checked = verify(addr, 1, &merged(&models), "the volume");
@@ -287,6 +302,10 @@ fn acknowledged_flushed_writes_survive_sigkill() {
             snapshot_blocks += verify_snapshot(&socket, addr, s);
             s.verified = true;
         }
+        // Over none of its snapshots: an inflation that the kill did not cut short.
+        let volume: serde_json::Value =
+            serde_json::from_str(&cli(&socket, &["volume", "stats", "crash", "v", "--json"])).unwrap();
+        inflated += usize::from(volume["parent"] == "" && !snapshots.is_empty());
         let stop = Arc::new(AtomicBool::new(false));
         let threads: Vec<_> = models
             .iter()
@@ -296,23 +315,26 @@ fn acknowledged_flushed_writes_survive_sigkill() {
                 std::thread::spawn(move || writer(addr, i as u64, seed, m, stop))
             })
             .collect();
-        // Most runs take a snapshot or delete one while the hosts write, at a moment
-        // that may be the kill's.
+        // Most runs take a snapshot, delete one or start inflating the volume while the
+        // hosts write, at a moment that may be the kill's.
         let run_for = Duration::from_millis(50 + rng.below(400));
         let at = Duration::from_millis(rng.below(run_for.as_millis() as u64 + 50));
-        // (take, name): a snapshot to take, or one to delete.
-        let action = match rng.below(3) {
-            0 | 1 if snapshots.len() < SNAPSHOTS => Some((true, format!("s{iteration}"))),
+        let action = match rng.below(5) {
+            0 | 1 if snapshots.len() < SNAPSHOTS => Some((Action::Take, format!("s{iteration}"))),
+            4 if !snapshots.is_empty() => Some((Action::Inflate, "v".to_string())),
             _ => (!snapshots.is_empty())
-                .then(|| (false, snapshots[rng.below(snapshots.len() as u64) as usize].name.clone())),
+                .then(|| (Action::Delete, snapshots[rng.below(snapshots.len() as u64) as usize].name.clone())),
         };
-        let caller = action.clone().map(|(take, name)| {
+        let caller = action.clone().map(|(action, name)| {
             let (socket, models) = (socket.clone(), models.clone());
             std::thread::spawn(move || {
                 std::thread::sleep(at);
                 let before = merged(&models);
-                let verb: &[&str] =
-                    if take { &["volume", "snapshot", "crash", "v"] } else { &["volume", "delete", "crash"] };
+                let verb: &[&str] = match action {
+                    Action::Take => &["volume", "snapshot", "crash", "v"],
+                    Action::Delete => &["volume", "delete", "crash"],
+                    Action::Inflate => &["volume", "inflate", "crash"],
+                };
                 let answered = try_cli(&socket, &[verb, &[name.as_str()]].concat()).is_ok();
                 (answered, either(before, merged(&models)))
             })
@@ -324,22 +346,24 @@ fn acknowledged_flushed_writes_survive_sigkill() {
         for t in threads {
             t.join().expect("a writer thread failed");
         }
-        if let (Some((take, name)), Some(caller)) = (action, caller) {
+        if let (Some((action, name)), Some(caller)) = (action, caller) {
             let (answered, model) = caller.join().unwrap();
             cut_short += usize::from(!answered);
-            match take {
-                true => {
+            match action {
+                Action::Take => {
                     taken += usize::from(answered);
                     snapshots.push(Snapshot { name, model, verified: false });
                 }
                 // A deletion the engine confirmed happened: the snapshot is gone.
-                false if answered => {
+                Action::Delete if answered => {
                     deleted += 1;
                     snapshots.retain(|s| s.name != name);
                 }
-                false => {}
+                Action::Delete => {}
+                Action::Inflate => inflations += usize::from(answered),
             }
         }
+
         kills_mid_write += 1;
         eprintln!("iteration {iteration}: {checked} blocks verified before the run; {} snapshots", snapshots.len());
     }
@@ -353,6 +377,18 @@ fn acknowledged_flushed_writes_survive_sigkill() {
     for s in &snapshots {
         snapshot_blocks += verify_snapshot(&socket, addr, s);
     }
+    // Inflated to the end: the volume lies over none of them, and they and it read
+    // as before.
+    let began = Instant::now();
+    let volume: serde_json::Value =
+        serde_json::from_str(&cli(&socket, &["volume", "inflate", "crash", "v", "--wait", "--json"])).unwrap();
+    assert_eq!(volume["parent"], "", "inflated: {volume}");
+    eprintln!("the volume inflated in {:.2} s", began.elapsed().as_secs_f64());
+    assert_eq!(verify(addr, 1, &merged(&models), "the inflated volume"), checked);
+    for s in &snapshots {
+        verify_snapshot(&socket, addr, s);
+    }
+    cli(&socket, &["pool", "check", "crash"]);
     let volumes = cli(&socket, &["volume", "list", "crash", "--json"]);
     let pools = cli(&socket, &["pool", "list", "--json"]);
     let v: serde_json::Value = serde_json::from_str(&volumes).unwrap();
@@ -365,13 +401,14 @@ fn acknowledged_flushed_writes_survive_sigkill() {
     let touched: BTreeSet<u64> = merged(&models).keys().copied().collect();
     eprintln!(
         "{kills_mid_write} kills; {checked} blocks verified at the end; {} blocks ever written; {taken} snapshots \
-         taken, {deleted} deleted, {cut_short} calls cut short by the kill, {} kept, {snapshot_blocks} of their \
-         blocks verified",
+         taken, {deleted} deleted, {inflations} inflations started ({inflated} runs began with the volume \
+         inflated), {cut_short} calls cut short by the kill, {} kept, {snapshot_blocks} of their blocks verified",
         touched.len(),
         snapshots.len()
     );
     assert!(checked > 1000, "the writers did too little to test anything");
     assert!(taken >= 4 && deleted >= 1, "too few snapshots were taken or deleted to test anything");
+    assert!(inflations >= 2, "too few inflations to test anything");
     let mut engine = engine;
     engine.kill().unwrap();
     engine.wait().unwrap();

@@ -92,8 +92,9 @@ impl Inner {
 
 impl Pool {
     /// Starts inflating volume `name` in the background (nothing to do for one that
-    /// lies over no snapshot, and an inflation under way goes on). `volume_get`
-    /// reports the progress; once done, the volume has no parent.
+    /// lies over no snapshot, and an inflation under way goes on; one that stopped
+    /// starts again from where it was). `volume_get` reports the progress, or why it
+    /// stopped; once done, the volume has no parent.
     pub fn inflate_volume(self: &Arc<Self>, name: &str) -> Result<VolumeInfo> {
         let mut inner = lock(&self.inner);
         let id = self.volume_id(&inner, name)?;
@@ -105,12 +106,27 @@ impl Pool {
             )));
         }
         inner.check_inflating()?;
-        if v.layer.parent.is_none() || inner.inflation_of(id).is_some() {
+        let under_way = inner.inflation_of(id).is_some_and(|p| p.stopped.is_none());
+        if v.layer.parent.is_none() || under_way {
             return Ok(self.volume_info(&inner, id));
         }
         let map = inner.maps[&id].clone();
-        let total = inner.state.inflate_pending(id).len() as u64;
-        inner.inflating.push(Inflation { map: map.clone(), progress: InflateProgress { copied: 0, total } });
+        let pending = inner.state.inflate_pending(id);
+        let new_clusters = pending.iter().filter(|vc| !v.map.contains_key(vc)).count() as u64;
+        let free = u64::from(inner.free.free());
+        if new_clusters > free {
+            let mib = |clusters: u64| (clusters * self.cluster_size) >> 20;
+            return Err(Error::precondition(format!(
+                "inflating {name} takes {} MiB more of pool {}, which has {} MiB free: free some space (delete \
+                 volumes or snapshots) or add a disk first",
+                mib(new_clusters),
+                self.name,
+                mib(free)
+            )));
+        }
+        let progress = InflateProgress { copied: 0, total: pending.len() as u64, stopped: None };
+        inner.inflating.retain(|i| !Arc::ptr_eq(&i.map, &map));
+        inner.inflating.push(Inflation { map: map.clone(), progress });
         let info = self.volume_info(&inner, id);
         drop(inner);
         let (pool, inflated) = (self.clone(), map.clone());
@@ -133,13 +149,19 @@ impl Pool {
             }
         };
         let mut inner = lock(&self.inner);
-        inner.inflating.retain(|i| !Arc::ptr_eq(&i.map, &map));
         let name = inner.volume_of(&map).map(|id| inner.state.volumes[&id].meta.name.clone()).unwrap_or_default();
-        drop(inner);
         match result {
-            Ok(()) => tracing::info!(pool = %self.name, "volume {name} inflated: it lies over no snapshot now"),
+            Ok(()) => {
+                inner.inflating.retain(|i| !Arc::ptr_eq(&i.map, &map));
+                tracing::info!(pool = %self.name, "volume {name} inflated: it lies over no snapshot now");
+            }
             // The clusters copied so far stay the volume's; inflating it again goes on.
-            Err(e) => tracing::error!(pool = %self.name, "inflating volume {name} failed: {e}"),
+            Err(e) => {
+                tracing::error!(pool = %self.name, "inflating volume {name} stopped: {e}");
+                if let Some(i) = inner.inflating.iter_mut().find(|i| Arc::ptr_eq(&i.map, &map)) {
+                    i.progress.stopped = Some(e.to_string());
+                }
+            }
         }
     }
 

@@ -813,7 +813,7 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
             }
             EngineVolumeVerb::Inflate { pool, name, wait } => {
                 let mut r = api.call(InflateVolume { pool: pool.clone(), name: name.clone() })?;
-                while wait && r.inflating.is_some() {
+                while wait && r.inflating.as_ref().is_some_and(|p| p.stopped.is_none()) {
                     if let (false, Some(p)) = (api.json, &r.inflating) {
                         eprint!("\rinflating {pool}/{name}: {} of {} clusters", p.copied, p.total);
                     }
@@ -821,9 +821,10 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
                     r = api.call(GetVolume { pool: pool.clone(), name: name.clone() })?;
                 }
                 if wait && !r.parent.is_empty() {
+                    let why = r.inflating.and_then(|p| p.stopped).unwrap_or_else(|| "see the engine's log".into());
                     return Err(format!(
-                        "the inflation of {pool}/{name} stopped before it was done (the engine's log says why): run \
-                         `nvpool engine volume inflate` again to go on"
+                        "the inflation of {pool}/{name} stopped before it was done ({why}): run `nvpool engine volume \
+                         inflate` again to go on"
                     ));
                 }
                 if wait && !api.json {
@@ -1269,6 +1270,7 @@ fn volume_table(volumes: &[VolumeInfo]) -> Vec<Vec<String>> {
             kind.to_string(),
             human(x.allocated_bytes),
             match (&x.inflating, x.parent.is_empty()) {
+                (Some(p), _) if p.stopped.is_some() => format!("{} (inflation stopped)", x.parent),
                 (Some(p), _) => format!("{} (inflating: {}%)", x.parent, p.copied * 100 / p.total.max(1)),
                 (None, true) => "-".into(),
                 (None, false) => x.parent.clone(),
