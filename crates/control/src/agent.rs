@@ -14,9 +14,9 @@ use crate::proto::{self, agent_server::AgentServer};
 use nvpool_api::{
     AddHost, AddLocalDevice, AddNamespace, AddSubsystem, AnaState, CancelMigration, CloneVolume, CreateSnapshot,
     CreateVolume, DeleteVolume, DhchapKeys, EngineInfo, ErrorKind, GetEngineInfo, GetMigration, GetRebuild,
-    GetSubsystems, GetUsage, GetVolume, GrowNamespace, ListAnaGroups, ListListeners, ListLocalDevices, ListPools,
-    ListSubsystems, ListVolumes, LocalDeviceConfig, LocalDeviceInfo, Method, NamespaceConfig, NamespaceUsage,
-    PathAddress, QosLimits, RemoveHost, RemoveLocalDevice, RemoveSubsystem, ResizeVolume, SetAnaState,
+    GetSubsystems, GetUsage, GetVolume, GrowNamespace, InflateVolume, ListAnaGroups, ListListeners, ListLocalDevices,
+    ListPools, ListSubsystems, ListVolumes, LocalDeviceConfig, LocalDeviceInfo, Method, NamespaceConfig,
+    NamespaceUsage, PathAddress, QosLimits, RemoveHost, RemoveLocalDevice, RemoveSubsystem, ResizeVolume, SetAnaState,
     SetControllerIdRange, SetDiscoveryAddress, SetHostPaths, SetNamespaceQos, StartMigration, StartRebuild,
     SubsystemConfig, SubsystemInfo, SwapNamespace, SwitchMigration, UpgradeEngine, UsageReport, VolumeIdentity,
     VolumeInfo,
@@ -177,6 +177,15 @@ impl proto::agent_server::Agent for Service {
         Ok(Response::new(reply))
     }
 
+    async fn inflate_volume(&self, r: Request<proto::InflateRequest>) -> Result<Response<proto::InflateReply>, Status> {
+        self.check_controller(&r)?;
+        let engine = self.engine.clone();
+        let reply = tokio::task::spawn_blocking(move || inflate(&engine, r.into_inner()))
+            .await
+            .map_err(|e| Status::internal(format!("agent failed: {e}")))??;
+        Ok(Response::new(reply))
+    }
+
     async fn upgrade_engine(
         &self,
         r: Request<proto::UpgradeEngineRequest>,
@@ -230,6 +239,23 @@ fn take_snapshot(engine: &Path, r: proto::TakeSnapshotRequest) -> Result<proto::
             _ => Status::unavailable(e.message),
         }),
     }
+}
+
+/// Has the engine start inflating a volume (or go on), and says how far it is.
+fn inflate(engine: &Path, r: proto::InflateRequest) -> Result<proto::InflateReply, Status> {
+    let v = nvpool_api::call(engine, &InflateVolume { pool: r.pool, name: r.volume }).map_err(|e| match e.kind {
+        ErrorKind::NotFound => Status::not_found(e.message),
+        ErrorKind::InvalidArgument => Status::invalid_argument(e.message),
+        ErrorKind::FailedPrecondition => Status::failed_precondition(e.message),
+        _ => Status::unavailable(e.message),
+    })?;
+    let progress = v.inflating.unwrap_or_default();
+    Ok(proto::InflateReply {
+        copied_clusters: progress.copied,
+        total_clusters: progress.total,
+        done: v.parent.is_empty(),
+        stopped: progress.stopped.unwrap_or_default(),
+    })
 }
 
 /// Passes a migration request to the engine.

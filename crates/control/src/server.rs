@@ -150,6 +150,13 @@ impl proto::controller_server::Controller for Service {
         .await
     }
 
+    async fn inflate_volume(
+        &self,
+        r: Request<proto::VolumeName>,
+    ) -> Result<Response<proto::InflateVolumeResponse>, Status> {
+        self.with(async |c| c.inflate_volume(&r.get_ref().name).await).await
+    }
+
     async fn get_snapshot(&self, r: Request<proto::SnapshotName>) -> Result<Response<proto::Snapshot>, Status> {
         self.with(async |c| c.get_snapshot(&r.get_ref().name)).await
     }

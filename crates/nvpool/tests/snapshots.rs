@@ -10,6 +10,8 @@
 //! - Snapshots survive a new controller; the pool reports the bytes they hold.
 //! - A snapshot outlives its volume, and the clones outlive both; once all are
 //!   deleted the pool is empty: nothing leaked.
+//! - A clone inflated holds all its data: it reads as before, depends on nothing
+//!   and moves to another node.
 
 mod cluster;
 
@@ -204,17 +206,53 @@ async fn snapshots_and_clones_through_the_controller_outlive_their_sources() {
         assert!(holds(&mut k, mib(m), seed), "copy MiB {m} changed with its origin gone");
     }
 
+    // The clone of the volume, inflated: it reads as before, lies over nothing (its
+    // hidden source is gone) and moves to another node.
+    let inflate = proto::VolumeName { name: "copy".into() };
+    let inflated = wait_for("copy to be inflated", Duration::from_secs(30), async || {
+        let r = c.call(async |mut c| c.inflate_volume(inflate.clone()).await).await.unwrap();
+        assert!(r.stopped.is_empty(), "the inflation stopped: {}", r.stopped);
+        r.done.then_some(r)
+    })
+    .await;
+    assert_eq!(inflated.volume.unwrap().clone_of, "", "an inflated clone has no source");
+    for (m, seed) in [(0, 200), (1, 101), (2, 202), (3, 403)] {
+        assert!(holds(&mut k, mib(m), seed), "copy MiB {m} changed with its inflation");
+    }
+    let hidden_left =
+        |n: &Node| n.engine_call(ListVolumes { pool: None }).iter().any(|v| v.name.starts_with("source-of-"));
+    assert!(!hidden_left(n1), "the clone's hidden source went with its inflation");
+    // No host attached: the move need not wait for one to connect to the new path.
+    drop(k);
+    let detach = proto::DetachRequest { volume: "copy".into(), host_nqn: HOST.into() };
+    c.call(async |mut c| c.detach(detach.clone()).await).await.unwrap();
+    let migrate =
+        proto::MigrateVolumeRequest { name: "copy".into(), to_node: "n2".into(), pause_ms: 500, ..Default::default() };
+    c.call(async |mut c| c.migrate_volume(migrate.clone()).await).await.unwrap();
+    let moved = wait_for("copy to move to n2", Duration::from_secs(60), async || {
+        let v = volume(&c, "copy").await;
+        (v.migration.is_none() && v.node == "n2").then_some(v)
+    })
+    .await;
+    assert_eq!(moved.node, "n2");
+    let mut k = open(&c, "copy", n1).await;
+    for (m, seed) in [(0, 200), (1, 101), (2, 202), (3, 403)] {
+        assert!(holds(&mut k, mib(m), seed), "copy MiB {m} changed with its move");
+    }
+
     // All gone: the pool holds nothing.
     drop((r, k, origin));
     for name in ["restored", "copy", &other.name] {
         let del = proto::VolumeName { name: name.into() };
         c.call(async |mut c| c.delete_volume(del.clone()).await).await.unwrap();
     }
-    wait_for("n1's pool to be empty", Duration::from_secs(30), async || {
-        let left = n1.engine_call(ListVolumes { pool: None });
-        let pool = n1.engine_call(ListPools {}).remove(0);
-        (left.is_empty() && pool.volumes == 0 && pool.used_bytes == 0).then_some(())
-    })
-    .await;
-    n1.engine_call(CheckPool { name: "n1-pool".into() });
+    for (n, pool) in [(n1, "n1-pool"), (n2, "n2-pool")] {
+        wait_for("the pools to be empty", Duration::from_secs(30), async || {
+            let left = n.engine_call(ListVolumes { pool: None });
+            let pool = n.engine_call(ListPools {}).remove(0);
+            (left.is_empty() && pool.volumes == 0 && pool.used_bytes == 0).then_some(())
+        })
+        .await;
+        n.engine_call(CheckPool { name: pool.into() });
+    }
 }

@@ -551,7 +551,8 @@ pub(super) fn layered_stays(v: &VolumeRecord) -> String {
     };
     format!(
         "volume {} {over}: its data is in more than its own pool volume, and moving a volume with its \
-         snapshots is not built yet, so it stays on {}; to move the data, make a new volume elsewhere and copy it",
-        v.name, v.node
+         snapshots is not built yet, so it stays on {}; `nvpool volume inflate {}` makes it hold all its data \
+         itself, and then it moves (its snapshots stay on {})",
+        v.name, v.node, v.name, v.node
     )
 }

@@ -192,6 +192,54 @@ impl Cluster {
         snapshot_proto_locked(&self.state.lock().unwrap(), s)
     }
 
+    /// Inflates volume `name` (a clone, or a volume with snapshots) on its node:
+    /// starts it there, or says how far it is. Once the engine says it is done, the
+    /// record forgets the volume's source and that it lay over snapshots, so the
+    /// volume may move and take replicas again; its source, if a snapshot, no longer
+    /// counts it among its clones (and a volume clone's hidden source is gone).
+    pub async fn inflate_volume(&self, name: &str) -> Result<proto::InflateVolumeResponse, Status> {
+        let _guard = self.volume_locks.lock(name).await;
+        let v = self.ready_volume(name)?;
+        if !v.layered {
+            return Ok(proto::InflateVolumeResponse {
+                volume: Some(self.volume_proto(&v)),
+                done: true,
+                ..Default::default()
+            });
+        }
+        let address = {
+            let st = self.state.lock().unwrap();
+            let n =
+                st.nodes.get(&v.node).ok_or_else(|| Status::unavailable(format!("node {} is not known", v.node)))?;
+            if !self.healthy(n) {
+                return Err(Status::unavailable(format!("node {} is down: inflate {name} once it is back", v.node)));
+            }
+            n.record.agent_address.clone()
+        };
+        let channel = self.channel(&address).map_err(Status::unavailable)?;
+        let request = proto::InflateRequest { pool: v.pool.clone(), volume: v.engine_name.clone() };
+        let reply = tokio::time::timeout(self.cfg.apply_timeout, AgentClient::new(channel).inflate_volume(request))
+            .await
+            .map_err(|_| Status::deadline_exceeded(format!("node {}'s agent took too long", v.node)))?
+            .map_err(|e| Status::new(e.code(), format!("node {} cannot inflate {name}: {}", v.node, e.message())))?
+            .into_inner();
+        let v = if reply.done {
+            let independent = VolumeRecord { source: None, layered: false, ..v };
+            self.commit(Txn::default().put(format!("{VOLUMES}{name}"), to_json(&independent))).await?;
+            self.state.lock().unwrap().volumes.insert(name.to_string(), independent.clone());
+            independent
+        } else {
+            v
+        };
+        Ok(proto::InflateVolumeResponse {
+            volume: Some(self.volume_proto(&v)),
+            copied_clusters: reply.copied_clusters,
+            total_clusters: reply.total_clusters,
+            done: reply.done,
+            stopped: reply.stopped,
+        })
+    }
+
     /// Makes volume `req.name` a clone of a snapshot or of a volume, on the pool that
     /// holds its source; a clone of that source made before is returned (finished if
     /// an earlier call left it half made).

@@ -329,6 +329,11 @@ impl proto::agent_server::Agent for FleetService {
     ) -> Result<Response<proto::TakeSnapshotReply>, Status> {
         Ok(Response::new(proto::TakeSnapshotReply::default()))
     }
+
+    /// An inflation is done at once on a simulated node.
+    async fn inflate_volume(&self, _: Request<proto::InflateRequest>) -> Result<Response<proto::InflateReply>, Status> {
+        Ok(Response::new(proto::InflateReply { done: true, ..Default::default() }))
+    }
 }
 
 /// A desired entry made (or removed) at once, with the identity an engine derives;

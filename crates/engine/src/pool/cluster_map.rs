@@ -159,7 +159,8 @@ impl VolumeMap {
         self.parent.as_ref()
     }
 
-    /// Marks the map a snapshot's: the volume it served goes on with `next`.
+    /// Marks the map a snapshot's, or one replaced by its detached copy: the volume it
+    /// served goes on with `next`.
     pub fn hand_on(&self, next: &Arc<VolumeMap>) {
         let _ = self.successor.set(Arc::downgrade(next));
     }
@@ -186,6 +187,13 @@ impl VolumeMap {
             successor: self.successor.clone(),
             claims: self.claims.clone(),
         }
+    }
+
+    /// The same map lying over nothing (an inflated volume's), sharing every page:
+    /// the volume goes on with it, and a backend holding this one finds it
+    /// ([`VolumeMap::hand_on`]).
+    pub fn detached(&self) -> VolumeMap {
+        VolumeMap { parent: None, successor: Arc::default(), ..self.resized(self.clusters) }
     }
 
     /// Number of virtual clusters.

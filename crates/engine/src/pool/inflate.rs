@@ -175,6 +175,13 @@ impl Pool {
             if pending.is_empty() {
                 if inner.state.volumes[&id].layer.parent.is_some() {
                     self.commit(&mut inner, &[Record::Detach { id }])?;
+                    // A volume goes on with its map over nothing (so that it may move,
+                    // for one); a snapshot's map stays: the layer over it holds it.
+                    if inner.state.volumes[&id].layer.kind == format::VolumeKind::Volume {
+                        let detached = Arc::new(map.detached());
+                        map.hand_on(&detached);
+                        inner.maps.insert(id, detached);
+                    }
                     self.delete_orphans(&mut inner)?;
                 }
                 drop(inner);

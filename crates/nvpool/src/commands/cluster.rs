@@ -618,6 +618,18 @@ pub enum ClusterVolumeVerb {
         /// Volume name.
         name: String,
     },
+    /// Make a volume that lies over snapshots (a clone, or a volume with snapshots)
+    /// hold all its data itself, in the background on its node, and wait for it
+    /// (printing the progress): then its source can go without keeping its space,
+    /// and the volume may move and take replicas again. Interrupted, the inflation
+    /// goes on; run this again to see it end.
+    Inflate {
+        /// Volume name.
+        name: String,
+        /// Start it and return at once.
+        #[arg(long)]
+        no_wait: bool,
+    },
     /// Grow a volume; attached hosts see the new size.
     Resize {
         /// Volume name.
@@ -956,6 +968,43 @@ async fn volume(verb: ClusterVolumeVerb, api: ControllerApi) -> Result<(), Strin
                 format!("no volume {name}; nothing to delete")
             };
             print_or(api.json, &serde_json::json!({ "deleted": r.deleted }), || msg);
+        }
+        ClusterVolumeVerb::Inflate { name, no_wait } => {
+            let req = proto::VolumeName { name: name.clone() };
+            let mut progress_shown = false;
+            let r = loop {
+                let r = c.call(async |mut c| c.inflate_volume(req.clone()).await).await.map_err(status)?;
+                if !r.stopped.is_empty() {
+                    return Err(format!(
+                        "the inflation of {name} stopped before it was done ({}): run `nvpool volume inflate {name}` \
+                         again to go on",
+                        r.stopped
+                    ));
+                }
+                if r.done || no_wait {
+                    if progress_shown {
+                        eprintln!();
+                    }
+                    break r;
+                }
+                if !api.json {
+                    eprint!("\rinflating {name}: {} of {} clusters", r.copied_clusters, r.total_clusters);
+                    progress_shown = true;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+            };
+            let v = r.volume.unwrap_or_default();
+            let mut json = volume_json(&v);
+            json["inflated"] = serde_json::json!(r.done);
+            print_or(api.json, &json, || {
+                let state = match r.done {
+                    true => format!("\nvolume {name} holds all its data: it lies over no snapshot"),
+                    false => {
+                        format!("\nvolume {name} is inflating: {} of {} clusters", r.copied_clusters, r.total_clusters)
+                    }
+                };
+                format!("{}{state}", render(&volume_table(std::slice::from_ref(&v))))
+            });
         }
         ClusterVolumeVerb::Resize { name, size } => {
             let req = proto::ResizeVolumeRequest { name, size_bytes: size };
