@@ -3,7 +3,9 @@
 no snapshot, right after a snapshot (nearly every write is the first to its 4 KiB
 granule since the snapshot, so it takes the path that records the granule held), and
 once every granule was written again (the layer holds the whole volume), side by side
-in one run; and how long the snapshot held the volume's I/O.
+in one run; how long the snapshot held the volume's I/O; and how fast a clone of the
+whole volume inflates, beside a plain copy of as many bytes on the same file system
+(read and write 1 MiB at a time, then fsync: what the machine allows a copy).
 
     bench/snapshots.py [--rounds 3] [--duration 1.0] [--out bench/results/snapshots.md]
 
@@ -15,11 +17,33 @@ after" run, so those runs start with nothing held. The goal: the first 4 KiB wri
 a shared cluster costs at most 1.5 times a plain thin write. Figures are medians over
 rounds; timings are reported, never asserted. Standard library only.
 """
-import argparse, os, signal, statistics, tempfile
+import argparse, os, signal, statistics, tempfile, time
 
 from suite import NQN, bench, cli, engine_json, own_network, start_engine
 
 SIZE = 1 << 30
+
+
+def plain_copy(directory, size):
+    """Seconds to copy `size` bytes from one file to another in `directory`, over bytes
+    the destination already has (as the pool's clusters are: a first touch of memory
+    costs this machine several times a copy)."""
+    chunk = b"\xa5" * (1 << 20)
+    src, dst = os.path.join(directory, "copy-src"), os.path.join(directory, "copy-dst")
+    for path in (src, dst):
+        with open(path, "wb") as f:
+            for _ in range(size // len(chunk)):
+                f.write(chunk)
+    began = time.monotonic()
+    with open(src, "rb") as i, open(dst, "r+b") as o:
+        while block := i.read(1 << 20):
+            o.write(block)
+        o.flush()
+        os.fsync(o.fileno())
+    took = time.monotonic() - began
+    os.unlink(src)
+    os.unlink(dst)
+    return took
 
 
 def main():
@@ -41,6 +65,7 @@ def main():
     workloads = [("randwrite", 4096, 1), ("randwrite", 4096, 32)]
     rows = {w: {"plain": [], "after": [], "rewritten": []} for w in workloads}
     pauses = []
+    inflations, copies = [], []
     try:
         cli(sock, "namespace", "remove", NQN, "1")
         disk = f"{data_dir}/pool.img"
@@ -67,8 +92,17 @@ def main():
             bench(port, "write", 131072, 32, fill)
             for w in workloads:
                 rows[w]["rewritten"].append(bench(port, *w, args))
+            # A clone of the whole volume (the layer holds all of it), inflated.
+            engine_json(sock, "volume", "snapshot", "p", "v", f"full{r}")
+            snapshots.append(f"full{r}")
+            cli(sock, "volume", "clone", "p", f"full{r}", f"c{r}")
+            began = time.monotonic()
+            inflated = engine_json(sock, "volume", "inflate", "p", f"c{r}", "--wait")
+            inflations.append(time.monotonic() - began)
+            assert inflated["parent"] == "" and inflated["allocated_bytes"] == SIZE, inflated
+            copies.append(plain_copy(data_dir, SIZE))
             cli(sock, "namespace", "remove", NQN, "1")
-            for name in ["v", *reversed(snapshots)]:
+            for name in [f"c{r}", "v", *reversed(snapshots)]:
                 cli(sock, "volume", "delete", "p", name)
         errors = sum(x["errors"] for w in workloads for k in rows[w] for x in rows[w][k])
     finally:
@@ -90,6 +124,12 @@ def main():
     lines.append(f"Snapshot pause (the volume's exports holding new commands, a host connected and idle): "
                  f"median {statistics.median(pauses) / 1000:.2f} ms, longest {max(pauses) / 1000:.2f} ms over "
                  f"{len(pauses)} snapshots. I/O errors: {errors}.")
+    lines.append("")
+    rate = lambda secs: SIZE / statistics.median(secs) / (1 << 20)
+    lines.append(f"Inflating a clone of the whole 1 GiB volume: {rate(inflations):,.0f} MiB/s (median of "
+                 f"{len(inflations)}, `volume inflate --wait`, writes at rest); a plain copy of 1 GiB over an "
+                 f"existing file on the same file system: {rate(copies):,.0f} MiB/s "
+                 f"({rate(inflations) / rate(copies):.2f} of it).")
     table = "\n".join(lines)
     print(table)
     if args.out:

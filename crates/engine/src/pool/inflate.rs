@@ -211,6 +211,8 @@ impl Pool {
         // (virtual cluster, its cluster, a new one?, the granules filled).
         let mut filled: Vec<(u64, u32, bool, Granules)> = Vec::new();
         let mut touched = vec![false; self.shared.disks.len()];
+        // One cluster's worth, for every run of the step.
+        let mut buf = crate::bufpool::Buf::new((cs as usize).div_ceil(4096));
         let result = (|| -> Result<()> {
             for &vc in vcs {
                 let v = &inner.state.volumes[&id];
@@ -247,7 +249,6 @@ impl Pool {
                     let (disk, pos) = self.shared.locate(pc, at).ok_or_else(|| Error::internal("cluster outside"))?;
                     match self.shared.locate(from, at).filter(|_| from != 0) {
                         Some((src, src_pos)) => {
-                            let mut buf = crate::bufpool::Buf::new((len as usize).div_ceil(4096));
                             let data = &mut buf.as_mut_slice()[..len as usize];
                             src.read_now(data, src_pos).map_err(io_err("reading a snapshot"))?;
                             disk.write_now(data, pos).map_err(io_err("inflating a volume"))?;
