@@ -10,6 +10,7 @@
 //! - Snapshots survive a new controller; the pool reports the bytes they hold.
 //! - A snapshot outlives its volume, and the clones outlive both; once all are
 //!   deleted the pool is empty: nothing leaked.
+//! - Limits apply to a clone as to any volume.
 //! - A clone inflated holds all its data: it reads as before, depends on nothing
 //!   and moves to another node.
 
@@ -19,7 +20,7 @@ use cluster::{
     BLOCK, HOST, LogsOnFailure, Node, addr, connect, create_request, free_port, start_controller, wait_for,
     wait_healthy,
 };
-use nvpool_api::{CheckPool, ListPools, ListVolumes};
+use nvpool_api::{CheckPool, ListPools, ListSubsystems, ListVolumes, QosLimits};
 use nvpool_control::client::Controllers;
 use nvpool_control::proto;
 use nvpool_initiator::pattern;
@@ -141,6 +142,18 @@ async fn snapshots_and_clones_through_the_controller_outlive_their_sources() {
     assert!(zeroes(&mut r, mib(20)), "restored reads zeroes past the snapshot's size");
     write(&mut r, mib(1), 301);
     write(&mut r, mib(20), 320);
+    // Limits apply to a clone as to any volume, on every path to it.
+    let limits = QosLimits { iops: 4000, bps: 32 * MIB, ..Default::default() };
+    let qos = proto::SetVolumeQosRequest { name: "restored".into(), qos: Some(limits.into()) };
+    c.call(async |mut c| c.set_volume_qos(qos.clone()).await).await.unwrap();
+    for n in [n1, n2] {
+        wait_for("the clone's limits on every path", Duration::from_secs(20), async || {
+            let subsystems = n.engine_call(ListSubsystems {});
+            let s = subsystems.into_iter().find(|s| s.nqn == restored.subsystem_nqn)?;
+            s.namespaces.iter().any(|ns| ns.qos == limits).then_some(())
+        })
+        .await;
+    }
 
     // A clone of the volume as it is now.
     let req = proto::CreateVolumeRequest { clone_of: "origin".into(), ..create_request("copy", 0) };

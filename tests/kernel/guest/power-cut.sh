@@ -121,7 +121,8 @@ sleep 2
 echo "POWER-CUT-READY"
 # Snapshots and clones come and go among the writes, so that the cut may land in the
 # middle of one: two snapshots of v a run (each stays in v's chain, hidden once
-# deleted, and a chain holds 16), and clones of them made and deleted without end.
+# deleted, and a chain holds 16), and clones of them made and deleted without end,
+# every third one inflated first (its snapshot's data copied into it).
 # Each step prints a line; one that fails prints SNAPSHOT-CHURN-FAILED for the host.
 # Not on the control pool: each step's journal commit flushes its disks, and its
 # writes must stay in their cache until the cut.
@@ -135,6 +136,7 @@ for spec in $POOLS; do
             k=1
             while [ $k -le 12 ]; do
                 churn volume clone $name $base $base-c$k
+                if [ $((k % 3)) = 0 ]; then churn volume inflate $name $base-c$k --wait; fi
                 churn volume delete $name $base-c$k
                 k=$((k + 1))
                 sleep 0.2
