@@ -221,10 +221,9 @@ impl Pool {
                         Some(held) => (pc, std::array::from_fn(|i| !held[i] & whole[i]), false),
                         None => continue,
                     },
-                    None if map.under(vc) => {
-                        (inner.free.take().ok_or_else(|| Error::precondition("the pool is full"))?, whole, true)
-                    }
-                    None => continue,
+                    // Filled from below, zeroes where nothing is: every cluster of the
+                    // step ends whole, so each step makes progress.
+                    None => (inner.free.take().ok_or_else(|| Error::precondition("the pool is full"))?, whole, true),
                 };
                 filled.push((vc, pc, new, missing));
                 // Runs of missing granules with one source each: copied, or zeroed.
