@@ -593,6 +593,7 @@ impl Controller for ControllerService {
             R::PublishReadonly,
             R::CreateDeleteSnapshot,
             R::ListSnapshots,
+            R::GetSnapshot,
             R::CloneVolume,
         ]
         .into_iter()
@@ -678,9 +679,15 @@ impl Controller for ControllerService {
 
     async fn get_snapshot(
         &self,
-        _: Request<csi::GetSnapshotRequest>,
+        r: Request<csi::GetSnapshotRequest>,
     ) -> Result<Response<csi::GetSnapshotResponse>, Status> {
-        Err(Status::unimplemented("GetSnapshot is not offered (no GET_SNAPSHOT capability): use ListSnapshots"))
+        let id = r.into_inner().snapshot_id;
+        if id.is_empty() {
+            return Err(Status::invalid_argument("GetSnapshot needs a snapshot_id (the nvpool snapshot's name)"));
+        }
+        let get = proto::SnapshotName { name: id };
+        let s = self.controllers.call(async |mut c| c.get_snapshot(get.clone()).await).await?;
+        Ok(Response::new(csi::GetSnapshotResponse { snapshot: Some(csi_snapshot(&s)) }))
     }
 
     async fn controller_get_volume(
