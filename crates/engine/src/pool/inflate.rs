@@ -125,14 +125,17 @@ impl Pool {
             )));
         }
         let progress = InflateProgress { copied: 0, total: pending.len() as u64, stopped: None };
-        inner.inflating.retain(|i| !Arc::ptr_eq(&i.map, &map));
+        // This volume's stopped one, and any of a volume deleted since, go.
+        let gone: Vec<bool> = inner.inflating.iter().map(|i| inner.volume_of(&i.map).is_none()).collect();
+        let mut gone = gone.into_iter();
+        inner.inflating.retain(|i| !gone.next().unwrap_or(false) && !Arc::ptr_eq(&i.map, &map));
         inner.inflating.push(Inflation { map: map.clone(), progress });
         let info = self.volume_info(&inner, id);
         drop(inner);
-        let (pool, inflated) = (self.clone(), map.clone());
+        let (pool, inflated, volume) = (self.clone(), map.clone(), name.to_string());
         let spawned = std::thread::Builder::new()
             .name(format!("inflate-{name}"))
-            .spawn(move || pool.inflate_in_background(inflated));
+            .spawn(move || pool.inflate_in_background(inflated, &volume));
         if let Err(e) = spawned {
             lock(&self.inner).inflating.retain(|i| !Arc::ptr_eq(&i.map, &map));
             return Err(Error::internal(format!("starting the inflation of {name}: {e}")));
@@ -140,7 +143,8 @@ impl Pool {
         Ok(info)
     }
 
-    fn inflate_in_background(&self, map: Arc<VolumeMap>) {
+    /// Runs an inflation to its end (`name`: the volume's, for the log).
+    fn inflate_in_background(&self, map: Arc<VolumeMap>, name: &str) {
         let result = loop {
             match self.inflate_step(&map) {
                 Ok(true) => continue,
@@ -149,7 +153,6 @@ impl Pool {
             }
         };
         let mut inner = lock(&self.inner);
-        let name = inner.volume_of(&map).map(|id| inner.state.volumes[&id].meta.name.clone()).unwrap_or_default();
         match result {
             Ok(()) => {
                 inner.inflating.retain(|i| !Arc::ptr_eq(&i.map, &map));
