@@ -576,6 +576,17 @@ fn image(q: &mut Queue, nsid: u32, clusters: u64) -> Vec<u8> {
     (0..clusters * BLOCKS_PER_CLUSTER / 32).flat_map(|i| q.read(nsid, i * 32, 32, 4096).unwrap()).collect()
 }
 
+/// A node with pool `p` on two new disks of `disk_size` bytes in `dir`, and on it a
+/// 32 MiB thin volume `v` exported (its namespace ID last).
+fn thin_volume_node(dir: &Path, disk_size: u64) -> (Node, Vec<PathBuf>, u32) {
+    let d = disks(dir, 2, disk_size);
+    let node = Node::start(vec![]);
+    node.ok("pool_create", json!({ "name": "p", "disks": d }));
+    node.ok("volume_create", json!({ "pool": "p", "name": "v", "size": 32 * MIB, "thin": true }));
+    let v = node.export("p", "v");
+    (node, d, v)
+}
+
 /// A deleted snapshot that one layer alone lies over folds into it: its clusters move
 /// to the layer where the layer has none, the granules the layer lacks are copied
 /// where it has one, and what the layer rewrote is freed. Reads stay as they were,
@@ -584,11 +595,7 @@ fn image(q: &mut Queue, nsid: u32, clusters: u64) -> Vec<u8> {
 #[test]
 fn a_deleted_snapshot_folds_into_the_layer_over_it() {
     let dir = tempfile::tempdir().unwrap();
-    let d = disks(dir.path(), 2, 64 * MIB);
-    let node = Node::start(vec![]);
-    node.ok("pool_create", json!({ "name": "p", "disks": d }));
-    node.ok("volume_create", json!({ "pool": "p", "name": "v", "size": 32 * MIB, "thin": true }));
-    let v = node.export("p", "v");
+    let (node, d, v) = thin_volume_node(dir.path(), 64 * MIB);
     let (_admin, mut q) = node.queue();
     let cluster = |c: u64| c * BLOCKS_PER_CLUSTER;
     // Before the first snapshot: clusters 0 to 3, whole or a block of them.
@@ -668,11 +675,7 @@ fn a_deleted_snapshot_folds_into_the_layer_over_it() {
 #[test]
 fn an_inflated_clone_stands_alone_and_its_snapshots_can_go() {
     let dir = tempfile::tempdir().unwrap();
-    let d = disks(dir.path(), 2, 96 * MIB);
-    let node = Node::start(vec![]);
-    node.ok("pool_create", json!({ "name": "p", "disks": d }));
-    node.ok("volume_create", json!({ "pool": "p", "name": "v", "size": 32 * MIB, "thin": true }));
-    let v = node.export("p", "v");
+    let (node, d, v) = thin_volume_node(dir.path(), 96 * MIB);
     let (_admin, mut q) = node.queue();
     let cluster = |c: u64| c * BLOCKS_PER_CLUSTER;
     // The origin: 24 clusters, whole or a few blocks of each; then a second snapshot
