@@ -330,6 +330,13 @@ impl Pools {
         Ok(())
     }
 
+    /// Takes every pool back after a hot upgrade that did not happen.
+    pub fn take_back_all(&self) {
+        for p in lock(&self.pools).values() {
+            p.take_back();
+        }
+    }
+
     /// Closes every pool (the engine stops): cleanly, recording that the disks have
     /// every write, unless a hot upgrade's new process holds them now.
     pub fn close_all(&self, cleanly: bool) {

@@ -118,6 +118,7 @@ impl Engine {
             Ok(c) => c,
             Err(why) => {
                 let e = abandon(&channel, &mut child, &binary, &why);
+                self.pools.take_back_all();
                 self.resume_all();
                 return Err(e);
             }

@@ -446,6 +446,12 @@ impl Pool {
         self.checkpoint_locked(&mut inner)
     }
 
+    /// Takes the pool back after a hot upgrade that did not happen: inflations may
+    /// start again (those the checkpoint stopped say so, and go on when started).
+    pub fn take_back(&self) {
+        lock(&self.inner).stop_inflating = false;
+    }
+
     fn checkpoint_locked(&self, inner: &mut Inner) -> Result<()> {
         if let Some(why) = &inner.failed {
             return Err(Error::unavailable(format!("pool {:?} stopped taking changes: {why}", self.name)));
@@ -1054,6 +1060,29 @@ mod tests {
                 p
             })
             .collect()
+    }
+
+    #[test]
+    fn a_hot_upgrades_checkpoint_stops_inflations_until_the_pool_is_taken_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool =
+            Pool::create("i", &two_disks(dir.path()), &CreateOptions { cluster_size: CLUSTER, force: false }).unwrap();
+        // Thick: every cluster is under the snapshot, for the clone to take.
+        pool.create_volume("v", 2 * CLUSTER, false, None).unwrap();
+        pool.take_snapshot("v", "s").unwrap();
+        pool.create_clone("c", "s", None).unwrap();
+        pool.checkpoint().unwrap();
+        let refused = pool.inflate_volume("c").unwrap_err().to_string();
+        assert!(refused.contains("hot upgrade"), "{refused}");
+        pool.take_back();
+        pool.inflate_volume("c").unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while !pool.volume("c").unwrap().parent.is_empty() {
+            assert!(std::time::Instant::now() < deadline, "{:?}", pool.volume("c"));
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(pool.volume("c").unwrap().allocated_bytes, 2 * CLUSTER);
+        pool.check().unwrap();
     }
 
     #[test]
