@@ -542,8 +542,8 @@ pub enum Record {
         /// The hidden snapshot's ID.
         id: u32,
     },
-    /// Volume `id`, which holds whole every cluster the snapshots under it have (an
-    /// inflated clone), lies over nothing now.
+    /// Volume or snapshot `id`, which holds whole every cluster the snapshots under it
+    /// have (an inflated clone), lies over nothing now.
     Detach {
         /// Volume ID.
         id: u32,
@@ -683,10 +683,8 @@ impl PoolState {
                 self.volumes.remove(id);
             }
             Record::Detach { id } => {
+                // A snapshot too: one taken of a volume while it inflated goes on with it.
                 let v = self.volumes.get(id).ok_or_else(|| format!("detaching unknown volume {id}"))?;
-                if v.layer.kind != VolumeKind::Volume {
-                    return Err(format!("detaching {}, which is a snapshot", v.meta.name));
-                }
                 if let Some(vc) = self.inflate_pending(*id).first() {
                     return Err(format!("detaching {}, which still reads cluster {vc} from a snapshot", v.meta.name));
                 }

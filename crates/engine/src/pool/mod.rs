@@ -1085,6 +1085,37 @@ mod tests {
         pool.check().unwrap();
     }
 
+    /// A snapshot taken of a volume while it inflates takes the map the inflation
+    /// fills, so the inflation goes on with the snapshot: either way, what the volume
+    /// came from lies under nothing once it is done, and its deletion frees it whole.
+    #[test]
+    fn a_snapshot_taken_while_a_clone_inflates_is_inflated_in_its_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool =
+            Pool::create("i", &two_disks(dir.path()), &CreateOptions { cluster_size: CLUSTER, force: false }).unwrap();
+        pool.create_volume("v", 64 * CLUSTER, false, None).unwrap();
+        pool.take_snapshot("v", "s").unwrap();
+        pool.create_clone("c", "s", None).unwrap();
+        pool.inflate_volume("c").unwrap();
+        pool.take_snapshot("c", "cs").unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        let under_way = |name: &str| pool.volume(name).unwrap().inflating.is_some_and(|p| p.stopped.is_none());
+        while under_way("c") || under_way("cs") {
+            assert!(std::time::Instant::now() < deadline, "{:?} {:?}", pool.volume("c"), pool.volume("cs"));
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        for name in ["c", "cs"] {
+            let got = pool.volume(name).unwrap();
+            assert!(got.inflating.is_none(), "{name} stopped: {got:?}");
+        }
+        assert_eq!(pool.volume("cs").unwrap().parent, "", "the snapshot of the clone lies over nothing");
+        assert_eq!(pool.volume("c").unwrap().parent, "cs");
+        pool.delete_volume("v").unwrap();
+        assert!(pool.delete_volume("s").unwrap().is_empty(), "nothing lies over s any more");
+        assert!(pool.volume("s").is_err(), "s is gone, not hidden");
+        pool.check().unwrap();
+    }
+
     #[test]
     fn a_replicas_generations_survive_a_restart() {
         let dir = tempfile::tempdir().unwrap();
