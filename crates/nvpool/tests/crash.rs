@@ -36,6 +36,11 @@ const SNAPSHOTS: usize = 12;
 /// Values a block may hold: seeds of writes (0 is "zeroes").
 type Model = BTreeMap<u64, Vec<u64>>;
 
+/// Every (block, value) the writers ever sent, in order: a snapshot may hold a value
+/// written and overwritten (and flushed) while it was being taken, which the models,
+/// keeping only what a block may hold now, have dropped by the time it answers.
+type Sent = Arc<Mutex<Vec<(u64, u64)>>>;
+
 struct Rng(u64);
 
 impl Rng {
@@ -121,7 +126,7 @@ fn connect(addr: SocketAddr) -> Result<(Queue, Queue), nvpool_initiator::Error> 
 /// answer comes) and drops older values once a flush after it succeeds.
 /// The model is shared, so that a snapshot can take what the volume may hold as it
 /// is taken.
-fn writer(addr: SocketAddr, id: u64, seed: u64, model: Arc<Mutex<Model>>, stop: Arc<AtomicBool>) {
+fn writer(addr: SocketAddr, id: u64, seed: u64, model: Arc<Mutex<Model>>, sent: Sent, stop: Arc<AtomicBool>) {
     // The engine may already be gone: then there is nothing to do.
     let Ok((_admin, mut q)) = connect(addr) else { return };
     let mut rng = Rng(seed | 1);
@@ -139,6 +144,7 @@ fn writer(addr: SocketAddr, id: u64, seed: u64, model: Arc<Mutex<Model>>, stop: 
                 let mut m = model.lock().unwrap();
                 for b in start..start + n {
                     m.entry(b).or_insert_with(|| vec![0]).push(value);
+                    sent.lock().unwrap().push((b, value));
                     data.extend(block_data(b, value));
                 }
                 drop(m);
@@ -162,6 +168,7 @@ fn writer(addr: SocketAddr, id: u64, seed: u64, model: Arc<Mutex<Model>>, stop: 
                 let mut m = model.lock().unwrap();
                 for b in first..first + CLUSTER_BLOCKS {
                     m.entry(b).or_insert_with(|| vec![0]).push(0);
+                    sent.lock().unwrap().push((b, 0));
                 }
                 drop(m);
                 let done = q.deallocate(1, first, CLUSTER_BLOCKS as u32).is_ok_and(|s| s.is_success());
@@ -217,7 +224,8 @@ fn merged(models: &[Arc<Mutex<Model>>]) -> Model {
 }
 
 /// What a snapshot may hold of each block: what the volume could hold at some moment
-/// between the call (`before`) and its answer (`after`).
+/// between the call (`before`) and its answer (`after`); the caller adds what was
+/// sent in between (`Sent`).
 fn either(before: Model, after: Model) -> Model {
     let mut m = before;
     for (b, values) in after {
@@ -287,6 +295,7 @@ fn acknowledged_flushed_writes_survive_sigkill() {
 
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let models: Vec<Arc<Mutex<Model>>> = (0..WRITERS).map(|_| Arc::default()).collect();
+    let sent: Sent = Arc::default();
     let mut snapshots: Vec<Snapshot> = Vec::new();
     let mut rng = Rng(0x5EED_1234_ABCD_0001);
     let (mut kills_mid_write, mut taken, mut deleted, mut cut_short, mut snapshot_blocks) = (0, 0, 0, 0, 0);
@@ -311,8 +320,8 @@ fn acknowledged_flushed_writes_survive_sigkill() {
             .iter()
             .enumerate()
             .map(|(i, m)| {
-                let (stop, seed, m) = (stop.clone(), rng.next(), m.clone());
-                std::thread::spawn(move || writer(addr, i as u64, seed, m, stop))
+                let (stop, seed, m, sent) = (stop.clone(), rng.next(), m.clone(), sent.clone());
+                std::thread::spawn(move || writer(addr, i as u64, seed, m, sent, stop))
             })
             .collect();
         // Most runs take a snapshot, delete one or start inflating the volume while the
@@ -326,9 +335,10 @@ fn acknowledged_flushed_writes_survive_sigkill() {
                 .then(|| (Action::Delete, snapshots[rng.below(snapshots.len() as u64) as usize].name.clone())),
         };
         let caller = action.clone().map(|(action, name)| {
-            let (socket, models) = (socket.clone(), models.clone());
+            let (socket, models, sent) = (socket.clone(), models.clone(), sent.clone());
             std::thread::spawn(move || {
                 std::thread::sleep(at);
+                let first_sent = sent.lock().unwrap().len();
                 let before = merged(&models);
                 let verb: &[&str] = match action {
                     Action::Take => &["volume", "snapshot", "crash", "v"],
@@ -336,7 +346,11 @@ fn acknowledged_flushed_writes_survive_sigkill() {
                     Action::Inflate => &["volume", "inflate", "crash"],
                 };
                 let answered = try_cli(&socket, &[verb, &[name.as_str()]].concat()).is_ok();
-                (answered, either(before, merged(&models)))
+                let mut may_hold = either(before, merged(&models));
+                for &(b, value) in &sent.lock().unwrap()[first_sent..] {
+                    may_hold.entry(b).or_insert_with(|| vec![0]).push(value);
+                }
+                (answered, may_hold)
             })
         });
         std::thread::sleep(run_for);
