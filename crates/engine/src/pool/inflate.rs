@@ -24,8 +24,9 @@ use nvpool_api::InflateProgress;
 use super::cluster_map::VolumeMap;
 use super::format::{self, Record};
 use super::{Inner, Pool, VolumeInfo, io_err};
+use crate::bufpool::Buf;
 use crate::error::{Error, Result};
-use crate::granules::{ALL_GRANULES, GRANULES, Granules, granule_shift, whole_granules};
+use crate::granules::{ALL_GRANULES, Granules, whole_granules};
 use crate::sync::lock;
 
 /// Clusters copied in one step: the pool's metadata lock is held while they copy.
@@ -58,6 +59,47 @@ impl Drop for DirectWritesHeldOff {
         for &vc in &self.vcs {
             self.map.claims().dequeue(vc, vc);
         }
+    }
+}
+
+/// Copies runs of granules from one physical cluster of the pool to the same place
+/// in another (a fold's, an inflation's), through one cluster-sized buffer, and
+/// syncs the disks it wrote before their records are committed.
+pub(super) struct GranuleCopier {
+    buf: Buf,
+    touched: Vec<bool>,
+}
+
+impl GranuleCopier {
+    pub(super) fn new(pool: &Pool) -> GranuleCopier {
+        let pages = (pool.cluster_size as usize).div_ceil(4096);
+        GranuleCopier { buf: Buf::new(pages), touched: vec![false; pool.shared.disks.len()] }
+    }
+
+    /// Bytes `at..at + len` of cluster `from` (zeroes for 0) into cluster `to`.
+    pub(super) fn copy(&mut self, pool: &Pool, from: u32, to: u32, at: u64, len: u64, what: &str) -> Result<()> {
+        let outside = || Error::internal("cluster outside the pool");
+        let (disk, pos) = pool.shared.locate(to, at).ok_or_else(outside)?;
+        if from == 0 {
+            disk.zero_now(pos, len).map_err(io_err(what))?;
+        } else {
+            let (src, src_pos) = pool.shared.locate(from, at).ok_or_else(outside)?;
+            let data = &mut self.buf.as_mut_slice()[..len as usize];
+            src.read_now(data, src_pos).map_err(io_err(what))?;
+            disk.write_now(data, pos).map_err(io_err(what))?;
+        }
+        if let Some(i) = pool.shared.disks.iter().position(|d| std::ptr::eq(&*d.file, disk)) {
+            self.touched[i] = true;
+        }
+        Ok(())
+    }
+
+    /// Makes what was copied durable.
+    pub(super) fn sync(&self, pool: &Pool, what: &str) -> Result<()> {
+        for (d, _) in pool.shared.disks.iter().zip(&self.touched).filter(|(_, t)| **t) {
+            d.file.sync_now().map_err(io_err(what))?;
+        }
+        Ok(())
     }
 }
 
@@ -207,15 +249,11 @@ impl Pool {
     fn inflate_clusters(&self, inner: &mut Inner, id: u32, map: &Arc<VolumeMap>, vcs: &[u64]) -> Result<()> {
         let cs = self.cluster_size;
         let shift = cs.trailing_zeros();
-        let g_shift = granule_shift(shift);
         let whole = whole_granules(cs);
-        let count = (1u32 << shift.saturating_sub(g_shift)).min(GRANULES);
         let mut records = Vec::new();
         // (virtual cluster, its cluster, a new one?, the granules filled).
         let mut filled: Vec<(u64, u32, bool, Granules)> = Vec::new();
-        let mut touched = vec![false; self.shared.disks.len()];
-        // One cluster's worth, for every run of the step.
-        let mut buf = crate::bufpool::Buf::new((cs as usize).div_ceil(4096));
+        let mut copier = GranuleCopier::new(self);
         let result = (|| -> Result<()> {
             for &vc in vcs {
                 let v = &inner.state.volumes[&id];
@@ -229,49 +267,24 @@ impl Pool {
                     None => (inner.free.take().ok_or_else(|| Error::precondition("the pool is full"))?, whole, true),
                 };
                 filled.push((vc, pc, new, missing));
-                // Runs of missing granules with one source each: copied, or zeroed.
-                let is_missing = |g: u32| missing[(g / 64) as usize] & (1 << (g % 64)) != 0;
-                let source = |g: u32| {
-                    let mut bit = [0u64; (GRANULES / 64) as usize];
-                    bit[(g / 64) as usize] = 1 << (g % 64);
-                    map.parent_source(vc, &bit)
-                };
-                let mut g = 0;
-                while g < count {
-                    if !is_missing(g) {
-                        g += 1;
-                        continue;
+                // What the cluster reads from below, run by run (its own granules
+                // skipped): copied, or zeroed where nothing below has it.
+                let own = map.get(vc);
+                let mut runs = Vec::new();
+                map.sources(vc, 0, cs, shift, |at, len, from| {
+                    if from == 0 || from != own {
+                        runs.push((at, len, from));
                     }
-                    let from = source(g);
-                    let mut end = g + 1;
-                    while end < count && is_missing(end) && source(end) == from {
-                        end += 1;
-                    }
-                    let (at, len) = (u64::from(g) << g_shift, u64::from(end - g) << g_shift);
-                    let (disk, pos) = self.shared.locate(pc, at).ok_or_else(|| Error::internal("cluster outside"))?;
-                    match self.shared.locate(from, at).filter(|_| from != 0) {
-                        Some((src, src_pos)) => {
-                            let data = &mut buf.as_mut_slice()[..len as usize];
-                            src.read_now(data, src_pos).map_err(io_err("reading a snapshot"))?;
-                            disk.write_now(data, pos).map_err(io_err("inflating a volume"))?;
-                        }
-                        None => disk.zero_now(pos, len).map_err(io_err("inflating a volume"))?,
-                    }
-                    if let Some(i) = self.shared.disks.iter().position(|d| std::ptr::eq(&*d.file, disk)) {
-                        touched[i] = true;
-                    }
-                    g = end;
+                });
+                for (at, len, from) in runs {
+                    copier.copy(self, from, pc, at, len, "inflating a volume")?;
                 }
                 records.push(match new {
                     true => Record::Map { id, vstart: vc as u32, pstart: pc, count: 1 },
                     false => Record::Hold { id, vc: vc as u32, granules: missing },
                 });
             }
-            for (d, t) in self.shared.disks.iter().zip(&touched) {
-                if *t {
-                    d.file.sync_now().map_err(io_err("syncing an inflation"))?;
-                }
-            }
+            copier.sync(self, "syncing an inflation")?;
             self.commit(inner, &records)
         })();
         if let Err(e) = result {

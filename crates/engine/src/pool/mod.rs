@@ -646,7 +646,7 @@ impl Pool {
         let (snapshot, layer) = (inner.maps[&id].clone(), inner.maps[&child].clone());
         let shift = self.cluster_size.trailing_zeros();
         let mut records = Vec::new();
-        let mut touched = vec![false; self.shared.disks.len()];
+        let mut copier = inflate::GranuleCopier::new(self);
         // (vc, the snapshot's cluster, granules copied into the layer's; None: moved).
         let mut steps: Vec<(u32, u32, Option<Granules>)> = Vec::new();
         for vc in vcs {
@@ -655,25 +655,13 @@ impl Pool {
             let layer_pc = inner.state.volumes[&child].map.get(&vc).copied();
             if let Some(to) = layer_pc {
                 for (at, len) in granule_runs(&need, shift) {
-                    let mut buf = crate::bufpool::Buf::new((len as usize).div_ceil(4096));
-                    let data = &mut buf.as_mut_slice()[..len as usize];
-                    let (from, pos) = self.shared.locate(pc, at).ok_or_else(|| Error::internal("cluster outside"))?;
-                    from.read_now(data, pos).map_err(io_err("reading a deleted snapshot"))?;
-                    let (disk, pos) = self.shared.locate(to, at).ok_or_else(|| Error::internal("cluster outside"))?;
-                    disk.write_now(data, pos).map_err(io_err("folding a deleted snapshot"))?;
-                    if let Some(i) = self.shared.disks.iter().position(|d| std::ptr::eq(&*d.file, disk)) {
-                        touched[i] = true;
-                    }
+                    copier.copy(self, pc, to, at, len, "folding a deleted snapshot")?;
                 }
             }
             records.extend(recs);
             steps.push((vc, pc, layer_pc.map(|_| need)));
         }
-        for (d, t) in self.shared.disks.iter().zip(touched) {
-            if t {
-                d.file.sync_now().map_err(io_err("syncing a fold"))?;
-            }
-        }
+        copier.sync(self, "syncing a fold")?;
         self.commit(inner, &records)?;
         // The layer first, then the snapshot: a reader finds the data either way.
         let whole = whole_granules(self.cluster_size);
@@ -1062,15 +1050,21 @@ mod tests {
             .collect()
     }
 
+    /// A pool on two new disks in `dir` with a thick volume `v` of `clusters` clusters
+    /// (every one under the snapshot, for the clone to take), its snapshot `s` and a
+    /// clone `c` of that.
+    fn clone_of_thick_volume(dir: &Path, clusters: u64) -> Arc<Pool> {
+        let pool = Pool::create("i", &two_disks(dir), &CreateOptions { cluster_size: CLUSTER, force: false }).unwrap();
+        pool.create_volume("v", clusters * CLUSTER, false, None).unwrap();
+        pool.take_snapshot("v", "s").unwrap();
+        pool.create_clone("c", "s", None).unwrap();
+        pool
+    }
+
     #[test]
     fn a_hot_upgrades_checkpoint_stops_inflations_until_the_pool_is_taken_back() {
         let dir = tempfile::tempdir().unwrap();
-        let pool =
-            Pool::create("i", &two_disks(dir.path()), &CreateOptions { cluster_size: CLUSTER, force: false }).unwrap();
-        // Thick: every cluster is under the snapshot, for the clone to take.
-        pool.create_volume("v", 2 * CLUSTER, false, None).unwrap();
-        pool.take_snapshot("v", "s").unwrap();
-        pool.create_clone("c", "s", None).unwrap();
+        let pool = clone_of_thick_volume(dir.path(), 2);
         pool.checkpoint().unwrap();
         let refused = pool.inflate_volume("c").unwrap_err().to_string();
         assert!(refused.contains("hot upgrade"), "{refused}");
@@ -1091,11 +1085,7 @@ mod tests {
     #[test]
     fn a_snapshot_taken_while_a_clone_inflates_is_inflated_in_its_place() {
         let dir = tempfile::tempdir().unwrap();
-        let pool =
-            Pool::create("i", &two_disks(dir.path()), &CreateOptions { cluster_size: CLUSTER, force: false }).unwrap();
-        pool.create_volume("v", 64 * CLUSTER, false, None).unwrap();
-        pool.take_snapshot("v", "s").unwrap();
-        pool.create_clone("c", "s", None).unwrap();
+        let pool = clone_of_thick_volume(dir.path(), 64);
         pool.inflate_volume("c").unwrap();
         pool.take_snapshot("c", "cs").unwrap();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
