@@ -278,6 +278,22 @@ methods! {
         volume: String,
         /// The snapshot's name (unique in the pool, like a volume's).
         name: String,
+        /// The namespace UUID and NGUID the snapshot keeps; new ones when absent.
+        /// Every replica's copy of one snapshot has the same.
+        #[serde(default)]
+        identity: Option<VolumeIdentity>,
+    }
+    /// Holds every write of a replicated volume this engine serves (and waits for
+    /// those under way), so that each replica takes a snapshot at the same point in
+    /// the write order: until `snapshot_create` of the volume here, a call with
+    /// `hold_ms` 0, or `hold_ms` milliseconds (at most 10 s), whichever comes first.
+    "volume_hold_writes" => HoldWrites -> Empty {
+        /// Pool name.
+        pool: String,
+        /// Volume name.
+        volume: String,
+        /// How long at most; 0 lets the writes go on now.
+        hold_ms: u64,
     }
     /// Makes a writable volume that reads as a snapshot until written (a clone).
     "volume_clone" => CloneVolume -> VolumeInfo {

@@ -172,27 +172,39 @@ fn target_refused(status: Status) -> Error {
 }
 
 /// Copies `n` bytes at `at` of `volume` (within one cluster) to `target` through
-/// `buf`: written there if allocated here, deallocated there if not.
+/// `buf`: written there if the volume or a snapshot under it holds any of it,
+/// deallocated there if nothing does (a layered volume reads through to its
+/// snapshots, and so does its copy).
 pub(crate) fn piece(volume: &VolumeIo, buf: &mut Buf, target: &mut TargetQueue, at: u64, n: u64) -> Result<()> {
     let pool = &volume.pool;
     let shift = pool.cluster_shift();
     let (vc, within) = (at >> shift, at & ((1 << shift) - 1));
     let epoch = pool.enter(COPY_SLOT);
-    let pc = volume.map.get(vc);
-    let read = match pool.locate(pc, within) {
-        Some((disk, pos)) if pc != 0 => Some(disk.read_now(&mut buf.as_mut_slice()[..n as usize], pos)),
-        _ => None,
-    };
+    let mut sources = Vec::new();
+    volume.map.sources(vc, within, n, shift, |from, bytes, pc| sources.push((from, bytes, pc)));
+    let held = sources.iter().any(|&(_, _, pc)| pc != 0);
+    let read = sources.iter().filter(|_| held).try_for_each(|&(from, bytes, pc)| {
+        let into = &mut buf.as_mut_slice()[(from - within) as usize..(from - within + bytes) as usize];
+        match pool.locate(pc, from) {
+            _ if pc == 0 => {
+                into.fill(0);
+                Ok(())
+            }
+            Some((disk, pos)) => disk.read_now(into, pos),
+            None => Err(std::io::Error::other(format!("cluster {pc} is on no disk of the pool"))),
+        }
+    });
     pool.leave(COPY_SLOT, epoch);
+    let read = read.map(|()| held);
     match read {
-        Some(Ok(())) => {
+        Ok(true) => {
             for offset in (0..n).step_by(MAX_TRANSFER) {
                 let m = (n - offset).min(MAX_TRANSFER as u64) as usize;
                 target.write(at + offset, &buf.as_slice()[offset as usize..offset as usize + m])?;
             }
             Ok(())
         }
-        Some(Err(e)) => Err(Error::io(format!("reading volume {} at {at}", volume.id), e)),
-        None => target.deallocate(at, n),
+        Err(e) => Err(Error::io(format!("reading volume {} at {at}", volume.id), e)),
+        Ok(false) => target.deallocate(at, n),
     }
 }

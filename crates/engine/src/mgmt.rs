@@ -12,7 +12,7 @@ use std::time::Duration;
 use nvpool_api::{
     AddHost, AddListener, AddLocalDevice, AddNamespace, AddSubsystem, AllowAnyHost, CancelMigration, CheckPool,
     CloneVolume, CreatePool, CreateSnapshot, CreateVolume, DeleteVolume, Empty, EngineInfo, ErrorReply, ExportPool,
-    GetEngineInfo, GetMigration, GetRebuild, GetSubsystems, GetUsage, GetVolume, GrowNamespace, ImportPool,
+    GetEngineInfo, GetMigration, GetRebuild, GetSubsystems, GetUsage, GetVolume, GrowNamespace, HoldWrites, ImportPool,
     InflateVolume, ListAnaGroups, ListListeners, ListLocalDevices, ListPools, ListSubsystems, ListVolumes,
     LocalDeviceAdded, METHODS, Method, NamespaceAdded, RemoveHost, RemoveListener, RemoveLocalDevice, RemoveNamespace,
     RemoveSubsystem, ResizeVolume, SetAnaState, SetControllerIdRange, SetDiscoveryAddress, SetHostPaths,
@@ -208,7 +208,16 @@ fn reply_text(engine: &Engine, line: &str) -> Result<String> {
             engine.pools.create_volume(&r.pool, &r.name, r.size, r.thin, r.identity.as_ref())
         }),
         DeleteVolume::NAME => answer(p, |r: DeleteVolume| ok(engine.pools.delete_volume(&r.pool, &r.name))),
-        CreateSnapshot::NAME => answer(p, |r: CreateSnapshot| engine.pools.take_snapshot(&r.pool, &r.volume, &r.name)),
+        CreateSnapshot::NAME => {
+            answer(p, |r: CreateSnapshot| engine.pools.take_snapshot(&r.pool, &r.volume, &r.name, r.identity.as_ref()))
+        }
+        HoldWrites::NAME => answer(p, |r: HoldWrites| {
+            if r.hold_ms == 0 {
+                engine.pools.release_writes(&r.pool, &r.volume);
+                return ok(Ok(()));
+            }
+            ok(engine.pools.hold_writes(&r.pool, &r.volume, Duration::from_millis(r.hold_ms)))
+        }),
         CloneVolume::NAME => {
             answer(p, |r: CloneVolume| engine.pools.clone_volume(&r.pool, &r.snapshot, &r.name, r.identity.as_ref()))
         }

@@ -50,12 +50,38 @@ pub struct Pools {
     pools: Mutex<BTreeMap<String, Arc<Pool>>>,
     target: Arc<Target>,
     links: Links,
+    /// The replicated volumes whose writes this engine holds, by pool and volume.
+    holds: Arc<Mutex<BTreeMap<(String, String), WriteHold>>>,
+}
+
+/// A replicated volume's writes held by its serving engine while every replica takes
+/// the same snapshot: until the serving engine takes its own, or the deadline.
+struct WriteHold {
+    /// The mirrors held (the volume's exports that fan out).
+    mirrors: Vec<Arc<Namespace>>,
+    since: Instant,
+    /// Tells this hold from a later one of the same volume (for the deadline's thread).
+    serial: u64,
+}
+
+/// The longest a replicated volume's writes are held for its snapshot: what the
+/// controller has to take it on every replica.
+pub const MAX_WRITE_HOLD: Duration = Duration::from_secs(10);
+
+static NEXT_HOLD: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+fn release(hold: WriteHold) {
+    for ns in &hold.mirrors {
+        if let Some(m) = ns.backend.as_mirror() {
+            let _ = m.hold_writes(false, Duration::ZERO);
+        }
+    }
 }
 
 impl Pools {
     /// No pool open yet.
     pub fn new(target: Arc<Target>, links: Links) -> Pools {
-        Pools { pools: Mutex::new(BTreeMap::new()), target, links }
+        Pools { pools: Mutex::new(BTreeMap::new()), target, links, holds: Arc::default() }
     }
 
     /// The open pool named `name`.
@@ -176,16 +202,110 @@ impl Pools {
         Ok(())
     }
 
+    /// Holds every write of replicated volume `pool/volume` (its exports here that
+    /// fan out to the replicas) and waits for those under way, so that each replica
+    /// can take a snapshot at one point in the write order: until `take_snapshot` of
+    /// the volume here, `release_writes`, or `limit` (at most [`MAX_WRITE_HOLD`]),
+    /// whichever comes first.
+    pub fn hold_writes(&self, pool: &str, volume: &str, limit: Duration) -> Result<()> {
+        let p = self.get(pool)?;
+        let (io, _) = p.open_volume(volume)?;
+        let mirrors: Vec<Arc<Namespace>> = self
+            .exports(&p, Some(io.id))
+            .into_iter()
+            .map(|(_, ns)| ns)
+            .filter(|ns| ns.backend.as_mirror().is_some())
+            .collect();
+        if mirrors.is_empty() {
+            return Err(Error::precondition(format!(
+                "volume {pool}/{volume} is not served to its replicas here: only a replicated volume's serving \
+                 engine holds its writes"
+            )));
+        }
+        self.release_writes(pool, volume);
+        let since = Instant::now();
+        for (i, ns) in mirrors.iter().enumerate() {
+            let held = ns.backend.as_mirror().map_or(Ok(()), |m| m.hold_writes(true, SNAPSHOT_PAUSE));
+            if let Err(e) = held {
+                release(WriteHold { mirrors: mirrors[..i].to_vec(), since, serial: 0 });
+                return Err(e);
+            }
+        }
+        let key = (pool.to_string(), volume.to_string());
+        let serial = NEXT_HOLD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        lock(&self.holds).insert(key.clone(), WriteHold { mirrors, since, serial });
+        let holds = self.holds.clone();
+        let limit = limit.min(MAX_WRITE_HOLD);
+        let deadline = std::thread::Builder::new().name("write-hold".into()).spawn(move || {
+            std::thread::sleep(limit);
+            let mut held = lock(&holds);
+            if held.get(&key).is_some_and(|h| h.serial == serial) {
+                let hold = held.remove(&key);
+                drop(held);
+                tracing::warn!(
+                    pool = key.0,
+                    volume = key.1,
+                    "a snapshot's hold of the volume's writes ran past {limit:?}: writes go on, and no snapshot was \
+                     taken here"
+                );
+                hold.into_iter().for_each(release);
+            }
+        });
+        if let Err(e) = deadline {
+            self.release_writes(pool, volume);
+            return Err(Error::io("cannot start the write hold's deadline", e));
+        }
+        Ok(())
+    }
+
+    /// Lets a volume's writes held by `hold_writes` go on (nothing if none are).
+    pub fn release_writes(&self, pool: &str, volume: &str) {
+        let hold = lock(&self.holds).remove(&(pool.to_string(), volume.to_string()));
+        hold.into_iter().for_each(release);
+    }
+
     /// Takes snapshot `name` of volume `volume`, crash-consistent: every export of the
     /// volume holds new commands while those under way finish (for at most
-    /// `SNAPSHOT_PAUSE`), the snapshot is recorded, and they go on.
-    pub fn take_snapshot(&self, pool: &str, volume: &str, name: &str) -> Result<SnapshotInfo> {
+    /// `SNAPSHOT_PAUSE`), the snapshot is recorded, and they go on. A replicated
+    /// volume's serving engine takes it only under `hold_writes` (the other replicas
+    /// took theirs meanwhile), and lets the writes go on after it; the snapshot takes
+    /// the identity given (every replica's copy has the same).
+    pub fn take_snapshot(
+        &self,
+        pool: &str,
+        volume: &str,
+        name: &str,
+        identity: Option<&VolumeIdentity>,
+    ) -> Result<SnapshotInfo> {
+        let taken = self.take_snapshot_held(pool, volume, name, identity);
+        let hold = lock(&self.holds).remove(&(pool.to_string(), volume.to_string()));
+        let since = hold.as_ref().map(|h| h.since);
+        hold.into_iter().for_each(release);
+        let (snapshot, held) = taken?;
+        Ok(SnapshotInfo { snapshot, pause_us: since.unwrap_or(held).elapsed().as_micros() as u64 })
+    }
+
+    fn take_snapshot_held(
+        &self,
+        pool: &str,
+        volume: &str,
+        name: &str,
+        identity: Option<&VolumeIdentity>,
+    ) -> Result<(VolumeInfo, Instant)> {
+        let identity = identity.map(parse_identity).transpose()?;
         let p = self.get(pool)?;
         let (io, _) = p.open_volume(volume)?;
         let gates: Vec<Arc<Namespace>> = self.exports(&p, Some(io.id)).into_iter().map(|(_, ns)| ns).collect();
-        if gates.iter().any(|ns| ns.backend.as_mirror().is_some() || gate(ns).is_some_and(|g| g.busy())) {
+        if gates.iter().any(|ns| gate(ns).is_some_and(|g| g.busy())) {
             return Err(Error::precondition(format!(
-                "volume {pool}/{name} is a replica or is moving: a snapshot of it is not taken here yet"
+                "volume {pool}/{volume} is moving: take its snapshot once it has moved"
+            )));
+        }
+        let unheld = |ns: &Arc<Namespace>| ns.backend.as_mirror().is_some_and(|m| !m.writes_held());
+        if gates.iter().any(unheld) {
+            return Err(Error::precondition(format!(
+                "volume {pool}/{volume} is replicated: its snapshot is taken on every replica at once \
+                 (`nvpool snapshot create`), which holds its writes here first"
             )));
         }
         let held = Instant::now();
@@ -200,10 +320,17 @@ impl Pools {
             }
             std::thread::sleep(Duration::from_micros(20));
         }
-        let taken = p.take_snapshot(volume, name);
+        // A mirror that replaced the held one (the replicas changed meanwhile) is not
+        // held: the copies the others took may not be this one's point.
+        let taken = if self.exports(&p, Some(io.id)).iter().any(|(_, ns)| unheld(ns)) {
+            Err(Error::unavailable(format!(
+                "volume {pool}/{volume}'s replicas changed while its snapshot was taken: no snapshot was taken; retry"
+            )))
+        } else {
+            p.take_snapshot(volume, name, identity)
+        };
         gates.iter().filter_map(gate).for_each(Gate::open);
-        let pause_us = held.elapsed().as_micros() as u64;
-        Ok(SnapshotInfo { snapshot: taken?, pause_us })
+        Ok((taken?, held))
     }
 
     /// Makes volume `name`, a clone of snapshot `snapshot`.

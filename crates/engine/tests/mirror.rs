@@ -600,3 +600,103 @@ fn a_replica_that_comes_back_copies_what_it_lacks_under_live_writes() {
     assert_eq!(value("nvpool_namespace_replicas", "state=\"faulted\""), "0");
     assert_eq!(value("nvpool_namespace_rebuild_bytes", "part=\"copied\""), SIZE.to_string());
 }
+
+const SNAPSHOT_NQN: &str = "nqn.2024-01.io.nvpool:mirror-snapshot";
+
+/// A volume's (or snapshot's) whole content on `n`, through an export of its own.
+fn pool_volume_content(n: &ReplicaNode, name: &str) -> Vec<u8> {
+    let _ = n.call("subsystem_add", json!({ "nqn": SNAPSHOT_NQN, "allow_any_host": true }));
+    let namespace = json!({ "nsid": 1, "backend": format!("volume:p/{name}"), "block_size": BLOCK });
+    n.ok("namespace_add", json!({ "nqn": SNAPSHOT_NQN, "namespace": namespace }));
+    let (_admin, mut io) = io_queue(n.node.addr, SNAPSHOT_NQN);
+    let content =
+        (0..SIZE / u64::from(BLOCK)).step_by(256).flat_map(|lba| io.read(1, lba, 256, BLOCK).unwrap()).collect();
+    drop((_admin, io));
+    n.ok("namespace_remove", json!({ "nqn": SNAPSHOT_NQN, "nsid": 1 }));
+    content
+}
+
+/// A snapshot of a replicated volume, taken under live writes: the serving engine
+/// holds the mirror's writes, the other replica takes it, then the serving engine
+/// takes its own and lets the writes go on. Both copies are the same bytes (one point
+/// in the write order) with one identity. A hold runs out by itself. After a later
+/// snapshot, a replica that left before it still comes back by copying only what it
+/// lacks: the record of what was written goes on with the volume, and the copy reads
+/// through to the snapshots.
+#[test]
+fn a_snapshot_of_a_replicated_volume_is_one_point_on_every_replica() {
+    let a = ReplicaNode::start("nqn.2024-01.io.nvpool:engine:a", None);
+    let identity = a.ok("volume_list", json!({ "pool": "p" }))[0].clone();
+    let b = ReplicaNode::start("nqn.2024-01.io.nvpool:engine:b", Some(&identity));
+    a.serve(1, &b);
+    let snapshot_identity =
+        json!({ "uuid": "6f1c2a34-5b6d-4e7f-8091-a2b3c4d5e6f7", "nguid": "00112233445566778899aabbccddeeff" });
+    let take = |n: &ReplicaNode, name: &str| {
+        n.call("snapshot_create", json!({ "pool": "p", "volume": "v", "name": name, "identity": snapshot_identity }))
+    };
+    let hold = |ms: u64| a.ok("volume_hold_writes", json!({ "pool": "p", "volume": "v", "hold_ms": ms }));
+    // The serving engine takes none without the hold: the other replica would not
+    // have the same point.
+    let e = take(&a, "s0").unwrap_err().to_string();
+    assert!(e.contains("replicated") && e.contains("nvpool snapshot create"), "{e}");
+    assert!(b.call("volume_hold_writes", json!({ "pool": "p", "volume": "v", "hold_ms": 100 })).is_err());
+
+    let writers = Writers::start(a.node.addr, &(0..8).collect::<Vec<_>>(), 4);
+    std::thread::sleep(Duration::from_millis(200));
+    hold(5000);
+    take(&b, "s1").unwrap();
+    let taken = take(&a, "s1").unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let (last, writes) = writers.stop();
+    println!("snapshot under {writes} writes: pause {} us", taken["pause_us"]);
+    let (on_a, on_b) = (pool_volume_content(&a, "s1"), pool_volume_content(&b, "s1"));
+    assert!(on_a == on_b, "the replicas' copies of the snapshot differ");
+    let volume = content_of(&a.node);
+    assert!(volume == content_of(&b.node), "the replicas differ");
+    assert!(on_a != volume, "no write after the snapshot");
+    for n in [&a, &b] {
+        let s = n.ok("volume_get", json!({ "pool": "p", "name": "s1" }));
+        assert_eq!(
+            (s["uuid"].as_str(), s["snapshot"].as_bool()),
+            (Some("6f1c2a34-5b6d-4e7f-8091-a2b3c4d5e6f7"), Some(true)),
+            "{s}"
+        );
+    }
+    let (_admin, mut io) = io_queue(a.node.addr, NQN);
+    for (&block, &seed) in &last {
+        assert_eq!(io.read(1, block * 8, 8, BLOCK).unwrap(), pattern(seed, 4096), "block {block}");
+    }
+
+    // A hold that nothing ends lets the writes go at its deadline.
+    hold(300);
+    let outcome = write_in_background(io, 3 * 256 * 8, 77);
+    assert!(outcome.recv_timeout(Duration::from_millis(150)).is_err(), "a write went through the hold");
+    let (io, r) = outcome.recv_timeout(Duration::from_secs(5)).expect("the hold ran out");
+    r.unwrap();
+
+    // b leaves; a serves alone at generation 2, writes, takes a snapshot, writes again.
+    b.call("namespace_remove", json!({ "nqn": REPLICA_NQN, "nsid": 1 })).unwrap();
+    let outcome = write_in_background(io, 12 * 256 * 8, 4);
+    std::thread::sleep(Duration::from_millis(300));
+    a.ok("namespace_swap", json!({ "nqn": NQN, "nsid": 1, "backend": "mirror:generation=2 volume:p/v" }));
+    let (mut io, r) = outcome.recv_timeout(Duration::from_secs(10)).expect("the held write completes");
+    r.unwrap();
+    io.write(1, 9 * 256 * 8, &pattern(9, 4096), BLOCK, IN_CAPSULE).unwrap();
+    hold(5000);
+    take(&a, "s2").unwrap();
+    io.write(1, 10 * 256 * 8 + 8, &pattern(10, 4096), BLOCK, IN_CAPSULE).unwrap();
+    io.write(1, 9 * 256 * 8 + 16, &pattern(11, 4096), BLOCK, IN_CAPSULE).unwrap();
+    drop(io);
+    let since = a.ok("volume_written_since", json!({ "pool": "p", "name": "v", "generation": 2 }));
+    assert_eq!((since["clusters"].clone(), since["complete"].clone()), (json!([9, 10, 12]), json!(true)), "{since}");
+
+    // b is back: the partial rebuild copies those three clusters' granules alone,
+    // reading what is under the snapshot from it.
+    b.add(REPLICA_NQN, "replica:p/v").unwrap();
+    let b_leg = format!("remote:{}/{REPLICA_NQN}/1", b.node.addr);
+    a.ok("replica_rebuild", json!({ "nqn": NQN, "nsid": 1, "leg": b_leg, "since": 2 }));
+    let info = rebuilt(&a);
+    assert_eq!(info["state"], "done", "{info}");
+    assert_eq!(info["total_bytes"].as_u64(), Some(4 * 4096), "{info}");
+    assert!(content_of(&a.node) == content_of(&b.node), "the replicas differ after the partial rebuild");
+}

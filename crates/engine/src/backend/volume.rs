@@ -120,6 +120,18 @@ fn open_as(pool: &Pool, name: &str, role: Role) -> Result<Opened> {
     Ok(Opened { backend: Arc::new(backend), identity: Some((meta.uuid, meta.nguid)) })
 }
 
+/// Notes in `map` that `generation` wrote the granules `ranges` (bytes) touch.
+fn mark_generation_in(map: &VolumeMap, shift: u32, ranges: &[(u64, u64)], generation: u64) {
+    for &(offset, len) in ranges.iter().filter(|r| r.1 > 0) {
+        let end = offset + len;
+        for vc in offset >> shift..=(end - 1) >> shift {
+            let start = (vc << shift).max(offset);
+            let stop = ((vc + 1) << shift).min(end);
+            map.mark_generation(vc, generation, granules_of(start - (vc << shift), stop - start, shift));
+        }
+    }
+}
+
 fn parse(arg: &str) -> std::result::Result<(&str, &str), String> {
     match arg.split_once('/') {
         Some((pool, name)) if !pool.is_empty() && !name.is_empty() => Ok((pool, name)),
@@ -147,18 +159,17 @@ impl VolumeBackend {
         self.role == Role::Replica
     }
 
-    /// Notes that `generation` wrote the clusters `ranges` (bytes) touch.
+    /// Notes that `generation` wrote the clusters `ranges` (bytes) touch, in the map
+    /// the volume writes through now (a snapshot since the backend opened took the
+    /// one it opened with).
     pub fn mark_generation(&self, ranges: &[(u64, u64)], generation: u64) {
-        let shift = self.volume.pool.cluster_shift();
-        for &(offset, len) in ranges.iter().filter(|r| r.1 > 0) {
-            let end = offset + len;
-            for vc in offset >> shift..=(end - 1) >> shift {
-                let start = (vc << shift).max(offset);
-                let stop = ((vc + 1) << shift).min(end);
-                let granules = granules_of(start - (vc << shift), stop - start, shift);
-                self.volume.map.mark_generation(vc, generation, granules);
-            }
-        }
+        let moved_on = self.moved_on();
+        let map = match &moved_on {
+            None => &self.volume.map,
+            Some(Some(m)) => m,
+            Some(None) => return,
+        };
+        mark_generation_in(map, self.volume.pool.cluster_shift(), ranges, generation);
     }
 
     /// Whether a later generation than its writer's took the volume: its writes are
@@ -388,6 +399,9 @@ impl Backend for VolumeBackend {
                     };
                     for vc in first..=last {
                         map.mark_written(vc);
+                    }
+                    if let Role::Serving(generation) = self.role {
+                        mark_generation_in(map, shift, &[(offset, u64::from(len))], generation);
                     }
                     map.claims().queue(first, last);
                     io.written_elsewhere = true;

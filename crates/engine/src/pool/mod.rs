@@ -417,6 +417,7 @@ impl Pool {
         let mut records: Vec<Record> = inner
             .maps
             .iter()
+            .filter(|(id, _)| inner.state.volumes.get(id).is_some_and(|v| v.layer.kind == format::VolumeKind::Volume))
             .filter_map(|(&id, map)| {
                 let r = map.generation_record().filter(|r| r.recorded_from != 0 && !r.written.is_empty())?;
                 let written = r.written.iter().zip(&r.granules).map(|(&(vc, g), &granules)| (vc as u32, g, granules));
@@ -723,7 +724,16 @@ impl Pool {
     /// layer over it. The caller holds the volume's I/O meanwhile (nothing in flight)
     /// and serves it afterwards with the map `open_volume` gives; a backend that still
     /// holds the old map finds the new one (`current_map`).
-    pub fn take_snapshot(&self, name: &str, snapshot: &str) -> Result<VolumeInfo> {
+    ///
+    /// A replica's record of what its serving generations wrote goes on with the
+    /// volume (a partial rebuild from it must still see the writes made before the
+    /// snapshot).
+    pub fn take_snapshot(
+        &self,
+        name: &str,
+        snapshot: &str,
+        identity: Option<([u8; 16], [u8; 16])>,
+    ) -> Result<VolumeInfo> {
         format::check_name("snapshot", snapshot).map_err(Error::invalid)?;
         let mut inner = lock(&self.inner);
         self.check_layers_allowed(&inner, snapshot)?;
@@ -735,10 +745,8 @@ impl Pool {
             )));
         }
         let map = inner.maps[&id].clone();
-        if map.generation() != 0 || map.tracking() {
-            return Err(Error::precondition(format!(
-                "volume {name} is a replica or is moving: a snapshot of it is not taken here yet"
-            )));
+        if map.tracking() {
+            return Err(Error::precondition(format!("volume {name} is moving: take its snapshot once it has moved")));
         }
         if inner.state.chain(id).len() >= format::MAX_CHAIN {
             return Err(Error::precondition(format!(
@@ -747,16 +755,15 @@ impl Pool {
             )));
         }
         let snap_id = inner.state.next_id;
-        let meta = VolumeMeta {
-            id: snap_id,
-            name: snapshot.to_string(),
-            size: v.meta.size,
-            thin: v.meta.thin,
-            uuid: *uuid::Uuid::new_v4().as_bytes(),
-            nguid: *uuid::Uuid::new_v4().as_bytes(),
-        };
+        let (uuid, nguid) =
+            identity.unwrap_or_else(|| (*uuid::Uuid::new_v4().as_bytes(), *uuid::Uuid::new_v4().as_bytes()));
+        let meta =
+            VolumeMeta { id: snap_id, name: snapshot.to_string(), size: v.meta.size, thin: v.meta.thin, uuid, nguid };
         self.commit(&mut inner, &[Record::TakeSnapshot { id, snapshot: meta }])?;
         let head = Arc::new(map.layer_over());
+        if let Some(record) = map.generation_record() {
+            head.restore_generation_record(&record);
+        }
         map.hand_on(&head);
         inner.maps.insert(snap_id, map);
         inner.maps.insert(id, head);
@@ -875,7 +882,11 @@ impl Pool {
     /// The generation records of the volumes a generation took, by volume name.
     pub fn generation_records(&self) -> Vec<(String, GenerationRecord)> {
         let inner = lock(&self.inner);
-        let name = |id: &u32| inner.state.volumes.get(id).map(|v| v.meta.name.clone());
+        // A snapshot's map shares its volume's generations but writes nothing.
+        let name = |id: &u32| {
+            let v = inner.state.volumes.get(id).filter(|v| v.layer.kind == format::VolumeKind::Volume)?;
+            Some(v.meta.name.clone())
+        };
         inner.maps.iter().filter_map(|(id, map)| Some((name(id)?, map.generation_record()?))).collect()
     }
 
@@ -1056,7 +1067,7 @@ mod tests {
     fn clone_of_thick_volume(dir: &Path, clusters: u64) -> Arc<Pool> {
         let pool = Pool::create("i", &two_disks(dir), &CreateOptions { cluster_size: CLUSTER, force: false }).unwrap();
         pool.create_volume("v", clusters * CLUSTER, false, None).unwrap();
-        pool.take_snapshot("v", "s").unwrap();
+        pool.take_snapshot("v", "s", None).unwrap();
         pool.create_clone("c", "s", None).unwrap();
         pool
     }
@@ -1087,7 +1098,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let pool = clone_of_thick_volume(dir.path(), 64);
         pool.inflate_volume("c").unwrap();
-        pool.take_snapshot("c", "cs").unwrap();
+        pool.take_snapshot("c", "cs", None).unwrap();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
         let under_way = |name: &str| pool.volume(name).unwrap().inflating.is_some_and(|p| p.stopped.is_none());
         while under_way("c") || under_way("cs") {

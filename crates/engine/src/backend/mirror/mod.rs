@@ -27,6 +27,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
 use nvpool_wire::Status;
 
@@ -332,6 +333,30 @@ impl MirrorBackend {
     /// rebuild copies the cluster while nobody changes it; `None` ends that.
     pub fn hold_cluster(&self, vc: Option<u64>) {
         self.0.window.hold(vc);
+    }
+
+    /// Makes every write wait and waits (at most `limit`) for those under way
+    /// (`true`), so that each replica can take a snapshot at the same point in the
+    /// write order; `false` lets them go on. Refused while a leg catches up (the window is the rebuild's
+    /// then) or has failed (the in-sync set is about to change).
+    pub fn hold_writes(&self, on: bool, limit: Duration) -> Result<()> {
+        if on && self.0.legs.iter().enumerate().any(|(i, l)| l.catching_up || !self.0.healthy(i)) {
+            return Err(Error::unavailable(
+                "a replica of the volume catches up or has failed: a snapshot is taken once every replica is in \
+                 sync; retry then",
+            ));
+        }
+        if !self.0.window.hold_all(on, limit) {
+            return Err(Error::unavailable(format!(
+                "the volume's writes under way did not finish within {limit:?}: no snapshot was taken; retry"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether every write waits (`hold_writes`).
+    pub fn writes_held(&self) -> bool {
+        self.0.window.all_held()
     }
 }
 

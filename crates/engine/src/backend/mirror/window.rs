@@ -9,7 +9,7 @@
 //! write counts itself before it looks at the window, so either the copy waits for it
 //! or it sees the window (the same order as the migration gate's).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::plan::IoPlan;
@@ -26,6 +26,9 @@ struct InFlight([AtomicU64; 2]);
 pub(super) struct CopyWindow {
     /// The cluster copied now, plus one; 0 when none is.
     copying: AtomicU64,
+    /// Every write waits (a snapshot of every replica at one point in the write
+    /// order), not only those to the cluster copied.
+    all: AtomicBool,
     cluster_shift: u32,
     epoch: AtomicU64,
     in_flight: Box<[InFlight]>,
@@ -35,6 +38,7 @@ impl CopyWindow {
     pub(super) fn new(cluster_shift: u32) -> CopyWindow {
         CopyWindow {
             copying: AtomicU64::new(0),
+            all: AtomicBool::new(false),
             cluster_shift,
             epoch: AtomicU64::new(0),
             in_flight: (0..COUNTERS).map(|_| InFlight::default()).collect(),
@@ -72,6 +76,9 @@ impl CopyWindow {
     /// Whether `plan` must wait for the cluster being copied. A deallocation's ranges
     /// are in its data, which this does not read: it waits for any copy.
     pub(super) fn blocks(&self, plan: &IoPlan) -> bool {
+        if self.all.load(Ordering::SeqCst) {
+            return !matches!(plan, IoPlan::Read { .. } | IoPlan::Flush);
+        }
         let copying = self.copying.load(Ordering::SeqCst);
         if copying == 0 {
             return false;
@@ -99,12 +106,39 @@ impl CopyWindow {
         self.drain();
     }
 
+    /// Makes every write wait and waits for those under way (`true`; false if they
+    /// did not finish within `limit`, and the hold is off again), or lets them go on
+    /// (`false`).
+    pub(super) fn hold_all(&self, on: bool, limit: Duration) -> bool {
+        self.all.store(on, Ordering::SeqCst);
+        if on && !self.drain_within(limit) {
+            self.all.store(false, Ordering::SeqCst);
+            return false;
+        }
+        true
+    }
+
+    /// Whether every write waits.
+    pub(super) fn all_held(&self) -> bool {
+        self.all.load(Ordering::SeqCst)
+    }
+
     /// Waits for the writes under way now to finish (not for those that start later).
     pub(super) fn drain(&self) {
+        self.drain_within(Duration::MAX);
+    }
+
+    /// `drain`, for at most `limit`: whether they finished.
+    fn drain_within(&self, limit: Duration) -> bool {
+        let started = std::time::Instant::now();
         let parity = (self.epoch.fetch_add(1, Ordering::SeqCst) & 1) as usize;
         while self.in_flight.iter().any(|c| c.0[parity].load(Ordering::SeqCst) != 0) {
-            std::thread::sleep(Duration::from_micros(50));
+            if started.elapsed() > limit {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(20));
         }
+        true
     }
 }
 
@@ -132,5 +166,27 @@ mod tests {
         w.leave(1, other);
         w.hold(None);
         assert!(w.enter(1, &write(5 << 20, 4096)).is_some());
+    }
+
+    #[test]
+    fn holding_every_write_waits_for_those_under_way_and_lets_reads_pass() {
+        let w = CopyWindow::new(20);
+        let write = |offset: u64| IoPlan::Write { offset, len: 4096, fua: false };
+        let before = w.enter(0, &write(1 << 20)).unwrap();
+        std::thread::scope(|s| {
+            let hold = s.spawn(|| w.hold_all(true, Duration::from_secs(30)));
+            std::thread::sleep(Duration::from_millis(20));
+            assert!(!hold.is_finished(), "the hold took effect under a write");
+            w.leave(0, before);
+            assert!(hold.join().unwrap());
+        });
+        assert_eq!(w.enter(1, &write(9 << 20)), None, "any cluster's write waits");
+        assert!(!w.blocks(&IoPlan::Read { offset: 0, len: 4096 }) && !w.blocks(&IoPlan::Flush));
+        w.hold_all(false, Duration::ZERO);
+        let stuck = w.enter(1, &write(9 << 20)).expect("writes go on");
+        // A write that does not finish in time: the hold gives up and lets writes go.
+        assert!(!w.hold_all(true, Duration::from_millis(5)));
+        assert!(!w.all_held() && w.enter(0, &write(0)).is_some());
+        w.leave(1, stuck);
     }
 }
