@@ -14,12 +14,12 @@ use crate::proto::{self, agent_server::AgentServer};
 use nvpool_api::{
     AddHost, AddLocalDevice, AddNamespace, AddSubsystem, AnaState, CancelMigration, CloneVolume, CreateSnapshot,
     CreateVolume, DeleteVolume, DhchapKeys, EngineInfo, ErrorKind, GetEngineInfo, GetMigration, GetRebuild,
-    GetSubsystems, GetUsage, GetVolume, GrowNamespace, InflateVolume, ListAnaGroups, ListListeners, ListLocalDevices,
-    ListPools, ListSubsystems, ListVolumes, LocalDeviceConfig, LocalDeviceInfo, Method, NamespaceConfig,
-    NamespaceUsage, PathAddress, QosLimits, RemoveHost, RemoveLocalDevice, RemoveSubsystem, ResizeVolume, SetAnaState,
-    SetControllerIdRange, SetDiscoveryAddress, SetHostPaths, SetNamespaceQos, StartMigration, StartRebuild,
-    SubsystemConfig, SubsystemInfo, SwapNamespace, SwitchMigration, UpgradeEngine, UsageReport, VolumeIdentity,
-    VolumeInfo,
+    GetSubsystems, GetUsage, GetVolume, GrowNamespace, HoldWrites, InflateVolume, ListAnaGroups, ListListeners,
+    ListLocalDevices, ListPools, ListSubsystems, ListVolumes, LocalDeviceConfig, LocalDeviceInfo, Method,
+    NamespaceConfig, NamespaceUsage, PathAddress, QosLimits, RemoveHost, RemoveLocalDevice, RemoveSubsystem,
+    ResizeVolume, SetAnaState, SetControllerIdRange, SetDiscoveryAddress, SetHostPaths, SetNamespaceQos,
+    StartMigration, StartRebuild, SubsystemConfig, SubsystemInfo, SwapNamespace, SwitchMigration, UpgradeEngine,
+    UsageReport, VolumeIdentity, VolumeInfo,
 };
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
@@ -177,6 +177,21 @@ impl proto::agent_server::Agent for Service {
         Ok(Response::new(reply))
     }
 
+    async fn hold_writes(
+        &self,
+        r: Request<proto::HoldWritesRequest>,
+    ) -> Result<Response<proto::HoldWritesReply>, Status> {
+        self.check_controller(&r)?;
+        let engine = self.engine.clone();
+        let r = r.into_inner();
+        let hold = HoldWrites { pool: r.pool, volume: r.volume, hold_ms: r.hold_ms };
+        tokio::task::spawn_blocking(move || nvpool_api::call(&engine, &hold))
+            .await
+            .map_err(|e| Status::internal(format!("agent failed: {e}")))?
+            .map_err(engine_status)?;
+        Ok(Response::new(proto::HoldWritesReply {}))
+    }
+
     async fn inflate_volume(&self, r: Request<proto::InflateRequest>) -> Result<Response<proto::InflateReply>, Status> {
         self.check_controller(&r)?;
         let engine = self.engine.clone();
@@ -217,7 +232,8 @@ impl proto::agent_server::Agent for Service {
 /// Has the engine take a snapshot; one of that name there already was taken by an
 /// earlier call whose answer was lost.
 fn take_snapshot(engine: &Path, r: proto::TakeSnapshotRequest) -> Result<proto::TakeSnapshotReply, Status> {
-    let take = CreateSnapshot { pool: r.pool.clone(), volume: r.volume, name: r.snapshot.clone() };
+    let identity = (!r.uuid.is_empty()).then(|| VolumeIdentity { uuid: r.uuid.clone(), nguid: r.nguid.clone() });
+    let take = CreateSnapshot { pool: r.pool.clone(), volume: r.volume, name: r.snapshot.clone(), identity };
     match nvpool_api::call(engine, &take) {
         Ok(taken) => Ok(proto::TakeSnapshotReply {
             pause_us: taken.pause_us,
@@ -232,23 +248,24 @@ fn take_snapshot(engine: &Path, r: proto::TakeSnapshotRequest) -> Result<proto::
                 _ => Err(Status::already_exists(format!("the engine has a volume {} that is no snapshot", r.snapshot))),
             }
         }
-        Err(e) => Err(match e.kind {
-            ErrorKind::NotFound => Status::not_found(e.message),
-            ErrorKind::InvalidArgument => Status::invalid_argument(e.message),
-            ErrorKind::FailedPrecondition => Status::failed_precondition(e.message),
-            _ => Status::unavailable(e.message),
-        }),
+        Err(e) => Err(engine_status(e)),
+    }
+}
+
+/// The engine's refusal as the controller's status: what it names stays what it is,
+/// anything else is worth a retry.
+fn engine_status(e: nvpool_api::ApiError) -> Status {
+    match e.kind {
+        ErrorKind::NotFound => Status::not_found(e.message),
+        ErrorKind::InvalidArgument => Status::invalid_argument(e.message),
+        ErrorKind::FailedPrecondition => Status::failed_precondition(e.message),
+        _ => Status::unavailable(e.message),
     }
 }
 
 /// Has the engine start inflating a volume (or go on), and says how far it is.
 fn inflate(engine: &Path, r: proto::InflateRequest) -> Result<proto::InflateReply, Status> {
-    let v = nvpool_api::call(engine, &InflateVolume { pool: r.pool, name: r.volume }).map_err(|e| match e.kind {
-        ErrorKind::NotFound => Status::not_found(e.message),
-        ErrorKind::InvalidArgument => Status::invalid_argument(e.message),
-        ErrorKind::FailedPrecondition => Status::failed_precondition(e.message),
-        _ => Status::unavailable(e.message),
-    })?;
+    let v = nvpool_api::call(engine, &InflateVolume { pool: r.pool, name: r.volume }).map_err(engine_status)?;
     let progress = v.inflating.unwrap_or_default();
     Ok(proto::InflateReply {
         copied_clusters: progress.copied,

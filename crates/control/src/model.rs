@@ -238,22 +238,43 @@ pub struct SnapshotRecord {
     /// How long the volume's I/O was held while it was taken.
     #[serde(default)]
     pub pause_us: u64,
+    /// A replicated volume's: the copies its other in-sync replicas took at the same
+    /// point in its writes (same engine name and identity), each in the replica's
+    /// node and pool. `node` and `pool` hold the serving replica's.
+    #[serde(default)]
+    pub copies: Vec<SnapshotCopy>,
+}
+
+/// Where a copy of a snapshot is.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SnapshotCopy {
+    pub node: String,
+    pub pool: String,
 }
 
 impl SnapshotRecord {
-    /// What a deleted snapshot leaves for its node to remove: its pool volume (which
-    /// the engine keeps, hidden, while volumes lie over it).
-    pub fn tombstone(&self) -> Tombstone {
-        Tombstone {
-            id: self.id.clone(),
-            node: self.node.clone(),
-            pool: self.pool.clone(),
-            engine_name: self.engine_name.clone(),
-            // Never exported: no export of this name exists.
-            subsystem_nqn: format!("{VOLUME_NQN_PREFIX}{}", self.id),
-            size: self.size,
-            thin: true,
-        }
+    /// Every copy's node and pool, the serving replica's first.
+    pub fn places(&self) -> impl Iterator<Item = (&str, &str)> {
+        std::iter::once((self.node.as_str(), self.pool.as_str()))
+            .chain(self.copies.iter().map(|c| (c.node.as_str(), c.pool.as_str())))
+    }
+
+    /// What a deleted snapshot leaves for its nodes to remove: each copy's pool
+    /// volume (which the engine keeps, hidden, while volumes lie over it).
+    pub fn tombstones(&self) -> Vec<Tombstone> {
+        self.places()
+            .enumerate()
+            .map(|(i, (node, pool))| Tombstone {
+                id: if i == 0 { self.id.clone() } else { format!("{}@{node}", self.id) },
+                node: node.to_string(),
+                pool: pool.to_string(),
+                engine_name: self.engine_name.clone(),
+                // Never exported: no export of this name exists.
+                subsystem_nqn: format!("{VOLUME_NQN_PREFIX}{}", self.id),
+                size: self.size,
+                thin: true,
+            })
+            .collect()
     }
 }
 

@@ -10,8 +10,8 @@
 mod cluster;
 
 use cluster::{
-    BLOCK, HOST, Model, Node, addr, create_request, free_port, host_writer, host_writer_in, start_controller, verify,
-    wait_for,
+    BLOCK, HOST, Model, Node, addr, connect, create_request, free_port, host_writer, host_writer_in, start_controller,
+    verify, wait_for,
 };
 use nvpool_control::client::Controllers;
 use nvpool_control::proto;
@@ -726,4 +726,90 @@ async fn limits_and_secrets_hold_on_every_replica_across_a_failover() {
         after.attachments[0].paths.iter().filter(|p| p.node != names[lost]).cloned().collect();
     assert_eq!(paths[0].node, other, "the new serving node is the host's optimized path");
     check_paths(&nodes, &paths);
+}
+
+/// A snapshot of a replicated volume, taken while a host writes: every in-sync
+/// replica holds a copy at the same point in the writes, so that when the serving
+/// node is lost, a volume made from the snapshot on the replica left reads what one
+/// made on the lost node read. The host loses nothing, and deleting the snapshot
+/// names the volumes that still read it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_of_a_replicated_volume_is_one_point_on_every_replica_and_outlives_the_serving_node() {
+    let keep = std::env::var_os("NVPOOL_KEEP_TEST_DIR").is_some();
+    let root = tempfile::Builder::new().disable_cleanup(keep).tempdir().unwrap();
+    let _logs = cluster::LogsOnFailure(root.path());
+    let store = format!("redb:{}", root.path().join("controller.redb").display());
+    let controller = start_controller(root.path(), &store, free_port(), "1");
+    let names = ["n1", "n2"];
+    let mut nodes: Vec<Node> = names.iter().map(|n| Node::new(root.path(), n, 256 * MIB)).collect();
+    for n in nodes.iter_mut() {
+        n.start_agent(&controller.address);
+    }
+    let c = Controllers::new(&controller.address).unwrap();
+    cluster::wait_healthy(&c, &names).await;
+    let index = |name: &str| names.iter().position(|n| *n == name).unwrap();
+    let req = proto::CreateVolumeRequest { thin: true, replicas: 2, ..create_request(VOLUME, 16 * MIB) };
+    let v = c.call(async |mut c| c.create_volume(req.clone()).await).await.unwrap().volume.unwrap();
+    let attach =
+        |volume: &str| proto::AttachRequest { volume: volume.into(), host_nqn: HOST.into(), ..Default::default() };
+    let a = attach(VOLUME);
+    c.call(async |mut c| c.attach(a.clone()).await).await.unwrap();
+    let paths = volume(&c).await.attachments[0].paths.iter().map(|p| addr(&nodes[index(&p.node)])).collect();
+    let model: Model = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = host_writer(paths, v.subsystem_nqn.clone(), model.clone(), stop.clone(), WRITTEN / BLOCK as u64);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let take = proto::CreateSnapshotRequest { volume: VOLUME.into(), name: "rs".into() };
+    let s = c.call(async |mut c| c.create_snapshot(take.clone()).await).await.unwrap();
+    let other = v.replicas.iter().find(|r| !r.serving).unwrap().node.clone();
+    assert_eq!((s.state.as_str(), s.node.as_str()), ("ready", v.node.as_str()));
+    assert_eq!(s.copy_nodes, std::slice::from_ref(&other), "the other replica holds a copy");
+    println!("snapshot of a replicated volume under writes: writes held {} us", s.pause_us);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // A volume made from the snapshot reads it; so does one made after the serving
+    // node is gone, from the copy on the replica left.
+    let node_addrs: Vec<std::net::SocketAddr> = nodes.iter().map(addr).collect();
+    let made_from = async |name: &str| {
+        let req = proto::CreateVolumeRequest { from_snapshot: "rs".into(), ..create_request(name, 0) };
+        let made = c.call(async |mut c| c.create_volume(req.clone()).await).await.unwrap().volume.unwrap();
+        let a = attach(name);
+        c.call(async |mut c| c.attach(a.clone()).await).await.unwrap();
+        let at = node_addrs[index(&made.node)];
+        let mut p =
+            wait_for("a path to the clone", Duration::from_secs(20), async || connect(at, &made.subsystem_nqn)).await;
+        let blocks = (WRITTEN / BLOCK as u64) as u32;
+        let content: Vec<u8> =
+            (0..blocks).step_by(16).flat_map(|b| p.io.read(1, u64::from(b), 16, BLOCK as u32).unwrap()).collect();
+        (made.node, content)
+    };
+    let (first_at, first) = made_from("from-rs-1").await;
+    assert_eq!(first_at, v.node);
+    assert!(first.iter().any(|&b| b != 0), "the snapshot holds the writes before it");
+
+    let serving = index(&v.node);
+    println!("killing {} (engine and agent)", v.node);
+    nodes[serving].agent.kill();
+    nodes[serving].engine.kill();
+    wait_for("the replica left to serve", Duration::from_secs(30), async || {
+        (volume(&c).await.node == other).then_some(())
+    })
+    .await;
+    cluster::wait_healthy(&c, &[other.as_str()]).await;
+    let (second_at, second) = made_from("from-rs-2").await;
+    assert_eq!(second_at, other, "made on the node that is up, from its copy");
+    assert!(first == second, "the replicas' copies of the snapshot differ");
+
+    stop.store(true, Ordering::SeqCst);
+    let (writes, errors) = writer.join().unwrap();
+    println!("{writes} writes, {errors} errors");
+    assert_eq!(errors, 0, "the host saw errors");
+    verify(addr(&nodes[index(&other)]), &v.subsystem_nqn, &model, "the replica left");
+
+    let del = proto::SnapshotName { name: "rs".into() };
+    let gone = c.call(async |mut c| c.delete_snapshot(del.clone()).await).await.unwrap();
+    let mut kept_by = gone.kept_by.clone();
+    kept_by.sort();
+    assert_eq!(kept_by, ["from-rs-1", "from-rs-2", VOLUME], "{gone:?}");
 }

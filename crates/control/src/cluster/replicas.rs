@@ -133,12 +133,6 @@ impl Cluster {
         let count = count as usize;
         let _guard = self.volume_locks.lock(name).await;
         let v = self.ready_volume(name)?;
-        if v.layered && count > v.replica_count() {
-            return Err(Status::failed_precondition(format!(
-                "{}; replicas of it are not made for the same reason",
-                super::migrations::layered_stays(&v)
-            )));
-        }
         if v.migration.is_some() || v.replica_move().is_some() {
             return Err(Status::failed_precondition(format!(
                 "volume {name} is moving: change its replicas once the move is over"

@@ -9,8 +9,8 @@ use crate::cluster::convert::policy_from;
 use crate::cluster::volumes::new_record;
 use crate::cluster::{Cluster, State, now_ms};
 use crate::model::{
-    CloneSource, MAX_VOLUME_SIZE, SNAPSHOTS, SnapshotRecord, SnapshotState, TOMBSTONES, VOLUMES, VolumeRecord,
-    VolumeState, check_name, to_json,
+    CloneSource, MAX_VOLUME_SIZE, ReplicaState, SNAPSHOTS, SnapshotCopy, SnapshotRecord, SnapshotState, TOMBSTONES,
+    VOLUMES, VolumeRecord, VolumeState, check_name, to_json,
 };
 use crate::proto::{self, agent_client::AgentClient};
 use crate::store::{Condition, Txn};
@@ -24,25 +24,38 @@ fn lock_key(name: &str) -> String {
 
 /// Whether a snapshot of `v` can be taken (or `v` cloned) now.
 fn snapshot_allowed(v: &VolumeRecord) -> Result<(), Status> {
-    if !v.replicas.is_empty() {
-        return Err(Status::failed_precondition(format!(
-            "volume {} has {} replicas: nvpool takes snapshots of volumes of one replica only, for now",
-            v.name,
-            v.replica_count()
-        )));
-    }
     if let Some(m) = &v.migration {
         return Err(Status::unavailable(format!(
             "volume {} is moving to {}: take the snapshot once it has moved (`nvpool volume get {}`)",
             v.name, m.to_node, v.name
         )));
     }
+    if let Some(r) = v.replica_move() {
+        return Err(Status::unavailable(format!(
+            "volume {}'s replica on {} moves to {}: take the snapshot once it has moved (`nvpool volume get {}`)",
+            v.name, r.replaces, r.node, v.name
+        )));
+    }
+    if let Some(r) = v.replicas.iter().find(|r| r.state == ReplicaState::CatchingUp) {
+        return Err(Status::unavailable(format!(
+            "volume {}'s replica on {} catches up: every replica takes the snapshot at once, so take it once \
+             that one is in sync (`nvpool volume get {}`)",
+            v.name, r.node, v.name
+        )));
+    }
     Ok(())
 }
 
+/// How long at most the serving engine holds a replicated volume's writes while
+/// the other replicas take the snapshot: past it, the writes go on without it.
+const REPLICATED_HOLD_MS: u64 = 5_000;
+
 impl Cluster {
     /// Takes snapshot `name` of `volume`, or returns it if it was taken of that volume
-    /// before; one left half taken by an earlier call is taken now.
+    /// before; one left half taken by an earlier call is taken now. A replicated
+    /// volume's is one snapshot with one identity on every in-sync replica: the
+    /// serving engine holds the volume's writes, each other replica takes it, then
+    /// the serving engine takes its own and lets the writes go on.
     pub async fn create_snapshot(&self, volume: &str, name: &str) -> Result<proto::Snapshot, Status> {
         check_name("snapshot", name).map_err(Status::invalid_argument)?;
         let _name_guard = self.volume_locks.lock(&lock_key(name)).await;
@@ -59,11 +72,22 @@ impl Cluster {
                 )));
             }
             Some(s) if s.state == SnapshotState::Ready => return Ok(self.snapshot_proto(&s)),
+            // Copies an earlier call may have left are of another point: they go, and
+            // the snapshot is taken anew everywhere.
+            Some(s) if !s.copies.is_empty() => {
+                self.undo_snapshot(&s).await?;
+                self.record_snapshot(volume, name).await?
+            }
             Some(s) => s,
             None => self.record_snapshot(volume, name).await?,
         };
         let v = self.ready_volume(volume)?;
-        match self.take_on_node(&record.node, &record.pool, &v.engine_name, &record.engine_name).await {
+        let taken = if v.replicas.is_empty() {
+            self.take_on_node(&record.node, &record.pool, &v.engine_name, &record.engine_name, None).await
+        } else {
+            self.take_replicated(&v, &record).await
+        };
+        match taken {
             Ok(taken) => {
                 let ready = SnapshotRecord { state: SnapshotState::Ready, pause_us: taken.pause_us, ..record };
                 self.commit(Txn::default().put(format!("{SNAPSHOTS}{name}"), to_json(&ready))).await?;
@@ -72,22 +96,71 @@ impl Cluster {
             }
             // The node may have taken it: the record stays, for a retry to finish (or
             // a deletion to remove).
-            Err(e) if matches!(e.code(), Code::Unavailable | Code::DeadlineExceeded | Code::Unknown) => {
+            Err(e)
+                if record.copies.is_empty()
+                    && matches!(e.code(), Code::Unavailable | Code::DeadlineExceeded | Code::Unknown) =>
+            {
                 Err(Status::unavailable(format!(
                     "node {} did not say whether it took snapshot {name} ({}): retry to finish it, or delete it",
                     record.node,
                     e.message()
                 )))
             }
+            // A replicated volume's snapshot is on every copy or on none.
             Err(e) => {
-                self.commit(Txn::default().delete(format!("{SNAPSHOTS}{name}"))).await?;
-                self.state.lock().unwrap().snapshots.remove(name);
+                self.undo_snapshot(&record).await?;
+                let retry = if matches!(e.code(), Code::Unavailable | Code::DeadlineExceeded | Code::Unknown) {
+                    "; retry"
+                } else {
+                    ""
+                };
                 Err(Status::new(
                     e.code(),
-                    format!("node {} did not take snapshot {name} of volume {volume}: {}", record.node, e.message()),
+                    format!("snapshot {name} of volume {volume} was not taken: {}{retry}", e.message()),
                 ))
             }
         }
+    }
+
+    /// Takes `record`'s snapshot of replicated volume `v` on every copy: the serving
+    /// node holds the writes, the others take theirs, the serving node takes its own
+    /// (which ends the hold). Its pause is the serving node's hold.
+    async fn take_replicated(
+        &self,
+        v: &VolumeRecord,
+        record: &SnapshotRecord,
+    ) -> Result<proto::TakeSnapshotReply, Status> {
+        let identity = Some((uuid::Uuid::new_v4(), uuid::Uuid::new_v4()));
+        self.hold_on_node(&v.node, &v.pool, &v.engine_name, REPLICATED_HOLD_MS).await?;
+        for c in &record.copies {
+            if let Err(e) = self.take_on_node(&c.node, &c.pool, &v.engine_name, &record.engine_name, identity).await {
+                let _ = self.hold_on_node(&v.node, &v.pool, &v.engine_name, 0).await;
+                return Err(Status::new(e.code(), format!("node {} did not take its copy: {}", c.node, e.message())));
+            }
+        }
+        self.take_on_node(&record.node, &record.pool, &v.engine_name, &record.engine_name, identity).await
+    }
+
+    /// Forgets a snapshot not taken everywhere: the copies it has go.
+    async fn undo_snapshot(&self, s: &SnapshotRecord) -> Result<(), Status> {
+        let tombs = s.tombstones();
+        let mut txn = Txn::default().delete(format!("{SNAPSHOTS}{}", s.name));
+        for t in &tombs {
+            txn = txn.put(format!("{TOMBSTONES}{}", t.id), to_json(t));
+        }
+        self.commit(txn).await?;
+        {
+            let mut st = self.state.lock().unwrap();
+            st.snapshots.remove(&s.name);
+            for t in tombs {
+                st.touch(&t.node);
+                st.tombstones.insert(t.id.clone(), t);
+            }
+        }
+        for (node, _) in s.places() {
+            let _ = self.apply_node(node).await;
+        }
+        Ok(())
     }
 
     /// Records a snapshot to be taken, and its volume as lying over it from now on
@@ -108,6 +181,12 @@ impl Cluster {
             created_ms: now_ms(),
             state: SnapshotState::Taking,
             pause_us: 0,
+            copies: v
+                .replicas
+                .iter()
+                .filter(|r| r.state == ReplicaState::InSync)
+                .map(|r| SnapshotCopy { node: r.node.clone(), pool: r.pool.clone() })
+                .collect(),
         };
         let key = format!("{SNAPSHOTS}{name}");
         let layered = VolumeRecord { layered: true, ..v };
@@ -122,32 +201,54 @@ impl Cluster {
         Ok(record)
     }
 
-    /// Has `node`'s agent take snapshot `snapshot` of engine volume `volume`.
+    /// The agent of `node` if it is up.
+    fn agent_of(&self, node: &str, what: &str) -> Result<AgentClient<tonic::transport::Channel>, Status> {
+        let address = {
+            let st = self.state.lock().unwrap();
+            let n = st.nodes.get(node).ok_or_else(|| Status::unavailable(format!("node {node} is not known")))?;
+            if !self.healthy(n) {
+                return Err(Status::unavailable(format!("node {node} is down: {what} once it is back")));
+            }
+            n.record.agent_address.clone()
+        };
+        Ok(AgentClient::new(self.channel(&address).map_err(Status::unavailable)?))
+    }
+
+    /// Has `node`'s agent take snapshot `snapshot` of engine volume `volume`, with
+    /// the identity given (new if none).
     async fn take_on_node(
         &self,
         node: &str,
         pool: &str,
         volume: &str,
         snapshot: &str,
+        identity: Option<(uuid::Uuid, uuid::Uuid)>,
     ) -> Result<proto::TakeSnapshotReply, Status> {
-        let address = {
-            let st = self.state.lock().unwrap();
-            let n = st.nodes.get(node).ok_or_else(|| Status::unavailable(format!("node {node} is not known")))?;
-            if !self.healthy(n) {
-                return Err(Status::unavailable(format!("node {node} is down: take the snapshot once it is back")));
-            }
-            n.record.agent_address.clone()
-        };
-        let channel = self.channel(&address).map_err(Status::unavailable)?;
+        let mut agent = self.agent_of(node, "take the snapshot")?;
+        let (uuid, nguid) = identity.map_or_else(Default::default, |(u, g)| (u.to_string(), g.simple().to_string()));
         let request = proto::TakeSnapshotRequest {
             pool: pool.to_string(),
             volume: volume.to_string(),
             snapshot: snapshot.to_string(),
+            uuid,
+            nguid,
         };
-        tokio::time::timeout(self.cfg.apply_timeout, AgentClient::new(channel).take_snapshot(request))
+        tokio::time::timeout(self.cfg.apply_timeout, agent.take_snapshot(request))
             .await
             .map_err(|_| Status::deadline_exceeded(format!("node {node}'s agent took too long")))?
             .map(|r| r.into_inner())
+    }
+
+    /// Has `node`'s engine hold replicated volume `volume`'s writes for at most
+    /// `hold_ms` (0: lets them go on).
+    async fn hold_on_node(&self, node: &str, pool: &str, volume: &str, hold_ms: u64) -> Result<(), Status> {
+        let mut agent = self.agent_of(node, "take the snapshot")?;
+        let request = proto::HoldWritesRequest { pool: pool.to_string(), volume: volume.to_string(), hold_ms };
+        tokio::time::timeout(self.cfg.apply_timeout, agent.hold_writes(request))
+            .await
+            .map_err(|_| Status::deadline_exceeded(format!("node {node}'s agent took too long")))?
+            .map(|_| ())
+            .map_err(|e| Status::new(e.code(), format!("node {node} cannot hold the volume's writes: {}", e.message())))
     }
 
     /// Deletes snapshot `name`: its pool volume goes (or, while volumes read from it,
@@ -159,18 +260,8 @@ impl Cluster {
             return Ok((false, Vec::new()));
         };
         let kept_by = readers_of(&self.state.lock().unwrap(), &s);
-        let tomb = s.tombstone();
-        let txn =
-            Txn::default().delete(format!("{SNAPSHOTS}{name}")).put(format!("{TOMBSTONES}{}", tomb.id), to_json(&tomb));
-        self.commit(txn).await?;
-        {
-            let mut st = self.state.lock().unwrap();
-            st.snapshots.remove(name);
-            st.tombstones.insert(tomb.id.clone(), tomb);
-            st.touch(&s.node);
-        }
-        // The tombstone is durable; the background loop retries if the node is away.
-        let _ = self.apply_node(&s.node).await;
+        // The tombstones are durable; the background loop retries a node away.
+        self.undo_snapshot(&s).await?;
         Ok((true, kept_by))
     }
 
@@ -282,7 +373,14 @@ impl Cluster {
             }
             let source =
                 CloneSource { snapshot: s.name.clone(), engine_name: s.engine_name.clone(), volume: String::new() };
-            (s.node, s.pool, s.size, source, None)
+            // On the copy of a node that is up, the serving replica's first.
+            let (node, pool) = {
+                let st = self.state.lock().unwrap();
+                let up = |node: &str| st.nodes.get(node).is_some_and(|n| self.healthy(n));
+                let (node, pool) = s.places().find(|(node, _)| up(node)).unwrap_or((&s.node, &s.pool));
+                (node.to_string(), pool.to_string())
+            };
+            (node, pool, s.size, source, None)
         } else {
             let v = self.ready_volume(&req.clone_of)?;
             snapshot_allowed(&v)?;
@@ -352,6 +450,16 @@ impl Cluster {
         self.finish_clone(v, origin.as_ref()).await
     }
 
+    /// Takes the hidden snapshot `snapshot` a clone of volume `o` lies over, on its
+    /// serving node alone (the clone is made there): a replicated volume's writes are
+    /// held for it as for any of its snapshots.
+    async fn take_source_of(&self, o: &VolumeRecord, snapshot: &str) -> Result<proto::TakeSnapshotReply, Status> {
+        if !o.replicas.is_empty() {
+            self.hold_on_node(&o.node, &o.pool, &o.engine_name, REPLICATED_HOLD_MS).await?;
+        }
+        self.take_on_node(&o.node, &o.pool, &o.engine_name, snapshot, None).await
+    }
+
     /// Takes a volume clone's snapshot of its source (if it clones a volume), then has
     /// the node make the clone over it. A clone that cannot be made is given up.
     async fn finish_clone(
@@ -360,7 +468,7 @@ impl Cluster {
         origin: Option<&VolumeRecord>,
     ) -> Result<proto::CreateVolumeResponse, Status> {
         if let (Some(o), Some(s)) = (origin, v.source.as_ref())
-            && let Err(e) = self.take_on_node(&v.node, &v.pool, &o.engine_name, &s.engine_name).await
+            && let Err(e) = self.take_source_of(o, &s.engine_name).await
         {
             if !matches!(e.code(), Code::Unavailable | Code::DeadlineExceeded | Code::Unknown) {
                 self.bury(v).await?;
@@ -436,6 +544,7 @@ fn snapshot_proto_locked(st: &State, s: &SnapshotRecord) -> proto::Snapshot {
         pause_us: s.pause_us,
         allocated_bytes: st.nodes.get(&s.node).and_then(|n| n.usage.get(&s.engine_name)).copied().unwrap_or(0),
         clones: clones.map(|v| v.name.clone()).collect(),
+        copy_nodes: s.copies.iter().map(|c| c.node.clone()).collect(),
     }
 }
 

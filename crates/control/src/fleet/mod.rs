@@ -330,6 +330,14 @@ impl proto::agent_server::Agent for FleetService {
         Ok(Response::new(proto::TakeSnapshotReply::default()))
     }
 
+    /// Nothing to hold on a simulated node.
+    async fn hold_writes(
+        &self,
+        _: Request<proto::HoldWritesRequest>,
+    ) -> Result<Response<proto::HoldWritesReply>, Status> {
+        Ok(Response::new(proto::HoldWritesReply {}))
+    }
+
     /// An inflation is done at once on a simulated node.
     async fn inflate_volume(&self, _: Request<proto::InflateRequest>) -> Result<Response<proto::InflateReply>, Status> {
         Ok(Response::new(proto::InflateReply { done: true, ..Default::default() }))

@@ -1135,6 +1135,9 @@ async fn snapshot(verb: SnapshotVerb, api: ControllerApi) -> Result<(), String> 
                 if !s.volume_exists {
                     out += &format!("\nvolume {} is gone; the snapshot stays", s.volume);
                 }
+                if !s.copy_nodes.is_empty() {
+                    out += &format!("\ncopies on the replicas' nodes too: {}", s.copy_nodes.join(", "));
+                }
                 if !s.clones.is_empty() {
                     out += &format!("\nvolumes made from it: {}", s.clones.join(", "));
                 }
@@ -1164,7 +1167,7 @@ fn snapshot_json(s: &proto::Snapshot) -> serde_json::Value {
         "name": s.name, "id": s.id, "volume": s.volume, "volume_id": s.volume_id,
         "volume_exists": s.volume_exists, "node": s.node, "pool": s.pool, "size_bytes": s.size_bytes,
         "created_ms": s.created_ms, "state": s.state, "pause_us": s.pause_us,
-        "allocated_bytes": s.allocated_bytes, "clones": s.clones,
+        "allocated_bytes": s.allocated_bytes, "clones": s.clones, "copy_nodes": s.copy_nodes,
     })
 }
 
@@ -1175,7 +1178,7 @@ fn snapshot_table(snapshots: &[proto::Snapshot]) -> Vec<Vec<String>> {
         rows.push(vec![
             s.name.clone(),
             if s.volume_exists { s.volume.clone() } else { format!("{} (gone)", s.volume) },
-            s.node.clone(),
+            if s.copy_nodes.is_empty() { s.node.clone() } else { format!("{}+{}", s.node, s.copy_nodes.join("+")) },
             s.pool.clone(),
             human(s.size_bytes),
             human(s.allocated_bytes),

@@ -797,7 +797,7 @@ fn run_engine_verb(verb: EngineVerb) -> Result<(), String> {
                 show(&api, ResizeVolume { pool, name, size }, |r| volume_table(std::slice::from_ref(r)))
             }
             EngineVolumeVerb::Snapshot { pool, name, snapshot } => {
-                let r = api.call(CreateSnapshot { pool, volume: name, name: snapshot })?;
+                let r = api.call(CreateSnapshot { pool, volume: name, name: snapshot, identity: None })?;
                 print_or(api.json, &r, || {
                     format!(
                         "{}\nI/O held {:.2} ms",
