@@ -55,6 +55,11 @@
 //! qos = { iops = 5000, bps = 209715200 }   # optional: I/O limits per second (also
 //!                                   # read_iops, write_iops, read_bps, write_bps)
 //!
+//! [[pool]]                         # a pool to open at start: all of its disks
+//! disks = ["/dev/disk/by-id/nvme-A", "/dev/disk/by-id/nvme-B"]
+//! create = "p0"                    # optional: claim the disks as pool p0 if none of
+//!                                  # them holds a pool yet (refused if they hold data)
+//!
 //! [[local]]                        # a block device of this node (ublk)
 //! target = "nqn.2024-01.io.nvpool:vol1/1"   # NQN/NSID, or volume:POOL/NAME
 //! ublk_id = 0                      # optional: /dev/ublkb0; taken back if an engine
@@ -192,6 +197,10 @@ pub enum RemoteQueues {
 pub struct PoolConfig {
     /// Paths of every member disk (any order).
     pub disks: Vec<PathBuf>,
+    /// A name to claim the disks as a new pool under, at the first start, when none of
+    /// them holds a pool yet (disks that hold data are refused); imported afterwards.
+    #[serde(default)]
+    pub create: Option<String>,
 }
 
 /// Where the management socket lives unless configured.

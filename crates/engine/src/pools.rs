@@ -125,6 +125,17 @@ impl Pools {
         self.add_pool(Pool::create(name, disks, &o)?)
     }
 
+    /// Opens the pool on `disks`, or where none of them holds a pool yet and `create`
+    /// names one, claims them as that pool (refusing disks that hold data, as `create`
+    /// without force does): a configuration that names a node's disks once serves from
+    /// its first start on, and never formats a pool's disks again.
+    pub fn import_or_create(&self, disks: &[PathBuf], create: Option<&str>) -> Result<PoolInfo> {
+        match create {
+            Some(name) if !Pool::any_disk_has_pool(disks)? => self.create(name, disks, None, false),
+            _ => self.import(disks),
+        }
+    }
+
     /// Opens an existing pool from its disks.
     pub fn import(&self, disks: &[PathBuf]) -> Result<PoolInfo> {
         self.check_disks_free(disks)?;

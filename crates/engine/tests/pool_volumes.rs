@@ -215,7 +215,7 @@ fn volumes_keep_data_and_identity_across_restarts() {
         (v["uuid"].clone(), v["nguid"].clone(), node.ok("pool_list", json!({}))[0].clone())
     };
     // Imported from its disks in another order, through the configuration.
-    let node = Node::start(vec![PoolConfig { disks: vec![d[1].clone(), d[0].clone()] }]);
+    let node = Node::start(vec![PoolConfig { disks: vec![d[1].clone(), d[0].clone()], create: None }]);
     let again = node.ok("pool_list", json!({}))[0].clone();
     for field in ["uuid", "capacity_bytes", "used_bytes", "free_bytes", "volumes"] {
         assert_eq!(again[field], pool_info[field], "{field}");
@@ -272,6 +272,39 @@ fn dirty_tracking_reports_written_clusters() {
     dirty("stop");
     write(&mut q, nsid, 9 * BLOCKS_PER_CLUSTER, &pattern(4, 4096)).unwrap();
     assert_eq!(dirty("report")["tracking"], json!(false));
+}
+
+#[test]
+fn a_configured_pool_is_claimed_at_the_first_start_and_imported_after() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = disks(dir.path(), 3, 32 * MIB);
+    let configured = |disks: &[PathBuf]| vec![PoolConfig { disks: disks.to_vec(), create: Some("made".into()) }];
+    let data = pattern(9, 4096);
+    let uuid = {
+        let node = Node::start(configured(&d[..2]));
+        let pool = node.ok("pool_list", json!({}))[0].clone();
+        assert_eq!(pool["name"], "made");
+        node.ok("volume_create", json!({ "pool": "made", "name": "v", "size": 8 * MIB }));
+        let nsid = node.export("made", "v");
+        let (_admin, mut q) = node.queue();
+        write(&mut q, nsid, 7, &data).unwrap();
+        q.flush(nsid).unwrap();
+        pool["uuid"].clone()
+    };
+    // The same configuration again: the pool and its data, not a new pool.
+    let node = Node::start(configured(&d[..2]));
+    assert_eq!(node.ok("pool_list", json!({}))[0]["uuid"], uuid);
+    let nsid = node.export("made", "v");
+    let (_admin, mut q) = node.queue();
+    assert_eq!(q.read(nsid, 7, 1, 4096).unwrap(), data);
+    drop(q);
+    drop(node);
+    // Disks that hold something else are not claimed: the engine does not start.
+    let f = std::fs::OpenOptions::new().write(true).open(&d[2]).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &[0x53, 0xEF], 1080).unwrap();
+    let cfg = EngineConfig { pools: configured(&d[2..]), ..EngineConfig::default() };
+    let e = Engine::start(&cfg).err().expect("a disk with a filesystem is refused");
+    assert!(e.to_string().contains("ext2/3/4"), "{e}");
 }
 
 #[test]
@@ -439,7 +472,7 @@ fn snapshots_keep_the_data_as_it_was_and_clones_write_apart() {
         assert_eq!(e.kind, ErrorKind::AlreadyExists, "{e}");
     }
     // Across a restart: the layers and what each holds.
-    let node = Node::start(vec![PoolConfig { disks: d.clone() }]);
+    let node = Node::start(vec![PoolConfig { disks: d.clone(), create: None }]);
     let (db, copy) = (node.export("p", "db"), node.export("p", "copy"));
     let (_admin, mut q) = node.queue();
     let mut big = a_big.clone();
@@ -678,7 +711,7 @@ fn a_deleted_snapshot_folds_into_the_layer_over_it() {
     q.flush(v).unwrap();
     drop((_admin, q));
     drop(node);
-    let node = Node::start(vec![PoolConfig { disks: d.clone() }]);
+    let node = Node::start(vec![PoolConfig { disks: d.clone(), create: None }]);
     let v = node.export("p", "v");
     let (_admin, mut q) = node.queue();
     assert_eq!(image(&mut q, v, 6), want_v, "the volume after a restart");
@@ -778,7 +811,7 @@ fn an_inflated_clone_stands_alone_and_its_snapshots_can_go() {
     q.flush(c).unwrap();
     drop((_admin, q));
     drop(node);
-    let node = Node::start(vec![PoolConfig { disks: d.clone() }]);
+    let node = Node::start(vec![PoolConfig { disks: d.clone(), create: None }]);
     let c = node.export("p", "c");
     let (_admin, mut q) = node.queue();
     same_blocks(&image(&mut q, c, 28), &want, "the clone after a restart");

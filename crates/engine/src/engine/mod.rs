@@ -111,7 +111,7 @@ impl Engine {
         });
         let setup = || -> Result<()> {
             for p in &cfg.pools {
-                engine.pools.import(&p.disks)?;
+                engine.pools.import_or_create(&p.disks, p.create.as_deref())?;
             }
             for s in &cfg.subsystems {
                 engine.add_subsystem(s)?;

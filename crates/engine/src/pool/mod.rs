@@ -195,6 +195,17 @@ fn io_err(what: &str) -> impl Fn(std::io::Error) -> Error + '_ {
 }
 
 impl Pool {
+    /// Whether any of `paths` carries a pool's superblock (that pool's, another's or a
+    /// damaged one's): such disks are imported, never claimed anew.
+    pub fn any_disk_has_pool(paths: &[PathBuf]) -> Result<bool> {
+        for p in paths {
+            if Superblock::has_magic(&read_head(p)?) {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
     /// Claims `paths` as a new pool named `name`.
     pub fn create(name: &str, paths: &[PathBuf], o: &CreateOptions) -> Result<Arc<Pool>> {
         format::check_name("pool", name).map_err(Error::invalid)?;

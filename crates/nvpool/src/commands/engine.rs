@@ -934,7 +934,7 @@ fn engine_config(a: &EngineArgs) -> Result<EngineConfig, String> {
                 pools: a
                     .pool
                     .iter()
-                    .map(|disks| PoolConfig { disks: disks.split(',').map(PathBuf::from).collect() })
+                    .map(|disks| PoolConfig { disks: disks.split(',').map(PathBuf::from).collect(), create: None })
                     .collect(),
                 ..EngineConfig::default()
             };
