@@ -28,6 +28,13 @@ enum Command {
     Bench(commands::bench::BenchArgs),
     /// Run the protocol-minimal NVMe/TCP responder (the machine's limit for benchmarks).
     Responder(commands::bench::ResponderArgs),
+    /// Run COMMAND (an engine) as a container's main process, through its hot upgrades:
+    /// stays while the process serving in its place runs, and passes SIGTERM to it.
+    Supervise {
+        /// The command and its arguments, after `--`.
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+    },
 }
 
 /// Runs a parsed command line.
@@ -37,6 +44,7 @@ fn run(cli: Cli) -> Result<(), String> {
         Command::Cluster(c) => commands::cluster::run(c),
         Command::Bench(a) => commands::bench::run_bench(a),
         Command::Responder(a) => commands::bench::run_responder(a),
+        Command::Supervise { command } => commands::supervise::run(&command),
     }
 }
 

@@ -5,8 +5,9 @@
 //! queue keeps its socket and its controller ID), and all data must read back. Upgrades
 //! that fail (a binary that exits at once, one that crashes in the middle of the
 //! handover) must leave the old engine serving. A thousand connections are handed over
-//! at once, an upgrade while a volume migrates is refused with the reason, and a
-//! mirrored volume is served across upgrades of both its engines.
+//! at once, an upgrade while a volume migrates is refused with the reason, a
+//! mirrored volume is served across upgrades of both its engines, and an engine under
+//! `nvpool supervise` (a container's main process) upgrades with its supervisor staying.
 #![allow(unsafe_code)]
 
 use std::net::SocketAddr;
@@ -437,6 +438,71 @@ fn an_upgrade_is_refused_while_a_volume_migrates() {
         std::thread::sleep(Duration::from_millis(100));
     }
     println!("an upgrade during a migration was refused: {}", e.trim());
+}
+
+/// Whether process `pid` exists (a zombie, ended but not reaped, counts).
+fn process_exists(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// In a container (the Helm chart's engine pod) `nvpool supervise` is the main process:
+/// it stays across hot upgrades, adopting each new engine as the old one exits (and
+/// reaping the old one), while a host's queue goes on; SIGTERM reaches the engine
+/// serving then, which stops cleanly, and the supervisor exits with it.
+#[test]
+fn a_supervised_engine_hot_upgrades_and_its_supervisor_stays() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("sock");
+    let port = free_port();
+    let mut supervisor = Process::new(BIN)
+        .args(["supervise", "--", BIN, "engine", "--listen", &format!("127.0.0.1:{port}"), "--discovery-port", "0"])
+        .args(["--subsystem", NQN, "--namespace", "memory:16MiB", "--block-size", "4096", "--mgmt-socket"])
+        .arg(&socket)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.path().join("supervise.log")).unwrap())
+        .spawn()
+        .unwrap();
+    let serving = StopOnDrop(socket.clone());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while cli(&socket, &["info"]).is_err() {
+        assert!(Instant::now() < deadline, "the supervised engine did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let h = host(addr, "supervised", Digests::default());
+    let mut q = Queue::connect(addr, &h.io).expect("I/O queue");
+    let mut pids = vec![engine_pid(&socket)];
+    for round in 0..3u64 {
+        let data = pattern(round, BLOCK as usize);
+        q.write(1, round, &data, BLOCK, 8192).expect("a write before the upgrade");
+        cli(&socket, &["upgrade"]).expect("hot upgrade");
+        let old = *pids.last().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while process_exists(old) {
+            assert!(Instant::now() < deadline, "engine {old} was not reaped after its upgrade");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(supervisor.try_wait().unwrap().is_none(), "the supervisor exited with upgrade {round}");
+        let new = engine_pid(&socket);
+        assert_ne!(new, old);
+        pids.push(new);
+        assert_eq!(q.read(1, round, 1, BLOCK).expect("a read after the upgrade"), data);
+    }
+    drop(q);
+    Process::new("kill").arg(supervisor.id().to_string()).status().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = supervisor.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the supervisor did not stop within 30 s of SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "the supervisor exited with {status}");
+    let last = *pids.last().unwrap();
+    assert!(!process_exists(last), "engine {last} outlived its supervisor");
+    println!("supervised engines {pids:?}: each upgrade adopted and reaped, SIGTERM stopped the last cleanly");
+    drop(serving);
 }
 
 /// The service manager's side, as systemd sees it: the engine says it is ready and

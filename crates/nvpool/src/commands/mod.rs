@@ -3,4 +3,5 @@
 pub mod bench;
 pub mod cluster;
 pub mod engine;
+pub mod supervise;
 pub mod top;
