@@ -24,7 +24,7 @@ pub fn catch_stop_signals() {
 
 /// Blocks until SIGINT or SIGTERM arrives (once `catch_stop_signals` was called).
 pub fn wait_for_stop() {
-    while !STOP.load(Ordering::SeqCst) {
+    while !stop_asked() {
         std::thread::sleep(Duration::from_millis(100));
     }
 }

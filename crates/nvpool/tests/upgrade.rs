@@ -48,6 +48,15 @@ fn engine_pid(socket: &Path) -> u32 {
     info["pid"].as_u64().unwrap() as u32
 }
 
+/// Waits (up to 10 s) until the engine behind `socket` answers; `what` names it in the failure.
+fn wait_for_engine(socket: &Path, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while cli(socket, &["info"]).is_err() {
+        assert!(Instant::now() < deadline, "{what} did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// An engine serving `namespaces` of NQN (RAM when none), its management socket in `dir`.
 fn start_engine(dir: &Path, port: u16, namespaces: &[String]) -> Child {
     let mut engine = Process::new(BIN);
@@ -67,11 +76,7 @@ fn start_engine(dir: &Path, port: u16, namespaces: &[String]) -> Child {
         .stderr(std::fs::File::create(dir.join("engine.log")).unwrap())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while cli(&dir.join("sock"), &["info"]).is_err() {
-        assert!(Instant::now() < deadline, "the engine did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_engine(&dir.join("sock"), "the engine");
     engine
 }
 
@@ -463,11 +468,7 @@ fn a_supervised_engine_hot_upgrades_and_its_supervisor_stays() {
         .spawn()
         .unwrap();
     let serving = StopOnDrop(socket.clone());
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while cli(&socket, &["info"]).is_err() {
-        assert!(Instant::now() < deadline, "the supervised engine did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_engine(&socket, "the supervised engine");
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let h = host(addr, "supervised", Digests::default());
     let mut q = Queue::connect(addr, &h.io).expect("I/O queue");
@@ -682,11 +683,7 @@ fn metrics_limits_and_reservations_are_served_across_upgrades() {
         .spawn()
         .unwrap();
     let serving = StopOnDrop(socket.clone());
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while cli(&socket, &["info"]).is_err() {
-        assert!(Instant::now() < deadline, "the engine did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_engine(&socket, "the engine");
     let mut pids = vec![first.id()];
     assert!(scrape(metrics).contains("nvpool_namespace_reads_completed_total{"), "before the upgrade");
     // I/O limits go across too.

@@ -45,7 +45,10 @@ pub fn run(command: &[String]) -> Result<(), String> {
             process::terminate(serving);
             stop_sent_to = Some(serving);
         }
-        while let Some((pid, ended)) = reaped()? {
+        // No children at all cannot be: the serving process would have been seen ending.
+        while let Some((pid, ended)) =
+            process::reap_child().map_err(|e| format!("no process left to supervise: {e}"))?
+        {
             // The new process says MAINPID before the old one exits; read what came in
             // before deciding that the serving process is gone.
             receive_main_pid(&notify, &mut serving);
@@ -70,12 +73,6 @@ fn receive_main_pid(notify: &UnixDatagram, serving: &mut u32) {
             }
         }
     }
-}
-
-/// A child that ended, if one has; no children at all is an error (the serving process
-/// was reaped without being seen, which cannot be).
-fn reaped() -> Result<Option<(u32, Ended)>, String> {
-    process::reap_child().map_err(|e| format!("no process left to supervise: {e}"))
 }
 
 fn exit_like(ended: Ended) -> Result<(), String> {
