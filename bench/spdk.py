@@ -36,9 +36,10 @@ def spdk_env():
 
 
 class Target:
-    """One target process on CPU 0: `spdk`, `nvpool` or `responder`."""
+    """One target process on CPU 0: `spdk`, `nvpool` or `responder`; nvpool's engine
+    serves `namespace` (the 512 MiB RAM namespace unless told otherwise)."""
 
-    def __init__(self, kind, workdir):
+    def __init__(self, kind, workdir, namespace="memory:512MiB"):
         self.kind, self.port = kind, free_port()
         if kind == "spdk":
             config = {"subsystems": [
@@ -64,7 +65,7 @@ class Target:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         else:
             cmd = [BIN, "engine", "--listen", f"127.0.0.1:{self.port}", "--subsystem", NQN,
-                   "--namespace", "memory:512MiB", "--block-size", "4096", "--cores", "0", "--discovery-port", "0",
+                   "--namespace", namespace, "--block-size", "4096", "--cores", "0", "--discovery-port", "0",
                    "--mgmt-socket", os.path.join(workdir, f"engine-{self.port}.sock")]
             self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_port(self.port, timeout=30)
@@ -101,13 +102,15 @@ def spdk_perf(port, workload, bs, qd, args):
     return {"iops": float(fields[0]), "mean_us": float(fields[2]), "loaded_s": args.duration}
 
 
-def nvpool_bench(port, workload, bs, qd, args, sq_flow_control=False):
+def nvpool_bench(port, workload, bs, qd, args, sq_flow_control=False, span=None):
     """`nvpool bench`; by default it disables SQ flow control, so both targets answer a
     read with one PDU. With it on (as the Linux host and spdk_nvme_perf keep it), nvpool
-    sends the data and a response capsule, two PDUs, where SPDK still sends one."""
+    sends the data and a response capsule, two PDUs, where SPDK still sends one. With
+    `span` (e.g. "2MiB"), the I/O keeps to the namespace's first bytes."""
     cmd = [BIN, "bench", "--target", f"127.0.0.1:{port}", "--nqn", NQN, "--workload", workload, "--bs", str(bs),
            "--qd", str(qd), "--duration", str(args.duration), "--warmup", "1", "--core", "1", "--json"]
     cmd += ["--sq-flow-control"] if sq_flow_control else []
+    cmd += ["--span", span] if span else []
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if out.returncode != 0:
         raise SystemExit(f"nvpool bench failed: {' '.join(cmd)}\n{out.stderr}")

@@ -210,8 +210,24 @@ def own_network():
     if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
         print("note: not root (or no unshare/ip): the suite uses the host's TCP congestion control", file=sys.stderr)
         return
+    allow_congestion_control(TCP_CONGESTION)
     os.environ["NVPOOL_BENCH_NETNS"] = "1"
     os.execvp("unshare", ["unshare", "--net", "--", sys.executable, *sys.argv])
+
+
+def allow_congestion_control(name):
+    """A namespace may only pick a congestion control the host allows; where the host
+    has `name` but does not allow it (a fresh machine here allowed reno and bbr only),
+    it is added to the allowed list. The host's own default stays as it is."""
+    base = "/proc/sys/net/ipv4/tcp_"
+    try:
+        allowed = open(base + "allowed_congestion_control").read().split()
+        available = open(base + "available_congestion_control").read().split()
+        if name in available and name not in allowed:
+            with open(base + "allowed_congestion_control", "w") as f:
+                f.write(" ".join(allowed + [name]))
+    except OSError as e:
+        print(f"note: cannot allow {name} ({e})", file=sys.stderr)
 
 
 def tcp_congestion_control():
