@@ -263,9 +263,11 @@ impl BufPool {
         buf
     }
 
-    /// Takes every free buffer out of the pool.
+    /// Takes every free buffer out of the pool, and lets go of the chunk being carved:
+    /// once the buffers are gone, so is the chunks' memory.
     pub fn take_all(&mut self) -> Vec<Buf> {
         self.unregistered_bytes = 0;
+        self.carving = None;
         self.classes.iter_mut().flat_map(std::mem::take).collect()
     }
 
@@ -330,6 +332,13 @@ mod tests {
         let next_chunk = rest.last().expect("fifteen buffers").as_slice().as_ptr() as usize;
         assert_eq!(next_chunk % CHUNK_SIZE, 0, "the sixteenth 128 KiB buffer fills the chunk, the next starts one");
         assert!(pool.get(32 * 1024).chunk.is_none(), "small buffers are mappings of their own");
+        let first_chunk = Arc::downgrade(rest[0].chunk.as_ref().expect("carved"));
+        let second_chunk = Arc::downgrade(rest[14].chunk.as_ref().expect("carved"));
+        drop((second, rest));
+        assert!(first_chunk.upgrade().is_none(), "a chunk goes with its last buffer");
+        assert!(second_chunk.upgrade().is_some(), "the pool still carves from the second chunk");
+        pool.take_all();
+        assert!(second_chunk.upgrade().is_none(), "an emptied pool holds no chunk");
     }
 
     #[test]
