@@ -35,6 +35,27 @@ const CARVED_FROM: usize = 64 * 1024;
 /// Free unregistered buffers a pool keeps for reuse, in bytes; the rest are unmapped.
 const KEEP_UNREGISTERED_BYTES: usize = 8 << 20;
 
+/// A fresh private anonymous mapping of `len` bytes: zeroed and page aligned. Out of
+/// memory ends the process, as the global allocator does.
+fn map_anonymous(len: usize) -> NonNull<u8> {
+    // SAFETY: a new mapping with no fixed address touches no existing memory; the
+    // result is checked before use.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        std::alloc::handle_alloc_error(std::alloc::Layout::from_size_align(len, PAGE_SIZE).expect("a page layout"));
+    }
+    NonNull::new(ptr.cast::<u8>()).expect("mmap returns no null mapping")
+}
+
 /// 2 MiB of anonymous memory at a 2 MiB boundary, with the kernel asked to back it
 /// with one huge page (a hint: without transparent huge pages it has ordinary pages).
 struct Chunk {
@@ -51,28 +72,14 @@ impl Chunk {
     fn new() -> Chunk {
         // Twice the size is mapped, so that an aligned chunk lies inside; the rest is
         // unmapped at once.
-        let len = 2 * CHUNK_SIZE;
-        // SAFETY: a fresh private anonymous mapping with no fixed address; checked below.
-        let raw = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if raw == libc::MAP_FAILED {
-            std::alloc::handle_alloc_error(std::alloc::Layout::from_size_align(len, PAGE_SIZE).expect("a page layout"));
-        }
+        let raw = map_anonymous(2 * CHUNK_SIZE).as_ptr();
         let head = (raw as usize).next_multiple_of(CHUNK_SIZE) - raw as usize;
-        let start = raw.cast::<u8>().wrapping_add(head);
+        let start = raw.wrapping_add(head);
         // SAFETY: both ranges lie inside the mapping just made and outside the chunk;
         // the advice only names the chunk's own range.
         unsafe {
             if head > 0 {
-                libc::munmap(raw, head);
+                libc::munmap(raw.cast(), head);
             }
             libc::munmap(start.wrapping_add(CHUNK_SIZE).cast(), CHUNK_SIZE - head);
             libc::madvise(start.cast(), CHUNK_SIZE, libc::MADV_HUGEPAGE);
@@ -110,24 +117,7 @@ unsafe impl Send for Buf {}
 impl Buf {
     /// A zeroed buffer of `pages` pages.
     pub fn new(pages: usize) -> Buf {
-        let len = pages.max(1) * PAGE_SIZE;
-        // SAFETY: a fresh private anonymous mapping with no fixed address; the result
-        // is checked before use. Anonymous memory is zeroed and page aligned.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            // As the global allocator does when memory runs out.
-            std::alloc::handle_alloc_error(std::alloc::Layout::from_size_align(len, PAGE_SIZE).expect("a page layout"));
-        }
-        let ptr = NonNull::new(ptr.cast::<u8>()).expect("mmap returns no null mapping");
+        let ptr = map_anonymous(pages.max(1) * PAGE_SIZE);
         Buf { ptr, pages: pages.max(1), chunk: None, registered: None, rdma: None }
     }
 
