@@ -8,17 +8,34 @@ the whole run; `nvpool bench` (from NEW_BINARY, on --bench-core) drives them in 
 A then B, then B then A, so drift on a shared machine falls on both. It prints, per
 workload, the median IOPS of each and the median of the per-round ratios B/A with
 their middle half and range (the spread a difference must beat), plus the mean
-latencies. Run as root, it moves into a network namespace of
-its own with cubic, as the suite does (`suite.own_network`). Standard library only; timings are reported,
-never asserted.
+latencies. Run as root, it moves into a network namespace of its own with cubic, as
+the suite does (`suite.own_network`), and reserves huge pages for both engines' RAM
+namespaces (`huge_pages_for`). Standard library only; timings are reported, never
+asserted.
 """
-import argparse, json, os, shutil, statistics, subprocess, tempfile
+import argparse, contextlib, json, os, re, shutil, statistics, subprocess, tempfile
 
-from suite import free_port, own_network, wait_port
+from suite import free_port, hugepages, own_network, wait_port
 
 WORKLOADS = [("randread", 4096, 1), ("randread", 4096, 32), ("randread", 4096, 128),
              ("randwrite", 4096, 32), ("read", 131072, 32)]
 NQN = "nqn.2024-01.io.nvpool:ab"
+HUGE_PAGE = 2 << 20
+# The engine's size units (its `parse_size`), as powers of two.
+UNITS = {**dict.fromkeys(("", "B"), 0), **dict.fromkeys(("k", "K", "KiB", "KB"), 10),
+         **dict.fromkeys(("M", "MiB", "MB"), 20), **dict.fromkeys(("G", "GiB", "GB"), 30),
+         **dict.fromkeys(("T", "TiB", "TB"), 40)}
+
+
+def huge_pages_for(backend):
+    """The huge pages both engines' `memory:SIZE` namespaces take. They are reserved
+    for the backend's run: an engine's RAM namespace is on huge pages only when enough
+    are free, so without them A could get huge pages and B ordinary ones, and B's random
+    I/O would pay a TLB miss per command that A does not."""
+    m = re.fullmatch(r"memory:(\d+)([A-Za-z]*)", backend)
+    if not m or m.group(2) not in UNITS:
+        return 0
+    return 2 * -(-(int(m.group(1)) << UNITS[m.group(2)]) // HUGE_PAGE)
 
 
 def main():
@@ -42,62 +59,69 @@ def main():
     procs = []
     try:
         for backend in backends:
-            ports = {}
-            # A volume is namespace 2, beside a null namespace 1 the quick form needs.
-            nsid = 2 if backend == "volume" else 1
-            for name, binary in (("A", args.old), ("B", args.new)):
-                port = free_port()
-                sock = f"{tmp}/{name}-{port}.sock"
-                procs.append(subprocess.Popen(
-                    [binary, "engine", "--listen", f"127.0.0.1:{port}", "--subsystem", NQN, "--namespace",
-                     "null:1GiB" if backend == "volume" else backend, "--cores", str(args.target_core),
-                     "--discovery-port", "0", "--mgmt-socket", sock], stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL))
-                wait_port(port)
-                if backend == "volume":
-                    disk = f"{tmp}/{name}-pool.img"
-                    with open(disk, "wb") as f:
-                        f.truncate(1100 << 20)
-                    for cmd in (["pool", "create", "p", disk], ["volume", "create", "p", "v", "1GiB"],
-                                ["namespace", "add", NQN, "volume:p/v", "--nsid", "2"]):
-                        subprocess.run([binary, "engine", *cmd, "--socket", sock], check=True, capture_output=True)
-                ports[name] = port
-            print(f"\n{backend}: A = {args.old}, B = {args.new}; {args.rounds} rounds of {args.duration} s")
-            print(f"| workload | A IOPS | B IOPS | B/A | B/A middle half | B/A range | A mean us | B mean us |")
-            print(f"|---|---:|---:|---:|---:|---:|---:|---:|")
-            for (w, bs, qd) in workloads:
-                res = {"A": [], "B": []}
-                ratios = []
-                for r in range(args.rounds):
-                    order = ("A", "B") if r % 2 == 0 else ("B", "A")
-                    got = {}
-                    for name in order:
-                        out = subprocess.run(
-                            [args.new, "bench", "--target", f"127.0.0.1:{ports[name]}", "--nqn", NQN,
-                             "--nsid", str(nsid), "--workload", w, "--bs", str(bs), "--qd", str(qd), "--duration", str(args.duration),
-                             "--warmup", "0.5", "--core", str(args.bench_core), "--json"],
-                            capture_output=True, text=True)
-                        if out.returncode != 0:
-                            raise SystemExit(f"{name} ({args.old if name == 'A' else args.new}) on {backend}, "
-                                             f"{w} {bs} QD{qd}: {out.stderr.strip()}")
-                        got[name] = json.loads(out.stdout)
-                        res[name].append(got[name])
-                    ratios.append(got["B"]["iops"] / got["A"]["iops"])
-                med = lambda name, key: statistics.median(x[key] if key == "iops" else x["latency"]["mean_us"] for x in res[name])
-                # The spread of the per-round ratios says how far apart the two must be
-                # before a difference means anything.
-                q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
-                print(f"| {w} {bs // 1024}K QD{qd} | {med('A', 'iops'):,.0f} | {med('B', 'iops'):,.0f} | "
-                      f"{statistics.median(ratios):.1%} | {q1:.0%}-{q3:.0%} | {min(ratios):.0%}-{max(ratios):.0%} | "
-                      f"{med('A', 'lat'):.1f} | {med('B', 'lat'):.1f} |", flush=True)
-            for p in procs:
-                p.terminate()
-                p.wait()
-            procs.clear()
+            pages = huge_pages_for(backend)
+            with hugepages(pages) if pages else contextlib.nullcontext():
+                run_backend(backend, args, workloads, tmp, procs)
     finally:
         for p in procs:
             p.kill()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_backend(backend, args, workloads, tmp, procs):
+    """Both binaries' engines on `backend`, driven in turns through every workload."""
+    ports = {}
+    # A volume is namespace 2, beside a null namespace 1 the quick form needs.
+    nsid = 2 if backend == "volume" else 1
+    for name, binary in (("A", args.old), ("B", args.new)):
+        port = free_port()
+        sock = f"{tmp}/{name}-{port}.sock"
+        procs.append(subprocess.Popen(
+            [binary, "engine", "--listen", f"127.0.0.1:{port}", "--subsystem", NQN, "--namespace",
+             "null:1GiB" if backend == "volume" else backend, "--cores", str(args.target_core),
+             "--discovery-port", "0", "--mgmt-socket", sock], stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL))
+        wait_port(port)
+        if backend == "volume":
+            disk = f"{tmp}/{name}-pool.img"
+            with open(disk, "wb") as f:
+                f.truncate(1100 << 20)
+            for cmd in (["pool", "create", "p", disk], ["volume", "create", "p", "v", "1GiB"],
+                        ["namespace", "add", NQN, "volume:p/v", "--nsid", "2"]):
+                subprocess.run([binary, "engine", *cmd, "--socket", sock], check=True, capture_output=True)
+        ports[name] = port
+    print(f"\n{backend}: A = {args.old}, B = {args.new}; {args.rounds} rounds of {args.duration} s")
+    print(f"| workload | A IOPS | B IOPS | B/A | B/A middle half | B/A range | A mean us | B mean us |")
+    print(f"|---|---:|---:|---:|---:|---:|---:|---:|")
+    for (w, bs, qd) in workloads:
+        res = {"A": [], "B": []}
+        ratios = []
+        for r in range(args.rounds):
+            order = ("A", "B") if r % 2 == 0 else ("B", "A")
+            got = {}
+            for name in order:
+                out = subprocess.run(
+                    [args.new, "bench", "--target", f"127.0.0.1:{ports[name]}", "--nqn", NQN,
+                     "--nsid", str(nsid), "--workload", w, "--bs", str(bs), "--qd", str(qd), "--duration", str(args.duration),
+                     "--warmup", "0.5", "--core", str(args.bench_core), "--json"],
+                    capture_output=True, text=True)
+                if out.returncode != 0:
+                    raise SystemExit(f"{name} ({args.old if name == 'A' else args.new}) on {backend}, "
+                                     f"{w} {bs} QD{qd}: {out.stderr.strip()}")
+                got[name] = json.loads(out.stdout)
+                res[name].append(got[name])
+            ratios.append(got["B"]["iops"] / got["A"]["iops"])
+        med = lambda name, key: statistics.median(x[key] if key == "iops" else x["latency"]["mean_us"] for x in res[name])
+        # The spread of the per-round ratios says how far apart the two must be
+        # before a difference means anything.
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+        print(f"| {w} {bs // 1024}K QD{qd} | {med('A', 'iops'):,.0f} | {med('B', 'iops'):,.0f} | "
+              f"{statistics.median(ratios):.1%} | {q1:.0%}-{q3:.0%} | {min(ratios):.0%}-{max(ratios):.0%} | "
+              f"{med('A', 'lat'):.1f} | {med('B', 'lat'):.1f} |", flush=True)
+    for p in procs:
+        p.terminate()
+        p.wait()
+    procs.clear()
 
 
 if __name__ == "__main__":
