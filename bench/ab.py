@@ -10,32 +10,21 @@ workload, the median IOPS of each and the median of the per-round ratios B/A wit
 their middle half and range (the spread a difference must beat), plus the mean
 latencies. Run as root, it moves into a network namespace of its own with cubic, as
 the suite does (`suite.own_network`), and reserves huge pages for both engines' RAM
-namespaces (`huge_pages_for`). Standard library only; timings are reported, never
+namespaces (`HUGE_PAGES`). Standard library only; timings are reported, never
 asserted.
 """
-import argparse, contextlib, json, os, re, shutil, statistics, subprocess, tempfile
+import argparse, json, os, shutil, statistics, subprocess, tempfile
 
 from suite import free_port, hugepages, own_network, wait_port
 
 WORKLOADS = [("randread", 4096, 1), ("randread", 4096, 32), ("randread", 4096, 128),
              ("randwrite", 4096, 32), ("read", 131072, 32)]
 NQN = "nqn.2024-01.io.nvpool:ab"
-HUGE_PAGE = 2 << 20
-# The engine's size units (its `parse_size`), as powers of two.
-UNITS = {**dict.fromkeys(("", "B"), 0), **dict.fromkeys(("k", "K", "KiB", "KB"), 10),
-         **dict.fromkeys(("M", "MiB", "MB"), 20), **dict.fromkeys(("G", "GiB", "GB"), 30),
-         **dict.fromkeys(("T", "TiB", "TB"), 40)}
-
-
-def huge_pages_for(backend):
-    """The huge pages both engines' `memory:SIZE` namespaces take. They are reserved
-    for the backend's run: an engine's RAM namespace is on huge pages only when enough
-    are free, so without them A could get huge pages and B ordinary ones, and B's random
-    I/O would pay a TLB miss per command that A does not."""
-    m = re.fullmatch(r"memory:(\d+)([A-Za-z]*)", backend)
-    if not m or m.group(2) not in UNITS:
-        return 0
-    return 2 * -(-(int(m.group(1)) << UNITS[m.group(2)]) // HUGE_PAGE)
+# Huge pages reserved for the run (2 MiB each, 4 GiB): both engines' RAM namespaces, up
+# to 2 GiB each. An engine's namespace is on huge pages only when enough are free, so
+# without them A could take the host's few and B fall to ordinary pages, whose random
+# I/O pays a TLB miss per command that A's does not.
+HUGE_PAGES = 2048
 
 
 def main():
@@ -58,9 +47,8 @@ def main():
     backends = args.backend or ["null:1GiB", f"file:{tmp}/disk.img:1GiB"]
     procs = []
     try:
-        for backend in backends:
-            pages = huge_pages_for(backend)
-            with hugepages(pages) if pages else contextlib.nullcontext():
+        with hugepages(HUGE_PAGES):
+            for backend in backends:
                 run_backend(backend, args, workloads, tmp, procs)
     finally:
         for p in procs:
