@@ -58,6 +58,9 @@ pub struct BlockIo {
     transfer_left: u64,
     /// The reactor pass clock when the command started (see `Ring::pass_ns`).
     pub started_ns: u64,
+    /// Whether an operation of the command went to a device (`DiskFd::on_device`):
+    /// its read data then comes from storage that idles until the next command starts.
+    pub from_device: bool,
 }
 
 impl BlockIo {
@@ -77,6 +80,7 @@ impl BlockIo {
             throttled: false,
             transfer_left: 0,
             started_ns: 0,
+            from_device: false,
         }
     }
 
@@ -93,6 +97,7 @@ impl BlockIo {
         self.transfer_left = 0;
         self.kernel_buf = None;
         self.throttled = false;
+        self.from_device = false;
     }
 
     /// Whether nothing is in flight for this command.
@@ -277,6 +282,7 @@ impl<'a> DiskQueue<'a> {
         io.pending += 1;
         self.queued += 1;
         self.on_device |= disk.on_device();
+        io.from_device |= disk.on_device();
     }
 
     /// The address of `len` bytes at `at` in `io`'s buffer, checked against its size.

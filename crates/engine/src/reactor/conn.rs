@@ -579,7 +579,7 @@ impl Conn {
             }
         }
         if let Some(d) = answer.data {
-            self.send_data(r, cid, Payload::Owned(d), false);
+            self.send_data(r, cid, Payload::Owned(d), false, false);
         }
         self.respond(r, idx, cid, answer.status, 0);
     }
@@ -596,7 +596,7 @@ impl Conn {
                 // The handler checked the host's buffer: the data fills it exactly and
                 // is within MDTS.
                 if let Some(d) = data.filter(|d| !d.is_empty()) {
-                    self.send_data(r, cmd.cid, Payload::Owned(d), false);
+                    self.send_data(r, cmd.cid, Payload::Owned(d), false, false);
                 }
                 self.respond(r, idx, cmd.cid, status, result);
             }
@@ -708,7 +708,7 @@ impl Conn {
         match outcome {
             Ok(Executed::Done(report)) => {
                 if let Some(d) = report.filter(|d| !d.is_empty()) {
-                    self.send_data(r, cmd.cid, Payload::Owned(d), false);
+                    self.send_data(r, cmd.cid, Payload::Owned(d), false, false);
                 }
                 match durable {
                     Some(durable) => {
@@ -865,7 +865,7 @@ impl Conn {
     /// Completes slot `tag`: counts it, sends the data or the response, frees the slot.
     pub(super) fn finish(&mut self, r: &mut Reactor, idx: u32, tag: u16) {
         let slot = &mut self.slots[usize::from(tag)];
-        let (cid, status, plan) = (slot.cid, slot.io.status, slot.io.plan);
+        let (cid, status, plan, from_device) = (slot.cid, slot.io.status, slot.io.plan, slot.io.from_device);
         let buf = slot.io.take_buf();
         // The slot keeps its namespace for the next command (see `on_io`); a read
         // sent straight from the backend's memory holds its own reference until the
@@ -891,7 +891,7 @@ impl Conn {
                     _ => Payload::Zeroes(len),
                 };
                 let success = self.queue.as_ref().is_some_and(|q| q.flow_control_disabled);
-                if !self.send_data(r, cid, payload, success) {
+                if !self.send_data(r, cid, payload, success, from_device) {
                     self.respond(r, idx, cid, Status::SUCCESS, 0);
                 }
             }
@@ -916,12 +916,13 @@ impl Conn {
         r.mark_dirty(idx);
     }
     /// Queues command `cid`'s data for the host: a C2HData PDU (whose SUCCESS flag,
-    /// with `success`, stands for the response), or an RDMA WRITE. Returns whether the
-    /// response went with the data.
+    /// with `success`, stands for the response), or an RDMA WRITE. `from_device`: a
+    /// device read the data (see `BlockIo::from_device`). Returns whether the response
+    /// went with the data.
     #[inline(always)]
-    fn send_data(&mut self, r: &mut Reactor, cid: u16, payload: Payload, success: bool) -> bool {
+    fn send_data(&mut self, r: &mut Reactor, cid: u16, payload: Payload, success: bool, from_device: bool) -> bool {
         match &mut self.wire {
-            Wire::Tcp(s) => s.send_data(cid, payload, success, &r.ring.zeroes),
+            Wire::Tcp(s) => s.send_data(cid, payload, success, from_device, &r.ring.zeroes),
             Wire::Rdma(w) => {
                 if !w.send_payload(&mut r.ring, cid, payload) {
                     // No key to write with, or memory the device cannot register: the
