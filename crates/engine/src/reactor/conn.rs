@@ -579,7 +579,7 @@ impl Conn {
             }
         }
         if let Some(d) = answer.data {
-            self.send_data(r, cid, Payload::Owned(d), false, false);
+            self.send_owned(r, cid, d);
         }
         self.respond(r, idx, cid, answer.status, 0);
     }
@@ -596,7 +596,7 @@ impl Conn {
                 // The handler checked the host's buffer: the data fills it exactly and
                 // is within MDTS.
                 if let Some(d) = data.filter(|d| !d.is_empty()) {
-                    self.send_data(r, cmd.cid, Payload::Owned(d), false, false);
+                    self.send_owned(r, cmd.cid, d);
                 }
                 self.respond(r, idx, cmd.cid, status, result);
             }
@@ -708,7 +708,7 @@ impl Conn {
         match outcome {
             Ok(Executed::Done(report)) => {
                 if let Some(d) = report.filter(|d| !d.is_empty()) {
-                    self.send_data(r, cmd.cid, Payload::Owned(d), false, false);
+                    self.send_owned(r, cmd.cid, d);
                 }
                 match durable {
                     Some(durable) => {
@@ -915,6 +915,12 @@ impl Conn {
         }
         r.mark_dirty(idx);
     }
+    /// Queues data the engine made itself for command `cid` (an admin, fabrics or
+    /// reservation answer), ahead of its response.
+    fn send_owned(&mut self, r: &mut Reactor, cid: u16, data: Vec<u8>) {
+        self.send_data(r, cid, Payload::Owned(data), false, false);
+    }
+
     /// Queues command `cid`'s data for the host: a C2HData PDU (whose SUCCESS flag,
     /// with `success`, stands for the response), or an RDMA WRITE. `from_device`: a
     /// device read the data (see `BlockIo::from_device`). Returns whether the response
